@@ -1,0 +1,25 @@
+# `make demo` runs the main job, `make test` the tests; each builds .venv from requirements.txt first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test bench-batching clean
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+demo: $(VENV)/.installed
+	$(PY) -m rollfleet.demo
+
+bench-batching: $(VENV)/.installed
+	$(PY) scripts/bench_batching.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,333 @@
+"""Pydantic models for a whole run, read from YAML plus dotted overrides.
+
+    cfg = load_config("run.yaml", ["rollout.tp_size=2", "rollout.sampling.top_p=0.9"])
+
+Every model forbids unknown keys, so a typo is an error, not a silently ignored setting.
+A bad value raises `ConfigError`; its message has one line per problem, of the form
+`rollout.tp_size=0: must be >= 1 (fix: set rollout.tp_size to a value >= 1)`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A run config a user must fix; `problems` holds one line per failing field."""
+
+    def __init__(self, problems: str | list[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            super().__init__(f"invalid config: {self.problems[0]}")
+        else:
+            super().__init__("invalid config:\n" + "\n".join(f"  {line}" for line in self.problems))
+
+
+class FieldProblem(ValueError):
+    """Raised inside a validator; says which field is wrong, why, and what to do.
+
+    `field` is dotted and relative to the model that raises (None inside a field
+    validator, where pydantic already knows the field and its value).
+    """
+
+    def __init__(self, problem: str, fix: str, field: str | None = None, value: Any = None):
+        self.problem, self.fix, self.field, self.value = problem, fix, field, value
+        head = f"{field}={_show(value)}: " if field else ""
+        super().__init__(f"{head}{problem} (fix: {fix})")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingDefaults(_Section):
+    """Sampling parameters used when a generate call does not set its own."""
+
+    max_new_tokens: int = Field(128, ge=0, description="Most tokens generated per sample.")
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 keeps every token.")
+    top_k: int = Field(-1, description="Sample among the k most likely tokens; -1 keeps every token.")
+    n: int = Field(1, ge=1, description="Samples per prompt (the GRPO group size).")
+    stop: list[str] = Field(default_factory=list, description="Strings that end a sample.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end a sample.")
+    ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_is_off_or_positive(cls, top_k: int) -> int:
+        if top_k == -1 or top_k >= 1:
+            return top_k
+        raise FieldProblem("must be -1 (off) or >= 1", "use -1 to keep every token, or a positive count")
+
+
+class RolloutConfig(_Section):
+    """The engine fleet: how many engines, how each spans GPUs, where they sit."""
+
+    backend: Literal["embedded", "sglang"] = Field(
+        "embedded", description="Engine server: rollfleet's embedded engine (CPU, small GPU jobs) or SGLang."
+    )
+    model_path: str = Field(min_length=1, description="HF model directory (or hub id) the engines load.")
+    num_engines: int = Field(1, ge=1, description="Number of engine replicas (data parallel size).")
+    tp_size: int = Field(1, ge=1, description="Tensor parallel size of one engine.")
+    pp_size: int = Field(1, ge=1, description="Pipeline parallel size of one engine (SGLang only).")
+    ep_size: int = Field(1, ge=1, description="Expert parallel size inside one engine's TP group; divides tp_size.")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "disaggregated", description="colocated: trainer and engines share GPUs; disaggregated: separate GPUs."
+    )
+    gpus_per_worker: float = Field(
+        1.0, gt=0.0, le=1.0, description="GPU fraction one rollout worker reserves in Ray (below 1 when colocated)."
+    )
+    use_gpu: bool = Field(False, description="Run engines on GPUs; False runs them on CPU.")
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults, description="Default sampling parameters.")
+    server_extras: list[str] = Field(
+        default_factory=list, description="Extra command-line arguments appended to the engine server's argv."
+    )
+    api_key: str | None = Field(None, repr=False, description="API key the engine servers require; None: no auth.")
+    startup_timeout_s: float = Field(300.0, gt=0.0, description="Seconds to wait for an engine server to be ready.")
+    log_dir: str = Field("logs/engines", description="Directory for engine server logs.")
+
+    @property
+    def gpus_per_engine(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def world_size(self) -> int:
+        """All rollout ranks (one per GPU): num_engines * tp_size * pp_size."""
+        return self.num_engines * self.gpus_per_engine
+
+    @model_validator(mode="after")
+    def _check_parallel_sizes(self) -> RolloutConfig:
+        if self.tp_size % self.ep_size:
+            raise FieldProblem(
+                f"must divide tp_size={self.tp_size} (expert groups split the engine's TP group)",
+                f"set rollout.ep_size to one of {_divisors(self.tp_size)}",
+                field="ep_size",
+                value=self.ep_size,
+            )
+        if self.pp_size > 1 and self.backend == "embedded":
+            raise FieldProblem(
+                "the embedded engine has no pipeline parallel; use backend=sglang",
+                "set rollout.backend=sglang, or rollout.pp_size=1",
+                field="pp_size",
+                value=self.pp_size,
+            )
+        if not self.use_gpu and "gpus_per_worker" in self.model_fields_set:
+            warnings.warn("rollout.gpus_per_worker is ignored because rollout.use_gpu is false", stacklevel=2)
+        return self
+
+
+class TrainerConfig(_Section):
+    """The trainer side, as far as layout validation needs it."""
+
+    world_size: int = Field(1, ge=1, description="Number of trainer ranks (FSDP world size).")
+    sequence_parallel_size: int = Field(1, ge=1, description="Ranks one sequence is split over; divides world_size.")
+
+    @model_validator(mode="after")
+    def _check_sequence_parallel(self) -> TrainerConfig:
+        if self.world_size % self.sequence_parallel_size:
+            raise FieldProblem(
+                f"must divide trainer.world_size={self.world_size}",
+                f"set trainer.sequence_parallel_size to one of {_divisors(self.world_size)}",
+                field="sequence_parallel_size",
+                value=self.sequence_parallel_size,
+            )
+        return self
+
+
+class RayConfig(_Section):
+    """How to reach Ray; the defaults start a local Ray on this machine."""
+
+    address: str | None = Field(None, description="Ray cluster address ('auto', 'ray://host:10001'); None: local.")
+    num_cpus: int | None = Field(None, ge=0, description="CPUs a local Ray may use; None: all.")
+    num_gpus: int | None = Field(None, ge=0, description="GPUs a local Ray may use; None: all.")
+    temp_dir: str | None = Field(None, description="Ray's session directory; None: Ray's default.")
+
+
+class RunConfig(_Section):
+    """One run: rollout fleet, trainer and Ray."""
+
+    rollout: RolloutConfig = Field(description="The engine fleet.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The trainer.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray connection.")
+
+    @model_validator(mode="after")
+    def _check_colocation(self) -> RunConfig:
+        rollout, trainer = self.rollout, self.trainer
+        if rollout.placement != "colocated":
+            return self
+        if trainer.sequence_parallel_size > 1 and rollout.gpus_per_engine > 1:
+            raise FieldProblem(
+                "sequence parallel on the train side cannot combine with rollout "
+                f"tp_size*pp_size={rollout.gpus_per_engine} on the same workers (placement=colocated)",
+                "set trainer.sequence_parallel_size=1, or rollout.tp_size=1 and rollout.pp_size=1, "
+                "or rollout.placement=disaggregated",
+                field="trainer.sequence_parallel_size",
+                value=trainer.sequence_parallel_size,
+            )
+        if trainer.world_size != rollout.world_size:
+            raise FieldProblem(
+                f"must equal the rollout world size num_engines*tp_size*pp_size={rollout.world_size} "
+                "when placement=colocated (each GPU holds one trainer rank and one rollout rank)",
+                f"set trainer.world_size={rollout.world_size}, change rollout.num_engines, "
+                "or set rollout.placement=disaggregated",
+                field="trainer.world_size",
+                value=trainer.world_size,
+            )
+        return self
+
+
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read YAML at `path` (or start empty), apply `a.b.c=value` overrides, validate."""
+    data = _read_yaml(path) if path else {}
+    for override in overrides:
+        key, value = _parse_override(override)
+        _set_dotted(data, key, value)
+    return parse_config(data)
+
+
+def parse_config(data: dict[str, Any]) -> RunConfig:
+    """Validate a plain dict into a RunConfig, raising ConfigError on any problem."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError([_describe(e) for e in err.errors()]) from err
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    with open(path) as file:
+        try:
+            data = yaml.safe_load(file)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path} is not valid YAML: {err} (fix: correct the YAML syntax)") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path} holds a {type(data).__name__} at the top level "
+            f"(fix: make it a mapping with keys {', '.join(RunConfig.model_fields)})"
+        )
+    return data
+
+
+def _parse_override(override: str) -> tuple[str, Any]:
+    key, sep, raw = override.partition("=")
+    if not sep:
+        raise ConfigError(f"override {override!r} has no '=' (fix: write key=value, e.g. rollout.tp_size=2)")
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{key}={raw}: not a YAML value (fix: quote it, e.g. {key}='{raw}')") from err
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set data[a][b][c] = value for key 'a.b.c', refusing keys the models do not have."""
+    parts = key.split(".")
+    model: type[BaseModel] = RunConfig
+    node = data
+    for depth, part in enumerate(parts):
+        here = ".".join(parts[:depth]) or "the top level"
+        if part not in model.model_fields:
+            raise ConfigError(
+                f"override {key}: unknown key {part!r} at {here} "
+                f"(fix: use one of {', '.join(model.model_fields)})"
+            )
+        if depth == len(parts) - 1:
+            node[part] = value
+            return
+        section = ".".join(parts[: depth + 1])
+        submodel = _submodel(model, part)
+        if submodel is None:
+            raise ConfigError(f"override {key}: {section} is a value, not a section (fix: write {section}=VALUE)")
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{section}={_show(child)} is not a section (fix: make {section} a mapping of keys)")
+        node, model = child, submodel
+
+
+def _submodel(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+    annotation = model.model_fields[key].annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
+    """The section model at a location like ('rollout', 'sampling'), or None if it is not a section."""
+    model: type[BaseModel] | None = RunConfig
+    for part in loc:
+        if model is None or part not in model.model_fields:
+            return None
+        model = _submodel(model, part)
+    return model
+
+
+_BOUNDS = {
+    "greater_than_equal": (">=", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("<=", "le"),
+    "less_than": ("<", "lt"),
+}
+
+
+def _describe(error: dict[str, Any]) -> str:
+    """One line for one pydantic error: `path=value: problem (fix: ...)`."""
+    loc, kind, ctx = tuple(error["loc"]), error["type"], error.get("ctx", {})
+    cause = ctx.get("error")
+    if isinstance(cause, FieldProblem):
+        field_loc = loc + tuple(cause.field.split(".")) if cause.field else loc
+        value = cause.value if cause.field else error["input"]
+        return f"{_path(field_loc)}={_show(value)}: {cause.problem} (fix: {cause.fix})"
+    path = _path(loc)
+    if kind == "missing":
+        return f"{path}: is required (fix: set {path} in the YAML file or pass {path}=VALUE)"
+    if kind in _BOUNDS:
+        op, bound = _BOUNDS[kind]
+        problem, fix = f"must be {op} {ctx[bound]}", f"set {path} to a value {op} {ctx[bound]}"
+    elif kind == "literal_error":
+        problem, fix = f"must be {ctx['expected']}", f"set {path} to {ctx['expected']}"
+    elif kind == "extra_forbidden":
+        section = _model_at(loc[:-1])
+        valid = ", ".join(section.model_fields) if section else "none"
+        problem, fix = "unknown key", f"check the spelling; valid keys here: {valid}"
+    else:
+        problem, fix = _lower_first(error["msg"]), _describe_field(loc)
+    return f"{path}={_show(error['input'])}: {problem} (fix: {fix})"
+
+
+def _describe_field(loc: tuple[str | int, ...]) -> str:
+    field_loc = tuple(p for p in loc if isinstance(p, str))
+    section = _model_at(field_loc[:-1])
+    if section is None or not field_loc or field_loc[-1] not in section.model_fields:
+        return f"correct {_path(loc)}"
+    info = section.model_fields[field_loc[-1]]
+    return f"{_path(field_loc)} takes {_type_name(info.annotation)} ({(info.description or '').rstrip('.')})"
+
+
+def _type_name(annotation: Any) -> str:
+    plain = isinstance(annotation, type) and get_origin(annotation) is None
+    return annotation.__name__ if plain else str(annotation).replace("typing.", "")
+
+
+def _path(loc: Sequence[str | int]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "config"
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,241 @@
+"""HTTP routes of the embedded engine (SGLang's names, fields and response shapes).
+
+Errors are HTTP 4xx with a JSON body `{"success": false, "message": ...}`; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
+
+from rollfleet.engine.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    GetWeightsByNameRequest,
+    MemoryRequest,
+    PauseGenerationRequest,
+    SamplingParams,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightVersionRequest,
+)
+from rollfleet.engine.runner import WeightUpdateError
+
+VERSION = "0.1.0"
+ALL_MEMORY_TAGS = ["weights", "kv_cache"]
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.message, self.status_code = message, status_code
+
+
+def _fail(message: str, status_code: int = 400) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=status_code)
+
+
+def _validation_message(exc: ValidationError | RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(x) for x in error.get("loc", ()) if x != "body")
+        parts.append(f"{where or 'body'}: {error.get('msg')} (got {error.get('input')!r})"[:300])
+    return "; ".join(parts)
+
+
+def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
+    app = FastAPI(title="rollfleet embedded engine", version=VERSION)
+    context_length = scheduler.context_length
+
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next):
+        if args.api_key:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {args.api_key}".encode()):
+                return _fail("missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid_request(_request, exc: RequestValidationError):
+        return _fail(f"invalid request: {_validation_message(exc)}")
+
+    @app.exception_handler(BadRequest)
+    async def on_bad_request(_request, exc: BadRequest):
+        return _fail(exc.message, exc.status_code)
+
+    async def control(fn, *, needs_idle: bool = True, abort_first: bool = False) -> Any:
+        future = scheduler.control(fn, needs_idle=needs_idle, abort_first=abort_first)
+        try:
+            return await asyncio.wrap_future(future)
+        except (WeightUpdateError, ValueError) as exc:
+            raise BadRequest(str(exc)) from exc
+
+    def not_ready_reason() -> str | None:
+        if scheduler.failure is not None:
+            return f"the engine loop has stopped: {scheduler.failure!r}"
+        if not runner.weights_ready:
+            return ("weights are not loaded (started with --load-format dummy, or released): push weights with "
+                    "/update_weights_from_disk (or another update route) first")
+        return None
+
+    # ---- generation --------------------------------------------------------------------------
+    def prompts_of(req: GenerateRequest) -> tuple[list[list[int]], bool]:
+        if req.text is not None:
+            texts = [req.text] if isinstance(req.text, str) else req.text
+            return [tokenizer.encode(t) for t in texts], not isinstance(req.text, str)
+        ids = req.input_ids
+        if ids and isinstance(ids[0], list):
+            return ids, True
+        return [ids], False
+
+    def sampling_of(req: GenerateRequest, count: int) -> list[SamplingParams]:
+        raw = req.sampling_params if req.sampling_params is not None else {}
+        if isinstance(raw, list) and len(raw) != count:
+            raise BadRequest(f"sampling_params has {len(raw)} entries for {count} prompts: give one per prompt")
+        raw_list = raw if isinstance(raw, list) else [raw] * count
+        try:
+            return [SamplingParams(**item) for item in raw_list]
+        except ValidationError as exc:
+            raise BadRequest(f"invalid sampling_params: {_validation_message(exc)}") from exc
+
+    @app.post("/generate")
+    async def generate(req: GenerateRequest):
+        reason = not_ready_reason()
+        if reason:
+            raise BadRequest(reason)
+        if req.lora_path:
+            raise BadRequest("lora_path: the embedded engine serves no LoRA adapters yet")
+        if req.return_logprob and req.logprob_start_len >= 0:
+            raise BadRequest("logprob_start_len >= 0 (input logprobs) is not supported: send -1")
+        prompts, is_batch = prompts_of(req)
+        params = sampling_of(req, len(prompts))
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                raise BadRequest(f"prompt {index} is empty: give at least one token")
+            if len(prompt) >= context_length:
+                raise BadRequest(f"prompt {index} has {len(prompt)} tokens, the context length is "
+                                 f"{context_length}: shorten the prompt")
+        rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
+        if len(rids) != len(prompts):
+            raise BadRequest(f"rid has {len(rids)} entries for {len(prompts)} prompts")
+        if is_batch and isinstance(req.rid, str):
+            rids = [f"{req.rid}-{i}" for i in range(len(prompts))]
+        try:
+            seqs = [seq for prompt, p, rid in zip(prompts, params, rids)
+                    for seq in scheduler.submit(prompt, p, rid=rid, return_logprob=req.return_logprob)]
+        except RuntimeError as exc:
+            raise BadRequest(str(exc), 503) from exc
+        results = await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
+        return results if is_batch or len(results) > 1 else results[0]
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        reason = not_ready_reason() or ("generation is paused" if scheduler.paused else None)
+        if reason:
+            return _fail(reason, 503)
+        (seq,) = scheduler.submit([tokenizer.eos_token_id or 0], SamplingParams(max_new_tokens=1, temperature=0),
+                                  rid=None, return_logprob=False)
+        await asyncio.wrap_future(seq.future)
+        return Response(status_code=200)
+
+    # ---- status ---------------------------------------------------------------------------------
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info():
+        return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
+                "is_generation": True, "weight_version": scheduler.weight_version,
+                "weights_ready": runner.weights_ready, "context_length": context_length}
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info():
+        info = {k: v for k, v in vars(args).items() if k != "api_key"}
+        return {**info, "api_key_set": bool(args.api_key), "version": VERSION, "engine": "rollfleet-embedded",
+                "weight_version": scheduler.weight_version, "weights_ready": runner.weights_ready}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        if scheduler.num_unfinished:
+            return PlainTextResponse("Cache not flushed: requests are running.", status_code=400)
+        return PlainTextResponse("Cache flushed (the embedded engine keeps no prefix cache).")
+
+    # ---- weights --------------------------------------------------------------------------------
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest):
+        if req.load_format not in (None, "auto", "safetensors"):
+            raise BadRequest(f"load_format={req.load_format!r}: the embedded engine reads safetensors only")
+
+        def load():
+            run_action("update_weights_from_disk", model_path=req.model_path)
+            if req.weight_version is not None:
+                scheduler.weight_version = req.weight_version
+        try:
+            await control(load, abort_first=req.abort_all_requests)
+        except BadRequest as exc:
+            return JSONResponse({"success": False, "message": exc.message, "num_paused_requests": 0}, 400)
+        return {"success": True, "message": f"loaded weights from {req.model_path}", "num_paused_requests": 0}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(req: UpdateWeightVersionRequest):
+        def set_version():
+            scheduler.weight_version = req.new_version
+        await control(set_version, abort_first=req.abort_all_requests)
+        return {"success": True, "message": "weight version updated", "new_version": req.new_version}
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(req: GetWeightsByNameRequest):
+        return await control(lambda: run_action("get_weights_by_name", name=req.name,
+                                                truncate_size=req.truncate_size), needs_idle=False)
+
+    @app.get("/rollfleet/shard_fingerprints")
+    async def shard_fingerprints():
+        """rollfleet extension: sha256 of every tp rank's local shard of every parameter."""
+        return await control(lambda: run_action("shard_fingerprints"), needs_idle=False)
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def memory_route(action: str):
+        async def handler(req: MemoryRequest):
+            tags = [t for t in (req.tags or ALL_MEMORY_TAGS) if t != "cuda_graph"]  # no CUDA graphs here
+
+            def act():
+                if scheduler.num_unfinished:
+                    raise ValueError(f"{scheduler.num_unfinished} requests are unfinished: pause or abort them "
+                                     "before releasing or resuming memory")
+                return run_action(action, tags=tags)
+            memory = await control(act)
+            return {"success": True, "message": f"{action} {tags}", "memory": memory}
+        return handler
+
+    app.post("/release_memory_occupation")(memory_route("release_memory"))
+    app.post("/resume_memory_occupation")(memory_route("resume_memory"))
+
+    # ---- abort and pause ------------------------------------------------------------------------
+    @app.post("/abort_request")
+    async def abort_request(req: AbortRequest):
+        if not req.rid and not req.abort_all:
+            raise BadRequest("give rid or abort_all=true")
+        count = scheduler.abort(req.rid, req.abort_all)
+        return {"success": True, "message": f"aborted {count} requests"}
+
+    @app.post("/pause_generation")
+    async def pause_generation(req: PauseGenerationRequest):
+        if req.mode == "retract":
+            raise BadRequest("mode='retract' is not supported by the embedded engine: use 'abort' or 'in_place'")
+        scheduler.pause(req.mode)
+        return {"success": True, "message": f"generation paused ({req.mode})"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        scheduler.resume()
+        return {"success": True, "message": "generation continued"}
+
+    return app

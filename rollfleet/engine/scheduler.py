@@ -1,0 +1,272 @@
+"""Batching and request lifecycle of the embedded engine, on tp rank 0.
+
+One engine thread owns the model. It runs, in this order of priority:
+  1. control actions (weight updates, memory release, ...); an action that needs an idle
+     engine waits until the running batch ends, unless generation is paused in place;
+  2. one decode step of the running batch (every request in it advances one token);
+  3. a new batch made of every waiting request (up to `max_running_requests`).
+Requests that arrive while a batch runs wait for the next batch. Every model call goes
+through `run_action`, which broadcasts it to the other tp ranks first, so all ranks execute
+the same actions in the same order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from rollfleet.engine.protocol import FinishReason, SamplingParams
+from rollfleet.engine.sampling import make_generator, sample_token
+
+
+@dataclass
+class Sequence:
+    """One sample being generated: a prompt, its sampling state and its output so far."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    return_logprob: bool
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish: FinishReason | None = None
+    abort_message: str | None = None
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class ControlAction:
+    fn: Callable[[], Any]
+    needs_idle: bool
+    future: Future = field(default_factory=Future)
+
+
+class Scheduler:
+    def __init__(self, run_action: Callable[..., Any], tokenizer, *, eos_token_ids: set[int],
+                 context_length: int, max_running_requests: int, weight_version: str):
+        self.run_action = run_action
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.context_length = context_length
+        self.max_running_requests = max_running_requests
+        self.weight_version = weight_version
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.needs_prefill = False
+        self.controls: deque[ControlAction] = deque()
+        self.paused = False
+        self.stopped = False
+        self.failure: BaseException | None = None
+        self._wakeup = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="rollfleet-engine", daemon=True)
+
+    # ---- called from the HTTP side (any thread) ------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None,
+               return_logprob: bool) -> list[Sequence]:
+        rid = rid or uuid.uuid4().hex
+        seqs = [Sequence(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params,
+                         make_generator(params, i), return_logprob) for i in range(params.n)]
+        with self._wakeup:
+            self._raise_if_dead()
+            for seq in seqs:
+                if params.max_new_tokens == 0:
+                    self._finish(seq, FinishReason(type="length", length=0))
+                else:
+                    self.waiting.append(seq)
+            self._wakeup.notify()
+        return seqs
+
+    def control(self, fn: Callable[[], Any], *, needs_idle: bool = True, abort_first: bool = False) -> Future:
+        action = ControlAction(fn, needs_idle)
+        with self._wakeup:
+            self._raise_if_dead()
+            if abort_first:
+                self._abort_matching(lambda seq: True, "aborted for a weight update")
+            self.controls.append(action)
+            self._wakeup.notify()
+        return action.future
+
+    def abort(self, rid: str = "", abort_all: bool = False, message: str = "aborted by request") -> int:
+        def matches(seq: Sequence) -> bool:
+            return abort_all or seq.rid == rid or seq.rid.startswith(f"{rid}-")
+        with self._wakeup:
+            count = self._abort_matching(matches, message)
+            self._wakeup.notify()
+        return count
+
+    def pause(self, mode: str) -> None:
+        with self._wakeup:
+            if mode == "abort":
+                self._abort_matching(lambda seq: True, "aborted by pause_generation")
+            self.paused = True
+            self._wakeup.notify()
+
+    def resume(self) -> None:
+        with self._wakeup:
+            self.paused = False
+            self._wakeup.notify()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def stop(self) -> None:
+        with self._wakeup:
+            self.stopped = True
+            self._wakeup.notify()
+        self._thread.join(timeout=10)
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._wakeup:
+                    work = self._next_work()
+                    while work is None and not self.stopped:
+                        self._wakeup.wait(timeout=0.5)
+                        work = self._next_work()
+                    if self.stopped:
+                        break
+                work()
+        except BaseException as exc:  # the engine cannot go on: fail every caller instead of hanging
+            with self._wakeup:
+                self.failure = exc
+                self._fail_everything(exc)
+            raise
+
+    def _next_work(self) -> Callable[[], None] | None:
+        self._drop_aborted_waiting()
+        if self.controls and (not self.running or self.paused or not self.controls[0].needs_idle):
+            action = self.controls.popleft()
+            return lambda: self._run_control(action)
+        if self.running and not self.paused:
+            return self._step
+        if self.waiting and not self.paused:
+            take = min(len(self.waiting), self.max_running_requests)
+            self.running = [self.waiting.popleft() for _ in range(take)]
+            self.needs_prefill = True
+            return self._step
+        return None
+
+    def _run_control(self, action: ControlAction) -> None:
+        try:
+            action.future.set_result(action.fn())
+        except Exception as exc:  # reported to the caller (an HTTP 400), the engine goes on
+            action.future.set_exception(exc)
+
+    def _step(self) -> None:
+        self._drop_aborted_running()
+        if not self.running:
+            return
+        if self.needs_prefill:
+            logits = self.run_action("prefill", prompts=[s.prompt_ids for s in self.running])
+            self.needs_prefill = False
+        else:
+            logits = self.run_action("decode", tokens=[s.output_ids[-1] for s in self.running])
+        for seq, row in zip(self.running, logits):
+            self._advance(seq, row)
+        with self._wakeup:
+            self._retire_finished()
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if len(seq.output_ids) < seq.params.min_new_tokens:
+            logits = logits.clone()
+            logits[list(self._stop_ids(seq))] = float("-inf")
+        token = sample_token(logits, seq.params, seq.generator)
+        seq.output_ids.append(token)
+        seq.logprobs.append(float(logprobs[token]))
+        seq.finish = self._finish_reason(seq, token)
+
+    def _stop_ids(self, seq: Sequence) -> set[int]:
+        ids = set(seq.params.stop_token_ids or [])
+        return ids if seq.params.ignore_eos else ids | self.eos_token_ids
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if token in self._stop_ids(seq):
+            return FinishReason(type="stop", matched=token)
+        if seq.params.stop_strings:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            for stop in seq.params.stop_strings:
+                if stop in text:
+                    seq.text = text[: text.index(stop)]
+                    return FinishReason(type="stop", matched=stop)
+        if len(seq.output_ids) >= seq.params.max_new_tokens:
+            return FinishReason(type="length", length=len(seq.output_ids))
+        if len(seq.prompt_ids) + len(seq.output_ids) >= self.context_length:
+            return FinishReason(type="length", length=len(seq.output_ids))
+        return None
+
+    def _retire_finished(self) -> None:
+        keep = [row for row, seq in enumerate(self.running) if seq.finish is None]
+        for seq in self.running:
+            if seq.finish is not None:
+                self._finish(seq, seq.finish)
+        if not keep:
+            self.running = []
+            self.run_action("end_batch")
+        elif len(keep) < len(self.running):
+            self.running = [self.running[row] for row in keep]
+            self.run_action("keep_rows", rows=keep)
+
+    def _drop_aborted_running(self) -> None:
+        with self._wakeup:
+            for seq in self.running:
+                if seq.abort_message is not None:
+                    seq.finish = FinishReason(type="abort", message=seq.abort_message)
+            if any(seq.finish for seq in self.running):
+                self._retire_finished()
+
+    def _drop_aborted_waiting(self) -> None:
+        for seq in [s for s in self.waiting if s.abort_message is not None]:
+            self.waiting.remove(seq)
+            self._finish(seq, FinishReason(type="abort", message=seq.abort_message))
+
+    def _abort_matching(self, matches: Callable[[Sequence], bool], message: str) -> int:
+        count = 0
+        for seq in itertools.chain(self.waiting, self.running):
+            if matches(seq) and seq.abort_message is None:
+                seq.abort_message = message
+                count += 1
+        self._drop_aborted_waiting()
+        return count
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish = reason
+        if not (reason.type == "stop" and isinstance(reason.matched, str)):
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        if not seq.future.done():
+            seq.future.set_result(self._result(seq))
+
+    def _result(self, seq: Sequence) -> dict[str, Any]:
+        meta = {"id": seq.rid, "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
+                "cached_tokens": 0, "weight_version": self.weight_version, "finish_reason": seq.finish.to_wire()}
+        if seq.return_logprob:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
+        return {"text": seq.text, "output_ids": list(seq.output_ids), "meta_info": meta}
+
+    def _raise_if_dead(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"the engine loop has stopped: {self.failure!r}")
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        error = RuntimeError(f"the engine loop has stopped: {exc!r}")
+        for seq in itertools.chain(self.waiting, self.running):
+            if not seq.future.done():
+                seq.future.set_exception(error)
+        for action in self.controls:
+            action.future.set_exception(error)
+        self.waiting.clear(), self.running.clear(), self.controls.clear()
+

@@ -1,0 +1,215 @@
+"""The embedded engine server: `python -m rollfleet.engine.server --model-path DIR [--tp-size N]`.
+
+Process tree: the process you start is tp rank 0. With `--tp-size N` it spawns N-1 follower
+processes; together they form one torch.distributed group (gloo on CPU, NCCL on GPU, plus a
+gloo group for control messages). Rank 0 serves HTTP and runs the scheduler; every model
+action it takes is broadcast first (`ActionBroadcaster`), and followers execute the same
+actions in the same order. If any rank dies, the others exit, so a half-dead engine never
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from rollfleet.engine.runner import ModelRunner, local_device
+
+log = logging.getLogger("rollfleet.engine")
+SHUTDOWN = "shutdown"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollfleet serve", description="Embedded rollout engine with "
+                                "SGLang's HTTP protocol (flags named as python -m sglang.launch_server).")
+    p.add_argument("--model-path", required=True, help="HF causal LM directory (config, tokenizer, weights)")
+    p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel processes")
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size inside the TP group")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline parallel: not available here (SGLang has it)")
+    p.add_argument("--dp-size", type=int, default=1, help="data parallel: run one server per replica instead")
+    p.add_argument("--base-gpu-id", type=int, default=0, help="first GPU of this engine (rank r uses base+r)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy = random weights; not ready until weights are pushed")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="auto = float32 on CPU, the checkpoint's dtype on GPU")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--max-running-requests", type=int, default=64, help="largest batch")
+    p.add_argument("--random-seed", type=int, default=0, help="seed of dummy weights")
+    p.add_argument("--enable-lora", action="store_true", help="not available in the embedded engine yet")
+    p.add_argument("--max-lora-rank", type=int, default=None)
+    p.add_argument("--enable-memory-saver", action="store_true", help="accepted; release/resume always works here")
+    p.add_argument("--skip-server-warmup", action="store_true", help="accepted; the embedded engine has no warmup")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the embedded engine cannot do, with the fix, before any process starts."""
+    if args.pp_size != 1:
+        parser.error(f"--pp-size {args.pp_size}: the embedded engine has no pipeline parallel; "
+                     "SGLang does (rollout.backend=sglang), or use --pp-size 1 with --tp-size")
+    if args.dp_size != 1:
+        parser.error(f"--dp-size {args.dp_size}: run one server per data-parallel replica (rollout.num_engines)")
+    if args.tp_size < 1:
+        parser.error(f"--tp-size {args.tp_size}: must be >= 1")
+    if args.ep_size < 1 or args.tp_size % args.ep_size:
+        parser.error(f"--ep-size {args.ep_size}: must divide --tp-size {args.tp_size}")
+    if args.ep_size not in (1, args.tp_size):
+        parser.error(f"--ep-size {args.ep_size}: the embedded engine (transformers' EP plan) needs "
+                     f"--ep-size 1 or equal to --tp-size {args.tp_size}; SGLang supports other splits")
+    if args.enable_lora:
+        parser.error("--enable-lora: the embedded engine does not serve LoRA adapters yet; use SGLang")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(args: argparse.Namespace) -> torch.dtype:
+    if args.dtype != "auto":
+        return DTYPES[args.dtype]
+    if args.device == "cpu":
+        return torch.float32
+    config_dtype = getattr(AutoConfig.from_pretrained(args.model_path), "dtype", None)
+    return config_dtype if isinstance(config_dtype, torch.dtype) else torch.bfloat16
+
+
+class ActionBroadcaster:
+    """Rank 0's side of lockstep execution: announce an action to every rank, then run it here."""
+
+    def __init__(self, runner: ModelRunner, group):
+        self.runner, self.group = runner, group
+
+    def __call__(self, action: str, **kwargs):
+        if self.group is not None:
+            dist.broadcast_object_list([(action, kwargs)], src=0, group=self.group)
+        return None if action == SHUTDOWN else getattr(self.runner, action)(**kwargs)
+
+
+def follow(runner: ModelRunner, group) -> None:
+    """A follower rank: run whatever rank 0 announces, until it says shutdown."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        action, kwargs = box[0]
+        if action == SHUTDOWN:
+            return
+        try:
+            getattr(runner, action)(**kwargs)
+        except ValueError:  # refused updates are reported to the client by rank 0
+            pass
+
+
+def _init_distributed(args, rank: int, store) -> tuple[str, object]:
+    device = local_device(args.device, args.base_gpu_id, rank)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=args.tp_size,
+                            device_id=torch.device(device) if backend == "nccl" else None)
+    group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    return device, group
+
+
+def _make_runner(args, device: str, group) -> ModelRunner:
+    return ModelRunner(args.model_path, tp_size=args.tp_size, ep_size=args.ep_size, device=device,
+                       dtype=resolve_dtype(args), dummy=args.load_format == "dummy", group=group,
+                       seed=args.random_seed)
+
+
+def _follower_main(args, rank: int, store_port: int) -> None:
+    _exit_when_parent_dies()
+    store = dist.TCPStore("127.0.0.1", store_port, args.tp_size, is_master=False)
+    device, group = _init_distributed(args, rank, store)
+    follow(_make_runner(args, device, group), group)
+    dist.destroy_process_group()
+
+
+def _exit_when_parent_dies() -> None:
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _exit_when_a_follower_dies(procs) -> None:
+    def watch():
+        while all(p.is_alive() for p in procs):
+            time.sleep(0.5)
+        log.error("a tensor-parallel rank exited; stopping the engine")
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    group, device, procs = None, local_device(args.device, args.base_gpu_id, 0), []
+    if args.tp_size > 1:
+        store = dist.TCPStore("127.0.0.1", 0, args.tp_size, is_master=True, wait_for_workers=False)
+        context = multiprocessing.get_context("spawn")
+        procs = [context.Process(target=_follower_main, args=(args, rank, store.port), daemon=True)
+                 for rank in range(1, args.tp_size)]
+        for proc in procs:
+            proc.start()
+        _exit_when_a_follower_dies(procs)
+        device, group = _init_distributed(args, 0, store)
+    runner = _make_runner(args, device, group)
+    serve(args, runner, ActionBroadcaster(runner, group))
+    for proc in procs:
+        proc.join(timeout=10)
+
+
+def serve(args, runner: ModelRunner, run_action: ActionBroadcaster) -> None:
+    import uvicorn
+
+    from rollfleet.engine.app import create_app
+    from rollfleet.engine.scheduler import Scheduler
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+    scheduler = Scheduler(run_action, tokenizer, eos_token_ids=_eos_token_ids(args.model_path, tokenizer),
+                          context_length=_context_length(runner), max_running_requests=args.max_running_requests,
+                          weight_version=args.weight_version)
+    scheduler.start()
+    app = create_app(args, runner, scheduler, run_action, tokenizer)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        scheduler.stop()
+        run_action(SHUTDOWN)
+
+
+def _context_length(runner: ModelRunner) -> int:
+    return int(getattr(runner.model.config, "max_position_embeddings", 2048))
+
+
+def _eos_token_ids(model_path: str, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:  # no generation_config.json: the tokenizer's eos is the only stop token
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+if __name__ == "__main__":
+    sys.exit(main())
