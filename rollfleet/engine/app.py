@@ -160,7 +160,8 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
     async def server_info():
         info = {k: v for k, v in vars(args).items() if k != "api_key"}
         return {**info, "api_key_set": bool(args.api_key), "version": VERSION, "engine": "rollfleet-embedded",
-                "weight_version": scheduler.weight_version, "weights_ready": runner.weights_ready}
+                "weight_version": scheduler.weight_version, "weights_ready": runner.weights_ready,
+                "scheduler_stats": dict(scheduler.stats)}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():

@@ -49,7 +49,14 @@ def read_hf_checkpoint(path: str) -> dict[str, torch.Tensor]:
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param.data
+    """The tensor object holding this rank's values (`to_local()` may return a fresh alias)."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    # a copy: numpy() on the parameter itself would pin its storage (no release/resume afterwards)
+    data = tensor.detach().to("cpu", copy=True).contiguous().view(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy()).hexdigest()
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -61,10 +68,11 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, dummy: bool = False, group=None, seed: int = 0):
         self.tp_size, self.ep_size, self.device = tp_size, ep_size, torch.device(device)
         self.group = group  # gloo group of this engine's ranks (None when tp_size == 1)
-        self.model = self._load(model_path, dtype, dummy, seed).eval()
+        self.model = self._load(model_path, dtype, dummy, seed).eval().requires_grad_(False)
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
         self._build_checkpoint_schema()
         self.loaded_names: set[str] = set() if dummy else set(self.required_names)
+        self._own_storages()
         self._storages = self._unique_storages()
         self.cache: DynamicCache | None = None
 
@@ -100,8 +108,9 @@ class ModelRunner:
     def _from_pretrained(self, path: str, dtype: torch.dtype):
         distributed = self._distributed_config()
         if distributed is None:
-            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=distributed)
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, disable_mmap=True).to(self.device)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=distributed,
+                                                    disable_mmap=True)
 
     def _build_checkpoint_schema(self) -> None:
         """Checkpoint name -> (in-memory parameter, full shape), computed on meta tensors."""
@@ -116,6 +125,15 @@ class ModelRunner:
                 self.checkpoint_to_param[ckpt_name] = name
                 if unique.get(id(param)) == name:
                     self.required_names.add(ckpt_name)
+
+    @torch.no_grad()
+    def _own_storages(self) -> None:
+        """Give every parameter a storage of its own: loaded tensors may alias a file buffer, which
+        cannot be resized, and release/resume frees and re-allocates storages in place."""
+        for param in {id(p): p for p in self.params.values()}.values():
+            local = _local(param)
+            if not local.untyped_storage().resizable():
+                local.set_(local.clone())
 
     def _unique_storages(self) -> list[tuple[torch.UntypedStorage, int]]:
         seen: dict[int, tuple[torch.UntypedStorage, int]] = {}
@@ -183,8 +201,9 @@ class ModelRunner:
         errors = self._gather(error)
         if any(errors):
             raise WeightUpdateError("; ".join(sorted({e for e in errors if e})))
-        for target, value in staged:
-            target.copy_(value)
+        with torch.no_grad():
+            for target, value in staged:
+                target.copy_(value)
         self.loaded_names |= set(tensors)
 
     def _stage(self, tensors: dict[str, torch.Tensor], complete: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -240,8 +259,7 @@ class ModelRunner:
 
     def shard_fingerprints(self) -> list[dict[str, str]]:
         """Per rank: in-memory parameter name -> sha256 of this rank's local shard bytes."""
-        mine = {name: hashlib.sha256(_local(p).detach().contiguous().cpu().view(torch.uint8).numpy()).hexdigest()
-                for name, p in self.params.items()}
+        mine = {name: tensor_sha256(_local(p)) for name, p in self.params.items()}
         return self._gather(mine)
 
     # ---- memory (lockstep) ----------------------------------------------------------------

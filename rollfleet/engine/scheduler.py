@@ -66,6 +66,7 @@ class Scheduler:
         self.paused = False
         self.stopped = False
         self.failure: BaseException | None = None
+        self.stats = {"batches": 0, "largest_batch": 0, "generated_tokens": 0}
         self._wakeup = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="rollfleet-engine", daemon=True)
 
@@ -151,12 +152,16 @@ class Scheduler:
         if self.controls and (not self.running or self.paused or not self.controls[0].needs_idle):
             action = self.controls.popleft()
             return lambda: self._run_control(action)
+        if any(seq.abort_message is not None for seq in self.running):
+            return self._drop_aborted_running  # aborts take effect at once, paused or not
         if self.running and not self.paused:
             return self._step
         if self.waiting and not self.paused:
             take = min(len(self.waiting), self.max_running_requests)
             self.running = [self.waiting.popleft() for _ in range(take)]
             self.needs_prefill = True
+            self.stats["batches"] += 1
+            self.stats["largest_batch"] = max(self.stats["largest_batch"], take)
             return self._step
         return None
 
@@ -177,6 +182,7 @@ class Scheduler:
             logits = self.run_action("decode", tokens=[s.output_ids[-1] for s in self.running])
         for seq, row in zip(self.running, logits):
             self._advance(seq, row)
+        self.stats["generated_tokens"] += len(self.running)
         with self._wakeup:
             self._retire_finished()
 

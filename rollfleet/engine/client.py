@@ -1,0 +1,144 @@
+"""Async HTTP client for one engine: the embedded server or a real SGLang server (same protocol).
+
+Every method maps to one route. A non-2xx answer raises `EngineError` carrying the status and
+the server's own message; a slow answer raises `EngineTimeout` after `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+
+class EngineError(RuntimeError):
+    def __init__(self, route: str, status_code: int, message: str):
+        super().__init__(f"{route} -> HTTP {status_code}: {message}")
+        self.route, self.status_code, self.message = route, status_code, message
+
+
+class EngineTimeout(EngineError):
+    pass
+
+
+def _message_of(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text
+    if isinstance(body, dict):
+        error = body.get("error")
+        return body.get("message") or (error.get("message") if isinstance(error, dict) else error) or str(body)
+    return str(body)
+
+
+class EngineClient:
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 300.0):
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout,
+                                       limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, route: str, payload: dict | None = None, *, timeout: float | None = None) -> Any:
+        kwargs: dict[str, Any] = {} if payload is None else {"json": payload}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        try:
+            response = await self._http.request(method, route, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise EngineTimeout(route, 0, f"no answer from {self.base_url} in time ({exc!r})") from exc
+        if response.status_code >= 400:
+            raise EngineError(route, response.status_code, _message_of(response))
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    # ---- generation and status ---------------------------------------------------------------
+    async def generate(self, *, text: str | list[str] | None = None, input_ids: list | None = None,
+                       sampling_params: dict | list[dict] | None = None, return_logprob: bool = False,
+                       rid: str | list[str] | None = None, lora_path: str | None = None,
+                       timeout: float | None = None) -> dict | list[dict]:
+        payload = {"text": text, "input_ids": input_ids, "sampling_params": sampling_params or {},
+                   "return_logprob": return_logprob, "rid": rid, "lora_path": lora_path}
+        return await self._call("POST", "/generate", {k: v for k, v in payload.items() if v is not None},
+                                timeout=timeout)
+
+    async def health(self) -> bool:
+        try:
+            await self._call("GET", "/health", timeout=5)
+            return True
+        except (EngineError, httpx.TransportError):
+            return False
+
+    async def health_generate(self, timeout: float = 30) -> bool:
+        try:
+            await self._call("GET", "/health_generate", timeout=timeout)
+            return True
+        except (EngineError, httpx.TransportError):
+            return False
+
+    async def wait_until_up(self, timeout: float, interval: float = 0.2) -> None:
+        """Wait until /health answers (the process serves; weights may still be missing)."""
+        deadline = time.monotonic() + timeout
+        while not await self.health():
+            if time.monotonic() > deadline:
+                raise EngineTimeout("/health", 0, f"{self.base_url} did not come up within {timeout:.0f} s")
+            await asyncio.sleep(interval)
+
+    async def get_model_info(self) -> dict:
+        return await self._call("GET", "/get_model_info")
+
+    async def get_server_info(self) -> dict:
+        return await self._call("GET", "/get_server_info")
+
+    async def flush_cache(self) -> str:
+        return await self._call("POST", "/flush_cache")
+
+    # ---- weights -----------------------------------------------------------------------------------
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
+                                       flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
+        payload = {"model_path": model_path, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._call("POST", "/update_weights_from_disk", payload)
+
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
+        return await self._call("POST", "/update_weight_version",
+                                {"new_version": new_version, "abort_all_requests": abort_all_requests})
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        return await self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    async def shard_fingerprints(self) -> list[dict[str, str]]:
+        """rollfleet extension (embedded engine only): sha256 per parameter per tp rank."""
+        return await self._call("GET", "/rollfleet/shard_fingerprints")
+
+    # ---- memory, abort, pause --------------------------------------------------------------------
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return await self._call("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return await self._call("POST", "/resume_memory_occupation", {"tags": tags})
+
+    async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> dict:
+        return await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        return await self._call("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict:
+        return await self._call("POST", "/continue_generation", {})

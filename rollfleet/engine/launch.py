@@ -1,0 +1,106 @@
+"""Start and stop one engine server process (embedded or SGLang), with its log in a file.
+
+`EngineProcess` runs an argv in its own process group (so a stop also ends its tp followers),
+writes stdout and stderr to one log file per engine, and when the process dies before it is up,
+raises with the last lines of that log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import httpx
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def embedded_argv(model_path: str, port: int, *, host: str = "127.0.0.1", tp_size: int = 1, ep_size: int = 1,
+                  load_format: str = "auto", api_key: str | None = None, extra: list[str] | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "rollfleet.engine.server", "--model-path", model_path, "--host", host,
+            "--port", str(port), "--tp-size", str(tp_size), "--ep-size", str(ep_size), "--load-format", load_format]
+    if api_key:
+        argv += ["--api-key", api_key]
+    return argv + list(extra or [])
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as handle:
+            return "".join(deque(handle, maxlen=lines))
+    except OSError:
+        return "(no log)"
+
+
+class EngineProcess:
+    def __init__(self, argv: list[str], *, port: int, log_path: str | Path, env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1"):
+        self.argv, self.port, self.host = argv, port, host
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_until_up(self, timeout: float) -> None:
+        """Block until /health answers; raise EngineStartError with the log's tail if the process dies."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                raise EngineStartError(f"engine exited with code {self.proc.returncode} before it was up; "
+                                       f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code in (200, 401):
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise EngineStartError(f"engine not up after {timeout:.0f} s; last lines of {self.log_path}:\n"
+                               f"{log_tail(self.log_path)}")
+
+    def kill(self) -> None:
+        """Kill the whole process group at once (what a crash looks like)."""
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, grace: float = 10.0) -> None:
+        if not self.is_alive():
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny models written in code, and real engine server processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollfleet.engine.client import EngineClient
+from rollfleet.engine.launch import EngineProcess, embedded_argv, free_port
+from rollfleet.tiny import make_tiny_model
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("qwen3"), "qwen3", seed=0))
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir_b(tmp_path_factory):
+    """Same architecture as qwen3_dir, other weights."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("qwen3b"), "qwen3", seed=1))
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("moe"), "qwen3_moe", seed=0))
+
+
+@pytest.fixture(scope="session")
+def moe_dir_b(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("moeb"), "qwen3_moe", seed=1))
+
+
+@contextlib.contextmanager
+def engine_server(model_path: str, log_dir, **kwargs):
+    port = free_port()
+    proc = EngineProcess(embedded_argv(model_path, port, **kwargs), port=port, log_path=log_dir / f"engine-{port}.log")
+    try:
+        proc.wait_until_up(timeout=120)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def client_for(proc: EngineProcess, **kwargs) -> EngineClient:
+    return EngineClient(proc.url, timeout=60, **kwargs)
+
+
+def call(proc: EngineProcess, method: str, *args, **kwargs):
+    """One client call against a server, from sync test code."""
+    async def go():
+        async with client_for(proc, api_key=kwargs.pop("api_key", None)) as client:
+            return await getattr(client, method)(*args, **kwargs)
+    return run(go())
+
+
+def reference_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from a plain transformers forward pass (no engine involved)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ids = list(prompt_ids)
+    out, logprobs = [], []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            token = int(torch.argmax(logits))
+            out.append(token)
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            ids.append(token)
+    return out, logprobs

@@ -1,0 +1,114 @@
+"""Abort, pause (abort / in_place) and continue on a real server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import client_for, engine_server, run
+from rollfleet.engine.client import EngineError
+
+LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs")) as proc:
+        yield proc
+
+
+async def _started(client, rid):
+    """A long request that has begun generating, then held in place so it cannot finish on its own."""
+    task = asyncio.create_task(client.generate(input_ids=[1, 2, 3], sampling_params=LONG, rid=rid))
+    while (await client.get_server_info())["scheduler_stats"]["generated_tokens"] == 0 and not task.done():
+        await asyncio.sleep(0.01)
+    await client.pause_generation("in_place")
+    return task
+
+
+def test_abort_one_request_by_rid(server):
+    async def go():
+        async with client_for(server) as client:
+            doomed = await _started(client, "doomed")
+            other = asyncio.create_task(client.generate(input_ids=[4], sampling_params={"max_new_tokens": 3}))
+            await client.abort_request("doomed")
+            doomed = await doomed
+            await client.continue_generation()
+            return doomed, await other
+    doomed, other = run(go())
+    assert doomed["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(doomed["output_ids"]) < 400
+    assert other["meta_info"]["finish_reason"]["type"] != "abort"
+
+
+def test_abort_all(server):
+    async def go():
+        async with client_for(server) as client:
+            tasks = [await _started(client, "r0")]
+            tasks.append(asyncio.create_task(client.generate(input_ids=[7], sampling_params=LONG, rid="r1")))
+            await asyncio.sleep(0.2)  # r1 waits in the queue while r0 runs (paused)
+            await client.abort_request(abort_all=True)
+            outs = await asyncio.gather(*tasks)
+            await client.continue_generation()
+            return outs
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in run(go()))
+
+
+def test_pause_abort_mode_aborts_in_flight_and_holds_new_requests(server):
+    async def go():
+        async with client_for(server) as client:
+            running = await _started(client, "p1")
+            await client.pause_generation("abort")
+            aborted = await running
+            later = asyncio.create_task(client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2}))
+            await asyncio.sleep(0.5)
+            held = not later.done()
+            await client.continue_generation()
+            return aborted, held, await later
+    aborted, held, later = run(go())
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert held and later["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_pause_in_place_keeps_requests_and_continue_finishes_them(server):
+    async def go():
+        async with client_for(server) as client:
+            task = await _started(client, "kept")
+            await asyncio.sleep(0.5)
+            stalled = not task.done()
+            progress = (await client.get_server_info())["scheduler_stats"]["generated_tokens"]
+            await asyncio.sleep(0.5)
+            still = (await client.get_server_info())["scheduler_stats"]["generated_tokens"]
+            await client.continue_generation()
+            return stalled, progress == still, await task
+    stalled, frozen, out = run(go())
+    assert stalled and frozen
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
+
+
+def test_release_memory_refused_while_requests_run(server):
+    async def go():
+        async with client_for(server) as client:
+            task = await _started(client, "busy")
+            try:
+                await client.release_memory_occupation(["kv_cache"])
+            except EngineError as exc:
+                error = exc
+            else:
+                error = None
+            await client.abort_request("busy")
+            await client.continue_generation()
+            await task
+            return error
+    error = run(go())
+    assert error is not None and error.status_code == 400 and "unfinished" in error.message
+
+
+def test_retract_mode_is_refused_with_a_message(server):
+    async def go():
+        async with client_for(server) as client:
+            await client.pause_generation("retract")
+    with pytest.raises(EngineError) as err:
+        run(go())
+    assert err.value.status_code == 400 and "in_place" in err.value.message

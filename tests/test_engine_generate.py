@@ -1,0 +1,136 @@
+"""/generate on a real embedded server (tp=1): fields, sampling, logprobs, stops, batching."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import call, client_for, engine_server, reference_greedy, run
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs")) as proc:
+        yield proc
+
+
+def test_single_text_prompt_returns_one_object_with_meta_info(server):
+    out = call(server, "generate", text="what is 12", sampling_params=GREEDY)
+    assert isinstance(out, dict)
+    assert len(out["output_ids"]) == 12
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert meta["weight_version"] == "default"
+    assert meta["completion_tokens"] == 12 and meta["prompt_tokens"] > 0
+
+
+def test_greedy_matches_transformers_and_logprobs_match_a_forward_pass(server, qwen3_dir):
+    prompt = [5, 17, 42, 99, 7]
+    out = call(server, "generate", input_ids=prompt, sampling_params=GREEDY, return_logprob=True)
+    tokens, _ = reference_greedy(qwen3_dir, prompt, 12)
+    assert out["output_ids"] == tokens
+    # logprobs of the engine's own output, recomputed in one forward pass over prompt + output
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+    full = torch.tensor([prompt + out["output_ids"]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(full).logits[0].float(), -1)
+    expected = [float(logprobs[len(prompt) - 1 + i, tok]) for i, tok in enumerate(out["output_ids"])]
+    got = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+    assert [entry[1] for entry in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
+    assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4
+
+
+def test_sampled_logprobs_match_a_forward_pass_in_a_padded_batch(server, qwen3_dir):
+    prompts = [[5, 6], [7, 8, 9, 10, 11, 12, 13], [14]]
+    outs = call(server, "generate", input_ids=prompts, return_logprob=True,
+                sampling_params={"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 11, "ignore_eos": True})
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([prompt + out["output_ids"]])).logits[0].float(), -1)
+        expected = [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(out["output_ids"])]
+        got = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4
+
+
+def test_batch_with_n_groups_results_by_prompt(server):
+    outs = call(server, "generate", text=["alpha", "beta"],
+                sampling_params={"max_new_tokens": 6, "n": 3, "sampling_seed": 1, "ignore_eos": True})
+    assert len(outs) == 6
+    assert [o["meta_info"]["prompt_tokens"] for o in outs[:3]] == [outs[0]["meta_info"]["prompt_tokens"]] * 3
+    rids = [o["meta_info"]["id"] for o in outs]
+    assert len(set(rids)) == 6
+    assert rids[0].rsplit("-", 1)[0] == rids[2].rsplit("-", 1)[0] != rids[3].rsplit("-", 1)[0]
+    # the n samples of one prompt differ from each other
+    assert len({tuple(o["output_ids"]) for o in outs[:3]}) > 1
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(server):
+    params = {"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
+    first = call(server, "generate", input_ids=[3, 4, 5], sampling_params=params)
+    again = call(server, "generate", input_ids=[3, 4, 5], sampling_params=params)
+    other = call(server, "generate", input_ids=[3, 4, 5], sampling_params={**params, "sampling_seed": 8})
+    assert first["output_ids"] == again["output_ids"]
+    assert first["output_ids"] != other["output_ids"]
+
+
+def test_top_k_one_equals_greedy(server):
+    greedy = call(server, "generate", input_ids=[9, 9, 9], sampling_params=GREEDY)
+    top1 = call(server, "generate", input_ids=[9, 9, 9], sampling_params={**GREEDY, "temperature": 1.0, "top_k": 1})
+    assert greedy["output_ids"] == top1["output_ids"]
+
+
+def test_stop_token_ids_and_stop_strings(server):
+    base = call(server, "generate", input_ids=[1, 2, 3], sampling_params=GREEDY)
+    stop_at = base["output_ids"][3]
+    first = base["output_ids"].index(stop_at)
+    out = call(server, "generate", input_ids=[1, 2, 3], sampling_params={**GREEDY, "stop_token_ids": [stop_at]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+    assert out["output_ids"] == base["output_ids"][: first + 1]
+    text = base["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop, "the greedy text is too short to pick a stop string"
+    out = call(server, "generate", input_ids=[1, 2, 3], sampling_params={**GREEDY, "stop": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in out["text"] and text.startswith(out["text"])
+
+
+def test_eos_stops_unless_ignore_eos(server):
+    """Seed-sample until some output hits EOS (id 0), then check ignore_eos runs past it."""
+    for seed in range(200):
+        params = {"max_new_tokens": 64, "temperature": 1.0, "sampling_seed": seed}
+        out = call(server, "generate", input_ids=[1], sampling_params=params)
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            assert out["output_ids"][-1] == 0 and out["meta_info"]["finish_reason"]["matched"] == 0
+            longer = call(server, "generate", input_ids=[1], sampling_params={**params, "ignore_eos": True})
+            assert len(longer["output_ids"]) == 64
+            assert longer["output_ids"][: len(out["output_ids"])] == out["output_ids"]
+            return
+    pytest.fail("no sample hit EOS in 200 seeds")
+
+
+def test_zero_max_new_tokens_returns_at_once(server):
+    out = call(server, "generate", input_ids=[1, 2], sampling_params={"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_concurrent_requests_share_one_batch(server):
+    async def go():
+        async with client_for(server) as client:
+            await client.pause_generation("in_place")  # hold them so they queue together
+            tasks = [asyncio.create_task(client.generate(input_ids=[i + 1, 2], sampling_params=GREEDY))
+                     for i in range(8)]
+            await asyncio.sleep(1.0)
+            before = (await client.get_server_info())["scheduler_stats"]["batches"]
+            await client.continue_generation()
+            outs = await asyncio.gather(*tasks)
+            stats = (await client.get_server_info())["scheduler_stats"]
+            return before, stats, outs
+    before, stats, outs = run(go())
+    assert all(len(o["output_ids"]) == 12 for o in outs)
+    assert stats["batches"] == before + 1 and stats["largest_batch"] >= 8
