@@ -1,0 +1,108 @@
+"""API key on every route, loopback binding, and bad requests answered with 400 while serving on."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from conftest import engine_server
+
+KEY = "s3cret"
+ROUTES = [
+    ("POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}}),
+    ("GET", "/health", None), ("GET", "/health_generate", None),
+    ("GET", "/get_model_info", None), ("GET", "/model_info", None),
+    ("GET", "/get_server_info", None), ("GET", "/server_info", None), ("POST", "/flush_cache", None),
+    ("POST", "/update_weights_from_disk", {"model_path": "/nonexistent"}),
+    ("POST", "/update_weight_version", {"new_version": "x"}),
+    ("POST", "/get_weights_by_name", {"name": "model.norm.weight"}),
+    ("GET", "/rollfleet/shard_fingerprints", None),
+    ("POST", "/release_memory_occupation", {"tags": ["kv_cache"]}),
+    ("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}),
+    ("POST", "/abort_request", {"abort_all": True}),
+    ("POST", "/pause_generation", {"mode": "in_place"}), ("POST", "/continue_generation", {}),
+]
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs"), api_key=KEY) as proc:
+        yield proc
+
+
+def send(server, method, route, body=None, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        return httpx.request(method, server.url + route, content=raw, timeout=30,
+                             headers={**headers, "content-type": "application/json"})
+    return httpx.request(method, server.url + route, json=body, headers=headers, timeout=30)
+
+
+def test_every_route_needs_the_key(server):
+    app_routes = set(send(server, "GET", "/openapi.json").json()["paths"])
+    assert {path for _, path, _ in ROUTES} >= app_routes, "a route is missing from ROUTES"
+    for method, route, body in ROUTES:
+        for key in (None, "wrong"):
+            response = send(server, method, route, body, key=key)
+            assert response.status_code == 401, (route, key)
+            assert "API key" in response.json()["message"]
+    assert send(server, "GET", "/openapi.json", key=None).status_code == 401
+    assert send(server, "GET", "/health").status_code == 200
+
+
+@pytest.mark.parametrize("raw, needle", [
+    (b"{not json", "JSON"),
+    (b'{"text": "a", "input_ids": [1]}', "exactly one"),
+    (b'{"sampling_params": {}}', "exactly one"),
+    (b'{"text": "a", "sampling_params": {"max_new_tokens": -1}}', "max_new_tokens"),
+    (b'{"text": "a", "sampling_params": {"temperature": -0.5}}', "temperature"),
+    (b'{"text": "a", "sampling_params": {"n": 0}}', "n:"),
+    (b'{"text": "a", "sampling_params": {"top_p": 0}}', "top_p"),
+    (b'{"text": "a", "sampling_params": {"top_k": 0}}', "top_k"),
+    (b'{"input_ids": [' + b",".join([b"1"] * 600) + b"]}", "context length"),
+    (b'{"input_ids": []}', "empty"),
+    (b'{"text": ["a", "b"], "sampling_params": [{}]}', "one per prompt"),
+])
+def test_bad_generate_requests_get_400_and_the_server_keeps_serving(server, raw, needle):
+    response = send(server, "POST", "/generate", raw=raw)
+    assert response.status_code == 400
+    assert needle in response.json()["message"], response.json()
+    ok = send(server, "POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
+
+
+def test_bad_control_requests_get_400(server):
+    assert send(server, "POST", "/update_weights_from_disk", {}).status_code == 400
+    assert send(server, "POST", "/pause_generation", {"mode": "sideways"}).status_code == 400
+    assert send(server, "POST", "/release_memory_occupation", {"tags": ["gpu"]}).status_code == 400
+    assert send(server, "POST", "/abort_request", {}).status_code == 400
+
+
+def _non_loopback_address() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent; picks the outgoing interface
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_binds_loopback_by_default(server):
+    assert send(server, "GET", "/get_server_info").json()["host"] == "127.0.0.1"
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback address to probe")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://{address}:{server.port}/health", timeout=5)
+
+
+def test_pipeline_parallel_is_refused_with_a_message(qwen3_dir):
+    out = subprocess.run([sys.executable, "-m", "rollfleet.engine.server", "--model-path", qwen3_dir,
+                          "--pp-size", "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "no pipeline parallel" in out.stderr and "SGLang" in out.stderr
