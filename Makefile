@@ -19,7 +19,7 @@ demo: $(VENV)/.installed
 	$(PY) -m rollfleet.demo
 
 bench-batching: $(VENV)/.installed
-	$(PY) scripts/bench_batching.py
+	$(PY) -m rollfleet bench batching
 
 clean:
 	rm -rf $(VENV) .pytest_cache

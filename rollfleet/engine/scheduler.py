@@ -180,14 +180,14 @@ class Scheduler:
             self.needs_prefill = False
         else:
             logits = self.run_action("decode", tokens=[s.output_ids[-1] for s in self.running])
-        for seq, row in zip(self.running, logits):
-            self._advance(seq, row)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for seq, row, row_logprobs in zip(self.running, logits, logprobs):
+            self._advance(seq, row, row_logprobs)
         self.stats["generated_tokens"] += len(self.running)
         with self._wakeup:
             self._retire_finished()
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
-        logprobs = torch.log_softmax(logits, dim=-1)
+    def _advance(self, seq: Sequence, logits: torch.Tensor, logprobs: torch.Tensor) -> None:
         if len(seq.output_ids) < seq.params.min_new_tokens:
             logits = logits.clone()
             logits[list(self._stop_ids(seq))] = float("-inf")

@@ -1,0 +1,1 @@
+"""Benchmarks that print measured figures (ratios against a baseline measured in the same run)."""
