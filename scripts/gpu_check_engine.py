@@ -37,8 +37,8 @@ def write_model(directory: Path, seed: int, hidden: int, layers: int) -> None:
     torch.cuda.empty_cache()
 
 
-def reference_tokens(directory: Path, prompts, max_new_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).to("cuda:0").eval()
+def reference_tokens(directory: Path, prompts, max_new_tokens: int, dtype=torch.bfloat16) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to("cuda:0").eval()
     outs = []
     with torch.no_grad():
         for prompt in prompts:
@@ -74,6 +74,13 @@ async def exercise(url: str, dir_a: Path, dir_b: Path, prompts, report: dict) ->
         report["generate_b_after_resume_equal"] = [o["output_ids"] for o in outs] == report["generate_b"]
 
 
+async def fp32_tokens(url: str, prompts) -> list[list[int]]:
+    async with EngineClient(url, timeout=600) as client:
+        outs = await client.generate(input_ids=prompts, sampling_params={
+            "temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+        return [o["output_ids"] for o in outs]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=2048)
@@ -88,6 +95,7 @@ def main() -> None:
         report["checkpoint_gb"] = round(sum(f.stat().st_size for f in dir_a.glob("*.safetensors")) / 1e9, 2)
         report["reference_a"] = reference_tokens(dir_a, prompts, 16)
         report["reference_b"] = reference_tokens(dir_b, prompts, 16)
+        report["reference_fp32"] = reference_tokens(dir_a, prompts, 16, torch.float32)
         port = free_port()
         log = Path(os.environ.get("OUT", scratch)) / "engine-tp2.log"
         engine = EngineProcess(embedded_argv(str(dir_a), port, tp_size=2, extra=["--device", "cuda"]),
@@ -99,6 +107,22 @@ def main() -> None:
             asyncio.run(exercise(engine.url, dir_a, dir_b, prompts, report))
         finally:
             engine.stop()
+        # bf16 TP and one-GPU bf16 round differently and random weights give near-flat logits, so
+        # tokens are compared exactly in fp32, on an engine placed by --base-gpu-id on GPU 1 alone too
+        for tp_size, base in ((2, 0), (1, 1)):
+            port = free_port()
+            engine = EngineProcess(embedded_argv(str(dir_a), port, tp_size=tp_size, extra=[
+                "--device", "cuda", "--dtype", "float32", "--base-gpu-id", str(base)]), port=port,
+                log_path=Path(os.environ.get("OUT", scratch)) / f"engine-fp32-tp{tp_size}.log")
+            try:
+                engine.wait_until_up(timeout=300)
+                report[f"fp32_tp{tp_size}_gpu{base}_equals_reference"] = asyncio.run(
+                    fp32_tokens(engine.url, prompts)) == report["reference_fp32"]
+            finally:
+                engine.stop()
+    for rank_memory in report["release"]:
+        before, after = rank_memory["before"]["reserved"], rank_memory["after"]["reserved"]
+        rank_memory["held_after_release_pct"] = round(100 * after / before, 2)
     for name in ("a", "b"):
         same = sum(x == y for g, r in zip(report[f"generate_{name}"], report[f"reference_{name}"]) for x, y in zip(g, r))
         report[f"tp2_vs_one_gpu_token_agreement_{name}"] = f"{same}/{sum(len(r) for r in report[f'reference_{name}'])}"

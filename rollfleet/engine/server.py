@@ -14,6 +14,7 @@ import argparse
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -129,6 +130,10 @@ def _make_runner(args, device: str, group) -> ModelRunner:
 
 
 def _follower_main(args, rank: int, store_port: int) -> None:
+    # A stop signal to the process group is rank 0's to handle: it tells followers to shut down
+    # in order; a follower that died first would fail rank 0's last broadcast.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_when_parent_dies()
     store = dist.TCPStore("127.0.0.1", store_port, args.tp_size, is_master=False)
     device, group = _init_distributed(args, rank, store)
@@ -159,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    # Released weights must give their memory back to the device: with expandable segments the
+    # caching allocator unmaps freed pages even when a segment still holds other live blocks.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     group, device, procs = None, local_device(args.device, args.base_gpu_id, 0), []
     if args.tp_size > 1:
