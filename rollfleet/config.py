@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -88,6 +88,8 @@ class RolloutConfig(_Section):
         default_factory=list, description="Extra command-line arguments appended to the engine server's argv."
     )
     api_key: str | None = Field(None, repr=False, description="API key the engine servers require; None: no auth.")
+    host: str = Field("127.0.0.1", description="Address engine servers bind; 0.0.0.0 for multi-node (set api_key).")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="Seconds one generate request may take.")
     startup_timeout_s: float = Field(300.0, gt=0.0, description="Seconds to wait for an engine server to be ready.")
     log_dir: str = Field("logs/engines", description="Directory for engine server logs.")
 
@@ -148,12 +150,62 @@ class RayConfig(_Section):
     temp_dir: str | None = Field(None, description="Ray's session directory; None: Ray's default.")
 
 
+class TensorSync(_Section):
+    """Colocated: CUDA IPC (GPU) or shared-memory (CPU) handles through /update_weights_from_tensor."""
+
+    transport: Literal["tensor"] = "tensor"
+    bucket_mb: int = Field(512, ge=1, description="Largest flattened bucket, in MiB.")
+
+
+class NcclSync(_Section):
+    """Disaggregated: broadcast from trainer rank 0 to every engine rank (gloo on CPU)."""
+
+    transport: Literal["nccl"] = "nccl"
+    master_address: str = Field("127.0.0.1", description="Address of trainer rank 0, reachable from every engine.")
+    master_port: int | None = Field(None, ge=1, le=65535, description="Port of the group's store; None: a free one.")
+    bucket_mb: int = Field(512, ge=1, description="Largest flattened bucket, in MiB.")
+    join_timeout_s: float = Field(120.0, gt=0.0, description="Seconds the group join may take before it fails.")
+
+
+class DiskSync(_Section):
+    """An HF checkpoint directory and /update_weights_from_disk."""
+
+    transport: Literal["disk"] = "disk"
+    path: str = Field("checkpoints/sync", description="Directory the trainer saves the synced weights into.")
+
+
+class LoraSync(_Section):
+    """Only the LoRA adapter moves, as tensors or as a saved adapter directory."""
+
+    transport: Literal["lora"] = "lora"
+    source: Literal["tensors", "directory"] = Field("tensors", description="How the adapter reaches the engines.")
+    path: str = Field("checkpoints/adapter", description="Adapter directory when source=directory.")
+
+
+WeightSyncConfig = Annotated[TensorSync | NcclSync | DiskSync | LoraSync, Field(discriminator="transport")]
+TRANSPORTS_WITH_PIPELINE_PARALLEL = ("tensor", "disk")
+
+
 class RunConfig(_Section):
     """One run: rollout fleet, trainer and Ray."""
 
     rollout: RolloutConfig = Field(description="The engine fleet.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The trainer.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray connection.")
+    weight_sync: WeightSyncConfig = Field(default_factory=DiskSync, description="How weights reach the engines.")
+
+    @model_validator(mode="after")
+    def _check_pipeline_weight_path(self) -> RunConfig:
+        transport = self.weight_sync.transport
+        if self.rollout.pp_size > 1 and transport not in TRANSPORTS_WITH_PIPELINE_PARALLEL:
+            raise FieldProblem(
+                f"SGLang cannot take weights over '{transport}' with pp_size={self.rollout.pp_size} "
+                "(its weight-update group ignores the pipeline rank)",
+                f"set weight_sync.transport to one of {list(TRANSPORTS_WITH_PIPELINE_PARALLEL)}, or rollout.pp_size=1",
+                field="weight_sync.transport",
+                value=transport,
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_colocation(self) -> RunConfig:
@@ -240,7 +292,7 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
             node[part] = value
             return
         section = ".".join(parts[: depth + 1])
-        submodel = _submodel(model, part)
+        submodel = _submodel(model, part, node.get(part))
         if submodel is None:
             raise ConfigError(f"override {key}: {section} is a value, not a section (fix: write {section}=VALUE)")
         child = node.setdefault(part, {})
@@ -251,9 +303,21 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         node, model = child, submodel
 
 
-def _submodel(model: type[BaseModel], key: str) -> type[BaseModel] | None:
-    annotation = model.model_fields[key].annotation
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+def _submodel(model: type[BaseModel], key: str, current: Any = None) -> type[BaseModel] | None:
+    """The section model of `key`; for a union of sections (weight_sync), the member its
+    `transport` names (in `current`, the data so far) or else the default's."""
+    field = model.model_fields[key]
+    annotation = field.annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    members = [m for m in get_args(annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
+    if not members:
+        return None
+    chosen = current.get("transport") if isinstance(current, dict) else None
+    for member in members:
+        if member.model_fields["transport"].default == chosen:
+            return member
+    return type(field.get_default(call_default_factory=True))
 
 
 def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -21,6 +22,13 @@ import httpx
 
 class EngineStartError(RuntimeError):
     pass
+
+
+class PortInUse(EngineStartError):
+    """The server lost its port to another process between our pick and its bind: pick again."""
+
+
+PORT_IN_USE_MARKERS = ("address already in use", "errno 98")
 
 
 def free_port() -> int:
@@ -36,6 +44,52 @@ def embedded_argv(model_path: str, port: int, *, host: str = "127.0.0.1", tp_siz
     if api_key:
         argv += ["--api-key", api_key]
     return argv + list(extra or [])
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """Everything one engine server needs that differs between engines of a fleet."""
+
+    port: int
+    base_gpu_id: int = 0
+    host: str = "127.0.0.1"
+    load_format: str = "auto"  # "dummy": start with random weights, restore them afterwards
+
+
+def sglang_argv(rollout, launch: EngineLaunch) -> list[str]:
+    """`python -m sglang.launch_server ...` for one engine of the fleet (one server per dp replica)."""
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", rollout.model_path,
+            "--host", launch.host, "--port", str(launch.port), "--tp-size", str(rollout.tp_size),
+            "--pp-size", str(rollout.pp_size), "--ep-size", str(rollout.ep_size),
+            "--base-gpu-id", str(launch.base_gpu_id), "--load-format", launch.load_format]
+    if rollout.placement == "colocated":
+        argv.append("--enable-memory-saver")  # release/resume of weights and KV cache around training
+    if rollout.api_key:
+        argv += ["--api-key", rollout.api_key]
+    return argv + list(rollout.server_extras)
+
+
+def embedded_fleet_argv(rollout, launch: EngineLaunch) -> list[str]:
+    extra = ["--base-gpu-id", str(launch.base_gpu_id), *rollout.server_extras]
+    return embedded_argv(rollout.model_path, launch.port, host=launch.host, tp_size=rollout.tp_size,
+                         ep_size=rollout.ep_size, load_format=launch.load_format, api_key=rollout.api_key,
+                         extra=extra)
+
+
+# The only place the two backends differ: how their server is started.
+BACKEND_ARGV = {"embedded": embedded_fleet_argv, "sglang": sglang_argv}
+
+
+def engine_argv(rollout, launch: EngineLaunch) -> list[str]:
+    return BACKEND_ARGV[rollout.backend](rollout, launch)
+
+
+def engine_env(gpu_ids: list[str]) -> dict[str, str]:
+    """The server's environment: this process's, with only the engine's GPUs visible."""
+    env = dict(os.environ)
+    if gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+    return env
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
@@ -73,8 +127,10 @@ class EngineProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.is_alive():
-                raise EngineStartError(f"engine exited with code {self.proc.returncode} before it was up; "
-                                       f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+                tail = log_tail(self.log_path)
+                error = PortInUse if any(m in tail.lower() for m in PORT_IN_USE_MARKERS) else EngineStartError
+                raise error(f"engine exited with code {self.proc.returncode} before it was up; "
+                            f"last lines of {self.log_path}:\n{tail}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code in (200, 401):
                     return

@@ -1,0 +1,1 @@
+"""The rollout fleet on Ray: workers per GPU, engine launch, routing."""

@@ -1,0 +1,152 @@
+"""Fleet: lays rollout engines out over GPUs with Ray, starts them, and routes generate requests.
+
+    fleet = Fleet.from_config(cfg)
+    samples = fleet.generate(prompts, n=8)
+    fleet.sleep(); ...train...; fleet.wake()
+    fleet.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import ray
+from rich.progress import Progress
+from transformers import AutoConfig, AutoTokenizer
+
+from rollfleet.config import RunConfig
+from rollfleet.engine.client import EngineClient
+from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, worker_options
+from rollfleet.fleet.router import EngineSlot, Router
+from rollfleet.fleet.workers import RemoteRolloutWorker
+from rollfleet.layout import build_rank_infos, engine_rank_groups, validate_layout
+from rollfleet.sample import Sample
+
+log = logging.getLogger("rollfleet.fleet")
+
+
+def ensure_ray(cfg: RunConfig) -> None:
+    if ray.is_initialized():
+        return
+    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus,
+             _temp_dir=cfg.ray.temp_dir, include_dashboard=False, log_to_driver=False)
+
+
+class Fleet:
+    def __init__(self, cfg: RunConfig, placement_group, workers: list, slots: list[EngineSlot], tokenizer):
+        self.cfg, self.rollout = cfg, cfg.rollout
+        self.placement_group, self.workers, self.slots = placement_group, workers, slots
+        self.tokenizer = tokenizer
+
+    # ---- building -----------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: RunConfig, *, load_format: str = "auto") -> Fleet:
+        rollout = cfg.rollout
+        validate_layout(rollout.world_size, rollout.tp_size, rollout.pp_size, rollout.ep_size,
+                        model_config=AutoConfig.from_pretrained(rollout.model_path),
+                        train_sequence_parallel_size=cfg.trainer.sequence_parallel_size,
+                        colocated=rollout.placement == "colocated")
+        ensure_ray(cfg)
+        ranks = build_rank_infos(rollout.num_engines, rollout.pp_size, rollout.tp_size, rollout.ep_size)
+        group = create_placement_group(rollout)
+        log_dir = str(Path(rollout.log_dir).resolve())
+        workers = [RemoteRolloutWorker.options(**worker_options(group, r.rank, rollout)).remote(r, rollout, log_dir)
+                   for r in ranks]
+        try:
+            placements = ray.get([w.placement.remote() for w in workers])
+            check_engines_on_one_node(ranks, {p["rank"]: p["node_id"] for p in placements})
+            slots = cls._start_engines(ranks, workers, placements, load_format)
+        except BaseException:
+            cls._teardown(workers, group)
+            raise
+        tokenizer = AutoTokenizer.from_pretrained(rollout.model_path)
+        return cls(cfg, group, workers, slots, tokenizer)
+
+    @staticmethod
+    def _start_engines(ranks, workers, placements, load_format) -> list[EngineSlot]:
+        groups = engine_rank_groups(ranks)
+        heads, starts = [], []
+        for engine_id, members in sorted(groups.items()):
+            gpu_ids = [g for m in members for g in placements[m.rank]["gpu_ids"]]
+            head = workers[members[0].rank]
+            heads.append((engine_id, head))
+            starts.append(head.start_engine.remote(gpu_ids, load_format))
+        started = ray.get(starts)  # all engines start in parallel; the first failure raises with its log
+        return [EngineSlot(engine_id, info["url"], head) for (engine_id, head), info in zip(heads, started)]
+
+    @staticmethod
+    def _teardown(workers, group) -> None:
+        ray.get([w.stop_engine.remote() for w in workers], timeout=60)
+        for worker in workers:
+            ray.kill(worker)
+        ray.util.remove_placement_group(group)
+
+    def shutdown(self) -> None:
+        self._teardown(self.workers, self.placement_group)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str] | Sequence[list[int]], *, n: int | None = None,
+                 sampling: dict | None = None, progress: bool = False) -> list[Sample]:
+        """n samples per prompt, in input order (prompt 0's samples, then prompt 1's, ...)."""
+        return asyncio.run(self.agenerate(prompts, n=n, sampling=sampling, progress=progress))
+
+    async def agenerate(self, prompts, *, n: int | None = None, sampling: dict | None = None,
+                        progress: bool = False) -> list[Sample]:
+        params = {**self.rollout.sampling.model_dump(), **(sampling or {})}
+        if n is not None:
+            params["n"] = n
+        prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        clients = {s.engine_id: EngineClient(s.url, api_key=self.rollout.api_key,
+                                             timeout=self.rollout.request_timeout_s) for s in self.slots}
+        router = Router(self.slots, clients)
+        try:
+            with Progress(disable=not progress, transient=True) as bar:
+                task = bar.add_task("generate", total=len(prompt_ids))
+
+                async def one(index: int) -> list[Sample]:
+                    outs, engine_id = await router.generate({"input_ids": prompt_ids[index], "sampling_params":
+                                                             params, "return_logprob": True})
+                    bar.advance(task)
+                    return [_sample(index, k, prompt_ids[index], out, engine_id) for k, out in enumerate(outs)]
+                groups = await asyncio.gather(*(one(i) for i in range(len(prompt_ids))))
+        finally:
+            await asyncio.gather(*(c.close() for c in clients.values()))
+        self.last_retries = router.retries
+        return [sample for group in groups for sample in group]
+
+    # ---- fleet-wide verbs -----------------------------------------------------------------------
+    def sleep(self, tags: list[str] | None = None) -> None:
+        """Release memory on every live engine (SGLang: released weights must be pushed again)."""
+        self._on_all("release_memory_occupation", tags)
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        self._on_all("resume_memory_occupation", tags)
+
+    def update_weights_from_disk(self, path: str, weight_version: str, engine_ids: list[int] | None = None) -> None:
+        self._on_all("update_weights_from_disk", path, weight_version=weight_version, engine_ids=engine_ids)
+
+    def _on_all(self, verb: str, *args, engine_ids: list[int] | None = None, **kwargs) -> list:
+        targets = [s for s in self.slots if s.alive and (engine_ids is None or s.engine_id in engine_ids)]
+
+        async def go():
+            async def call(slot):
+                async with EngineClient(slot.url, api_key=self.rollout.api_key,
+                                        timeout=self.rollout.request_timeout_s) as client:
+                    return await getattr(client, verb)(*args, **kwargs)
+            return await asyncio.gather(*(call(s) for s in targets))
+        return asyncio.run(go())
+
+    def status(self) -> list[dict]:
+        return [{"engine_id": s.engine_id, "url": s.url, "alive": s.alive, "outstanding": s.outstanding}
+                for s in self.slots]
+
+
+def _sample(prompt_index: int, sample_index: int, prompt_ids: list[int], out: dict, engine_id: int) -> Sample:
+    meta = out["meta_info"]
+    return Sample(prompt_index=prompt_index, sample_index=sample_index, prompt_ids=prompt_ids,
+                  output_ids=list(out["output_ids"]), logprobs=[e[0] for e in meta.get("output_token_logprobs", [])],
+                  text=out.get("text", ""), finish_reason=meta["finish_reason"],
+                  weight_version=str(meta.get("weight_version", "")), engine_id=engine_id)

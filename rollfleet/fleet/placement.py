@@ -1,0 +1,57 @@
+"""Placement of rollout workers: one placement-group bundle per GPU, packed within a node.
+
+colocated: trainer and rollout workers share each bundle (each takes a GPU fraction);
+disaggregated: the rollout world has bundles of its own (the trainer makes its own group).
+An engine's GPUs must sit on one node; a layout that splits one is refused before any engine starts.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rollfleet.config import RolloutConfig
+from rollfleet.layout import RankInfo
+
+
+def bundle_resources(rollout: RolloutConfig) -> dict[str, float]:
+    return {"GPU": 1.0, "CPU": 1.0} if rollout.use_gpu else {"CPU": 1.0}
+
+
+def create_placement_group(rollout: RolloutConfig, timeout_s: float = 60.0) -> PlacementGroup:
+    """One bundle per rollout rank (GPU); waits with a timeout that names what is missing."""
+    bundles = [bundle_resources(rollout) for _ in range(rollout.world_size)]
+    group = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(group)
+        needed = {k: v * len(bundles) for k, v in bundles[0].items()}
+        raise RuntimeError(
+            f"Ray could not place {len(bundles)} rollout bundles of {bundles[0]} in {timeout_s:.0f} s: the fleet "
+            f"needs {needed} (num_engines={rollout.num_engines} x tp_size={rollout.tp_size} x "
+            f"pp_size={rollout.pp_size}), the cluster has {ray.cluster_resources()}; add nodes or GPUs, or lower "
+            "rollout.num_engines") from None
+    return group
+
+
+def worker_options(group: PlacementGroup, bundle_index: int, rollout: RolloutConfig) -> dict:
+    return {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index),
+        "num_gpus": rollout.gpus_per_worker if rollout.use_gpu else 0,
+        # CPU-side: colocated workers leave the bundle's CPU to the trainer actor sharing it
+        "num_cpus": 0.5 if rollout.placement == "colocated" else 1.0,
+    }
+
+
+def check_engines_on_one_node(ranks: list[RankInfo], node_of_rank: dict[int, str]) -> None:
+    """Refuse a placement where one engine's ranks landed on different nodes."""
+    split = {}
+    for rank in ranks:
+        split.setdefault(rank.engine_id, set()).add(node_of_rank[rank.rank])
+    bad = {engine: nodes for engine, nodes in split.items() if len(nodes) > 1}
+    if bad:
+        detail = "; ".join(f"engine {e} on nodes {sorted(n)}" for e, n in sorted(bad.items()))
+        raise ValueError(f"an engine's GPUs must be on one node, but Ray placed {detail}: give each node a "
+                         "multiple of tp_size*pp_size GPUs, or lower rollout.tp_size")

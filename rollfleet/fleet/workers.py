@@ -1,0 +1,73 @@
+"""Ray actors of the rollout side: one RolloutWorker per GPU.
+
+The worker with tp_rank 0 and pp_rank 0 (the engine head) starts the engine server with all of its
+engine's GPUs visible (CUDA_VISIBLE_DEVICES set in the server's environment only; the worker's own
+stays as Ray set it) and base_gpu_id 0 relative to that list. Workers with tp_rank > 0 are shells:
+they hold their GPU in the placement group, open no port, start no process, and every rollout
+verb returns at once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+
+from rollfleet.config import RolloutConfig
+from rollfleet.engine.launch import EngineLaunch, EngineProcess, PortInUse, engine_argv, engine_env, free_port
+from rollfleet.layout import RankInfo
+
+PORT_ATTEMPTS = 3
+
+
+class RolloutWorker:
+    def __init__(self, rank: RankInfo, rollout: RolloutConfig, log_dir: str):
+        self.rank, self.rollout, self.log_dir = rank, rollout, Path(log_dir)
+        self.engine: EngineProcess | None = None
+
+    def placement(self) -> dict:
+        """Where Ray put this worker: node and GPU ids (as the worker sees them)."""
+        return {"rank": self.rank.rank, "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def start_engine(self, engine_gpu_ids: list[str], load_format: str = "auto") -> dict | None:
+        """Start this engine's server (heads only) and wait until it answers /health."""
+        if not self.rank.is_engine_head:
+            return None
+        for attempt in range(PORT_ATTEMPTS):
+            port = free_port()
+            log_path = self.log_dir / f"engine-{self.rank.engine_id}.log"
+            argv = engine_argv(self.rollout, EngineLaunch(port=port, host=self.rollout.host, load_format=load_format))
+            self.engine = EngineProcess(argv, port=port, log_path=log_path, env=engine_env(engine_gpu_ids),
+                                        host=self.rollout.host)
+            try:
+                self.engine.wait_until_up(self.rollout.startup_timeout_s)
+                break
+            except PortInUse:
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
+        return {"url": self._url(port), "pid": self.engine.pid, "log": str(log_path)}
+
+    def _url(self, port: int) -> str:
+        host = self.rollout.host
+        if host in ("0.0.0.0", "::"):
+            host = ray.util.get_node_ip_address()
+        return f"http://{host}:{port}"
+
+    def engine_pid(self) -> int | None:
+        return None if self.engine is None else self.engine.pid
+
+    def engine_alive(self) -> bool:
+        return self.engine is not None and self.engine.is_alive()
+
+    def engine_exit_code(self) -> int | None:
+        return None if self.engine is None else self.engine.proc.poll()
+
+    def stop_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+
+RemoteRolloutWorker = ray.remote(RolloutWorker)

@@ -1,0 +1,71 @@
+"""The argv and environment each backend's engine server gets (SGLang cannot run here)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from rollfleet.config import ConfigError, load_config
+from rollfleet.engine.launch import EngineLaunch, engine_argv, engine_env
+
+
+def rollout(*overrides):
+    return load_config(None, ["rollout.model_path=/models/m", *overrides]).rollout
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("tp, pp, ep, dp", [(1, 1, 1, 1), (2, 1, 1, 4), (4, 1, 2, 2), (2, 2, 1, 2), (8, 2, 8, 1)])
+def test_sglang_argv_carries_the_engine_shape(tp, pp, ep, dp):
+    cfg = rollout("rollout.backend=sglang", f"rollout.tp_size={tp}", f"rollout.pp_size={pp}",
+                  f"rollout.ep_size={ep}", f"rollout.num_engines={dp}")
+    argv = engine_argv(cfg, EngineLaunch(port=31234, base_gpu_id=0, load_format="dummy"))
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert (flag(argv, "--tp-size"), flag(argv, "--pp-size"), flag(argv, "--ep-size")) == (str(tp), str(pp), str(ep))
+    assert flag(argv, "--port") == "31234" and flag(argv, "--host") == "127.0.0.1"
+    assert flag(argv, "--base-gpu-id") == "0" and flag(argv, "--load-format") == "dummy"
+    assert flag(argv, "--model-path") == "/models/m"
+    assert "--dp-size" not in argv  # one server per data-parallel replica
+    assert "--enable-memory-saver" not in argv and "--api-key" not in argv
+
+
+def test_sglang_colocated_key_and_extras():
+    cfg = rollout("rollout.backend=sglang", "rollout.placement=colocated", "rollout.api_key=k",
+                  "rollout.server_extras=['--mem-fraction-static', '0.6']")
+    argv = engine_argv(cfg, EngineLaunch(port=1, host="0.0.0.0"))
+    assert "--enable-memory-saver" in argv and flag(argv, "--api-key") == "k"
+    assert argv[-2:] == ["--mem-fraction-static", "0.6"] and flag(argv, "--host") == "0.0.0.0"
+
+
+def test_embedded_and_sglang_differ_only_in_the_program():
+    base = ["rollout.tp_size=2", "rollout.ep_size=2"]
+    embedded = engine_argv(rollout(*base), EngineLaunch(port=5))
+    sglang = engine_argv(rollout("rollout.backend=sglang", *base), EngineLaunch(port=5))
+    assert embedded[:3] == [sys.executable, "-m", "rollfleet.engine.server"]
+    for name in ("--model-path", "--host", "--port", "--tp-size", "--ep-size", "--load-format", "--base-gpu-id"):
+        assert flag(embedded, name) == flag(sglang, name), name
+
+
+def test_engine_env_exposes_only_the_engine_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert engine_env(["2", "3"])["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert engine_env([])["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_embedded_backend_refuses_pipeline_parallel():
+    with pytest.raises(ConfigError) as err:
+        rollout("rollout.pp_size=2")
+    assert "rollout.pp_size=2" in str(err.value) and "backend=sglang" in str(err.value)
+
+
+def test_nccl_with_pipeline_parallel_is_refused_naming_working_transports():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2",
+                           "weight_sync.transport=nccl"])
+    assert "weight_sync.transport='nccl'" in str(err.value) and "'tensor', 'disk'" in str(err.value)
+    for transport in ("tensor", "disk"):
+        load_config(None, ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2",
+                           f"weight_sync.transport={transport}"])
