@@ -71,6 +71,18 @@ def test_colocated_workers_share_a_gpu_with_a_trainer_actor(local_ray, qwen3_dir
         ray.util.remove_placement_group(group)
 
 
+def test_sglang_pipeline_layout_reaches_launch_and_a_failed_start_reports_the_log(local_ray, qwen3_dir, tmp_path):
+    """SGLang cannot run here: the fleet lays out tp=1 x pp=2, the head launches sglang.launch_server
+    with both GPUs visible, and the start failure carries the server log's last lines."""
+    cfg = config(qwen3_dir, tmp_path, "rollout.backend=sglang", "rollout.pp_size=2", "rollout.startup_timeout_s=60")
+    with pytest.raises(ray.exceptions.RayTaskError) as err:
+        Fleet.from_config(cfg)
+    message = str(err.value)
+    assert "EngineStartError" in message and "before it was up" in message
+    assert "No module named 'sglang'" in message  # the tail of logs/engine-0.log
+    assert (tmp_path / "engine-0.log").exists() and not (tmp_path / "engine-1.log").exists()
+
+
 @pytest.fixture(scope="module")
 def fleet(local_ray, qwen3_dir, tmp_path_factory):
     fleet = Fleet.from_config(config(qwen3_dir, tmp_path_factory.mktemp("logs"), "rollout.tp_size=2",

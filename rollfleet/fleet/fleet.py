@@ -48,7 +48,8 @@ class Fleet:
         validate_layout(rollout.world_size, rollout.tp_size, rollout.pp_size, rollout.ep_size,
                         model_config=AutoConfig.from_pretrained(rollout.model_path),
                         train_sequence_parallel_size=cfg.trainer.sequence_parallel_size,
-                        colocated=rollout.placement == "colocated")
+                        colocated=rollout.placement == "colocated",
+                        allow_kv_head_replication=rollout.backend == "sglang")
         ensure_ray(cfg)
         ranks = build_rank_infos(rollout.num_engines, rollout.pp_size, rollout.tp_size, rollout.ep_size)
         group = create_placement_group(rollout)
