@@ -112,3 +112,18 @@ def test_retract_mode_is_refused_with_a_message(server):
     with pytest.raises(EngineError) as err:
         run(go())
     assert err.value.status_code == 400 and "in_place" in err.value.message
+
+
+def test_client_timeout_raises_engine_timeout(server):
+    from rollfleet.engine.client import EngineClient, EngineTimeout
+
+    async def go():
+        async with EngineClient(server.url, timeout=0.05) as client:
+            await client.generate(input_ids=[1, 2, 3], sampling_params=LONG, rid="slow")
+    with pytest.raises(EngineTimeout):
+        run(go())
+
+    async def clean_up():
+        async with client_for(server) as client:
+            await client.abort_request("slow")
+    run(clean_up())
