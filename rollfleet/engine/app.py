@@ -16,12 +16,16 @@ from pydantic import ValidationError
 
 from rollfleet.engine.protocol import (
     AbortRequest,
+    DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     GetWeightsByNameRequest,
+    InitWeightsUpdateGroupRequest,
     MemoryRequest,
     PauseGenerationRequest,
     SamplingParams,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
 )
 from rollfleet.engine.runner import WeightUpdateError
@@ -184,6 +188,51 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
         except BadRequest as exc:
             return JSONResponse({"success": False, "message": exc.message, "num_paused_requests": 0}, 400)
         return {"success": True, "message": f"loaded weights from {req.model_path}", "num_paused_requests": 0}
+
+    def update_then_set_version(action: str, weight_version: str | None, **kwargs):
+        def run():
+            run_action(action, **kwargs)
+            if weight_version is not None:
+                scheduler.weight_version = weight_version
+        return run
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest):
+        count = len(req.serialized_named_tensors)
+        if count != args.tp_size:
+            raise BadRequest(f"serialized_named_tensors has {count} entries, this engine has tp_size={args.tp_size}: "
+                             "give one payload per tp rank (rank i reads entry i)")
+        # The entries are small (shared-memory / CUDA IPC handles): every rank gets the whole list and
+        # decodes only its own entry.
+        await control(update_then_set_version("update_weights_from_tensor", req.weight_version,
+                                              serialized_named_tensors=req.serialized_named_tensors,
+                                              load_format=req.load_format),
+                      abort_first=req.abort_all_requests)
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(req: InitWeightsUpdateGroupRequest):
+        # Blocks the engine thread (not HTTP) until every rank joined or timeout_s passed; it needs no
+        # idle engine, so a running batch pauses for the join at most.
+        await control(lambda: run_action("init_weights_update_group", master_address=req.master_address,
+                                         master_port=req.master_port, rank_offset=req.rank_offset,
+                                         world_size=req.world_size, group_name=req.group_name,
+                                         backend=req.backend, timeout_s=req.timeout_s), needs_idle=False)
+        return {"success": True, "message": f"joined weight update group {req.group_name!r}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest):
+        await control(update_then_set_version("update_weights_from_distributed", req.weight_version,
+                                              names=req.names, dtypes=req.dtypes, shapes=req.shapes,
+                                              group_name=req.group_name, load_format=req.load_format),
+                      abort_first=req.abort_all_requests)
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupRequest):
+        await control(lambda: run_action("destroy_weights_update_group", group_name=req.group_name),
+                      needs_idle=False)
+        return {"success": True, "message": f"destroyed weight update group {req.group_name!r}"}
 
     @app.post("/update_weight_version")
     async def update_weight_version(req: UpdateWeightVersionRequest):

@@ -116,6 +116,46 @@ class EngineClient:
             payload["weight_version"] = weight_version
         return await self._call("POST", "/update_weights_from_disk", payload)
 
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
+                                         weight_version: str | None = None, flush_cache: bool = True,
+                                         abort_all_requests: bool = False) -> dict:
+        """One payload per tp rank, each from its own `rollfleet.weights.serialize.serialize` call (never
+        the same string for several ranks); load_format None, "direct" or "flattened_bucket". The sender
+        keeps its tensors alive until this returns."""
+        payload = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+                   "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._call("POST", "/update_weights_from_tensor", payload)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, *, group_name: str = "weight_update_group",
+                                        backend: str = "nccl", timeout_s: float | None = None) -> dict:
+        """Blocks until every engine rank joined; group rank 0 (the caller's sender) must join meanwhile.
+        `timeout_s` is a rollfleet extension (the embedded engine's default is 60 s); SGLang ignores it."""
+        payload = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                   "world_size": world_size, "group_name": group_name, "backend": backend}
+        if timeout_s is None:
+            return await self._call("POST", "/init_weights_update_group", payload)
+        return await self._call("POST", "/init_weights_update_group", {**payload, "timeout_s": timeout_s},
+                                timeout=max(self._http.timeout.read or 0, timeout_s + 30))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                              group_name: str = "weight_update_group", load_format: str | None = None,
+                                              weight_version: str | None = None, flush_cache: bool = True,
+                                              abort_all_requests: bool = False) -> dict:
+        """Announce the broadcasts the sender makes now (dtypes by name: "bfloat16"; see
+        rollfleet.weights.buckets.dtype_name). load_format None: one broadcast per tensor;
+        "flattened_bucket": one uint8 broadcast of all their bytes, in order."""
+        payload = {"names": names, "dtypes": dtypes, "shapes": [list(s) for s in shapes], "group_name": group_name,
+                   "load_format": load_format, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._call("POST", "/update_weights_from_distributed", payload)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
         return await self._call("POST", "/update_weight_version",
                                 {"new_version": new_version, "abort_all_requests": abort_all_requests})

@@ -79,6 +79,40 @@ class UpdateWeightsFromDiskRequest(_Lenient):
     flush_cache: bool = True
 
 
+class UpdateWeightsFromTensorRequest(_Lenient):
+    serialized_named_tensors: list[str]  # one base64 payload per tp rank (rollfleet.weights.serialize)
+    load_format: Literal["direct", "flattened_bucket"] | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class InitWeightsUpdateGroupRequest(_Lenient):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+    timeout_s: float = Field(60.0, gt=0, description="rollfleet extension: give up joining after this long; "
+                             "also the longest wait for each later broadcast in this group")
+
+
+class UpdateWeightsFromDistributedRequest(_Lenient):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: Literal["flattened_bucket"] | None = None
+
+
+class DestroyWeightsUpdateGroupRequest(_Lenient):
+    group_name: str = "weight_update_group"
+
+
 class UpdateWeightVersionRequest(_Lenient):
     new_version: str
     abort_all_requests: bool = False

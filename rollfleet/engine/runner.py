@@ -8,10 +8,16 @@ use collectives (weight updates, full tensors, fingerprints) rely on that.
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
 import os
 import shutil
 import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,9 +27,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.distributed import DistributedConfig
 
+from rollfleet.weights.buckets import Bucket, dtype_from_name, view_bytes_as
+from rollfleet.weights.group import join_weight_update_group
 from rollfleet.weights.naming import checkpoint_to_model, model_to_checkpoint
+from rollfleet.weights.serialize import safe_loads
 
+log = logging.getLogger("rollfleet.engine")
 WEIGHT_TAG, KV_CACHE_TAG = "weights", "kv_cache"
+WEIGHT_GROUP_BACKENDS = ("nccl", "gloo")
 
 
 class WeightUpdateError(ValueError):
@@ -63,6 +74,70 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param.data
 
 
+@dataclass
+class WeightGroup:
+    """A joined weight-update group: broadcasts from its rank 0 arrive on `device`."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _named_tensors(payload: Any, load_format: str | None) -> dict[str, torch.Tensor]:
+    """One rank's decoded `/update_weights_from_tensor` payload -> checkpoint name -> full tensor.
+
+    null / "direct": a list of (name, tensor) pairs. "flattened_bucket": one bucket payload
+    `{"flattened_tensor", "metadata"}` or a list of them.
+    """
+    if load_format == "flattened_bucket":
+        payloads = payload if isinstance(payload, (list, tuple)) else [payload]
+        try:
+            pairs = [pair for item in payloads for pair in Bucket.from_payload(item).unpack().items()]
+        except ValueError as exc:
+            raise WeightUpdateError(f"weight update refused, nothing changed: {exc}") from exc
+    else:
+        if not isinstance(payload, (list, tuple)) or not all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) for p in payload):
+            raise WeightUpdateError(f"load_format={load_format!r} expects a list of (name, tensor) pairs, got "
+                                    f"{type(payload).__name__}; bucket payloads need load_format='flattened_bucket'")
+        pairs = list(payload)
+    not_tensors = sorted(name for name, tensor in pairs if not isinstance(tensor, torch.Tensor))
+    if not_tensors:
+        raise WeightUpdateError(f"weight update refused, nothing changed: not tensors: {', '.join(not_tensors[:10])}")
+    tensors = dict(pairs)
+    if len(tensors) != len(pairs):
+        twice = sorted(name for name, count in Counter(name for name, _ in pairs).items() if count > 1)
+        raise WeightUpdateError(f"weight update refused, nothing changed: names sent twice: {', '.join(twice[:10])}")
+    return tensors
+
+
+def _parse_specs(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[tuple[str, torch.dtype, tuple]]:
+    """(name, dtype, shape) per tensor of a distributed update; WeightUpdateError when the metadata
+    cannot say how many bytes the sender broadcasts."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise WeightUpdateError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must have "
+                                "the same length; nothing was received, so the sender's broadcast is left waiting "
+                                "until the group times out: destroy the group and init a new one")
+    specs = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        try:
+            dtype = dtype_from_name(dtype)
+        except ValueError as exc:
+            raise WeightUpdateError(f"{name}: {exc}; nothing was received, so the sender's broadcast is left "
+                                    "waiting until the group times out: destroy the group and init a new one") from exc
+        if any(d < 0 for d in shape):
+            raise WeightUpdateError(f"{name}: shape {shape} has a negative size; nothing was received, so the sender's "
+                                    "broadcast is left waiting until the group times out")
+        specs.append((name, dtype, tuple(shape)))
+    return specs
+
+
 class ModelRunner:
     def __init__(self, model_path: str, *, tp_size: int = 1, ep_size: int = 1, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, dummy: bool = False, group=None, seed: int = 0):
@@ -75,6 +150,11 @@ class ModelRunner:
         self._own_storages()
         self._storages = self._unique_storages()
         self.cache: DynamicCache | None = None
+        self.weight_groups: dict[str, WeightGroup] = {}
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.group) if self.group is not None else 0
 
     # ---- loading -------------------------------------------------------------------------
     def _distributed_config(self) -> DistributedConfig | None:
@@ -192,6 +272,84 @@ class ModelRunner:
     def update_weights(self, tensors: dict[str, torch.Tensor], complete: bool = False) -> None:
         self._update(lambda: (tensors, complete))
 
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None) -> None:
+        """Every rank decodes its own entry, `serialized_named_tensors[tp_rank]` (SGLang's rule)."""
+        def decode():
+            entry = serialized_named_tensors[self.tp_rank]
+            try:
+                payload = safe_loads(entry)
+            except Exception as exc:  # untrusted bytes: every failure to rebuild them is the sender's, reported
+                raise WeightUpdateError(f"serialized_named_tensors[{self.tp_rank}] cannot be read: "
+                                        f"{type(exc).__name__}: {_first_line(exc)}") from exc
+            return _named_tensors(payload, load_format), False
+        self._update(decode)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, load_format: str | None = None) -> None:
+        """Receive full tensors broadcast by rank 0 of a weight-update group, then load them all or nothing.
+
+        Wire contract (SGLang's, python/sglang/srt/model_executor/model_runner.py):
+          - load_format None: one broadcast per tensor, in `names` order, each a tensor of exactly
+            `shapes[i]` and `dtypes[i]`.
+          - load_format "flattened_bucket": ONE broadcast for the whole call: a 1-D uint8 tensor of
+            sum(numel_i * itemsize_i) bytes holding each tensor's bytes back to back, in `names`
+            order, no padding (current SGLang's FlattenedTensorBucket, `supports_multi_dtypes`). A
+            rollfleet bucket is one dtype, so its sender broadcasts
+            `bucket.flattened_tensor.view(torch.uint8)` with one call per bucket; byte for byte this
+            is also the element-typed bucket older SGLang broadcast.
+        Names, shapes and dtypes are checked against the model BEFORE receiving. A refused update
+        still receives (and drops) every broadcast the metadata announces, so the sender's
+        broadcasts complete and the group stays usable; then every rank refuses and nothing
+        changes. Only a request that cannot say what the sender broadcasts (lists of different
+        lengths, an unknown dtype name, a negative size, a group this engine has not joined) is
+        refused without receiving: the sender then waits until its group's timeout, and the group
+        must be destroyed and made again.
+        """
+        def receive():
+            group = self.weight_groups.get(group_name)
+            if group is None:
+                raise WeightUpdateError(f"no weight update group {group_name!r} on this engine (have "
+                                        f"{sorted(self.weight_groups)}): call /init_weights_update_group first")
+            specs = _parse_specs(names, dtypes, shapes)
+            if load_format == "flattened_bucket" and not specs:
+                raise WeightUpdateError("load_format='flattened_bucket' with no tensors: nothing was received")
+            try:
+                self._check({name: torch.empty(shape, dtype=dtype, device="meta") for name, dtype, shape in specs},
+                            complete=False)
+                duplicates = sorted(name for name, count in Counter(names).items() if count > 1)
+                if duplicates:
+                    raise WeightUpdateError(f"weight update refused, nothing changed: names sent twice: "
+                                            f"{', '.join(duplicates[:10])}")
+                refusal = None
+            except WeightUpdateError as exc:
+                refusal = exc
+            tensors = self._receive(group, group_name, specs, load_format)
+            if refusal is not None:
+                raise WeightUpdateError(f"{refusal} (the broadcast was received and dropped)")
+            return tensors, False
+        self._update(receive)
+
+    def _receive(self, group: WeightGroup, group_name: str, specs, load_format: str | None) -> dict[str, torch.Tensor]:
+        try:
+            if load_format == "flattened_bucket":
+                sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
+                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
+                dist.broadcast(flat, group=group.group, group_src=0)
+                tensors, offset = {}, 0
+                for (name, dtype, shape), size in zip(specs, sizes):
+                    tensors[name] = view_bytes_as(flat[offset:offset + size], dtype).view(shape)
+                    offset += size
+                return tensors
+            tensors = {}
+            for name, dtype, shape in specs:
+                tensors[name] = torch.empty(shape, dtype=dtype, device=group.device)
+                dist.broadcast(tensors[name], group=group.group, group_src=0)
+            return tensors
+        except RuntimeError as exc:  # a broadcast that timed out or lost a peer (DistBackendError)
+            raise WeightUpdateError(f"receiving from weight update group {group_name!r} failed, nothing changed: "
+                                    f"{_first_line(exc)}; the group may be unusable now: destroy it and init a new "
+                                    "one") from exc
+
     def _update(self, produce) -> None:
         try:
             tensors, complete = produce()
@@ -206,8 +364,8 @@ class ModelRunner:
                 target.copy_(value)
         self.loaded_names |= set(tensors)
 
-    def _stage(self, tensors: dict[str, torch.Tensor], complete: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Check every name, shape and dtype, then build each local shard; no parameter changes here."""
+    def _check(self, tensors: dict[str, torch.Tensor], complete: bool) -> dict[str, torch.Tensor]:
+        """Check every name, shape and dtype and fuse into in-memory names; works on meta tensors too."""
         if any(storage.nbytes() == 0 for storage, _ in self._storages):
             raise WeightUpdateError("weights are released: call /resume_memory_occupation with tags "
                                     "['weights'] before pushing weights")
@@ -226,18 +384,71 @@ class ModelRunner:
             converted = checkpoint_to_model(self.model, tensors)
         except ValueError as exc:
             raise WeightUpdateError(f"weight update refused, nothing changed: {exc}") from exc
-        staged = []
         for name, full in converted.items():
             param = self.params.get(name)
             if param is None or tuple(full.shape) != tuple(param.shape):
                 expected = None if param is None else tuple(param.shape)
                 raise WeightUpdateError(f"weight update refused, nothing changed: {name} built with shape "
                                         f"{tuple(full.shape)}, the model holds {expected} (incomplete expert group?)")
+        return converted
+
+    def _stage(self, tensors: dict[str, torch.Tensor], complete: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Check, then build each local shard; no parameter changes here."""
+        staged = []
+        for name, full in self._check(tensors, complete).items():
+            param = self.params[name]
             full = full.to(device=_local(param).device, dtype=param.dtype)
             if isinstance(param, DTensor):
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
             staged.append((_local(param), full))
         return staged
+
+    # ---- weight-update groups (lockstep) ----------------------------------------------------
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str, timeout_s: float) -> None:
+        """Join group `group_name` as rank `rank_offset + tp_rank`, on every rank or on none."""
+        ranks = list(range(rank_offset, rank_offset + self.tp_size))
+        where = (f"weight update group {group_name!r} at tcp://{master_address}:{master_port} "
+                 f"(world_size={world_size}, this engine's ranks {ranks})")
+        error, joined = None, None
+        if group_name in self.weight_groups:
+            error = f"{where} is already initialized: call /destroy_weights_update_group first"
+        elif rank_offset < 1 or rank_offset + self.tp_size > world_size:
+            error = (f"{where}: the engine's ranks must lie in 1..world_size-1 (rank 0 is the sender): "
+                     f"give rank_offset >= 1 and world_size >= rank_offset + tp_size ({self.tp_size})")
+        elif backend not in WEIGHT_GROUP_BACKENDS:
+            error = f"{where}: backend={backend!r}: use one of {list(WEIGHT_GROUP_BACKENDS)}"
+        else:
+            if backend == "nccl" and self.device.type == "cpu":
+                log.warning("weight update group %r: backend 'nccl' on a CPU engine, using 'gloo' (the sender "
+                            "must use gloo too)", group_name)
+                backend = "gloo"
+            rank = rank_offset + self.tp_rank
+            try:
+                joined = join_weight_update_group(master_address, master_port, rank, world_size, group_name,
+                                                  backend, timedelta(seconds=timeout_s))
+            except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError on timeout
+                error = f"rank {rank}: {_first_line(exc)}"
+            else:
+                device = self.device if backend == "nccl" else torch.device("cpu")
+                self.weight_groups[group_name] = WeightGroup(joined, rank, world_size, device)
+        errors = self._gather(error)
+        if any(errors):
+            if joined is not None:  # another rank failed: leave no half-joined group behind
+                self.weight_groups.pop(group_name)
+                dist.destroy_process_group(joined)
+            reasons = "; ".join(sorted({e for e in errors if e}))
+            if all(e is None or e.startswith("rank ") for e in errors):
+                raise WeightUpdateError(f"could not join {where} within {timeout_s:g} s; group rank 0 (the sender) "
+                                        f"must join at the same time: {reasons}")
+            raise WeightUpdateError(reasons)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        group = self.weight_groups.pop(group_name, None)
+        if group is None:
+            raise WeightUpdateError(f"no weight update group {group_name!r} on this engine (have "
+                                    f"{sorted(self.weight_groups)})")
+        dist.destroy_process_group(group.group)
 
     def _gather(self, value):
         if self.group is None:

@@ -1,0 +1,187 @@
+"""Flattened buckets (SGLang's "flattened_bucket" format) and the allowlisted tensor pickles."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import pickle
+import subprocess
+import sys
+import types
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollfleet.weights.buckets import (
+    Bucket,
+    FlattenedTensorMetadata,
+    dtype_from_name,
+    dtype_name,
+    iter_buckets,
+)
+from rollfleet.weights.serialize import safe_loads, serialize
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    return torch.randint(0, 200, shape, generator=generator).to(dtype)
+
+
+named_tensor_lists = st.lists(
+    st.tuples(st.lists(st.integers(0, 6), min_size=0, max_size=3), st.sampled_from(DTYPES)),
+    min_size=1, max_size=12,
+).map(lambda specs: [(f"w{i}", random_tensor(tuple(shape), dtype, i)) for i, (shape, dtype) in enumerate(specs)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(named=named_tensor_lists, bucket_bytes=st.integers(1, 400))
+def test_buckets_round_trip_exactly_one_dtype_each_within_the_limit(named, bucket_bytes):
+    buckets = list(iter_buckets(iter(named), bucket_bytes))
+    seen: dict[str, torch.Tensor] = {}
+    for bucket in buckets:
+        assert bucket.flattened_tensor.dim() == 1
+        assert {m.dtype for m in bucket.metadata} == {bucket.dtype}
+        if len(bucket.metadata) > 1:
+            assert bucket.nbytes <= bucket_bytes
+        else:  # alone: it fits, or it is the one tensor larger than the limit
+            assert bucket.nbytes <= bucket_bytes or bucket.metadata[0].numel * bucket.dtype.itemsize > bucket_bytes
+        for meta in bucket.metadata:
+            assert meta.end_idx - meta.start_idx == meta.numel == math.prod(meta.shape)
+        seen.update(bucket.unpack())
+    assert list(sorted(seen)) == sorted(name for name, _ in named)
+    for name, tensor in named:
+        assert seen[name].dtype == tensor.dtype and seen[name].shape == tensor.shape
+        assert torch.equal(seen[name], tensor)
+    position = {name: i for i, (name, _) in enumerate(named)}
+    for bucket in buckets:  # input order inside each bucket
+        assert [position[n] for n in bucket.names] == sorted(position[n] for n in bucket.names)
+
+
+def test_oversize_tensor_gets_its_own_bucket_and_others_keep_filling():
+    small = [(f"s{i}", torch.ones(4)) for i in range(3)]  # 16 bytes each
+    named = [small[0], ("big", torch.ones(100)), small[1], small[2]]
+    buckets = list(iter_buckets(named, bucket_bytes=32))
+    assert [b.names for b in buckets] == [["big"], ["s0", "s1"], ["s2"]]
+
+
+def test_unpack_gives_views_into_the_flat_tensor():
+    bucket = Bucket.pack([("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.ones(2))])
+    out = bucket.unpack()
+    assert out["a"].shape == (2, 3) and out["a"].data_ptr() == bucket.flattened_tensor.data_ptr()
+    bucket.flattened_tensor[0] = 42
+    assert out["a"][0, 0] == 42
+
+
+def test_a_bucket_holds_one_dtype():
+    with pytest.raises(ValueError, match="one dtype"):
+        Bucket.pack([("a", torch.ones(2)), ("b", torch.ones(2, dtype=torch.bfloat16))])
+
+
+def test_uint8_buckets_of_newer_sglang_are_read_by_bytes():
+    """Newer SGLang packs mixed dtypes as bytes: start/end/numel count bytes of a uint8 tensor."""
+    a, b = torch.randn(3).to(torch.bfloat16), torch.randn(2, 2)
+    flat = torch.cat([a.view(torch.uint8), b.reshape(-1).view(torch.uint8)])
+    records = [types.SimpleNamespace(name="a", shape=torch.Size([3]), dtype=torch.bfloat16, start_idx=0, end_idx=6,
+                                     numel=6),
+               {"name": "b", "shape": [2, 2], "dtype": "float32", "start_idx": 6, "end_idx": 22, "numel": 16}]
+    out = Bucket.from_payload({"flattened_tensor": flat, "metadata": records}).unpack()
+    assert torch.equal(out["a"], a) and torch.equal(out["b"], b)  # b starts at byte 6: copied to align
+
+
+def test_inconsistent_metadata_is_refused_with_the_tensor_name():
+    bucket = Bucket.pack([("a", torch.ones(4)), ("b", torch.ones(2))])
+    bad = Bucket(bucket.flattened_tensor, [bucket.metadata[0],
+                                           FlattenedTensorMetadata("b", (3,), torch.float32, 4, 7, 3)])
+    with pytest.raises(ValueError, match="b: start_idx=4, end_idx=7"):
+        bad.unpack()
+    with pytest.raises(ValueError, match="has no 'numel'"):
+        Bucket.from_payload({"flattened_tensor": torch.ones(1), "metadata": [{"name": "a", "shape": [1],
+                                                                              "dtype": "float32", "start_idx": 0,
+                                                                              "end_idx": 1}]})
+
+
+def test_dtype_names():
+    assert dtype_from_name("bfloat16") is torch.bfloat16 and dtype_name(torch.float32) == "float32"
+    assert dtype_from_name(torch.float16) is torch.float16
+    with pytest.raises(ValueError, match="'torch.bfloat16' is not known"):
+        dtype_from_name("torch.bfloat16")  # SGLang does getattr(torch, name): the bare name only
+
+
+# ---- serialize ---------------------------------------------------------------------------------
+READ_IN_OTHER_PROCESS = """
+import sys
+from rollfleet.weights.buckets import Bucket
+from rollfleet.weights.serialize import safe_loads
+payload = safe_loads(sys.stdin.read())
+tensors = Bucket.from_payload(payload).unpack()
+tensors["w"][0, 0] = -1.0  # shared memory: the sender sees this write
+print(sorted(tensors), float(tensors["w"].sum()))
+"""
+
+
+def test_a_bucket_payload_crosses_to_an_unrelated_process_through_shared_memory():
+    w = torch.arange(12.0).reshape(3, 4)
+    bucket = Bucket.pack([("w", w), ("v", torch.ones(5))])
+    out = subprocess.run([sys.executable, "-c", READ_IN_OTHER_PROCESS], input=serialize(bucket.to_payload()),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    expected_sum = float(w.sum()) - 1.0  # w[0, 0] was 0.0
+    assert out.stdout.split() == ["['v',", "'w']", str(expected_sum)]
+    assert bucket.flattened_tensor[0] == -1.0
+
+
+class RunsAShellCommand:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/rollfleet-should-not-exist",))
+
+
+def test_safe_loads_refuses_globals_outside_the_allowlist():
+    with pytest.raises(pickle.UnpicklingError, match=r"refused global '(posix|os)\.system'"):
+        safe_loads(pickle.dumps(RunsAShellCommand()))
+    with pytest.raises(pickle.UnpicklingError, match="refused global 'builtins.eval'"):
+        safe_loads(b"cbuiltins\neval\n(S'1+1'\ntR.")
+    with pytest.raises(ValueError, match="not valid base64"):
+        safe_loads("not base64 !!")
+    assert not os.path.exists("/tmp/rollfleet-should-not-exist")
+
+
+def test_safe_loads_refuses_setting_attributes_on_allowed_classes():
+    # GLOBAL torch.storage.TypedStorage, then BUILD with slot state {'pwned': 1}: setattr on the class
+    with pytest.raises(pickle.UnpicklingError, match="refused to set state"):
+        safe_loads(b"ctorch.storage\nTypedStorage\n(N(dS'pwned'\nI1\nstb.")
+    assert not hasattr(torch.TypedStorage, "pwned")
+
+
+def test_sglang_pickled_metadata_records_are_read(monkeypatch):
+    """A sender using SGLang's own FlattenedTensorMetadata dataclass pickles that class by name."""
+    module = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+
+    @dataclasses.dataclass
+    class FlattenedTensorMetadata:  # the fields of SGLang's dataclass, under its module name
+        name: str
+        shape: torch.Size
+        dtype: torch.dtype
+        start_idx: int
+        end_idx: int
+        numel: int
+    FlattenedTensorMetadata.__module__ = module.__name__
+    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
+    module.FlattenedTensorMetadata = FlattenedTensorMetadata
+    for name in ["sglang", "sglang.srt", "sglang.srt.weight_sync", module.__name__]:
+        monkeypatch.setitem(sys.modules, name, module if name == module.__name__ else types.ModuleType(name))
+    t = torch.randn(2, 3)
+    record = FlattenedTensorMetadata(name="t", shape=t.shape, dtype=t.dtype, start_idx=0, end_idx=6, numel=6)
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump({"flattened_tensor": t.reshape(-1), "metadata": [record]})
+    monkeypatch.delitem(sys.modules, module.__name__)  # the engine has no SGLang installed
+    out = Bucket.from_payload(safe_loads(buffer.getvalue())).unpack()
+    assert torch.equal(out["t"], t)

@@ -1,0 +1,259 @@
+"""Weight sync into real engine processes, driven the way a sender written for SGLang drives it.
+
+Tensor route: per-rank payloads of flattened buckets pickled with ForkingPickler (CPU shared
+memory). Distributed route: this test process is group rank 0, joins with SGLang's own recipe
+(rendezvous + PrefixStore + `_new_process_group_helper`, gloo) while the engine joins over HTTP,
+and broadcasts what the HTTP call announces. After a sync, greedy tokens equal a plain forward
+pass of the new checkpoint and every rank's shards equal those of a server started from it;
+refused updates change nothing and leave the group usable.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+from conftest import call, reference_greedy
+from rollfleet.engine.client import EngineError
+from rollfleet.engine.launch import EngineProcess, embedded_argv, free_port
+from rollfleet.weights.buckets import dtype_name, iter_buckets
+from rollfleet.weights.serialize import serialize
+
+PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7]]
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+BUCKET_BYTES = 48 * 1024  # the tiny models then need several buckets, one of them oversize
+
+
+@pytest.fixture(scope="module")
+def servers(qwen3_dir, qwen3_dir_b, moe_dir, tmp_path_factory):
+    """Targets start from dummy (qwen3) or other (MoE) weights; refs start from qwen3_dir_b."""
+    logs = tmp_path_factory.mktemp("logs")
+    plan = {"tp1": (qwen3_dir, {"load_format": "dummy"}), "tp2": (qwen3_dir, {"tp_size": 2, "load_format": "dummy"}),
+            "ref1": (qwen3_dir_b, {}), "ref2": (qwen3_dir_b, {"tp_size": 2}),
+            "moe": (moe_dir, {"tp_size": 2, "ep_size": 2})}
+    procs = {}
+    try:
+        for key, (path, kwargs) in plan.items():  # start all, then wait: the loads overlap
+            port = free_port()
+            procs[key] = EngineProcess(embedded_argv(path, port, **kwargs), port=port, log_path=logs / f"{key}.log")
+        for proc in procs.values():
+            proc.wait_until_up(timeout=180)
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def tp_of(key: str) -> int:
+    return 2 if key in ("tp2", "moe") else 1
+
+
+def greedy(proc) -> list[list[int]]:
+    return [o["output_ids"] for o in call(proc, "generate", input_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+def expected(model_dir) -> list[list[int]]:
+    return [reference_greedy(model_dir, prompt, GREEDY["max_new_tokens"])[0] for prompt in PROMPTS]
+
+
+def checkpoint(path) -> dict[str, torch.Tensor]:
+    return load_file(f"{path}/model.safetensors")
+
+
+def state(proc) -> tuple:
+    return call(proc, "shard_fingerprints"), call(proc, "get_model_info")["weight_version"]
+
+
+def push_tensors(proc, tp: int, buckets, **kwargs):
+    """One call: every rank gets its own payload (its own shared-memory handles) of all the buckets."""
+    payloads = [serialize([b.to_payload() for b in buckets]) for _ in range(tp)]
+    return call(proc, "update_weights_from_tensor", payloads, load_format="flattened_bucket", **kwargs)
+
+
+# ---- tensor route ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["tp1", "tp2"])
+def test_tensor_route_flattened_buckets_give_the_new_checkpoint(servers, key, qwen3_dir, qwen3_dir_b):
+    engine, tp = servers[key], tp_of(key)
+    call(engine, "update_weights_from_disk", qwen3_dir, weight_version="a")
+    assert greedy(engine) != expected(qwen3_dir_b)  # the push below has something to change
+    buckets = list(iter_buckets(checkpoint(qwen3_dir_b).items(), BUCKET_BYTES))
+    assert len(buckets) >= 3
+    half = len(buckets) // 2
+    assert push_tensors(engine, tp, buckets[:half])["success"] is True  # a partial push: version stays
+    assert call(engine, "get_model_info")["weight_version"] == "a"
+    push_tensors(engine, tp, buckets[half:], weight_version="tensor-b")
+    assert greedy(engine) == expected(qwen3_dir_b)
+    prints, version = state(engine)
+    assert version == "tensor-b" and len(prints) == tp
+    assert prints == call(servers[f"ref{tp}"], "shard_fingerprints")
+
+
+def test_tensor_route_direct_pairs(servers, qwen3_dir, qwen3_dir_b):
+    engine = servers["tp2"]
+    call(engine, "update_weights_from_disk", qwen3_dir)
+    pairs = list(checkpoint(qwen3_dir_b).items())
+    payloads = [serialize(pairs) for _ in range(2)]
+    call(engine, "update_weights_from_tensor", payloads, load_format="direct", weight_version="direct-b")
+    assert call(engine, "shard_fingerprints") == call(servers["ref2"], "shard_fingerprints")
+
+
+def test_bad_tensor_updates_change_nothing(servers, qwen3_dir, qwen3_dir_b):
+    engine = servers["tp2"]
+    call(engine, "update_weights_from_disk", qwen3_dir, weight_version="good")
+    before, tokens = state(engine), greedy(engine)
+    good = checkpoint(qwen3_dir)
+    wrong_shape = {**good, "model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)}
+    unknown = {**good, "model.layers.0.mlp.not_a_weight": torch.zeros(2)}
+    for tensors, offender in [(wrong_shape, "model.layers.0.self_attn.q_proj.weight"),
+                              (unknown, "model.layers.0.mlp.not_a_weight")]:
+        with pytest.raises(EngineError) as err:
+            push_tensors(engine, 2, list(iter_buckets(tensors.items(), BUCKET_BYTES)), weight_version="bad")
+        assert err.value.status_code == 400 and offender in err.value.message, err.value.message
+        assert state(engine) == before
+    with pytest.raises(EngineError) as err:  # one payload for two ranks
+        call(engine, "update_weights_from_tensor", [serialize(list(good.items()))], weight_version="bad")
+    assert err.value.status_code == 400 and "tp_size=2" in err.value.message
+    with pytest.raises(EngineError) as err:  # rank 1 reads entry 1; rank 0's good entry is not applied alone
+        call(engine, "update_weights_from_tensor", [serialize(list(checkpoint(qwen3_dir_b).items())), "%%%"],
+             weight_version="bad")
+    assert "serialized_named_tensors[1]" in err.value.message and "[0]" not in err.value.message
+    assert state(engine) == before
+
+    class RunsAShellCommand:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/rollfleet-engine-pwned",))
+    evil = base64.b64encode(pickle.dumps([("x", RunsAShellCommand())])).decode()
+    with pytest.raises(EngineError) as err:
+        call(engine, "update_weights_from_tensor", [evil, evil], weight_version="bad")
+    assert err.value.status_code == 400 and "system" in err.value.message and "refused global" in err.value.message
+    assert not os.path.exists("/tmp/rollfleet-engine-pwned")
+    assert state(engine) == before and greedy(engine) == tokens
+
+
+def test_moe_tp2_ep2_sync_over_the_tensor_route(servers, moe_dir, moe_dir_b):
+    """Per-expert checkpoint names; all experts of a layer must arrive in one call (here: all)."""
+    engine = servers["moe"]
+    call(engine, "update_weights_from_disk", moe_dir)
+    tensors = checkpoint(moe_dir_b)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    assert name in tensors
+    push_tensors(engine, 2, list(iter_buckets(tensors.items(), BUCKET_BYTES)), weight_version="moe-b")
+    assert greedy(engine) == expected(moe_dir_b)
+    got = call(engine, "get_weights_by_name", name, truncate_size=7)
+    assert torch.allclose(torch.tensor(got), tensors[name].flatten()[:7])
+    pushed = call(engine, "shard_fingerprints")
+    call(engine, "update_weights_from_disk", moe_dir)
+    call(engine, "update_weights_from_disk", moe_dir_b)  # equals a fresh load (test_engine_tp)
+    assert call(engine, "shard_fingerprints") == pushed
+
+
+# ---- distributed route -----------------------------------------------------------------------------
+def sglang_style_rank0(port: int, world_size: int, group_name: str) -> dist.ProcessGroup:
+    """Group rank 0 as trainers written for SGLang make it (init_custom_process_group)."""
+    timeout = timedelta(seconds=60)
+    store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, 0, [], Backend("gloo"), PrefixStore(group_name, store),
+                                         group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[group] = {r: r for r in range(world_size)}
+    return group
+
+
+class Sender:
+    """This process as group rank 0 of one engine's weight-update group."""
+
+    def __init__(self, engine, tp: int, group_name: str):
+        self.engine, self.group_name, self.pool = engine, group_name, ThreadPoolExecutor(1)
+        port, world_size = free_port(), 1 + tp
+        joining = self.pool.submit(call, engine, "init_weights_update_group", "127.0.0.1", port, 1, world_size,
+                                   group_name=group_name, backend="nccl")  # CPU engine: joins with gloo
+        self.group = sglang_style_rank0(port, world_size, group_name)
+        assert joining.result(timeout=60)["success"] is True
+
+    def update(self, named: list[tuple[str, torch.Tensor]], load_format=None, broadcast=None, **kwargs):
+        """Announce `named` over HTTP while broadcasting them; returns the HTTP result (or raises)."""
+        request = self.pool.submit(call, self.engine, "update_weights_from_distributed", [n for n, _ in named],
+                                   [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named],
+                                   group_name=self.group_name, load_format=load_format, **kwargs)
+        for tensor in broadcast if broadcast is not None else self.wire_tensors(named, load_format):
+            dist.broadcast(tensor, src=0, group=self.group)
+        return request.result(timeout=60)
+
+    @staticmethod
+    def wire_tensors(named, load_format):
+        if load_format == "flattened_bucket":  # one uint8 broadcast of all the bytes, in order
+            return [torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named])]
+        return [t.contiguous() for _, t in named]
+
+    def close(self):
+        call(self.engine, "destroy_weights_update_group", group_name=self.group_name)
+        dist.destroy_process_group(self.group)
+        self.pool.shutdown()
+
+
+@pytest.mark.parametrize("key", ["tp1", "tp2"])
+def test_distributed_route_buckets_and_per_tensor_broadcasts(servers, key, qwen3_dir, qwen3_dir_b):
+    engine, tp = servers[key], tp_of(key)
+    call(engine, "update_weights_from_disk", qwen3_dir, weight_version="a")
+    sender = Sender(engine, tp, group_name=f"sync-{key}")
+    buckets = list(iter_buckets(checkpoint(qwen3_dir_b).items(), BUCKET_BYTES))
+    for bucket in buckets[:-1]:  # one call and one broadcast per bucket
+        out = sender.update(list(bucket.unpack().items()), load_format="flattened_bucket",
+                            broadcast=[bucket.flattened_tensor.view(torch.uint8)])
+        assert out["success"] is True
+    # the last bucket's tensors one broadcast each (load_format null), and the version with them
+    sender.update(list(buckets[-1].unpack().items()), weight_version="dist-b")
+    assert greedy(engine) == expected(qwen3_dir_b)
+    prints, version = state(engine)
+    assert version == "dist-b" and prints == call(servers[f"ref{tp}"], "shard_fingerprints")
+    sender.close()
+
+
+def test_refused_distributed_updates_drain_the_broadcast_and_change_nothing(servers, qwen3_dir, qwen3_dir_b):
+    engine = servers["tp2"]
+    call(engine, "update_weights_from_disk", qwen3_dir, weight_version="good")
+    before = state(engine)
+    sender = Sender(engine, 2, group_name="refusals")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    new = checkpoint(qwen3_dir_b)
+    cases = [([(q, torch.zeros(3, 3))], None, q),  # the sender broadcasts what it announced: drained
+             ([(q, new[q]), ("model.layers.0.mlp.not_a_weight", torch.ones(5))], "flattened_bucket",
+              "model.layers.0.mlp.not_a_weight"),
+             ([(q, new[q].to(torch.int64))], None, "non-floating")]
+    for named, load_format, offender in cases:
+        with pytest.raises(EngineError) as err:
+            sender.update(named, load_format=load_format, weight_version="bad")
+        assert err.value.status_code == 400 and offender in err.value.message, err.value.message
+        assert "received and dropped" in err.value.message
+        assert state(engine) == before
+    # the group is still in step: a good update goes through right after
+    sender.update([(q, new[q])], load_format="flattened_bucket", weight_version="q-only")
+    assert call(engine, "get_model_info")["weight_version"] == "q-only"
+    sender.close()
+    with pytest.raises(EngineError) as err:
+        call(engine, "update_weights_from_distributed", [q], ["float32"], [[64, 64]], group_name="refusals")
+    assert err.value.status_code == 400 and "init_weights_update_group" in err.value.message
+
+
+def test_join_timeout_names_the_group_and_ranks(servers):
+    engine = servers["tp2"]
+    port = free_port()  # nobody serves it: group rank 0 never comes
+    with pytest.raises(EngineError) as err:
+        call(engine, "init_weights_update_group", "127.0.0.1", port, 1, 3, group_name="lonely", backend="gloo",
+             timeout_s=2)
+    message = err.value.message
+    assert err.value.status_code == 400
+    for part in ["'lonely'", f"127.0.0.1:{port}", "world_size=3", "[1, 2]", "within 2 s"]:
+        assert part in message, message
+    assert greedy(engine)  # still serving
+    sender = Sender(engine, 2, group_name="lonely")  # nothing half-joined is left behind
+    sender.close()
