@@ -141,6 +141,45 @@ class TrainerConfig(_Section):
         return self
 
 
+class TrainConfig(_Section):
+    """The policy trainer: optimizer, loss and precision."""
+
+    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward on one rank (gradient accumulation).")
+    grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this; 0 turns clipping off.")
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="Ratio clip below: ratio >= 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0.0, description="Ratio clip above: ratio <= 1 + clip_high (0.28 is DAPO's clip-higher).")
+    token_level_loss: bool = Field(
+        True, description="Average the loss over every token of the batch; False: per sample, then over samples."
+    )
+    scale_adv_by_std: bool = Field(True, description="Divide group advantages by the group's reward std (False: Dr. GRPO).")
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to a frozen reference model; 0 loads no reference.")
+    mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Compute dtype: auto = bf16 on GPU, fp32 on CPU; bf16 needs a GPU. Master weights stay fp32."
+    )
+    offload: bool = Field(
+        False, description="Move parameters and optimizer state to CPU between steps (colocated, GPU only; no-op on CPU)."
+    )
+    seed: int = Field(0, description="Torch seed set before the model is built.")
+
+
+class GrpoConfig(_Section):
+    """The loop: data, reward, steps, checkpoints."""
+
+    steps: int = Field(50, ge=1, description="Training steps (one generate + train + sync each).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per step; each gets rollout.sampling.n samples.")
+    dataset: str = Field("synthetic", description="'synthetic' (the bundled copy task) or a JSONL path of {prompt, answer}.")
+    synthetic_prompts: int = Field(512, ge=1, description="Size of the synthetic dataset.")
+    synthetic_digits: int = Field(3, ge=1, description="Digits per synthetic prompt.")
+    reward: str = Field("rollfleet.rewards.basic:copy_digits", description="Reward function, 'package.module:function'.")
+    reward_threads: int = Field(4, ge=1, description="Threads computing rewards (slow rewards leave the critical path).")
+    output_dir: str = Field("runs/default", description="Metrics, TensorBoard, checkpoints and the reward plot go here.")
+    checkpoint_every: int = Field(0, ge=0, description="Save an HF checkpoint and trainer state every K steps; 0: at the end only.")
+    seed: int = Field(0, description="Seed of the prompt order.")
+
+
 class RayConfig(_Section):
     """How to reach Ray; the defaults start a local Ray on this machine."""
 
@@ -192,6 +231,8 @@ class RunConfig(_Section):
     rollout: RolloutConfig = Field(description="The engine fleet.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The trainer.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray connection.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The policy trainer.")
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="The GRPO loop.")
     weight_sync: WeightSyncConfig = Field(default_factory=DiskSync, description="How weights reach the engines.")
 
     @model_validator(mode="after")

@@ -27,8 +27,10 @@ from rollfleet.engine.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
+    WeightsFingerprintRequest,
 )
 from rollfleet.engine.runner import WeightUpdateError
+from rollfleet.weights.buckets import dtype_name
 
 VERSION = "0.1.0"
 ALL_MEMORY_TAGS = ["weights", "kv_cache"]
@@ -157,7 +159,8 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
     async def model_info():
         return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
                 "is_generation": True, "weight_version": scheduler.weight_version,
-                "weights_ready": runner.weights_ready, "context_length": context_length}
+                "weights_ready": runner.weights_ready, "context_length": context_length,
+                "dtype": dtype_name(runner.dtype)}
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -250,6 +253,17 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
     async def shard_fingerprints():
         """rollfleet extension: sha256 of every tp rank's local shard of every parameter."""
         return await control(lambda: run_action("shard_fingerprints"), needs_idle=False)
+
+    @app.post("/rollfleet/weights_fingerprint")
+    async def weights_fingerprint(req: WeightsFingerprintRequest):
+        """rollfleet extension: fingerprints of full tensors by checkpoint name (sync verification)."""
+        return await control(lambda: run_action("weights_fingerprint", names=req.names, samples=req.samples),
+                             needs_idle=False)
+
+    @app.get("/rollfleet/memory")
+    async def memory():
+        """rollfleet extension: memory per tp rank (weights; allocator and device figures on GPU)."""
+        return await control(lambda: run_action("memory"), needs_idle=False)
 
     # ---- memory ---------------------------------------------------------------------------------
     def memory_route(action: str):

@@ -163,6 +163,14 @@ class EngineClient:
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return await self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
+    async def weights_fingerprint(self, names: list[str] | None = None, samples: int = 4096) -> dict[str, str]:
+        """rollfleet extension (embedded engine): checkpoint name -> rollfleet.weights.fingerprint."""
+        return await self._call("POST", "/rollfleet/weights_fingerprint", {"names": names, "samples": samples})
+
+    async def memory(self) -> list[dict[str, int]]:
+        """rollfleet extension (embedded engine): memory figures per tp rank."""
+        return await self._call("GET", "/rollfleet/memory")
+
     async def shard_fingerprints(self) -> list[dict[str, str]]:
         """rollfleet extension (embedded engine only): sha256 per parameter per tp rank."""
         return await self._call("GET", "/rollfleet/shard_fingerprints")

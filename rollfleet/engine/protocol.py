@@ -144,3 +144,10 @@ class FinishReason(BaseModel):
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
+
+
+class WeightsFingerprintRequest(_Lenient):
+    """rollfleet extension: which tensors (checkpoint names; None = all) and how many samples each."""
+
+    names: list[str] | None = None
+    samples: int = Field(4096, ge=1)

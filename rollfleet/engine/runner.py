@@ -29,6 +29,7 @@ from transformers.distributed import DistributedConfig
 
 from rollfleet.weights.buckets import Bucket, dtype_from_name, view_bytes_as
 from rollfleet.weights.group import join_weight_update_group
+from rollfleet.weights.fingerprint import fingerprint
 from rollfleet.weights.naming import checkpoint_to_model, model_to_checkpoint
 from rollfleet.weights.serialize import safe_loads
 
@@ -473,7 +474,33 @@ class ModelRunner:
         mine = {name: tensor_sha256(_local(p)) for name, p in self.params.items()}
         return self._gather(mine)
 
+    def weights_fingerprint(self, names: list[str] | None, samples: int) -> dict[str, str]:
+        """Checkpoint name -> fingerprint of the full tensor (rollfleet.weights.fingerprint), for the
+        given names (all when None); the sender computes the same over what it sent."""
+        wanted = set(self.checkpoint_to_param) if names is None else set(names)
+        unknown = sorted(wanted - set(self.checkpoint_to_param))
+        if unknown:
+            raise WeightUpdateError(f"names not in this model: {unknown[:10]}")
+        out: dict[str, str] = {}
+        for param_name in sorted({self.checkpoint_to_param[n] for n in wanted}):
+            full = _full(self.params[param_name])  # collective on DTensors: every rank runs this loop
+            for name, tensor in model_to_checkpoint(self.model, {param_name: full}).items():
+                if name in wanted:
+                    out[name] = fingerprint(tensor, samples=samples)
+        return out
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.params.values())).dtype
+
     # ---- memory (lockstep) ----------------------------------------------------------------
+    def memory(self) -> list[dict[str, int]]:
+        """Per rank: weight bytes and, on GPU, allocated / reserved / peak allocated / device used."""
+        stats = self._memory()
+        if self.device.type == "cuda":
+            stats["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return self._gather(stats)
+
     def release_memory(self, tags: list[str]) -> list[dict[str, int]]:
         before = self._memory()
         if WEIGHT_TAG in tags:

@@ -24,8 +24,16 @@ from rollfleet.fleet.router import EngineSlot, Router
 from rollfleet.fleet.workers import RemoteRolloutWorker
 from rollfleet.layout import build_rank_infos, engine_rank_groups, validate_layout
 from rollfleet.sample import Sample
+from rollfleet.weights.buckets import dtype_from_name
+from rollfleet.weights.source import WeightSource
+from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
+from rollfleet.weights.verify import find_unverified
 
 log = logging.getLogger("rollfleet.fleet")
+
+
+class WeightSyncError(RuntimeError):
+    pass
 
 
 def ensure_ray(cfg: RunConfig) -> None:
@@ -130,6 +138,7 @@ class Fleet:
         self._on_all("update_weights_from_disk", path, weight_version=weight_version, engine_ids=engine_ids)
 
     def _on_all(self, verb: str, *args, engine_ids: list[int] | None = None, **kwargs) -> list:
+        """The same call on every live engine (or the live ones among engine_ids), concurrently."""
         targets = [s for s in self.slots if s.alive and (engine_ids is None or s.engine_id in engine_ids)]
 
         async def go():
@@ -139,6 +148,52 @@ class Fleet:
                     return await getattr(client, verb)(*args, **kwargs)
             return await asyncio.gather(*(call(s) for s in targets))
         return asyncio.run(go())
+
+    # ---- weight sync ----------------------------------------------------------------------------
+    def weight_targets(self, engine_ids: list[int] | None = None) -> list[EngineTarget]:
+        """The live engines a sync goes to; group ranks are numbered over the targeted engines only
+        (all engines: engine i at 1 + i*tp*pp), so a sync to a subset forms a smaller group."""
+        slots = [s for s in self.slots if s.alive and (engine_ids is None or s.engine_id in engine_ids)]
+        infos = self._on_all("get_model_info", engine_ids=[s.engine_id for s in slots])
+        ranks = self.rollout.gpus_per_engine
+        return [EngineTarget(engine_id=s.engine_id, url=s.url, num_ranks=ranks, rank_offset=1 + k * ranks,
+                             dtype=dtype_from_name(info["dtype"]) if info.get("dtype") else None,
+                             api_key=self.rollout.api_key)
+                for k, (s, info) in enumerate(zip(slots, infos))]
+
+    def sync_weights(self, source: WeightSource, version: str, *, engine_ids: list[int] | None = None,
+                     transport=None, **transport_options) -> SyncReport:
+        """Push `source` to the engines over `transport` (default: the configured weight_sync), then
+        verify every engine. Runs where the tensors are (the trainer's sending rank, or a test)."""
+        transport = make_transport(transport or self.cfg.weight_sync, self.weight_targets(engine_ids),
+                                   timeout_s=self.rollout.request_timeout_s, **transport_options)
+        transport.connect()
+        try:
+            report = transport.send(source, version)
+        finally:
+            transport.disconnect()
+        self.verify(report)
+        return report
+
+    def verify(self, report: SyncReport) -> None:
+        """Compare each engine's fingerprints and version with what was sent; an engine that differs
+        is marked failed (it takes no more traffic) and WeightSyncError names it."""
+        slots = {s.engine_id: s for s in self.slots}
+
+        async def go():
+            clients = {e: EngineClient(slots[e].url, api_key=self.rollout.api_key,
+                                       timeout=self.rollout.request_timeout_s) for e in report.engine_ids}
+            try:
+                return await find_unverified(report, clients)
+            finally:
+                await asyncio.gather(*(c.close() for c in clients.values()))
+        failed = asyncio.run(go())
+        for engine_id in failed:
+            slots[engine_id].alive = False
+        if failed:
+            detail = "; ".join(f"engine {e}: {problem}" for e, problem in sorted(failed.items()))
+            raise WeightSyncError(f"weight sync to version {report.version!r} not verified, engines marked "
+                                  f"failed: {detail}")
 
     def status(self) -> list[dict]:
         return [{"engine_id": s.engine_id, "url": s.url, "alive": s.alive, "outstanding": s.outstanding}

@@ -1,0 +1,61 @@
+"""Write named full tensors as a HF model directory (safetensors shards + index + config files)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+# Files of a HF model directory that are not weights; copied from the model's own directory.
+CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def save_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str | Path,
+                    config_dir: str | Path | None = None, shard_bytes: int = 2 << 30) -> int:
+    """Stream tensors into shards of at most `shard_bytes`; returns the bytes written.
+
+    The directory is written under a temporary name and renamed at the end, so a reader never
+    sees a half-written checkpoint (and a crash leaves no directory that looks complete)."""
+    final = Path(directory)
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    shard: dict[str, torch.Tensor] = {}
+    shard_size = total = 0
+    files: list[dict[str, torch.Tensor]] = []
+
+    def flush():
+        nonlocal shard, shard_size
+        if shard:
+            files.append(shard)
+            save_file(shard, partial / f"shard-{len(files):05d}.safetensors", metadata={"format": "pt"})
+            shard, shard_size = {}, 0
+    weight_map = {}
+    for name, tensor in named_tensors:
+        size = tensor.numel() * tensor.element_size()
+        if shard and shard_size + size > shard_bytes:
+            flush()
+        shard[name] = tensor.detach().to("cpu").contiguous()
+        weight_map[name] = f"shard-{len(files) + 1:05d}.safetensors"
+        shard_size += size
+        total += size
+    flush()
+    count = len(files)
+    for index in range(count):  # shard-00001-of-0000N naming, as save_pretrained writes
+        (partial / f"shard-{index + 1:05d}.safetensors").rename(
+            partial / f"model-{index + 1:05d}-of-{count:05d}.safetensors")
+    weight_map = {k: f"model-{int(v[6:11]):05d}-of-{count:05d}.safetensors" for k, v in weight_map.items()}
+    (partial / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    if config_dir is not None:
+        for name in CONFIG_FILES:
+            if (Path(config_dir) / name).exists():
+                shutil.copy2(Path(config_dir) / name, partial / name)
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+    return total

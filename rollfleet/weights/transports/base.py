@@ -1,0 +1,167 @@
+"""The one interface every transport implements, and what they share.
+
+Ordering (enforced by the callers, stated here once): the trainer's push completes (send returns)
+before the next optimizer step; every engine's load completes (its HTTP call returned) before
+send returns; the fleet verifies fingerprints before it routes generate traffic at the new
+version, so no sample starts on stale or partial weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from rollfleet.engine.client import EngineClient
+from rollfleet.weights.fingerprint import fingerprint
+from rollfleet.weights.source import WeightSource, layer_key
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """One engine a sync goes to."""
+
+    engine_id: int
+    url: str
+    num_ranks: int  # tp_size * pp_size processes
+    rank_offset: int  # first rank of this engine in a weight-update group (1 + engine_id * num_ranks)
+    dtype: torch.dtype | None = None  # the engine's parameter dtype, for fingerprints
+    api_key: str | None = None
+
+
+@dataclass
+class SyncReport:
+    version: str
+    transport: str
+    engine_ids: list[int]
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    fingerprints: dict[int, dict[str, str]] = field(default_factory=dict)  # engine id -> name -> fingerprint
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+class EngineCalls:
+    """Concurrent HTTP calls to engines from synchronous sender code (a private event loop thread)."""
+
+    def __init__(self, targets: list[EngineTarget], timeout_s: float):
+        self.targets = {t.engine_id: t for t in targets}
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollfleet-sync-http", daemon=True)
+        self.thread.start()
+        self.clients = self._run(self._make_clients(timeout_s)).result()
+
+    async def _make_clients(self, timeout_s: float) -> dict[int, EngineClient]:
+        return {i: EngineClient(t.url, api_key=t.api_key, timeout=timeout_s) for i, t in self.targets.items()}
+
+    def _run(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def each(self, verb: str, make_args) -> Future:
+        """Call `verb` on every target with `make_args(target) -> (args, kwargs)`; a future of all answers."""
+        async def go():
+            calls = []
+            for engine_id, target in self.targets.items():
+                args, kwargs = make_args(target)
+                calls.append(getattr(self.clients[engine_id], verb)(*args, **kwargs))
+            return await asyncio.gather(*calls)
+        return self._run(go())
+
+    def close(self) -> None:
+        async def close_all():
+            await asyncio.gather(*(c.close() for c in self.clients.values()))
+        self._run(close_all()).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+class Transport(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, spec, targets: list[EngineTarget], *, timeout_s: float = 600.0):
+        self.spec, self.targets = spec, targets
+        self.calls = EngineCalls(targets, timeout_s)
+
+    def connect(self) -> None:
+        """Set up what the transport needs before its first send (a process group, a directory)."""
+
+    @abstractmethod
+    def send(self, source: WeightSource, version: str) -> SyncReport:
+        """Deliver every tensor of `source` to every target; return after every engine loaded them."""
+
+    def disconnect(self) -> None:
+        self.calls.close()
+
+    def _recorded(self, source: WeightSource, report: SyncReport):
+        """The source's tensors, counted and fingerprinted (per target dtype) as they pass."""
+        for name, tensor in source.named_tensors():
+            self._record(report, name, tensor)
+            yield name, tensor
+
+    def _record(self, report: SyncReport, name: str, tensor: torch.Tensor) -> None:
+        report.tensors += 1
+        report.bytes += tensor.numel() * tensor.element_size()
+        for target in self.targets:
+            report.fingerprints.setdefault(target.engine_id, {})[name] = fingerprint(tensor, target.dtype)
+
+    def _new_report(self, version: str) -> SyncReport:
+        return SyncReport(version=version, transport=self.name, engine_ids=[t.engine_id for t in self.targets])
+
+
+def iter_calls(named_tensors, limit_bytes: int):
+    """Group tensors into update calls of about `limit_bytes`, never splitting a decoder layer: the
+    engine fuses a layer's MoE experts in one call. A layer larger than the limit goes alone."""
+    call, size, layer, layer_size, current = [], 0, [], 0, None
+    for name, tensor in named_tensors:
+        key = layer_key(name)
+        if layer and key != current:
+            if call and size + layer_size > limit_bytes:
+                yield call
+                call, size = [], 0
+            call, size, layer, layer_size = call + layer, size + layer_size, [], 0
+        current = key
+        layer.append((name, tensor))
+        layer_size += tensor.numel() * tensor.element_size()
+    if call and size + layer_size > limit_bytes:
+        yield call
+        call = []
+    if call + layer:
+        yield call + layer
+
+
+TRANSPORTS: dict[str, type[Transport]] = {}
+
+
+def register(cls: type[Transport]) -> type[Transport]:
+    TRANSPORTS[cls.name] = cls
+    return cls
+
+
+def make_transport(spec, targets: list[EngineTarget], **kwargs: Any) -> Transport:
+    try:
+        cls = TRANSPORTS[spec.transport]
+    except KeyError:
+        raise ValueError(f"weight_sync.transport={spec.transport!r} has no sender here: use one of "
+                         f"{sorted(TRANSPORTS)}") from None
+    return cls(spec, targets, **kwargs)
+
+
+def timed(report: SyncReport):
+    """Context manager adding the elapsed time to report.seconds."""
+    class _Timer:
+        def __enter__(self):
+            self.start = time.perf_counter()
+
+        def __exit__(self, *exc):
+            report.seconds += time.perf_counter() - self.start
+    return _Timer()

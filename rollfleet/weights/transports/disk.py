@@ -1,0 +1,43 @@
+"""disk: the sender writes a HF directory per version; engines load it with /update_weights_from_disk.
+
+Directories are `<path>/version-<v>`; the newest `keep_last` stay (recovery restores from them)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rollfleet.weights.checkpoint import save_checkpoint
+from rollfleet.weights.source import WeightSource
+from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
+
+KEEP_LAST = 2
+
+
+def version_dir(root: str | Path, version: str) -> Path:
+    return Path(root) / f"version-{version}"
+
+
+@register
+class DiskTransport(Transport):
+    name = "disk"
+
+    def __init__(self, spec, targets, *, config_dir: str | None = None, **kwargs):
+        super().__init__(spec, targets, **kwargs)
+        self.config_dir = config_dir
+
+    def send(self, source: WeightSource, version: str) -> SyncReport:
+        report = self._new_report(version)
+        directory = version_dir(self.spec.path, version)
+        with timed(report):
+            save_checkpoint(self._recorded(source, report), directory, self.config_dir)
+            self.calls.each("update_weights_from_disk",
+                            lambda t: ((str(directory.resolve()),), {"weight_version": version})).result()
+        self._prune(directory)
+        return report
+
+    def _prune(self, newest: Path) -> None:
+        versions = sorted(newest.parent.glob("version-*"), key=lambda p: p.stat().st_mtime)
+        for old in versions[:-KEEP_LAST]:
+            if old != newest:
+                shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,81 @@
+"""nccl (disaggregated): broadcast from the sender (group rank 0) to every engine rank.
+
+The group is the sender plus every engine rank: world_size = 1 + sum(tp*pp), engine i joins at
+rank_offset = 1 + i*tp*pp. NCCL on GPU, gloo on CPU (the same code runs in CPU tests). Per
+call (whole decoder layers, about bucket_mb): announce it to every engine
+(/update_weights_from_distributed, "flattened_bucket": the names, dtypes and shapes of its tensors,
+in order), broadcast their bytes as one uint8 tensor, and wait until every engine has loaded it
+before the next call (the broadcast order must match the
+order the engines receive in). A join that does not complete in time fails with the group, the
+ranks and the address named, instead of hanging.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rollfleet.engine.launch import free_port
+from rollfleet.weights.buckets import dtype_name
+from rollfleet.weights.group import join_weight_update_group
+from rollfleet.weights.source import WeightSource
+from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
+
+GROUP_NAME = "rollfleet_weight_update"
+
+
+@register
+class NcclTransport(Transport):
+    name = "nccl"
+
+    def __init__(self, spec, targets, *, device: str | None = None, **kwargs):
+        super().__init__(spec, targets, **kwargs)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.world_size = 1 + sum(t.num_ranks for t in targets)
+        self.group = None
+
+    def connect(self) -> None:
+        port = self.spec.master_port or free_port()
+        where = f"{self.spec.master_address}:{port}"
+        joins = self.calls.each("init_weights_update_group", lambda t: (
+            (self.spec.master_address, port, t.rank_offset, self.world_size),
+            {"group_name": GROUP_NAME, "backend": self.backend, "timeout_s": self.spec.join_timeout_s}))
+        try:
+            self.group = join_weight_update_group(self.spec.master_address, port, 0, self.world_size, GROUP_NAME,
+                                                  self.backend, timedelta(seconds=self.spec.join_timeout_s))
+            joins.result(timeout=self.spec.join_timeout_s + 30)
+        except Exception as exc:
+            ranks = {t.engine_id: list(range(t.rank_offset, t.rank_offset + t.num_ranks)) for t in self.targets}
+            raise RuntimeError(
+                f"weight update group {GROUP_NAME!r} at {where} did not form within {self.spec.join_timeout_s:.0f} s "
+                f"(world_size={self.world_size}; sender rank 0; engine ranks {ranks}): {exc}; check that every "
+                "engine can reach the address and that nothing else uses the port") from exc
+
+    def send(self, source: WeightSource, version: str) -> SyncReport:
+        assert self.group is not None, "connect() first"
+        report = self._new_report(version)
+        with timed(report):
+            for call in iter_calls(self._recorded(source, report), self.spec.bucket_mb << 20):
+                names = [name for name, _ in call]
+                dtypes = [dtype_name(tensor.dtype) for _, tensor in call]
+                shapes = [list(tensor.shape) for _, tensor in call]
+                loads = self.calls.each("update_weights_from_distributed", lambda t: (
+                    (names, dtypes, shapes), {"group_name": GROUP_NAME, "load_format": "flattened_bucket",
+                                              "flush_cache": False}))
+                # one broadcast of every tensor's bytes back to back (mixed dtypes are allowed)
+                flat = torch.cat([t.detach().to(self.device).contiguous().view(-1).view(torch.uint8) for _, t in call])
+                dist.broadcast(flat, group=self.group, group_src=0)
+                loads.result()
+                report.buckets += 1
+            self.calls.each("update_weight_version", lambda t: ((version,), {})).result()
+        return report
+
+    def disconnect(self) -> None:
+        if self.group is not None:
+            self.calls.each("destroy_weights_update_group", lambda t: ((GROUP_NAME,), {})).result()
+            dist.destroy_process_group(self.group)
+            self.group = None
+        super().disconnect()

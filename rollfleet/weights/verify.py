@@ -1,0 +1,25 @@
+"""After a sync: does each engine hold exactly what was sent, at the version that was sent?"""
+
+from __future__ import annotations
+
+import asyncio
+
+from rollfleet.engine.client import EngineClient
+from rollfleet.weights.fingerprint import mismatches
+from rollfleet.weights.transports.base import SyncReport
+
+
+async def find_unverified(report: SyncReport, clients: dict[int, EngineClient]) -> dict[int, str]:
+    """Engine id -> what is wrong, for every engine of the report that does not match it."""
+    async def check(engine_id: int) -> str | None:
+        expected = report.fingerprints.get(engine_id, {})
+        client = clients[engine_id]
+        got, info = await asyncio.gather(client.weights_fingerprint(sorted(expected)), client.get_model_info())
+        wrong = mismatches(expected, got)
+        version = str(info["weight_version"])
+        if wrong or version != report.version:
+            return f"version {version!r} (sent {report.version!r}), {len(wrong)} differing tensors {wrong[:5]}"
+        return None
+    engine_ids = list(report.fingerprints) or report.engine_ids
+    problems = await asyncio.gather(*(check(e) for e in engine_ids))
+    return {e: p for e, p in zip(engine_ids, problems) if p is not None}
