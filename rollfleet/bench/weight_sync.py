@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 from rollfleet.config import DiskSync, NcclSync, TensorSync
 from rollfleet.engine.client import EngineClient
 from rollfleet.engine.launch import EngineProcess, embedded_argv, free_port
+from rollfleet.engine.server import dump_stacks_if_hung
 from rollfleet.tiny import make_tokenizer, tiny_config
 from rollfleet.weights.buckets import iter_buckets
 from rollfleet.weights.checkpoint import save_checkpoint
@@ -56,7 +57,7 @@ def model_for(size_gb: float, dtype: torch.dtype, device: str):
 def _raw_receiver(rank, port, total_bytes_per_bucket, device, backend):
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    group = join_weight_update_group("127.0.0.1", port, 1, 2, "raw", backend, timedelta(seconds=120))
+    group = join_weight_update_group("127.0.0.1", port, 1, 2, "raw", backend, timedelta(seconds=60))
     dist.broadcast(torch.empty(1, device=device), group=group, group_src=0)  # warm-up: connections, communicator
     for size in total_bytes_per_bucket:
         dist.broadcast(torch.empty(size, dtype=torch.uint8, device=device), group=group, group_src=0)
@@ -71,7 +72,7 @@ def raw_broadcast(buckets: list[torch.Tensor], device: str, receiver_device: str
     proc = context.Process(target=_raw_receiver, args=(1, port, [b.numel() for b in buckets], receiver_device,
                                                        backend))
     proc.start()
-    group = join_weight_update_group("127.0.0.1", port, 0, 2, "raw", backend, timedelta(seconds=120))
+    group = join_weight_update_group("127.0.0.1", port, 0, 2, "raw", backend, timedelta(seconds=60))
     dist.broadcast(torch.zeros(1, device=device), group=group, group_src=0)
     start = time.perf_counter()
     for bucket in buckets:
@@ -86,11 +87,12 @@ def raw_broadcast(buckets: list[torch.Tensor], device: str, receiver_device: str
 
 
 def raw_copy(buckets: list[torch.Tensor]) -> float:
-    targets = [torch.empty_like(b) for b in buckets[:2]]
+    largest = max(b.numel() for b in buckets)
+    targets = [torch.empty(largest, dtype=torch.uint8, device=buckets[0].device) for _ in range(2)]
     for _ in range(2):  # warm-up, then timed
         start = time.perf_counter()
         for i, bucket in enumerate(buckets):
-            targets[i % 2].copy_(bucket)
+            targets[i % 2][:bucket.numel()].copy_(bucket)
         if bucket.is_cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -120,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--log-dir", default=None, help="keep the engine's log here")
     args = parser.parse_args(argv)
+    dump_stacks_if_hung()
     gpu = args.device == "cuda"
     sender_device = "cuda:0" if gpu else "cpu"
     engine_gpu = 0 if args.transport == "tensor" or torch.cuda.device_count() < 2 else 1
@@ -128,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if gpu else torch.float32
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
+        say = lambda what: print(f"[bench {time.strftime('%X')}] {what}", flush=True)  # noqa: E731
+        say("building the model")
         model = model_for(args.size_gb, dtype, sender_device)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         save_checkpoint(ModuleSource(model).named_tensors(), scratch / "model", None)
@@ -138,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                 param.add_(torch.randn_like(param) * 1e-3)
         buckets = [b.flattened_tensor.view(torch.uint8) for b in
                    iter_buckets(ModuleSource(model).named_tensors(), args.bucket_mb << 20)]
+        say("measuring the raw ceiling")
         if args.transport == "nccl":
             raw_seconds = raw_broadcast(buckets, sender_device, engine_device, "nccl" if gpu else "gloo")
             raw_name = "plain broadcast of the same buckets"
@@ -156,15 +163,18 @@ def main(argv: list[str] | None = None) -> None:
         extra = ["--device", args.device, "--base-gpu-id", str(engine_gpu), "--dtype",
                  "bfloat16" if gpu else "float32"]
         engine = EngineProcess(embedded_argv(str(scratch / "model"), port, extra=extra), port=port,
-                               log_path=scratch / "engine.log")
+                               log_path=Path(args.log_dir or scratch) / f"engine-{args.transport}.log")
         try:
+            say("starting the engine")
             engine.wait_until_up(timeout=600)
-            spec = {"tensor": TensorSync(bucket_mb=args.bucket_mb), "nccl": NcclSync(bucket_mb=args.bucket_mb),
+            say("engine up; connecting")
+            spec = {"tensor": TensorSync(bucket_mb=args.bucket_mb), "nccl": NcclSync(bucket_mb=args.bucket_mb, join_timeout_s=60),
                     "disk": DiskSync(path=str(scratch / "sync"))}[args.transport]
             target = EngineTarget(engine_id=0, url=engine.url, num_ranks=1, rank_offset=1, dtype=dtype)
             options = {"config_dir": str(scratch / "model")} if args.transport == "disk" else {}
             transport = make_transport(spec, [target], **options)
             transport.connect()
+            say("sending (cold, then timed)")
             cold = time.perf_counter()
             transport.send(ModuleSource(model), "cold")  # first send: lazy communicator set-up, allocations
             cold_seconds = time.perf_counter() - cold
@@ -173,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             send_seconds = time.perf_counter() - start
             problems, engine_memory = asyncio.run(_verify(engine.url, report))
             full_seconds = time.perf_counter() - start
+            say(f"sent and verified in {full_seconds:.3f} s (cold send {cold_seconds:.3f} s); disconnecting")
             transport.disconnect()
         finally:
             engine.stop()

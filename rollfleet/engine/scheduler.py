@@ -52,13 +52,15 @@ class ControlAction:
 
 class Scheduler:
     def __init__(self, run_action: Callable[..., Any], tokenizer, *, eos_token_ids: set[int],
-                 context_length: int, max_running_requests: int, weight_version: str):
+                 context_length: int, max_running_requests: int, weight_version: str,
+                 thread_setup: Callable[[], None] = lambda: None):
         self.run_action = run_action
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
         self.max_running_requests = max_running_requests
         self.weight_version = weight_version
+        self.thread_setup = thread_setup  # per-thread state the model needs (the current CUDA device)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.needs_prefill = False
@@ -132,6 +134,7 @@ class Scheduler:
     # ---- engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
         try:
+            self.thread_setup()
             while True:
                 with self._wakeup:
                     work = self._next_work()

@@ -141,6 +141,14 @@ def _follower_main(args, rank: int, store_port: int) -> None:
     dist.destroy_process_group()
 
 
+def dump_stacks_if_hung() -> None:
+    """ROLLFLEET_HANG_DUMP_S=N: print every thread's stack every N seconds (diagnosing hangs)."""
+    seconds = float(os.environ.get("ROLLFLEET_HANG_DUMP_S", "0"))
+    if seconds > 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(seconds, repeat=True)
+
+
 def _exit_when_parent_dies() -> None:
     parent = os.getppid()
 
@@ -167,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     # Released weights must give their memory back to the device: with expandable segments the
     # caching allocator unmaps freed pages even when a segment still holds other live blocks.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    dump_stacks_if_hung()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     group, device, procs = None, local_device(args.device, args.base_gpu_id, 0), []
     if args.tp_size > 1:
@@ -193,7 +202,7 @@ def serve(args, runner: ModelRunner, run_action: ActionBroadcaster) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     scheduler = Scheduler(run_action, tokenizer, eos_token_ids=_eos_token_ids(args.model_path, tokenizer),
                           context_length=_context_length(runner), max_running_requests=args.max_running_requests,
-                          weight_version=args.weight_version)
+                          weight_version=args.weight_version, thread_setup=lambda: _bind_thread(runner))
     scheduler.start()
     app = create_app(args, runner, scheduler, run_action, tokenizer)
     try:
@@ -201,6 +210,13 @@ def serve(args, runner: ModelRunner, run_action: ActionBroadcaster) -> None:
     finally:
         scheduler.stop()
         run_action(SHUTDOWN)
+
+
+def _bind_thread(runner: ModelRunner) -> None:
+    """The current CUDA device is per thread: NCCL work issued from the engine thread (weight-update
+    groups) must see this rank's GPU, not GPU 0."""
+    if runner.device.type == "cuda":
+        torch.cuda.set_device(runner.device)
 
 
 def _context_length(runner: ModelRunner) -> int:

@@ -75,7 +75,9 @@ class NcclTransport(Transport):
 
     def disconnect(self) -> None:
         if self.group is not None:
-            self.calls.each("destroy_weights_update_group", lambda t: ((GROUP_NAME,), {})).result()
+            # NCCL's destroy waits for every member: the engines and the sender leave together
+            leaving = self.calls.each("destroy_weights_update_group", lambda t: ((GROUP_NAME,), {}))
             dist.destroy_process_group(self.group)
+            leaving.result()
             self.group = None
         super().disconnect()
