@@ -7,20 +7,42 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: rollfleet serve [engine flags]   (see rollfleet serve --help)\n"
-             "       rollfleet bench batching [--requests N]")
+    usage = ("usage: rollfleet train CONFIG.yaml [key.path=value ...] [--resume]\n"
+             "       rollfleet serve [engine flags]   (see rollfleet serve --help)\n"
+             "       rollfleet bench batching [--requests N]\n"
+             "       rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return
     command, rest = argv[0], argv[1:]
-    if command == "serve":
+    if command == "train":
+        train_command(rest)
+    elif command == "serve":
         from rollfleet.engine.server import main as serve
         serve(rest)
     elif command == "bench" and rest[:1] == ["batching"]:
         from rollfleet.bench.batching import main as bench_batching
         bench_batching(rest[1:])
+    elif command == "bench" and rest[:1] == ["weight-sync"]:
+        from rollfleet.bench.weight_sync import main as bench_weight_sync
+        bench_weight_sync(rest[1:])
     else:
         sys.exit(f"unknown command {' '.join(argv[:2])!r}\n{usage}")
+
+
+def train_command(args: list[str]) -> None:
+    from rollfleet.config import ConfigError, load_config
+    resume = "--resume" in args
+    args = [a for a in args if a != "--resume"]
+    if not args or "=" in args[0]:
+        sys.exit("usage: rollfleet train CONFIG.yaml [key.path=value ...] [--resume]")
+    try:
+        cfg = load_config(args[0], args[1:])
+    except ConfigError as err:
+        sys.exit(str(err))
+    from rollfleet.train.loop import train
+    output_dir = train(cfg, resume=resume)
+    print(f"metrics, TensorBoard, checkpoints and curves.png are in {output_dir}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Prompt datasets (prompts.py) and the bundled synthetic task (synthetic.py)."""

@@ -1,0 +1,1 @@
+"""The trainer side: GRPO math (grpo.py) and the FSDP2 policy trainer (fsdp.py)."""

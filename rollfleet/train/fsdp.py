@@ -1,0 +1,401 @@
+"""FSDP2 policy trainer: one `PolicyTrainer` per rank, driven in lockstep by its caller.
+
+Process group. The CALLER initialises torch.distributed before building a trainer (a Ray actor, a
+`torch.multiprocessing` worker or `torchrun`; `init_distributed` below is the short way) and
+destroys it afterwards. The trainer builds a 1-D device mesh over the whole default group and
+shards every decoder layer, then the root, with `fully_shard`. Runtime objects are never config.
+
+Lockstep. Every public method that touches parameters (`train_step`, `weight_source().named_tensors()`,
+`save_hf`, `save_state`, `load_state`) runs collectives: every rank calls it, in the same order,
+with the same arguments. `train_step` takes the WHOLE batch on every rank; rank r trains on items
+r::world_size, and ranks with fewer items run zero-weight padding micro-batches so the collectives
+line up.
+
+Loss. The ratio's "old" logprobs are the ENGINE's logprobs of the sampled tokens (the rollout
+policy), not a second trainer forward pass: one optimizer step per batch is then exactly
+on-policy up to the engine/trainer mismatch, which every step measures (`logprob_mismatch_*`,
+trainer logprobs of the pre-update model, over the whole batch). The loss is normalised by the
+whole batch's token count (or sequence count), and multiplied by world_size to undo FSDP's
+gradient averaging, so world sizes and micro-batch sizes give the same update.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from rollfleet.train.grpo import logprob_mismatch, policy_loss
+from rollfleet.weights.source import ModuleSource
+
+STATE_META = "trainer_state.json"
+# Files of a model directory that are weights or are rewritten by save_hf; everything else
+# (tokenizer, chat template, generation config) is copied as is.
+_NOT_COPIED = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+class TrainConfig(BaseModel):
+    """The policy trainer: optimizer, loss and precision."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    micro_batch_size: int = Field(
+        8, ge=1, description="Samples per forward/backward on one rank (gradient accumulation)."
+    )
+    grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this; 0 turns clipping off.")
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="Ratio clip below: ratio >= 1 - clip_low.")
+    clip_high: float = Field(
+        0.28, ge=0.0, description="Ratio clip above: ratio <= 1 + clip_high (0.28 is DAPO's clip-higher)."
+    )
+    token_level_loss: bool = Field(
+        True, description="Average the loss over every token of the batch; False: per sample, then over samples."
+    )
+    scale_adv_by_std: bool = Field(
+        True, description="Divide group advantages by the group's reward std (False: Dr. GRPO)."
+    )
+    kl_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the k3 KL to a frozen reference model; 0 loads no reference."
+    )
+    mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="Compute dtype: auto = bf16 on GPU, fp32 on CPU; bf16 needs a GPU. Master weights stay fp32.",
+    )
+    offload: bool = Field(
+        False,
+        description="Colocated: the loop calls offload()/onload() so parameters and optimizer state leave the GPU "
+        "while engines generate. GPU only; ignored (with a warning) on CPU.",
+    )
+    seed: int = Field(0, description="Torch seed set before the model is built.")
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
+                     backend: str | None = None) -> None:
+    """Join the default process group (gloo on CPU, NCCL when a GPU is visible); the trainer needs one."""
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one GPU per rank: LOCAL_RANK under torchrun, else the rank (one node)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size)
+
+
+class PolicyTrainer:
+    """A HF causal LM sharded with FSDP2, trained with the clipped GRPO loss (see the module docstring)."""
+
+    def __init__(self, model_path: str | Path, config: TrainConfig | None = None, *,
+                 device: str | torch.device | None = None):
+        self.config = config or TrainConfig()
+        self.model_path = Path(model_path)
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.compute_dtype = _compute_dtype(self.config.mixed_precision, self.device)
+        if not dist.is_initialized():
+            raise RuntimeError("PolicyTrainer needs torch.distributed initialised first "
+                               "(fix: call rollfleet.train.fsdp.init_distributed(rank, world_size, ...) on every rank)")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.config.offload and self.device.type == "cpu":
+            warnings.warn("train.offload=true is ignored on CPU: parameters and optimizer state already live there "
+                          "(CPUOffloadPolicy needs an accelerator); offload()/onload() do nothing", stacklevel=2)
+        torch.manual_seed(self.config.seed)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("fsdp",))
+        self.model = self._load_sharded(trainable=True)
+        self.ref_model = self._load_sharded(trainable=False) if self.config.kl_coef > 0 else None
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, betas=self.config.betas,
+                                           weight_decay=self.config.weight_decay)
+        self.step = 0
+        self.pad_token_id = self.model.config.pad_token_id or 0
+        self._offloaded = False
+
+    # ---------------------------------------------------------------- build
+
+    def _load_sharded(self, *, trainable: bool) -> torch.nn.Module:
+        # Every rank reads the full checkpoint on CPU, then keeps its shard (moved to self.device).
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+        layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+        if not layers:
+            raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
+                             "cannot shard it layer by layer")
+        policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        for layer in layers:
+            fully_shard(layer, mesh=self.mesh, mp_policy=policy)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        if trainable:
+            model.train()
+        else:
+            model.eval().requires_grad_(False)
+        return model
+
+    # ---------------------------------------------------------------- training
+
+    def train_step(self, batch: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """One optimizer step on `batch` (the same full list on every rank).
+
+        Each item: `prompt_ids` and `output_ids` (token id lists), `logprobs` (the engine's logprob
+        of each output token, len(output_ids) floats) and `advantage` (a float). Returns metrics
+        reduced over ranks: loss, grad_norm, clip_frac, ratio_mean, kl, logprob_mismatch_mean/max,
+        tokens, samples, step.
+        """
+        _check_batch(batch)
+        self._require_onloaded("train_step")
+        cfg = self.config
+        per_rank = math.ceil(len(batch) / self.world_size)
+        local: list[Mapping[str, Any] | None] = list(batch[self.rank::self.world_size])
+        local += [None] * (per_rank - len(local))  # zero-weight padding: every rank runs as many passes
+        if cfg.token_level_loss:
+            normalizer = sum(len(item["output_ids"]) for item in batch)
+        else:
+            normalizer = sum(1 for item in batch if item["output_ids"])
+        sums = [0.0] * 6  # loss, clipped tokens, ratio, kl, mismatch (token-weighted), tokens
+        mismatch_max = 0.0
+        for start in range(0, per_rank, cfg.micro_batch_size):
+            micro = self._collate(local[start:start + cfg.micro_batch_size])
+            logprobs = self._logprobs(self.model, micro)
+            ref_logprobs = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logprobs = self._logprobs(self.ref_model, micro)
+            loss, stats = policy_loss(logprobs, micro["old_logprobs"], micro["advantages"], micro["mask"],
+                                      clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                      token_level=cfg.token_level_loss, ref_logprobs=ref_logprobs,
+                                      kl_coef=cfg.kl_coef, normalizer=normalizer)
+            (loss * self.world_size).backward()  # FSDP averages gradients over ranks; the loss is already global
+            mismatch = logprob_mismatch(micro["old_logprobs"], logprobs, micro["mask"])
+            tokens = stats["tokens"]
+            values = (float(loss.detach()), stats["clip_frac"] * tokens, stats["ratio_mean"] * tokens,
+                      stats["kl"] * tokens, mismatch["mean"] * tokens, tokens)
+            sums = [total + value for total, value in zip(sums, values, strict=True)]
+            mismatch_max = max(mismatch_max, mismatch["max"])
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        totals = torch.tensor(sums, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
+        worst = torch.tensor([mismatch_max], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        loss_sum, clipped, ratio, kl, mismatch_sum, tokens = totals.tolist()
+        per_token = max(tokens, 1.0)
+        return {
+            "loss": loss_sum, "grad_norm": float(grad_norm), "clip_frac": clipped / per_token,
+            "ratio_mean": ratio / per_token, "kl": kl / per_token,
+            "logprob_mismatch_mean": mismatch_sum / per_token, "logprob_mismatch_max": float(worst),
+            "tokens": int(tokens), "samples": len(batch), "step": self.step,
+        }
+
+    def _collate(self, items: Sequence[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:
+        """Right-padded prompt+output ids; per-position tensors are aligned with logits[:, :-1]
+        (position p predicts token p+1), masked to the output tokens."""
+        rows = [(list(it["prompt_ids"]), list(it["output_ids"]), list(it["logprobs"]), float(it["advantage"]))
+                if it is not None else ([self.pad_token_id], [self.pad_token_id], [0.0], 0.0) for it in items]
+        width = max(len(p) + len(o) for p, o, _, _ in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width - 1))
+        old = torch.zeros((len(rows), width - 1))
+        for row, ((prompt, output, logprobs, _), item) in enumerate(zip(rows, items, strict=True)):
+            length = len(prompt) + len(output)
+            input_ids[row, :length] = torch.tensor(prompt + output)
+            attention[row, :length] = 1
+            if item is not None and output:
+                span = slice(len(prompt) - 1, length - 1)
+                mask[row, span] = 1
+                old[row, span] = torch.tensor(logprobs, dtype=torch.float32)
+        advantages = torch.tensor([adv for _, _, _, adv in rows])
+        out = {"input_ids": input_ids, "attention_mask": attention, "mask": mask, "old_logprobs": old,
+               "advantages": advantages}
+        return {key: value.to(self.device) for key, value in out.items()}
+
+    def _logprobs(self, model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+        """log p(token p+1 | tokens <= p) in fp32, shape [rows, width-1] (raw logits, no temperature,
+        like the engine's logprobs)."""
+        logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits[:, :-1].float()
+        targets = micro["input_ids"][:, 1:].unsqueeze(-1)
+        return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    # ---------------------------------------------------------------- weights out
+
+    def weight_source(self) -> ModuleSource:
+        """Full tensors in checkpoint naming, kept on rank 0; every rank must iterate it together."""
+        self._require_onloaded("weight_source")
+        return ModuleSource(self.model, keep=self.rank == 0)
+
+    def save_hf(self, path: str | Path, *, dtype: torch.dtype | None = None,
+                max_shard_bytes: int = 5 * 2**30) -> None:
+        """Write an HF model directory (rank 0 writes; every rank must call).
+
+        Weights come from `weight_source()` (checkpoint names), in `dtype` (default: the fp32 master
+        weights), as `model.safetensors` or, beyond `max_shard_bytes`, `model-0000i-of-0000n.safetensors`
+        plus `model.safetensors.index.json`; config from the model; tokenizer and generation config
+        copied from the directory the trainer loaded.
+        """
+        self._require_onloaded("save_hf")
+        path = Path(path)
+        writer = _ShardWriter(path, max_shard_bytes) if self.rank == 0 else None
+        with torch.no_grad():
+            for name, tensor in self.weight_source().named_tensors():
+                writer.add(name, tensor.to(device="cpu", dtype=dtype or tensor.dtype).contiguous())
+        if writer is not None:
+            writer.close()
+            config = copy.deepcopy(self.model.config)
+            config.dtype = dtype or torch.float32
+            config.save_pretrained(path)
+            for source in sorted(self.model_path.iterdir()):
+                if source.is_file() and source.name not in _NOT_COPIED and not source.name.endswith(_WEIGHT_SUFFIXES):
+                    shutil.copy2(source, path / source.name)
+        dist.barrier()
+
+    # ---------------------------------------------------------------- resumable state
+
+    def save_state(self, path: str | Path, extra: Mapping[str, Any] | None = None) -> None:
+        """Model + optimizer (sharded, torch.distributed.checkpoint: every rank writes its own shard,
+        so `path` must be one directory every rank can reach) and the step; `extra` (JSON) rides along."""
+        self._require_onloaded("save_state")
+        path = Path(path)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+        if self.rank == 0:
+            meta = {"step": self.step, "world_size": self.world_size, "extra": dict(extra or {})}
+            (path / STATE_META).write_text(json.dumps(meta, indent=2) + "\n")
+        dist.barrier()
+
+    def load_state(self, path: str | Path) -> dict[str, Any]:
+        """Restore what `save_state` wrote (any world size; DCP reshards) and return its `extra`."""
+        self._require_onloaded("load_state")
+        path = Path(path)
+        if not (path / STATE_META).is_file():
+            raise FileNotFoundError(f"{path} holds no trainer state ({STATE_META} is missing); "
+                                    "pass a directory written by PolicyTrainer.save_state")
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        meta = json.loads((path / STATE_META).read_text())
+        self.step = int(meta["step"])
+        return meta["extra"]
+
+    # ---------------------------------------------------------------- colocation
+
+    def offload(self) -> None:
+        """Parameters and optimizer state to CPU (frees the GPU for the engines). No-op on CPU."""
+        if self.device.type == "cpu" or self._offloaded:
+            return
+        self._move(torch.device("cpu"))
+        self._offloaded = True
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Back to the trainer's device after `offload`. No-op on CPU."""
+        if self.device.type == "cpu" or not self._offloaded:
+            return
+        self._move(self.device)
+        self._offloaded = False
+
+    def _move(self, device: torch.device) -> None:
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                model.to(device)  # FSDP2 re-registers its sharded parameters in place
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor):  # AdamW keeps `step` on CPU
+                    state[key] = value.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _require_onloaded(self, verb: str) -> None:
+        if self._offloaded:
+            raise RuntimeError(f"{verb} on an offloaded trainer (fix: call onload() first)")
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
+    if mixed_precision == "bf16" and device.type != "cuda":
+        raise ValueError(f"mixed_precision='bf16' needs a GPU; this trainer runs on {device} "
+                         "(fix: set mixed_precision to 'auto' or 'fp32')")
+    if mixed_precision == "bf16" or (mixed_precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+_REQUIRED = ("prompt_ids", "output_ids", "logprobs", "advantage")
+
+
+def _check_batch(batch: Sequence[Mapping[str, Any]]) -> None:
+    if not batch:
+        raise ValueError("train_step got an empty batch")
+    for index, item in enumerate(batch):
+        missing = [key for key in _REQUIRED if key not in item]
+        if missing:
+            raise ValueError(f"batch[{index}] lacks {missing} (each item needs {list(_REQUIRED)})")
+        if len(item["logprobs"]) != len(item["output_ids"]):
+            raise ValueError(f"batch[{index}] has {len(item['logprobs'])} logprobs for "
+                             f"{len(item['output_ids'])} output tokens (one engine logprob per output token)")
+        if not item["prompt_ids"]:
+            raise ValueError(f"batch[{index}] has no prompt tokens (the first output token needs a prompt)")
+
+
+class _ShardWriter:
+    """Streams named tensors into safetensors files of at most `max_bytes` each (HF naming)."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        directory.mkdir(parents=True, exist_ok=True)
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []  # names per written shard
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        save_file(self.pending, self.directory / f"shard-{len(self.shards)}.tmp", metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.shards:
+            self._flush()
+        count = len(self.shards)
+        if count == 1:
+            (self.directory / "shard-0.tmp").rename(self.directory / "model.safetensors")
+            return
+        weight_map = {}
+        for index, names in enumerate(self.shards):
+            file_name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+            (self.directory / f"shard-{index}.tmp").rename(self.directory / file_name)
+            weight_map.update(dict.fromkeys(names, file_name))
+        index_json = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")

@@ -1,0 +1,115 @@
+"""Ray side of the trainer: one TrainWorker actor per GPU (or CPU rank), and TrainerGroup, the
+driver's handle on all of them. Every verb runs on all ranks together (FSDP collectives); only
+rank 0's answer is returned."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from rollfleet.engine.launch import free_port
+from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
+
+
+class TrainWorker:
+    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, train_config: dict):
+        from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+        init_distributed(rank, world_size, "127.0.0.1", master_port)
+        self.rank = rank
+        self.trainer = PolicyTrainer(model_path, TrainConfig(**train_config))
+        self.transport, self.transport_key = None, None  # kept connected across steps (NCCL groups are costly)
+
+    def train_step(self, batch: list[dict]) -> dict[str, float]:
+        return self.trainer.train_step(batch)
+
+    def push_weights(self, spec, targets: list[EngineTarget], version: str, options: dict[str, Any]) -> SyncReport | None:
+        """Rank 0 sends over the transport; the others take part in the gathers only."""
+        source = self.trainer.weight_source()
+        if self.rank != 0:
+            for _ in source.named_tensors():
+                pass
+            return None
+        key = (spec, tuple(targets))
+        if key != self.transport_key:
+            self.close_transport()
+            self.transport = make_transport(spec, targets, **options)
+            self.transport.connect()
+            self.transport_key = key
+        try:
+            return self.transport.send(source, version)
+        except Exception:
+            self.close_transport()  # a failed send may leave the group unusable: form a new one next time
+            raise
+
+    def close_transport(self) -> None:
+        if self.transport is not None:
+            self.transport.disconnect()
+        self.transport, self.transport_key = None, None
+
+    def save_hf(self, path: str) -> None:
+        self.trainer.save_hf(path)
+
+    def save_state(self, path: str, extra: dict) -> None:
+        self.trainer.save_state(path, extra)
+
+    def load_state(self, path: str) -> dict:
+        return self.trainer.load_state(path)
+
+    def offload(self) -> None:
+        self.trainer.offload()
+
+    def onload(self) -> None:
+        self.trainer.onload()
+
+
+RemoteTrainWorker = ray.remote(TrainWorker)
+
+
+class TrainerGroup:
+    """All trainer ranks. Colocated: each rank sits in the fleet's bundle of the same index and takes
+    the GPU fraction the rollout worker left; disaggregated: plain actors with a GPU each."""
+
+    def __init__(self, cfg, placement_group=None):
+        rollout, world = cfg.rollout, cfg.trainer.world_size
+        port = free_port()
+        self.workers = []
+        for rank in range(world):
+            options: dict[str, Any] = {"num_cpus": 0.5 if placement_group is not None else 1}
+            if rollout.use_gpu:
+                options["num_gpus"] = 1.0 - rollout.gpus_per_worker if placement_group is not None else 1.0
+            if placement_group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group, placement_group_bundle_index=rank)
+            self.workers.append(RemoteTrainWorker.options(**options).remote(
+                rank, world, port, rollout.model_path, cfg.train.model_dump()))
+        ray.get([w.__ray_ready__.remote() for w in self.workers])
+
+    def _all(self, verb: str, *args) -> Any:
+        return ray.get([getattr(w, verb).remote(*args) for w in self.workers])[0]
+
+    def train_step(self, batch: list[dict]) -> dict[str, float]:
+        return self._all("train_step", batch)
+
+    def push_weights(self, spec, targets, version: str, **options) -> SyncReport:
+        return self._all("push_weights", spec, targets, version, options)
+
+    def save_hf(self, path: str) -> None:
+        self._all("save_hf", path)
+
+    def save_state(self, path: str, extra: dict) -> None:
+        self._all("save_state", path, extra)
+
+    def load_state(self, path: str) -> dict:
+        return self._all("load_state", path)
+
+    def offload(self) -> None:
+        self._all("offload")
+
+    def onload(self) -> None:
+        self._all("onload")
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
