@@ -210,7 +210,7 @@ class DiskSync(_Section):
     """An HF checkpoint directory and /update_weights_from_disk."""
 
     transport: Literal["disk"] = "disk"
-    path: str = Field("checkpoints/sync", description="Directory the trainer saves the synced weights into.")
+    path: str = Field("runs/weight-sync", description="Directory the trainer saves the synced weights into.")
 
 
 class LoraSync(_Section):
