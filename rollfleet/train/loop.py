@@ -105,7 +105,7 @@ def train(cfg: RunConfig, *, resume: bool = False, console: Console | None = Non
             metrics = _step(cfg, fleet, trainers, dataset, reward_fn, step, clock, colocated)
             metrics["time"] = clock.breakdown()
             log.write(step + 1, _flatten(metrics))
-            console.print(_line(step + 1, cfg.grpo.steps, metrics), markup=False, highlight=False)
+            console.print(_line(step + 1, cfg.grpo.steps, metrics), markup=False, highlight=False, soft_wrap=True)
             if cfg.grpo.checkpoint_every and (step + 1) % cfg.grpo.checkpoint_every == 0:
                 _checkpoint(trainers, output_dir, step + 1)
         _checkpoint(trainers, output_dir, cfg.grpo.steps)
