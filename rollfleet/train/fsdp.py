@@ -29,20 +29,20 @@ import shutil
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from rollfleet.config import TrainConfig
 from rollfleet.train.grpo import logprob_mismatch, policy_loss
+from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
 
 STATE_META = "trainer_state.json"
@@ -50,43 +50,6 @@ STATE_META = "trainer_state.json"
 # (tokenizer, chat template, generation config) is copied as is.
 _NOT_COPIED = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
-class TrainConfig(BaseModel):
-    """The policy trainer: optimizer, loss and precision."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate (constant).")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
-    micro_batch_size: int = Field(
-        8, ge=1, description="Samples per forward/backward on one rank (gradient accumulation)."
-    )
-    grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this; 0 turns clipping off.")
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="Ratio clip below: ratio >= 1 - clip_low.")
-    clip_high: float = Field(
-        0.28, ge=0.0, description="Ratio clip above: ratio <= 1 + clip_high (0.28 is DAPO's clip-higher)."
-    )
-    token_level_loss: bool = Field(
-        True, description="Average the loss over every token of the batch; False: per sample, then over samples."
-    )
-    scale_adv_by_std: bool = Field(
-        True, description="Divide group advantages by the group's reward std (False: Dr. GRPO)."
-    )
-    kl_coef: float = Field(
-        0.0, ge=0.0, description="Weight of the k3 KL to a frozen reference model; 0 loads no reference."
-    )
-    mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto",
-        description="Compute dtype: auto = bf16 on GPU, fp32 on CPU; bf16 needs a GPU. Master weights stay fp32.",
-    )
-    offload: bool = Field(
-        False,
-        description="Colocated: the loop calls offload()/onload() so parameters and optimizer state leave the GPU "
-        "while engines generate. GPU only; ignored (with a warning) on CPU.",
-    )
-    seed: int = Field(0, description="Torch seed set before the model is built.")
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
@@ -253,18 +216,20 @@ class PolicyTrainer:
         """
         self._require_onloaded("save_hf")
         path = Path(path)
-        writer = _ShardWriter(path, max_shard_bytes) if self.rank == 0 else None
         with torch.no_grad():
-            for name, tensor in self.weight_source().named_tensors():
-                writer.add(name, tensor.to(device="cpu", dtype=dtype or tensor.dtype).contiguous())
-        if writer is not None:
-            writer.close()
-            config = copy.deepcopy(self.model.config)
-            config.dtype = dtype or torch.float32
-            config.save_pretrained(path)
-            for source in sorted(self.model_path.iterdir()):
-                if source.is_file() and source.name not in _NOT_COPIED and not source.name.endswith(_WEIGHT_SUFFIXES):
-                    shutil.copy2(source, path / source.name)
+            tensors = ((name, tensor.to(device="cpu", dtype=dtype or tensor.dtype))
+                       for name, tensor in self.weight_source().named_tensors())
+            if self.rank != 0:
+                for _ in tensors:  # the gathers are collective: every rank walks the source
+                    pass
+            else:
+                save_checkpoint(tensors, path, shard_bytes=max_shard_bytes)
+                config = copy.deepcopy(self.model.config)
+                config.dtype = dtype or torch.float32
+                config.save_pretrained(path)
+                for source in sorted(self.model_path.iterdir()):
+                    if source.is_file() and source.name not in _NOT_COPIED and not source.name.endswith(_WEIGHT_SUFFIXES):
+                        shutil.copy2(source, path / source.name)
         dist.barrier()
 
     # ---------------------------------------------------------------- resumable state
@@ -359,43 +324,3 @@ def _check_batch(batch: Sequence[Mapping[str, Any]]) -> None:
                              f"{len(item['output_ids'])} output tokens (one engine logprob per output token)")
         if not item["prompt_ids"]:
             raise ValueError(f"batch[{index}] has no prompt tokens (the first output token needs a prompt)")
-
-
-class _ShardWriter:
-    """Streams named tensors into safetensors files of at most `max_bytes` each (HF naming)."""
-
-    def __init__(self, directory: Path, max_bytes: int):
-        self.directory, self.max_bytes = directory, max_bytes
-        directory.mkdir(parents=True, exist_ok=True)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []  # names per written shard
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor
-        self.pending_bytes += size
-        self.total_bytes += size
-
-    def _flush(self) -> None:
-        save_file(self.pending, self.directory / f"shard-{len(self.shards)}.tmp", metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
-
-    def close(self) -> None:
-        if self.pending or not self.shards:
-            self._flush()
-        count = len(self.shards)
-        if count == 1:
-            (self.directory / "shard-0.tmp").rename(self.directory / "model.safetensors")
-            return
-        weight_map = {}
-        for index, names in enumerate(self.shards):
-            file_name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-            (self.directory / f"shard-{index}.tmp").rename(self.directory / file_name)
-            weight_map.update(dict.fromkeys(names, file_name))
-        index_json = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")

@@ -100,6 +100,8 @@ def train(cfg: RunConfig, *, resume: bool = False, console: Console | None = Non
             console.print(f"resumed from {state} at step {start}")
         if state is not None or colocated:  # engines must hold the trainer's weights before step `start`
             _sync(cfg, fleet, trainers, version=str(start))
+        if colocated:
+            trainers.offload()
         for step in range(start, cfg.grpo.steps):
             clock = StepClock()
             metrics = _step(cfg, fleet, trainers, dataset, reward_fn, step, clock, colocated)
@@ -107,8 +109,8 @@ def train(cfg: RunConfig, *, resume: bool = False, console: Console | None = Non
             log.write(step + 1, _flatten(metrics))
             console.print(_line(step + 1, cfg.grpo.steps, metrics), markup=False, highlight=False, soft_wrap=True)
             if cfg.grpo.checkpoint_every and (step + 1) % cfg.grpo.checkpoint_every == 0:
-                _checkpoint(trainers, output_dir, step + 1)
-        _checkpoint(trainers, output_dir, cfg.grpo.steps)
+                _checkpoint(trainers, output_dir, step + 1, colocated)
+        _checkpoint(trainers, output_dir, cfg.grpo.steps, colocated)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping engines and trainers; the last checkpoint is intact")
     finally:
@@ -143,12 +145,12 @@ def _step(cfg, fleet: Fleet, trainers: TrainerGroup, dataset: PromptDataset, rew
         train_metrics = trainers.train_step([_train_item(s, float(a)) for s, a in zip(samples, advantages)])
     if colocated:
         with clock.phase("sleep_wake"):
-            trainers.offload()
-            fleet.wake(["weights"])
+            fleet.wake(["weights"])  # SGLang order: resume weights, push them, resume the KV cache
     with clock.phase("sync"):
         report = _sync(cfg, fleet, trainers, version=str(step + 1))
     if colocated:
         with clock.phase("sleep_wake"):
+            trainers.offload()  # after the push: the trainer's parameters are what was sent
             fleet.wake(["kv_cache"])
     versions = {s.weight_version for s in samples}
     assert versions == {str(step)} or step == 0 and versions <= {"default", "0"}, versions
@@ -170,14 +172,19 @@ def _train_item(sample: Sample, advantage: float) -> dict:
             "advantage": advantage}
 
 
-def _checkpoint(trainers: TrainerGroup, output_dir: Path, step: int) -> None:
+def _checkpoint(trainers: TrainerGroup, output_dir: Path, step: int, colocated: bool) -> None:
     """An HF checkpoint and a resumable state, each written under a temporary name and renamed,
-    so an interrupted save never replaces the last good one."""
+    so an interrupted save never replaces the last good one. A colocated trainer sits offloaded
+    between steps: it comes back for the save and leaves again."""
     root = output_dir / "checkpoints"
+    if colocated:
+        trainers.onload()
     for kind, save in (("hf", trainers.save_hf), ("state", lambda p: trainers.save_state(p, {"step": step}))):
         final, partial = root / f"{kind}-step-{step}", root / f"{kind}-step-{step}.partial"
         save(str(partial))
         partial.rename(final)
+    if colocated:
+        trainers.offload()
 
 
 def _flatten(metrics: dict, prefix: str = "") -> dict:

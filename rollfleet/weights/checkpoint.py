@@ -46,12 +46,15 @@ def save_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], directory
         total += size
     flush()
     count = len(files)
-    for index in range(count):  # shard-00001-of-0000N naming, as save_pretrained writes
+    if count == 1:  # one file: model.safetensors and no index, as save_pretrained writes
+        (partial / "shard-00001.safetensors").rename(partial / "model.safetensors")
+    for index in range(count if count > 1 else 0):  # shard-00001-of-0000N naming, as save_pretrained writes
         (partial / f"shard-{index + 1:05d}.safetensors").rename(
             partial / f"model-{index + 1:05d}-of-{count:05d}.safetensors")
-    weight_map = {k: f"model-{int(v[6:11]):05d}-of-{count:05d}.safetensors" for k, v in weight_map.items()}
-    (partial / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    if count > 1:
+        weight_map = {k: f"model-{int(v[6:11]):05d}-of-{count:05d}.safetensors" for k, v in weight_map.items()}
+        (partial / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     if config_dir is not None:
         for name in CONFIG_FILES:
             if (Path(config_dir) / name).exists():
