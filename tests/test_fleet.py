@@ -141,5 +141,5 @@ def test_engine_killed_mid_batch_loses_no_result(fleet):
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, k) for p in range(40) for k in range(2)]
     assert all(len(s.output_ids) == 200 for s in samples)
     assert fleet.last_retries > 0
-    assert [s["alive"] for s in fleet.status()] == [True, False]
+    assert [s["state"] for s in fleet.status()] == ["ACTIVE", "INACTIVE"]
     assert {s.engine_id for s in samples} <= {0, 1}

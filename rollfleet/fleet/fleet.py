@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,14 +21,18 @@ from transformers import AutoConfig, AutoTokenizer
 
 from rollfleet.config import RunConfig
 from rollfleet.engine.client import EngineClient
+from rollfleet.engine.runner import read_hf_checkpoint
+from rollfleet.fleet.health import EngineState
 from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, worker_options
 from rollfleet.fleet.router import EngineSlot, Router
 from rollfleet.fleet.workers import RemoteRolloutWorker
 from rollfleet.layout import build_rank_infos, engine_rank_groups, validate_layout
 from rollfleet.sample import Sample
 from rollfleet.weights.buckets import dtype_from_name
+from rollfleet.weights.fingerprint import fingerprint
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
+from rollfleet.weights.transports.disk import version_dir
 from rollfleet.weights.verify import find_unverified
 
 log = logging.getLogger("rollfleet.fleet")
@@ -48,6 +54,10 @@ class Fleet:
         self.cfg, self.rollout = cfg, cfg.rollout
         self.placement_group, self.workers, self.slots = placement_group, workers, slots
         self.tokenizer = tokenizer
+        self.version = "default"  # the weight version every ACTIVE engine holds (verified)
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_exits, name="rollfleet-death-watch", daemon=True)
+        self._watcher.start()
 
     # ---- building -----------------------------------------------------------------------------
     @classmethod
@@ -68,6 +78,9 @@ class Fleet:
             placements = ray.get([w.placement.remote() for w in workers])
             check_engines_on_one_node(ranks, {p["rank"]: p["node_id"] for p in placements})
             slots = cls._start_engines(ranks, workers, placements, load_format)
+            for slot in slots:
+                slot.lifecycle.to(EngineState.AWAITING_WEIGHTS if load_format == "dummy" else EngineState.ACTIVE,
+                                  f"started ({load_format} weights)")
         except BaseException:
             cls._teardown(workers, group)
             raise
@@ -84,7 +97,9 @@ class Fleet:
             heads.append((engine_id, head))
             starts.append(head.start_engine.remote(gpu_ids, load_format))
         started = ray.get(starts)  # all engines start in parallel; the first failure raises with its log
-        return [EngineSlot(engine_id, info["url"], head) for (engine_id, head), info in zip(heads, started)]
+        return [EngineSlot(engine_id, info["url"], head, gpu_ids=[g for m in groups[engine_id]
+                                                                  for g in placements[m.rank]["gpu_ids"]])
+                for (engine_id, head), info in zip(heads, started)]
 
     @staticmethod
     def _teardown(workers, group) -> None:
@@ -94,23 +109,81 @@ class Fleet:
         ray.util.remove_placement_group(group)
 
     def shutdown(self) -> None:
+        self._closing.set()
+        self._watcher.join(timeout=5)
         self._teardown(self.workers, self.placement_group)
+
+    # ---- detection and recovery ------------------------------------------------------------------
+    def _watch_exits(self) -> None:
+        """Notice an engine process exit at once: one blocking wait per running engine on its head
+        worker; when it returns, the engine is INACTIVE (unless it is being restarted on purpose)."""
+        waits: dict[int, tuple[ray.ObjectRef, str]] = {}
+        while not self._closing.is_set():
+            for slot in self.slots:
+                if slot.is_running and slot.engine_id not in waits:
+                    waits[slot.engine_id] = (slot.head.wait_engine_exit.remote(), slot.url)
+            if not waits:
+                time.sleep(0.1)
+                continue
+            ready, _ = ray.wait([ref for ref, _ in waits.values()], num_returns=1, timeout=0.2)
+            for engine_id, (ref, url) in list(waits.items()):
+                if ref not in ready:
+                    continue
+                del waits[engine_id]
+                slot = self.slots[engine_id]
+                if slot.url == url and slot.state not in (EngineState.INACTIVE, EngineState.RECOVERING):
+                    try:
+                        code = ray.get(ref)
+                    except ray.exceptions.RayError as exc:  # the worker itself is gone (node loss)
+                        code = repr(exc)
+                    slot.lifecycle.to(EngineState.INACTIVE, f"engine process exited (code {code})")
+
+    def restart_inactive(self, restore_from: str | None = None) -> list[int]:
+        """Restart every INACTIVE engine with dummy weights (AWAITING_WEIGHTS: not ready, no traffic),
+        then restore the fleet's current version from `restore_from` or the newest matching disk
+        checkpoint, sent only to them, and verify; without a checkpoint they wait for the trainer's
+        next sync. Returns the restarted engine ids."""
+        slots = [s for s in self.slots if s.state == EngineState.INACTIVE]
+        for slot in slots:
+            slot.lifecycle.to(EngineState.RECOVERING, "restart")
+        ray.get([s.head.stop_engine.remote() for s in slots])
+        starts = [s.head.start_engine.remote(s.gpu_ids, "dummy") for s in slots]
+        restarted = []
+        for slot, start in zip(slots, starts):
+            try:
+                slot.url, slot.version = ray.get(start)["url"], ""
+            except ray.exceptions.RayError as exc:
+                slot.lifecycle.to(EngineState.INACTIVE, f"restart failed: {exc}")
+                continue
+            slot.lifecycle.to(EngineState.AWAITING_WEIGHTS, "restarted with dummy weights")
+            restarted.append(slot.engine_id)
+        directory = restore_from or self.checkpoint_for(self.version)
+        if restarted and directory:
+            self.update_weights_from_disk(directory, self.version, engine_ids=restarted)
+        return restarted
+
+    def checkpoint_for(self, version: str) -> str | None:
+        """The disk-sync directory holding `version`, if the run keeps one."""
+        if self.cfg.weight_sync.transport != "disk":
+            return None
+        directory = version_dir(self.cfg.weight_sync.path, version)
+        return str(directory.resolve()) if directory.is_dir() else None
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str] | Sequence[list[int]], *, n: int | None = None,
-                 sampling: dict | None = None, progress: bool = False) -> list[Sample]:
-        """n samples per prompt, in input order (prompt 0's samples, then prompt 1's, ...)."""
-        return asyncio.run(self.agenerate(prompts, n=n, sampling=sampling, progress=progress))
+                 sampling: dict | None = None, progress: bool = False, on_group=None) -> list[Sample]:
+        """n samples per prompt, in input order (prompt 0's samples, then prompt 1's, ...).
+        `on_group(samples)` is called as each prompt's samples arrive (e.g. to start its rewards)."""
+        return asyncio.run(self.agenerate(prompts, n=n, sampling=sampling, progress=progress, on_group=on_group))
 
     async def agenerate(self, prompts, *, n: int | None = None, sampling: dict | None = None,
-                        progress: bool = False) -> list[Sample]:
+                        progress: bool = False, on_group=None) -> list[Sample]:
         params = {**self.rollout.sampling.model_dump(), **(sampling or {})}
         if n is not None:
             params["n"] = n
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        clients = {s.engine_id: EngineClient(s.url, api_key=self.rollout.api_key,
-                                             timeout=self.rollout.request_timeout_s) for s in self.slots}
-        router = Router(self.slots, clients)
+        router = Router(self.slots, self.version, api_key=self.rollout.api_key,
+                        timeout=self.rollout.request_timeout_s, wait_s=self.rollout.recovery_wait_s)
         try:
             with Progress(disable=not progress, transient=True) as bar:
                 task = bar.add_task("generate", total=len(prompt_ids))
@@ -119,27 +192,49 @@ class Fleet:
                     outs, engine_id = await router.generate({"input_ids": prompt_ids[index], "sampling_params":
                                                              params, "return_logprob": True})
                     bar.advance(task)
-                    return [_sample(index, k, prompt_ids[index], out, engine_id) for k, out in enumerate(outs)]
+                    group = [_sample(index, k, prompt_ids[index], out, engine_id) for k, out in enumerate(outs)]
+                    if on_group is not None:
+                        on_group(group)
+                    return group
                 groups = await asyncio.gather(*(one(i) for i in range(len(prompt_ids))))
         finally:
-            await asyncio.gather(*(c.close() for c in clients.values()))
+            await router.close()
         self.last_retries = router.retries
         return [sample for group in groups for sample in group]
 
     # ---- fleet-wide verbs -----------------------------------------------------------------------
     def sleep(self, tags: list[str] | None = None) -> None:
-        """Release memory on every live engine (SGLang: released weights must be pushed again)."""
+        """Release memory on every running engine (SGLang: released weights must be pushed again)."""
         self._on_all("release_memory_occupation", tags)
+        for slot in self.slots:
+            if slot.state == EngineState.ACTIVE:
+                slot.lifecycle.to(EngineState.SLEEPING, f"released {tags or 'all'}")
+            if slot.is_running and (tags is None or "weights" in tags):
+                slot.version = ""  # released weights are gone: no version until a push is verified
 
     def wake(self, tags: list[str] | None = None) -> None:
+        """Resume memory; an engine whose weights were released waits for a push (AWAITING_WEIGHTS)."""
         self._on_all("resume_memory_occupation", tags)
+        for slot in self.slots:
+            if slot.state == EngineState.SLEEPING:
+                holds_weights = slot.version == self.version
+                slot.lifecycle.to(EngineState.ACTIVE if holds_weights else EngineState.AWAITING_WEIGHTS,
+                                  f"resumed {tags or 'all'}")
 
     def update_weights_from_disk(self, path: str, weight_version: str, engine_ids: list[int] | None = None) -> None:
-        self._on_all("update_weights_from_disk", path, weight_version=weight_version, engine_ids=engine_ids)
+        """Load a HF directory into engines, then verify them against the files' own fingerprints."""
+        targets = self.weight_targets(engine_ids)
+        self._on_all("update_weights_from_disk", path, weight_version=weight_version,
+                     engine_ids=[t.engine_id for t in targets])
+        tensors = read_hf_checkpoint(path)
+        report = SyncReport(version=weight_version, transport="disk", engine_ids=[t.engine_id for t in targets])
+        for target in targets:
+            report.fingerprints[target.engine_id] = {n: fingerprint(t, target.dtype) for n, t in tensors.items()}
+        self.verify(report)
 
     def _on_all(self, verb: str, *args, engine_ids: list[int] | None = None, **kwargs) -> list:
         """The same call on every live engine (or the live ones among engine_ids), concurrently."""
-        targets = [s for s in self.slots if s.alive and (engine_ids is None or s.engine_id in engine_ids)]
+        targets = [s for s in self.slots if s.is_running and (engine_ids is None or s.engine_id in engine_ids)]
 
         async def go():
             async def call(slot):
@@ -153,7 +248,7 @@ class Fleet:
     def weight_targets(self, engine_ids: list[int] | None = None) -> list[EngineTarget]:
         """The live engines a sync goes to; group ranks are numbered over the targeted engines only
         (all engines: engine i at 1 + i*tp*pp), so a sync to a subset forms a smaller group."""
-        slots = [s for s in self.slots if s.alive and (engine_ids is None or s.engine_id in engine_ids)]
+        slots = [s for s in self.slots if s.is_running and (engine_ids is None or s.engine_id in engine_ids)]
         infos = self._on_all("get_model_info", engine_ids=[s.engine_id for s in slots])
         ranks = self.rollout.gpus_per_engine
         return [EngineTarget(engine_id=s.engine_id, url=s.url, num_ranks=ranks, rank_offset=1 + k * ranks,
@@ -188,16 +283,23 @@ class Fleet:
             finally:
                 await asyncio.gather(*(c.close() for c in clients.values()))
         failed = asyncio.run(go())
-        for engine_id in failed:
-            slots[engine_id].alive = False
+        for engine_id in report.engine_ids:
+            slot = slots[engine_id]
+            if engine_id in failed:
+                slot.lifecycle.to(EngineState.INACTIVE, f"weights not verified: {failed[engine_id]}")
+            else:
+                slot.version = report.version
+                slot.lifecycle.to(EngineState.ACTIVE, f"verified at version {report.version!r}")
+        if len(failed) < len(report.engine_ids):
+            self.version = report.version
         if failed:
             detail = "; ".join(f"engine {e}: {problem}" for e, problem in sorted(failed.items()))
             raise WeightSyncError(f"weight sync to version {report.version!r} not verified, engines marked "
                                   f"failed: {detail}")
 
     def status(self) -> list[dict]:
-        return [{"engine_id": s.engine_id, "url": s.url, "alive": s.alive, "outstanding": s.outstanding}
-                for s in self.slots]
+        return [{"engine_id": s.engine_id, "state": s.state.value, "version": s.version, "url": s.url,
+                 "outstanding": s.outstanding, "transitions": len(s.lifecycle.history)} for s in self.slots]
 
 
 def _sample(prompt_index: int, sample_index: int, prompt_ids: list[int], out: dict, engine_id: int) -> Sample:

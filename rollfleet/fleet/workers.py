@@ -65,9 +65,15 @@ class RolloutWorker:
     def engine_exit_code(self) -> int | None:
         return None if self.engine is None else self.engine.proc.poll()
 
+    def wait_engine_exit(self) -> int | None:
+        """Block until this engine's current process exits; its exit code (the fleet's death watch)."""
+        engine = self.engine
+        return None if engine is None else engine.proc.wait()
+
     def stop_engine(self) -> None:
         if self.engine is not None:
             self.engine.stop()
 
 
-RemoteRolloutWorker = ray.remote(RolloutWorker)
+# threaded: the fleet's death watch blocks in wait_engine_exit while other verbs run
+RemoteRolloutWorker = ray.remote(max_concurrency=4)(RolloutWorker)

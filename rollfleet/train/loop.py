@@ -128,15 +128,19 @@ def train(cfg: RunConfig, *, resume: bool = False, console: Console | None = Non
 def _step(cfg, fleet: Fleet, trainers: TrainerGroup, dataset: PromptDataset, reward_fn, step: int,
           clock: StepClock, colocated: bool) -> dict:
     items = dataset.batch(step, cfg.grpo.prompts_per_step, seed=cfg.grpo.seed)
-    with clock.phase("generate"):
-        samples = fleet.generate([item.prompt for item in items])
-    with clock.phase("reward"):
-        answers = [items[s.prompt_index].answer for s in samples]
-        with ThreadPoolExecutor(cfg.grpo.reward_threads) as pool:
-            rewards = list(pool.map(reward_fn, [s.text for s in samples], answers))
-        for sample, reward in zip(samples, rewards):
-            sample.reward = reward
-        advantages = group_advantages(rewards, cfg.rollout.sampling.n, scale_by_std=cfg.train.scale_adv_by_std)
+    with ThreadPoolExecutor(cfg.grpo.reward_threads) as pool:
+        pending = {}  # rewards start as each prompt's samples arrive, while the rest still generate
+
+        def score(group: list[Sample]) -> None:
+            for s in group:
+                pending[s.prompt_index, s.sample_index] = pool.submit(reward_fn, s.text, items[s.prompt_index].answer)
+        with clock.phase("generate"):
+            samples = fleet.generate([item.prompt for item in items], on_group=score)
+        with clock.phase("reward"):  # only what generation did not already hide
+            rewards = [pending[s.prompt_index, s.sample_index].result() for s in samples]
+    for sample, reward in zip(samples, rewards):
+        sample.reward = reward
+    advantages = group_advantages(rewards, cfg.rollout.sampling.n, scale_by_std=cfg.train.scale_adv_by_std)
     if colocated:
         with clock.phase("sleep_wake"):
             fleet.sleep()
