@@ -138,7 +138,7 @@ class Fleet:
                         code = repr(exc)
                     slot.lifecycle.to(EngineState.INACTIVE, f"engine process exited (code {code})")
 
-    def restart_inactive(self, restore_from: str | None = None) -> list[int]:
+    def restart_inactive(self, restore_from: str | None = None, *, restore: bool = True) -> list[int]:
         """Restart every INACTIVE engine with dummy weights (AWAITING_WEIGHTS: not ready, no traffic),
         then restore the fleet's current version from `restore_from` or the newest matching disk
         checkpoint, sent only to them, and verify; without a checkpoint they wait for the trainer's
@@ -158,7 +158,7 @@ class Fleet:
             slot.lifecycle.to(EngineState.AWAITING_WEIGHTS, "restarted with dummy weights")
             restarted.append(slot.engine_id)
         directory = restore_from or self.checkpoint_for(self.version)
-        if restarted and directory:
+        if restarted and directory and restore:
             self.update_weights_from_disk(directory, self.version, engine_ids=restarted)
         return restarted
 
