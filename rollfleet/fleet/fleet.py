@@ -55,6 +55,7 @@ class Fleet:
         self.placement_group, self.workers, self.slots = placement_group, workers, slots
         self.tokenizer = tokenizer
         self.version = "default"  # the weight version every ACTIVE engine holds (verified)
+        self._events_seen: dict[int, int] = {}
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch_exits, name="rollfleet-death-watch", daemon=True)
         self._watcher.start()
@@ -161,6 +162,16 @@ class Fleet:
         if restarted and directory and restore:
             self.update_weights_from_disk(directory, self.version, engine_ids=restarted)
         return restarted
+
+    def take_events(self) -> list[dict]:
+        """Lifecycle transitions of every engine since the last call (for the run's metrics)."""
+        events = []
+        for slot in self.slots:
+            seen = self._events_seen.get(slot.engine_id, 0)
+            for at, old, new, why in slot.lifecycle.history[seen:]:
+                events.append({"engine_id": slot.engine_id, "time": at, "from": old, "to": new, "why": why})
+            self._events_seen[slot.engine_id] = len(slot.lifecycle.history)
+        return sorted(events, key=lambda e: e["time"])
 
     def checkpoint_for(self, version: str) -> str | None:
         """The disk-sync directory holding `version`, if the run keeps one."""

@@ -21,12 +21,13 @@ from rollfleet.config import RunConfig
 from rollfleet.data.prompts import PromptDataset
 from rollfleet.data.synthetic import make_records
 from rollfleet.fleet.fleet import Fleet
+from rollfleet.fleet.health import EngineState
 from rollfleet.rewards import load_reward
 from rollfleet.sample import Sample
 from rollfleet.train.grpo import group_advantages
 from rollfleet.train.worker import TrainerGroup
 
-PHASES = ("generate", "reward", "train", "sync", "sleep_wake")
+PHASES = ("generate", "reward", "train", "sync", "sleep_wake", "recovery")
 
 
 class StepClock:
@@ -106,7 +107,7 @@ def train(cfg: RunConfig, *, resume: bool = False, console: Console | None = Non
             clock = StepClock()
             metrics = _step(cfg, fleet, trainers, dataset, reward_fn, step, clock, colocated)
             metrics["time"] = clock.breakdown()
-            log.write(step + 1, _flatten(metrics))
+            log.write(step + 1, {**_flatten(metrics), "engine_events": metrics["engine_events"]})
             console.print(_line(step + 1, cfg.grpo.steps, metrics), markup=False, highlight=False, soft_wrap=True)
             if cfg.grpo.checkpoint_every and (step + 1) % cfg.grpo.checkpoint_every == 0:
                 _checkpoint(trainers, output_dir, step + 1, colocated)
@@ -127,6 +128,12 @@ def train(cfg: RunConfig, *, resume: bool = False, console: Console | None = Non
 
 def _step(cfg, fleet: Fleet, trainers: TrainerGroup, dataset: PromptDataset, reward_fn, step: int,
           clock: StepClock, colocated: bool) -> dict:
+    # Engines that died are restarted here, at the step boundary, where a colocated trainer has
+    # already released the GPU; they restore from the disk checkpoint of the current version, or
+    # take the trainer's push at the end of this step (AWAITING_WEIGHTS until then, no traffic).
+    if any(s.state == EngineState.INACTIVE for s in fleet.slots):
+        with clock.phase("recovery"):
+            fleet.restart_inactive()
     items = dataset.batch(step, cfg.grpo.prompts_per_step, seed=cfg.grpo.seed)
     with ThreadPoolExecutor(cfg.grpo.reward_threads) as pool:
         pending = {}  # rewards start as each prompt's samples arrive, while the rest still generate
@@ -158,17 +165,31 @@ def _step(cfg, fleet: Fleet, trainers: TrainerGroup, dataset: PromptDataset, rew
             fleet.wake(["kv_cache"])
     versions = {s.weight_version for s in samples}
     assert versions == {str(step)} or step == 0 and versions <= {"default", "0"}, versions
+    n = cfg.rollout.sampling.n
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, k) for p in range(len(items)) for k in range(n)]
+    events = fleet.take_events()
     return {"reward_mean": sum(rewards) / len(rewards), "reward_max": max(rewards),
             "exact": sum(r == 1.0 for r in rewards) / len(rewards),
             "response_tokens": sum(len(s.output_ids) for s in samples) / len(samples),
-            "train": train_metrics, "sync_gb_per_s": report.gb_per_s, "sync_seconds": report.seconds}
+            "train": train_metrics, "sync_gb_per_s": report.gb_per_s, "sync_seconds": report.seconds,
+            "engine_failures": sum(e["to"] == "INACTIVE" for e in events),
+            "engine_recoveries": sum(e["from"] == "AWAITING_WEIGHTS" and e["to"] == "ACTIVE" for e in events),
+            "engine_events": events}
 
 
-def _sync(cfg, fleet: Fleet, trainers: TrainerGroup, version: str):
+def _sync(cfg, fleet: Fleet, trainers: TrainerGroup, version: str, attempts: int = 3):
+    """Push to every running engine and verify. An engine that dies during the push is restarted
+    and the push is made again (the engines that already took it verify again: idempotent)."""
     options = {"config_dir": cfg.rollout.model_path} if cfg.weight_sync.transport == "disk" else {}
-    report = trainers.push_weights(cfg.weight_sync, fleet.weight_targets(), version, **options)
-    fleet.verify(report)
-    return report
+    for attempt in range(attempts):
+        try:
+            report = trainers.push_weights(cfg.weight_sync, fleet.weight_targets(), version, **options)
+            fleet.verify(report)
+            return report
+        except Exception:
+            if attempt == attempts - 1 or not any(s.state == EngineState.INACTIVE for s in fleet.slots):
+                raise
+            fleet.restart_inactive(restore=False)  # they take this very push
 
 
 def _train_item(sample: Sample, advantage: float) -> dict:
@@ -196,7 +217,7 @@ def _flatten(metrics: dict, prefix: str = "") -> dict:
     for key, value in metrics.items():
         if isinstance(value, dict):
             out.update(_flatten(value, f"{prefix}{key}/"))
-        else:
+        elif not isinstance(value, list):
             out[f"{prefix}{key}"] = value
     return out
 
@@ -206,7 +227,9 @@ def _line(step: int, steps: int, m: dict) -> str:
     return (f"step {step:>4}/{steps}  reward {m['reward_mean']:.3f}  exact {m['exact']:.2f}  "
             f"loss {m['train']['loss']:+.4f}  mismatch {m['train']['logprob_mismatch_mean']:.1e}  "
             f"[gen {t['generate']:.2f}s train {t['train']:.2f}s sync {t['sync']:.2f}s "
-            f"sleep/wake {t['sleep_wake']:.2f}s other {t['other']:.2f}s]")
+            f"sleep/wake {t['sleep_wake']:.2f}s other {t['other']:.2f}s]"
+            + (f"  engines failed {m['engine_failures']}, recovered {m['engine_recoveries']}"
+               if m["engine_failures"] or m["engine_recoveries"] else ""))
 
 
 def plot(rows: list[dict], path: Path) -> None:
