@@ -90,6 +90,9 @@ class RolloutConfig(_Section):
     api_key: str | None = Field(None, repr=False, description="API key the engine servers require; None: no auth.")
     host: str = Field("127.0.0.1", description="Address engine servers bind; 0.0.0.0 for multi-node (set api_key).")
     request_timeout_s: float = Field(600.0, gt=0.0, description="Seconds one generate request may take.")
+    probe_interval_s: float = Field(2.0, gt=0.0, description="Seconds between health probes of each ACTIVE engine.")
+    probe_timeout_s: float = Field(5.0, gt=0.0, description="A probe slower than this counts as failed.")
+    probe_failures: int = Field(3, ge=1, description="Consecutive failed probes that mark an engine INACTIVE.")
     recovery_wait_s: float = Field(
         300.0, ge=0.0, description="With no ACTIVE engine, how long generate waits for one to recover before failing.")
     startup_timeout_s: float = Field(300.0, gt=0.0, description="Seconds to wait for an engine server to be ready.")

@@ -33,6 +33,7 @@ def fleet(qwen3_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("recovery")
     cfg = load_config(None, [f"rollout.model_path={qwen3_dir}", "rollout.use_gpu=true", "rollout.num_engines=2",
                              f"rollout.log_dir={out}/logs", "rollout.recovery_wait_s=60",
+                             "rollout.probe_interval_s=0.5", "rollout.probe_timeout_s=1", "rollout.probe_failures=2",
                              "weight_sync.transport=disk", f"weight_sync.path={out}/sync"])
     fleet = Fleet.from_config(cfg)
     yield fleet
@@ -100,3 +101,16 @@ def test_generate_waits_for_recovery_when_no_engine_is_active(fleet, qwen3_dir_b
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, 0) for p in range(4)]
     assert [s.output_ids for s in samples] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]
     assert {s.weight_version for s in samples} == {"v1"}
+
+
+def test_a_hung_engine_is_caught_by_probes_and_both_restore_by_read_once_fan_out(fleet, qwen3_dir_b):
+    pid = ray.get(fleet.slots[0].head.engine_pid.remote())
+    os.killpg(pid, signal.SIGSTOP)  # hung: the process lives but answers nothing
+    assert wait_state(fleet, 0, "INACTIVE", timeout=10) == "INACTIVE"
+    assert "health probes failed" in fleet.slots[0].lifecycle.history[-1][3]
+    kill(fleet, 1)
+    assert wait_state(fleet, 1, "INACTIVE") == "INACTIVE"
+    assert sorted(fleet.restart_inactive()) == [0, 1]  # two engines: files read once, fanned out, verified
+    assert [s.state.value for s in fleet.slots] == ["ACTIVE", "ACTIVE"]
+    samples = fleet.generate(PROMPTS, sampling=GREEDY)
+    assert [s.output_ids for s in samples] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]

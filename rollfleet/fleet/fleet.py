@@ -15,11 +15,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import ray
 from rich.progress import Progress
 from transformers import AutoConfig, AutoTokenizer
 
-from rollfleet.config import RunConfig
+from rollfleet.config import RunConfig, TensorSync
 from rollfleet.engine.client import EngineClient
 from rollfleet.engine.runner import read_hf_checkpoint
 from rollfleet.fleet.health import EngineState
@@ -29,6 +30,7 @@ from rollfleet.fleet.workers import RemoteRolloutWorker
 from rollfleet.layout import build_rank_infos, engine_rank_groups, validate_layout
 from rollfleet.sample import Sample
 from rollfleet.weights.buckets import dtype_from_name
+from rollfleet.weights.checkpoint import CheckpointSource
 from rollfleet.weights.fingerprint import fingerprint
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
@@ -59,6 +61,8 @@ class Fleet:
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch_exits, name="rollfleet-death-watch", daemon=True)
         self._watcher.start()
+        self._prober = threading.Thread(target=self._probe, name="rollfleet-health-probe", daemon=True)
+        self._prober.start()
 
     # ---- building -----------------------------------------------------------------------------
     @classmethod
@@ -112,6 +116,7 @@ class Fleet:
     def shutdown(self) -> None:
         self._closing.set()
         self._watcher.join(timeout=5)
+        self._prober.join(timeout=5)
         self._teardown(self.workers, self.placement_group)
 
     # ---- detection and recovery ------------------------------------------------------------------
@@ -139,6 +144,24 @@ class Fleet:
                         code = repr(exc)
                     slot.lifecycle.to(EngineState.INACTIVE, f"engine process exited (code {code})")
 
+    def _probe(self) -> None:
+        """Catch hung engines (alive but not answering): `probe_failures` consecutive /health probes
+        slower than `probe_timeout_s` mark an ACTIVE engine INACTIVE and stop its process."""
+        failures: dict[int, int] = {}
+        while not self._closing.wait(self.rollout.probe_interval_s):
+            for slot in [s for s in self.slots if s.state == EngineState.ACTIVE]:
+                headers = {"Authorization": f"Bearer {self.rollout.api_key}"} if self.rollout.api_key else {}
+                try:
+                    ok = httpx.get(f"{slot.url}/health", headers=headers,
+                                   timeout=self.rollout.probe_timeout_s).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                failures[slot.engine_id] = 0 if ok else failures.get(slot.engine_id, 0) + 1
+                if failures[slot.engine_id] >= self.rollout.probe_failures and slot.state == EngineState.ACTIVE:
+                    slot.lifecycle.to(EngineState.INACTIVE, f"{failures[slot.engine_id]} health probes failed")
+                    failures[slot.engine_id] = 0
+                    slot.head.stop_engine.remote()  # a hung process is ended, so the restart starts clean
+
     def restart_inactive(self, restore_from: str | None = None, *, restore: bool = True) -> list[int]:
         """Restart every INACTIVE engine with dummy weights (AWAITING_WEIGHTS: not ready, no traffic),
         then restore the fleet's current version from `restore_from` or the newest matching disk
@@ -160,8 +183,17 @@ class Fleet:
             restarted.append(slot.engine_id)
         directory = restore_from or self.checkpoint_for(self.version)
         if restarted and directory and restore:
-            self.update_weights_from_disk(directory, self.version, engine_ids=restarted)
+            self.restore(directory, self.version, restarted)
         return restarted
+
+    def restore(self, directory: str, version: str, engine_ids: list[int], *, fan_out: bool | None = None) -> None:
+        """Load a checkpoint into some engines and verify them. With several engines the files are
+        read once here and the tensors fanned out over the tensor transport (shared memory on CPU,
+        CUDA IPC on GPU; same node), instead of each engine reading the disk."""
+        if fan_out if fan_out is not None else len(engine_ids) > 1:
+            self.sync_weights(CheckpointSource(directory), version, engine_ids=engine_ids, transport=TensorSync())
+        else:
+            self.update_weights_from_disk(directory, version, engine_ids=engine_ids)
 
     def take_events(self) -> list[dict]:
         """Lifecycle transitions of every engine since the last call (for the run's metrics)."""

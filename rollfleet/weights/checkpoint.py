@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 # Files of a HF model directory that are not weights; copied from the model's own directory.
 CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -62,3 +62,18 @@ def save_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], directory
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
     return total
+
+
+class CheckpointSource:
+    """A HF directory as a WeightSource: each file is read once per pass, whatever the number of
+    engines the tensors then go to (the read-once fan-out of a restore)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+
+    def named_tensors(self):
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.directory} holds no *.safetensors file")
+        for file in files:
+            yield from load_file(file).items()
