@@ -10,7 +10,8 @@ def main(argv: list[str] | None = None) -> None:
     usage = ("usage: rollfleet train CONFIG.yaml [key.path=value ...] [--resume]\n"
              "       rollfleet serve [engine flags]   (see rollfleet serve --help)\n"
              "       rollfleet bench batching [--requests N]\n"
-             "       rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X")
+             "       rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X\n"
+             "       rollfleet bench recovery [--hidden 256 --layers 8]")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "bench" and rest[:1] == ["batching"]:
         from rollfleet.bench.batching import main as bench_batching
         bench_batching(rest[1:])
+    elif command == "bench" and rest[:1] == ["recovery"]:
+        from rollfleet.bench.recovery import main as bench_recovery
+        bench_recovery(rest[1:])
     elif command == "bench" and rest[:1] == ["weight-sync"]:
         from rollfleet.bench.weight_sync import main as bench_weight_sync
         bench_weight_sync(rest[1:])

@@ -266,9 +266,12 @@ class Fleet:
 
     def update_weights_from_disk(self, path: str, weight_version: str, engine_ids: list[int] | None = None) -> None:
         """Load a HF directory into engines, then verify them against the files' own fingerprints."""
+        self._on_all("update_weights_from_disk", path, weight_version=weight_version, engine_ids=engine_ids)
+        self.verify_checkpoint(path, weight_version, engine_ids)
+
+    def verify_checkpoint(self, path: str, weight_version: str, engine_ids: list[int] | None = None) -> None:
+        """Verify engines against fingerprints computed here from the checkpoint's files."""
         targets = self.weight_targets(engine_ids)
-        self._on_all("update_weights_from_disk", path, weight_version=weight_version,
-                     engine_ids=[t.engine_id for t in targets])
         tensors = read_hf_checkpoint(path)
         report = SyncReport(version=weight_version, transport="disk", engine_ids=[t.engine_id for t in targets])
         for target in targets:
