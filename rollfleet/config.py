@@ -93,6 +93,7 @@ class RolloutConfig(_Section):
     probe_interval_s: float = Field(2.0, gt=0.0, description="Seconds between health probes of each ACTIVE engine.")
     probe_timeout_s: float = Field(5.0, gt=0.0, description="A probe slower than this counts as failed.")
     probe_failures: int = Field(3, ge=1, description="Consecutive failed probes that mark an engine INACTIVE.")
+    auto_restart: bool = Field(True, description="Restart INACTIVE engines in the background (see Fleet.restart_inactive).")
     recovery_wait_s: float = Field(
         300.0, ge=0.0, description="With no ACTIVE engine, how long generate waits for one to recover before failing.")
     startup_timeout_s: float = Field(300.0, gt=0.0, description="Seconds to wait for an engine server to be ready.")

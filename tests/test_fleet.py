@@ -30,7 +30,7 @@ def local_ray():
 
 
 def config(model_dir, log_dir, *overrides):
-    return load_config(None, [f"rollout.model_path={model_dir}", "rollout.use_gpu=true",
+    return load_config(None, [f"rollout.model_path={model_dir}", "rollout.use_gpu=true", "rollout.auto_restart=false",
                               f"rollout.log_dir={log_dir}", *overrides])
 
 

@@ -34,6 +34,7 @@ def fleet(qwen3_dir, tmp_path_factory):
     cfg = load_config(None, [f"rollout.model_path={qwen3_dir}", "rollout.use_gpu=true", "rollout.num_engines=2",
                              f"rollout.log_dir={out}/logs", "rollout.recovery_wait_s=60",
                              "rollout.probe_interval_s=0.5", "rollout.probe_timeout_s=1", "rollout.probe_failures=2",
+                             "rollout.auto_restart=false",  # the tests drive restarts; the last one turns it on
                              "weight_sync.transport=disk", f"weight_sync.path={out}/sync"])
     fleet = Fleet.from_config(cfg)
     yield fleet
@@ -114,3 +115,16 @@ def test_a_hung_engine_is_caught_by_probes_and_both_restore_by_read_once_fan_out
     assert [s.state.value for s in fleet.slots] == ["ACTIVE", "ACTIVE"]
     samples = fleet.generate(PROMPTS, sampling=GREEDY)
     assert [s.output_ids for s in samples] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]
+
+
+def test_background_restart_brings_a_dead_engine_back_without_being_asked(fleet, qwen3_dir_b):
+    fleet.rollout.auto_restart = True
+    try:
+        kill(fleet, 1)
+        assert wait_state(fleet, 1, "INACTIVE") == "INACTIVE"
+        assert wait_state(fleet, 1, "ACTIVE", timeout=30) == "ACTIVE"  # restored from v1 and verified
+    finally:
+        fleet.rollout.auto_restart = False
+    assert fleet.slots[1].version == "v1"
+    samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
+    assert {s.engine_id for s in samples} == {0, 1}

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -63,6 +64,12 @@ class Fleet:
         self._watcher.start()
         self._prober = threading.Thread(target=self._probe, name="rollfleet-health-probe", daemon=True)
         self._prober.start()
+        self._restart_lock = threading.Lock()
+        self._restarts_allowed = threading.Event()
+        self._restarts_allowed.set()
+        self._restarter = threading.Thread(target=self._restart_in_background, name="rollfleet-restarter",
+                                           daemon=True)
+        self._restarter.start()
 
     # ---- building -----------------------------------------------------------------------------
     @classmethod
@@ -117,6 +124,7 @@ class Fleet:
         self._closing.set()
         self._watcher.join(timeout=5)
         self._prober.join(timeout=5)
+        self._restarter.join(timeout=60)
         self._teardown(self.workers, self.placement_group)
 
     # ---- detection and recovery ------------------------------------------------------------------
@@ -162,7 +170,31 @@ class Fleet:
                     failures[slot.engine_id] = 0
                     slot.head.stop_engine.remote()  # a hung process is ended, so the restart starts clean
 
+    def _restart_in_background(self) -> None:
+        while not self._closing.wait(self.rollout.probe_interval_s):
+            if (self.rollout.auto_restart and self._restarts_allowed.is_set()
+                    and any(s.state == EngineState.INACTIVE for s in self.slots)):
+                try:
+                    self.restart_inactive()
+                except Exception:  # noqa: BLE001 - logged; the next round (or the caller) tries again
+                    log.exception("background restart failed")
+
+    @contextmanager
+    def restarts_paused(self):
+        """No restart starts inside this block (colocated: while the trainer holds the GPUs)."""
+        self._restarts_allowed.clear()
+        with self._restart_lock:  # wait for a restart already under way
+            pass
+        try:
+            yield
+        finally:
+            self._restarts_allowed.set()
+
     def restart_inactive(self, restore_from: str | None = None, *, restore: bool = True) -> list[int]:
+        with self._restart_lock:
+            return self._restart_inactive(restore_from, restore)
+
+    def _restart_inactive(self, restore_from: str | None, restore: bool) -> list[int]:
         """Restart every INACTIVE engine with dummy weights (AWAITING_WEIGHTS: not ready, no traffic),
         then restore the fleet's current version from `restore_from` or the newest matching disk
         checkpoint, sent only to them, and verify; without a checkpoint they wait for the trainer's

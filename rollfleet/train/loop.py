@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import ray
@@ -148,21 +148,24 @@ def _step(cfg, fleet: Fleet, trainers: TrainerGroup, dataset: PromptDataset, rew
     for sample, reward in zip(samples, rewards):
         sample.reward = reward
     advantages = group_advantages(rewards, cfg.rollout.sampling.n, scale_by_std=cfg.train.scale_adv_by_std)
-    if colocated:
-        with clock.phase("sleep_wake"):
-            fleet.sleep()
-            trainers.onload()
-    with clock.phase("train"):
-        train_metrics = trainers.train_step([_train_item(s, float(a)) for s, a in zip(samples, advantages)])
-    if colocated:
-        with clock.phase("sleep_wake"):
-            fleet.wake(["weights"])  # SGLang order: resume weights, push them, resume the KV cache
-    with clock.phase("sync"):
-        report = _sync(cfg, fleet, trainers, version=str(step + 1))
-    if colocated:
-        with clock.phase("sleep_wake"):
-            trainers.offload()  # after the push: the trainer's parameters are what was sent
-            fleet.wake(["kv_cache"])
+    # colocated: from the engines' release to the trainer's offload, the trainer holds the GPUs, so
+    # no engine restart may start (a background restart waits for the end of this block)
+    with fleet.restarts_paused() if colocated else nullcontext():
+        if colocated:
+            with clock.phase("sleep_wake"):
+                fleet.sleep()
+                trainers.onload()
+        with clock.phase("train"):
+            train_metrics = trainers.train_step([_train_item(s, float(a)) for s, a in zip(samples, advantages)])
+        if colocated:
+            with clock.phase("sleep_wake"):
+                fleet.wake(["weights"])  # SGLang order: resume weights, push them, resume the KV cache
+        with clock.phase("sync"):
+            report = _sync(cfg, fleet, trainers, version=str(step + 1))
+        if colocated:
+            with clock.phase("sleep_wake"):
+                trainers.offload()  # after the push: the trainer's parameters are what was sent
+                fleet.wake(["kv_cache"])
     versions = {s.weight_version for s in samples}
     assert versions == {str(step)} or step == 0 and versions <= {"default", "0"}, versions
     n = cfg.rollout.sampling.n
@@ -187,9 +190,19 @@ def _sync(cfg, fleet: Fleet, trainers: TrainerGroup, version: str, attempts: int
             fleet.verify(report)
             return report
         except Exception:
-            if attempt == attempts - 1 or not any(s.state == EngineState.INACTIVE for s in fleet.slots):
+            if attempt == attempts - 1 or not _engine_died(fleet):
                 raise
             fleet.restart_inactive(restore=False)  # they take this very push
+
+
+def _engine_died(fleet: Fleet, grace_s: float = 2.0) -> bool:
+    """Whether an engine is (or, within the death watch's reaction time, becomes) INACTIVE."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if any(s.state == EngineState.INACTIVE for s in fleet.slots):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _train_item(sample: Sample, advantage: float) -> dict:
