@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import tempfile
 
 import pytest
+import ray
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -37,6 +40,16 @@ def moe_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def moe_dir_b(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("moeb"), "qwen3_moe", seed=1))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray told it has 4 GPUs (engines still run on the CPU), in a temp dir of its own."""
+    temp = tempfile.mkdtemp(prefix="rf-ray-")
+    ray.init(num_cpus=8, num_gpus=4, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -4,9 +4,7 @@ and an engine killed mid-batch (every result still arrives exactly once)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 
@@ -18,15 +16,6 @@ from rollfleet.fleet.fleet import Fleet
 from rollfleet.fleet.placement import create_placement_group, worker_options
 from rollfleet.fleet.workers import RemoteRolloutWorker
 from rollfleet.layout import build_rank_infos
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    temp = tempfile.mkdtemp(prefix="rf-ray-")
-    ray.init(num_cpus=8, num_gpus=4, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 def config(model_dir, log_dir, *overrides):

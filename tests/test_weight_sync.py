@@ -3,17 +3,14 @@ tensor (shared memory), nccl (gloo) and disk; verified by fingerprint; bad updat
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 
 import pytest
-import ray
 import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import reference_greedy
 from rollfleet.config import DiskSync, NcclSync, TensorSync, load_config
-from rollfleet.fleet.fleet import Fleet, WeightSyncError
+from rollfleet.fleet.fleet import Fleet
 from rollfleet.weights.source import ModuleSource
 
 # 1 MiB buckets: the tiny models span several buckets, so bucketing is exercised
@@ -22,15 +19,6 @@ TRANSPORTS = {"tensor": TensorSync(bucket_mb=1), "nccl": NcclSync(bucket_mb=1, j
 ONE_BUCKET = {"tensor": TensorSync(), "nccl": NcclSync(join_timeout_s=30)}
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7]]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    temp = tempfile.mkdtemp(prefix="rf-ray-")
-    ray.init(num_cpus=8, num_gpus=4, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 def make_fleet(model_dir, log_dir, *overrides):
