@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         ray.init(num_cpus=8, num_gpus=gpus or 2, _temp_dir=str(scratch / "ray"), include_dashboard=False,
                  log_to_driver=False)
         cfg = load_config(None, [f"rollout.model_path={model_dir}", "rollout.use_gpu=true", "rollout.num_engines=2",
+                                 "rollout.auto_restart=false",  # the benchmark times each restart itself
                                  f"rollout.log_dir={scratch}/logs", "weight_sync.transport=disk",
                                  f"weight_sync.path={scratch}/sync"])
         fleet = Fleet.from_config(cfg)
