@@ -184,6 +184,9 @@ class GrpoConfig(_Section):
     output_dir: str = Field("runs/default", description="Metrics, TensorBoard, checkpoints and the reward plot go here.")
     checkpoint_every: int = Field(0, ge=0, description="Save an HF checkpoint and trainer state every K steps; 0: at the end only.")
     seed: int = Field(0, description="Seed of the prompt order.")
+    recovery_checkpoint_every: int = Field(
+        1, ge=0, description="Save the synced weights as a HF directory every K steps so restarted engines restore "
+        "from disk (only used when weight_sync is not disk, whose sync directory already serves); 0: never.")
 
 
 class RayConfig(_Section):

@@ -59,7 +59,8 @@ def test_resume_continues_from_the_last_state(qwen3_dir, tmp_path):
 
 
 def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
-    """Engine processes are killed at random times during a GRPO run: every step still finishes, no
+    """Engine processes hang (SIGSTOP) or die (SIGKILL) at random times during a GRPO run over the
+    tensor transport (restarted engines restore from the recovery checkpoint): every step finishes, no
     prompt is lost or duplicated and every sample comes from its step's weight version (both checked
     inside the loop on every step), and the metrics record each failure and recovery."""
     import os
@@ -72,9 +73,9 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     model_dir = tmp_path / "chaos-model"
     shutil.copytree(qwen3_dir, model_dir)  # a path of its own, to find this run's engines
     cfg, temp = run_config(model_dir, tmp_path / "out", "rollout.num_engines=2", "grpo.steps=8",
-                           "grpo.prompts_per_step=8", "weight_sync.transport=disk",
-                           f"weight_sync.path={tmp_path}/sync", "rollout.sampling.max_new_tokens=24",
-                           "rollout.sampling.ignore_eos=true")
+                           "grpo.prompts_per_step=8", "weight_sync.transport=tensor",
+                           "rollout.sampling.max_new_tokens=24", "rollout.sampling.ignore_eos=true",
+                           "rollout.probe_interval_s=0.5", "rollout.probe_timeout_s=1", "rollout.probe_failures=2")
     stop, kills = threading.Event(), []
 
     def chaos():
@@ -87,9 +88,10 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
                                   capture_output=True, text=True).stdout.split()
             if pids:
                 pid = int(rng.choice(pids))
+                how = signal.SIGSTOP if not kills else signal.SIGKILL  # the first one hangs, the others die
                 try:
-                    os.killpg(pid, signal.SIGKILL)
-                    kills.append(pid)
+                    os.killpg(pid, how)
+                    kills.append((pid, how))
                 except ProcessLookupError:
                     pass
             stop.wait(rng.uniform(1.0, 2.5))
@@ -103,9 +105,10 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
         shutil.rmtree(temp, ignore_errors=True)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
-    assert len(kills) >= 2
+    assert len(kills) >= 2 and kills[0][1] == signal.SIGSTOP
     events = [e for r in rows for e in r["engine_events"]]
     assert sum(r["engine_failures"] for r in rows) >= 2  # kills (also of engines still restarting)
     assert sum(r["engine_recoveries"] for r in rows) >= 1
+    assert any("health probes failed" in e["why"] for e in events)  # the hung one was caught
     last = {e["engine_id"]: e["to"] for e in events}
     assert set(last.values()) == {"ACTIVE"}, last  # every engine that failed came back and was verified

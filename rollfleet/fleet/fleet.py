@@ -59,6 +59,7 @@ class Fleet:
         self.tokenizer = tokenizer
         self.version = "default"  # the weight version every ACTIVE engine holds (verified)
         self._events_seen: dict[int, int] = {}
+        self._recovery_checkpoints: dict[str, str] = {}  # version -> HF directory (insertion order)
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch_exits, name="rollfleet-death-watch", daemon=True)
         self._watcher.start()
@@ -168,7 +169,7 @@ class Fleet:
                 if failures[slot.engine_id] >= self.rollout.probe_failures and slot.state == EngineState.ACTIVE:
                     slot.lifecycle.to(EngineState.INACTIVE, f"{failures[slot.engine_id]} health probes failed")
                     failures[slot.engine_id] = 0
-                    slot.head.stop_engine.remote()  # a hung process is ended, so the restart starts clean
+                    slot.head.kill_engine.remote()  # a hung process is ended, so the restart starts clean
 
     def _restart_in_background(self) -> None:
         while not self._closing.wait(self.rollout.probe_interval_s):
@@ -237,8 +238,17 @@ class Fleet:
             self._events_seen[slot.engine_id] = len(slot.lifecycle.history)
         return sorted(events, key=lambda e: e["time"])
 
+    def register_checkpoint(self, version: str, directory: str) -> None:
+        """A HF directory holding `version` (the trainer saves one for recovery); the newest two are kept."""
+        self._recovery_checkpoints[version] = directory
+        for old in list(self._recovery_checkpoints)[:-2]:
+            del self._recovery_checkpoints[old]
+
     def checkpoint_for(self, version: str) -> str | None:
-        """The disk-sync directory holding `version`, if the run keeps one."""
+        """A checkpoint directory holding exactly `version`: registered by the trainer, or the disk
+        sync's own directory; None when there is none (restarted engines then wait for a push)."""
+        if version in self._recovery_checkpoints:
+            return self._recovery_checkpoints[version]
         if self.cfg.weight_sync.transport != "disk":
             return None
         directory = version_dir(self.cfg.weight_sync.path, version)

@@ -58,6 +58,20 @@ class Lifecycle:
         if new not in ALLOWED[self.state]:
             raise IllegalTransition(f"engine {self.engine_id}: {self.state.value} -> {new.value} is not a "
                                     f"lifecycle transition ({reason})")
+        if new == EngineState.ACTIVE and self.restarted_since_active:
+            reason = f"recovered: {reason}"
         self.history.append((time.time(), self.state.value, new.value, reason))
-        log.warning("engine %d: %s -> %s (%s)", self.engine_id, self.state.value, new.value, reason)
+        routine = new in (EngineState.ACTIVE, EngineState.SLEEPING, EngineState.AWAITING_WEIGHTS)
+        (log.info if routine else log.warning)("engine %d: %s -> %s (%s)", self.engine_id, self.state.value,
+                                               new.value, reason)
         self.state = new
+
+    @property
+    def restarted_since_active(self) -> bool:
+        """Whether the engine went through RECOVERING since it was last ACTIVE."""
+        for _, _, to, _ in reversed(self.history):
+            if to == EngineState.ACTIVE.value:
+                return False
+            if to == EngineState.RECOVERING.value:
+                return True
+        return False

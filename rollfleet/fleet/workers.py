@@ -70,6 +70,11 @@ class RolloutWorker:
         engine = self.engine
         return None if engine is None else engine.proc.wait()
 
+    def kill_engine(self) -> None:
+        """SIGKILL the engine's process group at once (a hung engine ignores a polite stop)."""
+        if self.engine is not None:
+            self.engine.kill()
+
     def stop_engine(self) -> None:
         if self.engine is not None:
             self.engine.stop()

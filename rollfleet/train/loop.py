@@ -9,6 +9,7 @@ trainer trains and get weights pushed again after resuming them.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -162,6 +163,10 @@ def _step(cfg, fleet: Fleet, trainers: TrainerGroup, dataset: PromptDataset, rew
                 fleet.wake(["weights"])  # SGLang order: resume weights, push them, resume the KV cache
         with clock.phase("sync"):
             report = _sync(cfg, fleet, trainers, version=str(step + 1))
+        every = cfg.grpo.recovery_checkpoint_every
+        if every and cfg.weight_sync.transport != "disk" and (step + 1) % every == 0:
+            with clock.phase("recovery"):  # what a restarted engine restores from
+                _save_recovery_checkpoint(fleet, trainers, Path(cfg.grpo.output_dir).resolve(), str(step + 1))
         if colocated:
             with clock.phase("sleep_wake"):
                 trainers.offload()  # after the push: the trainer's parameters are what was sent
@@ -176,7 +181,7 @@ def _step(cfg, fleet: Fleet, trainers: TrainerGroup, dataset: PromptDataset, rew
             "response_tokens": sum(len(s.output_ids) for s in samples) / len(samples),
             "train": train_metrics, "sync_gb_per_s": report.gb_per_s, "sync_seconds": report.seconds,
             "engine_failures": sum(e["to"] == "INACTIVE" for e in events),
-            "engine_recoveries": sum(e["from"] == "AWAITING_WEIGHTS" and e["to"] == "ACTIVE" for e in events),
+            "engine_recoveries": sum(e["to"] == "ACTIVE" and e["why"].startswith("recovered") for e in events),
             "engine_events": events}
 
 
@@ -203,6 +208,17 @@ def _engine_died(fleet: Fleet, grace_s: float = 2.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def _save_recovery_checkpoint(fleet: Fleet, trainers: TrainerGroup, output_dir: Path, version: str) -> None:
+    root = output_dir / "recovery"
+    final, partial = root / f"version-{version}", root / f"version-{version}.partial"
+    trainers.save_hf(str(partial))
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+    fleet.register_checkpoint(version, str(final))
+    for old in sorted(root.glob("version-*"), key=lambda p: p.stat().st_mtime)[:-2]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _train_item(sample: Sample, advantage: float) -> dict:
