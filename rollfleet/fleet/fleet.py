@@ -102,17 +102,15 @@ class Fleet:
 
     @staticmethod
     def _start_engines(ranks, workers, placements, load_format) -> list[EngineSlot]:
-        groups = engine_rank_groups(ranks)
-        heads, starts = [], []
-        for engine_id, members in sorted(groups.items()):
+        slots, starts = [], []
+        for engine_id, members in sorted(engine_rank_groups(ranks).items()):
             gpu_ids = [g for m in members for g in placements[m.rank]["gpu_ids"]]
             head = workers[members[0].rank]
-            heads.append((engine_id, head))
+            slots.append(EngineSlot(engine_id, "", head, gpu_ids=gpu_ids))
             starts.append(head.start_engine.remote(gpu_ids, load_format))
-        started = ray.get(starts)  # all engines start in parallel; the first failure raises with its log
-        return [EngineSlot(engine_id, info["url"], head, gpu_ids=[g for m in groups[engine_id]
-                                                                  for g in placements[m.rank]["gpu_ids"]])
-                for (engine_id, head), info in zip(heads, started)]
+        for slot, info in zip(slots, ray.get(starts)):  # engines start in parallel; a failure raises with its log
+            slot.url = info["url"]
+        return slots
 
     @staticmethod
     def _teardown(workers, group) -> None:
