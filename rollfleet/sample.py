@@ -18,10 +18,3 @@ class Sample:
     engine_id: int = -1
     reward: float | None = None
 
-    @property
-    def finished_by(self) -> str:
-        return self.finish_reason.get("type", "")
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_ids)
