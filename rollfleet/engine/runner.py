@@ -270,9 +270,6 @@ class ModelRunner:
             return read_hf_checkpoint(model_path), True
         self._update(read)
 
-    def update_weights(self, tensors: dict[str, torch.Tensor], complete: bool = False) -> None:
-        self._update(lambda: (tensors, complete))
-
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None) -> None:
         """Every rank decodes its own entry, `serialized_named_tensors[tp_rank]` (SGLang's rule)."""
         def decode():

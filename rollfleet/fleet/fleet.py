@@ -335,12 +335,13 @@ class Fleet:
         """The live engines a sync goes to; group ranks are numbered over the targeted engines only
         (all engines: engine i at 1 + i*tp*pp), so a sync to a subset forms a smaller group."""
         slots = [s for s in self.slots if s.is_running and (engine_ids is None or s.engine_id in engine_ids)]
-        infos = self._on_all("get_model_info", engine_ids=[s.engine_id for s in slots])
+        unknown = [s for s in slots if s.dtype is None]
+        for slot, info in zip(unknown, self._on_all("get_model_info", engine_ids=[s.engine_id for s in unknown])):
+            slot.dtype = info.get("dtype", "")  # SGLang does not report one: fingerprints in the sent dtype
         ranks = self.rollout.gpus_per_engine
         return [EngineTarget(engine_id=s.engine_id, url=s.url, num_ranks=ranks, rank_offset=1 + k * ranks,
-                             dtype=dtype_from_name(info["dtype"]) if info.get("dtype") else None,
-                             api_key=self.rollout.api_key)
-                for k, (s, info) in enumerate(zip(slots, infos))]
+                             dtype=dtype_from_name(s.dtype) if s.dtype else None, api_key=self.rollout.api_key)
+                for k, s in enumerate(slots)]
 
     def sync_weights(self, source: WeightSource, version: str, *, engine_ids: list[int] | None = None,
                      transport=None, **transport_options) -> SyncReport:

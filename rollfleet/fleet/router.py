@@ -34,6 +34,7 @@ class EngineSlot:
     head: Any  # the RolloutWorker actor that owns the engine process
     gpu_ids: list[str] = field(default_factory=list)
     version: str = "default"
+    dtype: str | None = None  # parameter dtype as the engine reports it (asked once)
     outstanding: int = 0
     lifecycle: Lifecycle = None  # set in __post_init__
 

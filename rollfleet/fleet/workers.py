@@ -62,9 +62,6 @@ class RolloutWorker:
     def engine_alive(self) -> bool:
         return self.engine is not None and self.engine.is_alive()
 
-    def engine_exit_code(self) -> int | None:
-        return None if self.engine is None else self.engine.proc.poll()
-
     def wait_engine_exit(self) -> int | None:
         """Block until this engine's current process exits; its exit code (the fleet's death watch)."""
         engine = self.engine
