@@ -29,8 +29,8 @@ from transformers.distributed import DistributedConfig
 
 from rollfleet.weights.buckets import Bucket, dtype_from_name, view_bytes_as
 from rollfleet.weights.group import join_weight_update_group
-from rollfleet.weights.fingerprint import fingerprint
-from rollfleet.weights.naming import checkpoint_to_model, model_to_checkpoint
+from rollfleet.weights.fingerprint import Fingerprints
+from rollfleet.weights.naming import checkpoint_to_model, model_to_checkpoint, plain_names
 from rollfleet.weights.serialize import safe_loads
 
 log = logging.getLogger("rollfleet.engine")
@@ -206,6 +206,9 @@ class ModelRunner:
                 self.checkpoint_to_param[ckpt_name] = name
                 if unique.get(id(param)) == name:
                     self.required_names.add(ckpt_name)
+        # checkpoint name -> parameter name where the checkpoint tensor IS the parameter: loads and
+        # fingerprints of these skip transformers' conversion (computed once, here)
+        self.plain_to_param = {ckpt: name for name, ckpt in plain_names(self.model).items()}
 
     @torch.no_grad()
     def _own_storages(self) -> None:
@@ -281,6 +284,9 @@ class ModelRunner:
                                         f"{type(exc).__name__}: {_first_line(exc)}") from exc
             return _named_tensors(payload, load_format), False
         self._update(decode)
+        # The sender's buffers are read here through CUDA IPC / shared memory: finish reading them
+        # before answering, since the sender reuses or frees them once every engine has answered.
+        self._synchronize()
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str, load_format: str | None = None) -> None:
@@ -358,8 +364,12 @@ class ModelRunner:
         if any(errors):
             raise WeightUpdateError("; ".join(sorted({e for e in errors if e})))
         with torch.no_grad():
+            same_device = [(t, v) for t, v in staged if t.device == v.device and t.dtype == v.dtype]
+            if same_device:  # one multi-tensor copy instead of a kernel launch per tensor
+                torch._foreach_copy_([t for t, _ in same_device], [v for _, v in same_device])
             for target, value in staged:
-                target.copy_(value)
+                if target.device != value.device or target.dtype != value.dtype:
+                    target.copy_(value)
         self.loaded_names |= set(tensors)
 
     def _check(self, tensors: dict[str, torch.Tensor], complete: bool) -> dict[str, torch.Tensor]:
@@ -378,17 +388,19 @@ class ModelRunner:
                                          ("non-floating dtypes", dtypes), ("missing tensors", missing)] if names]
         if problems:
             raise WeightUpdateError("weight update refused, nothing changed: " + "; ".join(problems))
+        converted = {self.plain_to_param[n]: t for n, t in tensors.items() if n in self.plain_to_param}
+        fused = {n: t for n, t in tensors.items() if n not in self.plain_to_param}
         try:
-            converted = checkpoint_to_model(self.model, tensors)
+            built = checkpoint_to_model(self.model, fused) if fused else {}
         except ValueError as exc:
             raise WeightUpdateError(f"weight update refused, nothing changed: {exc}") from exc
-        for name, full in converted.items():
+        for name, full in built.items():
             param = self.params.get(name)
             if param is None or tuple(full.shape) != tuple(param.shape):
                 expected = None if param is None else tuple(param.shape)
                 raise WeightUpdateError(f"weight update refused, nothing changed: {name} built with shape "
                                         f"{tuple(full.shape)}, the model holds {expected} (incomplete expert group?)")
-        return converted
+        return {**converted, **built}
 
     def _stage(self, tensors: dict[str, torch.Tensor], complete: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Check, then build each local shard; no parameter changes here."""
@@ -478,13 +490,16 @@ class ModelRunner:
         unknown = sorted(wanted - set(self.checkpoint_to_param))
         if unknown:
             raise WeightUpdateError(f"names not in this model: {unknown[:10]}")
-        out: dict[str, str] = {}
-        for param_name in sorted({self.checkpoint_to_param[n] for n in wanted}):
+        collector = Fingerprints(samples=samples)
+        for name in sorted(n for n in wanted if n in self.plain_to_param):
+            collector.add(name, _full(self.params[self.plain_to_param[name]]))  # collective on DTensors
+        fused = {self.checkpoint_to_param[n] for n in wanted if n not in self.plain_to_param}
+        for param_name in sorted(fused):
             full = _full(self.params[param_name])  # collective on DTensors: every rank runs this loop
             for name, tensor in model_to_checkpoint(self.model, {param_name: full}).items():
                 if name in wanted:
-                    out[name] = fingerprint(tensor, samples=samples)
-        return out
+                    collector.add(name, tensor)
+        return collector.digests()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -525,6 +540,10 @@ class ModelRunner:
                          reserved=torch.cuda.memory_reserved(self.device),
                          device_used=torch.cuda.mem_get_info(self.device)[1] - torch.cuda.mem_get_info(self.device)[0])
         return stats
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _empty_cache(self) -> None:
         if self.device.type == "cuda":

@@ -32,7 +32,7 @@ from rollfleet.layout import build_rank_infos, engine_rank_groups, validate_layo
 from rollfleet.sample import Sample
 from rollfleet.weights.buckets import dtype_from_name
 from rollfleet.weights.checkpoint import CheckpointSource
-from rollfleet.weights.fingerprint import fingerprint
+from rollfleet.weights.fingerprint import fingerprints
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
 from rollfleet.weights.transports.disk import version_dir
@@ -315,7 +315,7 @@ class Fleet:
         tensors = read_hf_checkpoint(path)
         report = SyncReport(version=weight_version, transport="disk", engine_ids=[t.engine_id for t in targets])
         for target in targets:
-            report.fingerprints[target.engine_id] = {n: fingerprint(t, target.dtype) for n, t in tensors.items()}
+            report.fingerprints[target.engine_id] = fingerprints(tensors.items(), target.dtype)
         self.verify(report)
 
     def _on_all(self, verb: str, *args, engine_ids: list[int] | None = None, **kwargs) -> list:

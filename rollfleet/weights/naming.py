@@ -8,6 +8,7 @@ checkpoint naming; these two functions move between the two forms with the same
 
 from __future__ import annotations
 
+import weakref
 from copy import deepcopy
 
 import torch
@@ -62,3 +63,32 @@ def checkpoint_to_model(model, tensors: dict[str, torch.Tensor]) -> dict[str, to
 def model_to_checkpoint(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """In-memory names (fused experts) -> checkpoint names (one tensor per expert)."""
     return revert_weight_conversion(model, tensors)
+
+
+_plain_cache: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.WeakKeyDictionary()
+
+
+def plain_names(model) -> dict[str, str]:
+    """In-memory name -> checkpoint name for every parameter whose conversion is a pure rename:
+    the checkpoint tensor IS the parameter (same values, same shape). Fused MoE experts and any
+    other converted parameter are left out; they go through the conversion functions above.
+
+    Computed once per model on meta tensors, so the per-sync path is a dict lookup per tensor."""
+    cached = _plain_cache.get(model)
+    if cached is not None:
+        return cached
+    transforms = _forward_transforms(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    out: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        converted = model_to_checkpoint(model, {name: meta})
+        if len(converted) != 1:
+            continue
+        (checkpoint_name, tensor), = converted.items()
+        target, pattern = rename_source_key(checkpoint_name, renamings, converters)
+        if pattern is None and target == name and tuple(tensor.shape) == tuple(param.shape):
+            out[name] = checkpoint_name
+    _plain_cache[model] = out
+    return out

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
-from rollfleet.weights.naming import model_to_checkpoint
+from rollfleet.weights.naming import model_to_checkpoint, plain_names
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
@@ -54,5 +54,14 @@ class ModuleSource:
             yield from self._convert(chunk)
 
     def _convert(self, chunk: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.keep:
-            yield from model_to_checkpoint(self.model, chunk).items()
+        if not self.keep:
+            return
+        plain = plain_names(self.model)  # pure renames skip transformers' conversion (computed once)
+        rest = {}
+        for name, tensor in chunk.items():
+            if name in plain:
+                yield plain[name], tensor
+            else:
+                rest[name] = tensor
+        if rest:
+            yield from model_to_checkpoint(self.model, rest).items()

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from rollfleet.engine.client import EngineClient
-from rollfleet.weights.fingerprint import fingerprint
+from rollfleet.weights.fingerprint import Fingerprints
 from rollfleet.weights.source import WeightSource, layer_key
 
 
@@ -103,16 +103,18 @@ class Transport(ABC):
         self.calls.close()
 
     def _recorded(self, source: WeightSource, report: SyncReport):
-        """The source's tensors, counted and fingerprinted (per target dtype) as they pass."""
+        """The source's tensors, counted and fingerprinted (per target dtype) as they pass. The
+        fingerprints land in the report when the iteration ends (one host copy per sync)."""
+        collectors = {dtype: Fingerprints(dtype) for dtype in {t.dtype for t in self.targets}}
         for name, tensor in source.named_tensors():
-            self._record(report, name, tensor)
+            report.tensors += 1
+            report.bytes += tensor.numel() * tensor.element_size()
+            for collector in collectors.values():
+                collector.add(name, tensor)
             yield name, tensor
-
-    def _record(self, report: SyncReport, name: str, tensor: torch.Tensor) -> None:
-        report.tensors += 1
-        report.bytes += tensor.numel() * tensor.element_size()
+        digests = {dtype: collector.digests() for dtype, collector in collectors.items()}
         for target in self.targets:
-            report.fingerprints.setdefault(target.engine_id, {})[name] = fingerprint(tensor, target.dtype)
+            report.fingerprints[target.engine_id] = digests[target.dtype]
 
     def _new_report(self, version: str) -> SyncReport:
         return SyncReport(version=version, transport=self.name, engine_ids=[t.engine_id for t in self.targets])
