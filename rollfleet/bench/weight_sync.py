@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -42,7 +43,7 @@ from rollfleet.weights.verify import find_unverified
 def model_for(size_gb: float, dtype: torch.dtype, device: str):
     """A Qwen3-shaped model of about size_gb, built directly on `device`."""
     bytes_per = torch.finfo(dtype).bits // 8
-    hidden = 2048 if size_gb >= 1 else 256
+    hidden = 4096 if size_gb >= 12 else 2048 if size_gb >= 1 else 256  # 8B-class models have hidden 4096
     per_layer = 12 * hidden * hidden * bytes_per  # attention 4h^2 (GQA ~3h^2) + MLP 3*h*4h
     layers = max(1, round(size_gb * 1e9 / per_layer))
     config = tiny_config("qwen3", vocab_size=len(make_tokenizer()), hidden_size=hidden, num_hidden_layers=layers,
@@ -109,9 +110,12 @@ def raw_read(directory: Path, device: str) -> float:
 
 async def _verify(url, report):
     async with EngineClient(url, timeout=600) as client:
-        problems = await find_unverified(report, {0: client})
-        memory = await client.memory()
-    return problems, memory
+        return await find_unverified(report, {0: client})
+
+
+async def _memory(url):
+    async with EngineClient(url, timeout=600) as client:
+        return await client.memory()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size-gb", type=float, default=0.05)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeat", type=int, default=3, help="timed syncs after the cold one (median reported)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--log-dir", default=None, help="keep the engine's log here")
     args = parser.parse_args(argv)
@@ -177,11 +182,18 @@ def main(argv: list[str] | None = None) -> None:
             cold = time.perf_counter()
             transport.send(ModuleSource(model), "cold")  # first send: lazy communicator set-up, allocations
             cold_seconds = time.perf_counter() - cold
-            start = time.perf_counter()  # steady state: a run keeps its transport connected across steps
-            report = transport.send(ModuleSource(model), "1")
-            send_seconds = time.perf_counter() - start
-            problems, engine_memory = asyncio.run(_verify(engine.url, report))
-            full_seconds = time.perf_counter() - start
+            sends, fulls = [], []
+            for repeat in range(args.repeat):  # steady state: a run keeps its transport connected across steps
+                start = time.perf_counter()
+                report = transport.send(ModuleSource(model), str(repeat + 1))
+                sends.append(time.perf_counter() - start)
+                problems = asyncio.run(_verify(engine.url, report))
+                fulls.append(time.perf_counter() - start)
+                say("phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in report.phases.items()))
+                if problems:
+                    break
+            engine_memory = asyncio.run(_memory(engine.url))
+            send_seconds, full_seconds = statistics.median(sends), statistics.median(fulls)
             say(f"sent and verified in {full_seconds:.3f} s (cold send {cold_seconds:.3f} s); disconnecting")
             transport.disconnect()
         finally:
@@ -192,7 +204,10 @@ def main(argv: list[str] | None = None) -> None:
         "sync_gb_per_s": round(model_bytes / send_seconds / 1e9, 2),
         "first_sync_gb_per_s": round(model_bytes / cold_seconds / 1e9, 2),
         "sync_plus_verify_gb_per_s": round(model_bytes / full_seconds / 1e9, 2),
-        "ratio_sync_to_raw": round(raw_seconds / send_seconds, 3), "verified": not problems,
+        "ratio_sync_to_raw": round(raw_seconds / send_seconds, 3),
+        "ratio_sync_plus_verify_to_raw": round(raw_seconds / full_seconds, 3), "verified": not problems,
+        "sync_seconds": [round(x, 4) for x in sends], "raw_seconds": round(raw_seconds, 4),
+        "phases_last_sync": {k: round(v, 4) for k, v in report.phases.items()},
         "sender_peak_extra_gb": round((torch.cuda.max_memory_allocated(0) - sender_before) / 1e9, 2) if gpu else None,
         "engine_memory": engine_memory,
     }
@@ -202,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  full sync + fingerprint verification:      {figures['sync_plus_verify_gb_per_s']:8.2f} GB/s")
     print(f"  first sync of the run (cold):              {figures['first_sync_gb_per_s']:8.2f} GB/s")
     print(f"  ratio full sync / raw:                     {figures['ratio_sync_to_raw']:8.3f}")
+    print(f"  ratio full sync + verification / raw:      {figures['ratio_sync_plus_verify_to_raw']:8.3f}")
+    print(f"  timed syncs (s): {figures['sync_seconds']} (median of {len(sends)}); raw {figures['raw_seconds']} s")
     print(f"  verified by fingerprint:                   {figures['verified']}  {problems or ''}")
     if gpu:
         print(f"  sender peak extra GPU memory:              {figures['sender_peak_extra_gb']} GB")

@@ -240,6 +240,7 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
     @app.post("/update_weight_version")
     async def update_weight_version(req: UpdateWeightVersionRequest):
         def set_version():
+            run_action("drop_held_payloads")  # a version marks the end of a sync
             scheduler.weight_version = req.new_version
         await control(set_version, abort_first=req.abort_all_requests)
         return {"success": True, "message": "weight version updated", "new_version": req.new_version}

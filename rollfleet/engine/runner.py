@@ -13,7 +13,8 @@ import math
 import os
 import shutil
 import tempfile
-from collections import Counter
+import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +37,7 @@ from rollfleet.weights.serialize import safe_loads
 log = logging.getLogger("rollfleet.engine")
 WEIGHT_TAG, KV_CACHE_TAG = "weights", "kv_cache"
 WEIGHT_GROUP_BACKENDS = ("nccl", "gloo")
+SYNC_TIMING = os.environ.get("ROLLFLEET_SYNC_TIMING") == "1"  # log each weight update's phases (CPU time)
 
 
 class WeightUpdateError(ValueError):
@@ -152,6 +154,10 @@ class ModelRunner:
         self._storages = self._unique_storages()
         self.cache: DynamicCache | None = None
         self.weight_groups: dict[str, WeightGroup] = {}
+        # The last two decoded tensor payloads stay referenced until the sync ends: a sender
+        # alternates two buffers, and a buffer still referenced here is not mapped again (opening a
+        # CUDA IPC handle costs far more than reading a few hundred MB).
+        self._held_payloads: deque = deque(maxlen=2)
 
     @property
     def tp_rank(self) -> int:
@@ -279,6 +285,7 @@ class ModelRunner:
             entry = serialized_named_tensors[self.tp_rank]
             try:
                 payload = safe_loads(entry)
+                self._held_payloads.append(payload)
             except Exception as exc:  # untrusted bytes: every failure to rebuild them is the sender's, reported
                 raise WeightUpdateError(f"serialized_named_tensors[{self.tp_rank}] cannot be read: "
                                         f"{type(exc).__name__}: {_first_line(exc)}") from exc
@@ -355,14 +362,18 @@ class ModelRunner:
                                     "one") from exc
 
     def _update(self, produce) -> None:
+        clock = [time.perf_counter()]
         try:
             tensors, complete = produce()
+            clock.append(time.perf_counter())
             staged, error = self._stage(tensors, complete), None
         except WeightUpdateError as exc:
             staged, error = None, str(exc)
+        clock.append(time.perf_counter())
         errors = self._gather(error)
         if any(errors):
             raise WeightUpdateError("; ".join(sorted({e for e in errors if e})))
+        clock.append(time.perf_counter())
         with torch.no_grad():
             same_device = [(t, v) for t, v in staged if t.device == v.device and t.dtype == v.dtype]
             if same_device:  # one multi-tensor copy instead of a kernel launch per tensor
@@ -371,6 +382,11 @@ class ModelRunner:
                 if target.device != value.device or target.dtype != value.dtype:
                     target.copy_(value)
         self.loaded_names |= set(tensors)
+        if SYNC_TIMING:
+            clock.append(time.perf_counter())
+            phases = zip(("receive", "stage", "gather", "copy"), (b - a for a, b in zip(clock, clock[1:])))
+            log.warning("weight update of %d tensors: %s", len(tensors),
+                        " ".join(f"{name}={seconds * 1e3:.2f}ms" for name, seconds in phases))
 
     def _check(self, tensors: dict[str, torch.Tensor], complete: bool) -> dict[str, torch.Tensor]:
         """Check every name, shape and dtype and fuse into in-memory names; works on meta tensors too."""
@@ -515,6 +531,7 @@ class ModelRunner:
 
     def release_memory(self, tags: list[str]) -> list[dict[str, int]]:
         before = self._memory()
+        self._held_payloads.clear()
         if WEIGHT_TAG in tags:
             for storage, _ in self._storages:
                 storage.resize_(0)
@@ -540,6 +557,10 @@ class ModelRunner:
                          reserved=torch.cuda.memory_reserved(self.device),
                          device_used=torch.cuda.mem_get_info(self.device)[1] - torch.cuda.mem_get_info(self.device)[0])
         return stats
+
+    def drop_held_payloads(self) -> None:
+        """The sync is over: let the sender's buffers go."""
+        self._held_payloads.clear()
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -101,8 +101,9 @@ class Bucket:
         return [m.name for m in self.metadata]
 
     @classmethod
-    def pack(cls, named_tensors: list[tuple[str, torch.Tensor]]) -> Bucket:
-        """Flatten tensors of one dtype (and device) into one bucket, in the given order."""
+    def pack(cls, named_tensors: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None) -> Bucket:
+        """Flatten tensors of one dtype (and device) into one bucket, in the given order; into `out`
+        (a 1-D tensor of that dtype and exactly their total size) when given."""
         if not named_tensors:
             raise ValueError("a bucket needs at least one tensor")
         dtypes = {t.dtype for _, t in named_tensors}
@@ -114,7 +115,8 @@ class Bucket:
             metadata.append(FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, start, start + numel,
                                                     numel))
             start += numel
-        flat = torch.cat([t.detach().reshape(-1) for _, t in named_tensors])
+        pieces = [t.detach().to(out.device if out is not None else t.device).reshape(-1) for _, t in named_tensors]
+        flat = torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
         return cls(flat, metadata)
 
     def unpack(self) -> dict[str, torch.Tensor]:

@@ -1,14 +1,15 @@
 """Fingerprints that prove an engine holds exactly the tensors that were sent.
 
-A fingerprint hashes a fixed sample of a tensor's elements (`samples` of them at integer
-positions `i * (numel - 1) // (samples - 1)`, or all when fewer) after casting to the engine's
-dtype, as float32 bytes, plus the shape. Casts between the dtypes used here are exact into
-float32 and the positions are integer arithmetic, so sender and engine agree bit for bit on the
-same weights, on any device.
+A fingerprint hashes a fixed sample of a tensor's elements, cast to the engine's dtype and then to
+float32, plus the shape. The sample is every `step`-th element of the flattened tensor, `samples`
+of them with `step = numel // samples` (all elements when there are fewer): a strided view, so
+sampling launches no kernel per tensor. Casts between the dtypes used here are exact into float32,
+so sender and engine agree bit for bit on the same weights, on any device.
 
-`Fingerprints` batches many tensors: the samples are gathered on the tensors' device and copied
-to the host once, at `digests()`, so fingerprinting a sync costs one device-to-host copy, not
-one per tensor.
+`Fingerprints` batches many tensors: pending samples are gathered with one `torch.cat` per dtype
+and copied to the host once, at `digests()`. Pending views keep their tensors alive, so the
+collector gathers early once they reference more than `hold_bytes` (a sender's gathered full
+tensors are temporaries).
 """
 
 from __future__ import annotations
@@ -18,30 +19,16 @@ import hashlib
 import torch
 
 DEFAULT_SAMPLES = 4096
-_positions: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+HOLD_BYTES = 256 << 20
 
 
-def sample_positions(numel: int, samples: int, device: torch.device) -> torch.Tensor:
-    """The sampled element positions of a tensor of `numel` elements (cached per size and device)."""
-    key = (numel, samples, device)
-    index = _positions.get(key)
-    if index is None:
-        index = torch.arange(samples, dtype=torch.int64) * (numel - 1) // max(samples - 1, 1)
-        index = _positions[key] = index.to(device)
-        if len(_positions) > 4096:  # many distinct sizes: drop the oldest half
-            for old in list(_positions)[:2048]:
-                del _positions[old]
-    return index
-
-
-def sampled(tensor: torch.Tensor, dtype: torch.dtype | None = None, samples: int = DEFAULT_SAMPLES) -> torch.Tensor:
-    """The sampled values, cast to `dtype` and then to float32, on the tensor's device."""
+def sample_view(tensor: torch.Tensor, samples: int = DEFAULT_SAMPLES) -> torch.Tensor:
+    """The sampled elements of `tensor` as a 1-D view (a copy only for a non-contiguous tensor)."""
     flat = tensor.detach().reshape(-1)
-    if flat.numel() > samples:
-        flat = flat[sample_positions(flat.numel(), samples, flat.device)]
-    if dtype is not None and flat.dtype != dtype:
-        flat = flat.to(dtype)
-    return flat.to(torch.float32)
+    if flat.numel() <= samples:
+        return flat
+    step = flat.numel() // samples
+    return flat[: step * samples: step]
 
 
 def _digest(values: torch.Tensor, shape: tuple[int, ...]) -> str:
@@ -50,30 +37,56 @@ def _digest(values: torch.Tensor, shape: tuple[int, ...]) -> str:
     return digest.hexdigest()[:24]
 
 
+def _as_float32(values: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None and values.dtype != dtype:
+        values = values.to(dtype)
+    return values.to(torch.float32)
+
+
 def fingerprint(tensor: torch.Tensor, dtype: torch.dtype | None = None, samples: int = DEFAULT_SAMPLES) -> str:
-    return _digest(sampled(tensor, dtype, samples).cpu(), tuple(tensor.shape))
+    return _digest(_as_float32(sample_view(tensor, samples), dtype).cpu(), tuple(tensor.shape))
 
 
 class Fingerprints:
     """Collect fingerprints of many tensors; one host copy per device at `digests()`."""
 
-    def __init__(self, dtype: torch.dtype | None = None, samples: int = DEFAULT_SAMPLES):
-        self.dtype, self.samples = dtype, samples
-        self._pending: dict[torch.device, list[tuple[str, tuple[int, ...], torch.Tensor]]] = {}
+    def __init__(self, dtype: torch.dtype | None = None, samples: int = DEFAULT_SAMPLES,
+                 hold_bytes: int = HOLD_BYTES):
+        self.dtype, self.samples, self.hold_bytes = dtype, samples, hold_bytes
+        self._views: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
+        self._held = 0
+        self._gathered: list[tuple[list[tuple[str, tuple[int, ...], int]], torch.Tensor]] = []
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        values = sampled(tensor, self.dtype, self.samples)
-        self._pending.setdefault(values.device, []).append((name, tuple(tensor.shape), values))
+        self._views.append((name, tuple(tensor.shape), sample_view(tensor, self.samples)))
+        self._held += tensor.numel() * tensor.element_size()
+        if self._held > self.hold_bytes:
+            self._gather()
+
+    def _gather(self) -> None:
+        """Pending views -> one float32 tensor per (device, dtype) group; the views are dropped."""
+        groups: dict[tuple[torch.device, torch.dtype], list] = {}
+        for entry in self._views:
+            groups.setdefault((entry[2].device, entry[2].dtype), []).append(entry)
+        for entries in groups.values():
+            values = _as_float32(torch.cat([view for _, _, view in entries]), self.dtype)
+            self._gathered.append(([(name, shape, view.numel()) for name, shape, view in entries], values))
+        self._views, self._held = [], 0
 
     def digests(self) -> dict[str, str]:
+        self._gather()
         out: dict[str, str] = {}
-        for entries in self._pending.values():
-            host = torch.cat([values for _, _, values in entries]).cpu()
+        by_device: dict[torch.device, list] = {}
+        for records, values in self._gathered:
+            by_device.setdefault(values.device, []).append((records, values))
+        for batches in by_device.values():
+            host = torch.cat([values for _, values in batches]).cpu()  # the one device-to-host copy
             start = 0
-            for name, shape, values in entries:
-                out[name] = _digest(host[start:start + values.numel()], shape)
-                start += values.numel()
-        self._pending.clear()
+            for records, _ in batches:
+                for name, shape, count in records:
+                    out[name] = _digest(host[start:start + count], shape)
+                    start += count
+        self._gathered = []
         return out
 
 

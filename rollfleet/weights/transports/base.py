@@ -13,6 +13,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -44,6 +45,7 @@ class SyncReport:
     tensors: int = 0
     buckets: int = 0
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # sender seconds per phase (pack, wait, ...)
     fingerprints: dict[int, dict[str, str]] = field(default_factory=dict)  # engine id -> name -> fingerprint
 
     @property
@@ -106,13 +108,21 @@ class Transport(ABC):
         """The source's tensors, counted and fingerprinted (per target dtype) as they pass. The
         fingerprints land in the report when the iteration ends (one host copy per sync)."""
         collectors = {dtype: Fingerprints(dtype) for dtype in {t.dtype for t in self.targets}}
-        for name, tensor in source.named_tensors():
+        tensors = iter(source.named_tensors())
+        while True:
+            with timed(report, "source"):  # gathers and name conversion
+                item = next(tensors, None)
+            if item is None:
+                break
+            name, tensor = item
             report.tensors += 1
             report.bytes += tensor.numel() * tensor.element_size()
-            for collector in collectors.values():
-                collector.add(name, tensor)
+            with timed(report, "fingerprint"):
+                for collector in collectors.values():
+                    collector.add(name, tensor)
             yield name, tensor
-        digests = {dtype: collector.digests() for dtype, collector in collectors.items()}
+        with timed(report, "fingerprint"):
+            digests = {dtype: collector.digests() for dtype, collector in collectors.items()}
         for target in self.targets:
             report.fingerprints[target.engine_id] = digests[target.dtype]
 
@@ -158,12 +168,15 @@ def make_transport(spec, targets: list[EngineTarget], **kwargs: Any) -> Transpor
     return cls(spec, targets, **kwargs)
 
 
-def timed(report: SyncReport):
-    """Context manager adding the elapsed time to report.seconds."""
-    class _Timer:
-        def __enter__(self):
-            self.start = time.perf_counter()
-
-        def __exit__(self, *exc):
-            report.seconds += time.perf_counter() - self.start
-    return _Timer()
+@contextmanager
+def timed(report: SyncReport, phase: str | None = None):
+    """Add the elapsed time to report.seconds, or to report.phases[phase] when a phase is named."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        elapsed = time.perf_counter() - start
+        if phase is None:
+            report.seconds += elapsed
+        else:
+            report.phases[phase] = report.phases.get(phase, 0.0) + elapsed

@@ -4,14 +4,16 @@ The group is the sender plus every engine rank: world_size = 1 + sum(tp*pp), eng
 rank_offset = 1 + i*tp*pp. NCCL on GPU, gloo on CPU (the same code runs in CPU tests). Per
 call (whole decoder layers, about bucket_mb): announce it to every engine
 (/update_weights_from_distributed, "flattened_bucket": the names, dtypes and shapes of its tensors,
-in order), broadcast their bytes as one uint8 tensor, and wait until every engine has loaded it
-before the next call (the broadcast order must match the
-order the engines receive in). A join that does not complete in time fails with the group, the
-ranks and the address named, instead of hanging.
+in order) and broadcast their bytes as one uint8 tensor without waiting for it: call k+1 is packed
+while call k is on the wire (two reusable buffers, so the sender's extra memory is two buckets).
+Call k+1 is announced once every engine has answered call k; an engine answers when its receive
+is posted, so the wire stays busy while the calls stay in broadcast order. A join that does not
+complete in time fails with the group, the ranks and the address named, instead of hanging.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from datetime import timedelta
 
 import torch
@@ -22,6 +24,7 @@ from rollfleet.weights.buckets import dtype_name
 from rollfleet.weights.group import join_weight_update_group
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
+from rollfleet.weights.transports.staging import DoubleBuffer, call_bytes, pack_bytes
 
 GROUP_NAME = "rollfleet_weight_update"
 
@@ -57,20 +60,43 @@ class NcclTransport(Transport):
     def send(self, source: WeightSource, version: str) -> SyncReport:
         assert self.group is not None, "connect() first"
         report = self._new_report(version)
+        buffers = DoubleBuffer(self.spec.bucket_mb << 20)
+        broadcasts: list = [None, None]  # the broadcast that last used each buffer
+        announced = None  # the engines' answers to the last announcement
         with timed(report):
-            for call in iter_calls(self._recorded(source, report), self.spec.bucket_mb << 20):
-                names = [name for name, _ in call]
-                dtypes = [dtype_name(tensor.dtype) for _, tensor in call]
-                shapes = [list(tensor.shape) for _, tensor in call]
-                loads = self.calls.each("update_weights_from_distributed", lambda t: (
-                    (names, dtypes, shapes), {"group_name": GROUP_NAME, "load_format": "flattened_bucket",
-                                              "flush_cache": False}))
-                # one broadcast of every tensor's bytes back to back (mixed dtypes are allowed)
-                flat = torch.cat([t.detach().to(self.device).contiguous().view(-1).view(torch.uint8) for _, t in call])
-                dist.broadcast(flat, group=self.group, group_src=0)
-                loads.result()
-                report.buckets += 1
-            self.calls.each("update_weight_version", lambda t: ((version,), {})).result()
+            try:
+                for index, call in enumerate(iter_calls(self._recorded(source, report), self.spec.bucket_mb << 20)):
+                    slot = index % 2
+                    with timed(report, "pack"):
+                        if broadcasts[slot] is not None:  # reuse the buffer once its broadcast has left it
+                            broadcasts[slot].wait()
+                            broadcasts[slot] = None
+                        flat = pack_bytes(call, buffers.take(slot, call_bytes(call), self.device))
+                    if announced is not None:
+                        # Every engine has taken the previous call (it answers once its receive is
+                        # posted, not when the bytes have arrived): announcing now keeps the calls in
+                        # broadcast order, which two requests in flight at once would not guarantee.
+                        announced, previous = None, announced
+                        with timed(report, "wait_engines"):
+                            previous.result()
+                    names = [name for name, _ in call]
+                    dtypes = [dtype_name(tensor.dtype) for _, tensor in call]
+                    shapes = [list(tensor.shape) for _, tensor in call]
+                    announced = self.calls.each("update_weights_from_distributed", lambda t: (
+                        (names, dtypes, shapes), {"group_name": GROUP_NAME, "load_format": "flattened_bucket",
+                                                  "flush_cache": False}))
+                    # one broadcast of every tensor's bytes back to back (mixed dtypes are allowed);
+                    # it runs while the next call is packed
+                    broadcasts[slot] = dist.broadcast(flat, group=self.group, group_src=0, async_op=True)
+                    report.buckets += 1
+                if announced is not None:
+                    announced, previous = None, announced
+                    with timed(report, "wait_engines"):
+                        previous.result()
+            finally:
+                _finish_quietly(announced, *broadcasts)
+            with timed(report, "set_version"):
+                self.calls.each("update_weight_version", lambda t: ((version,), {})).result()
         return report
 
     def disconnect(self) -> None:
@@ -81,3 +107,15 @@ class NcclTransport(Transport):
             leaving.result()
             self.group = None
         super().disconnect()
+
+
+def _finish_quietly(*waitables) -> None:
+    """After an error: let every started announcement and broadcast complete (their errors are
+    the raised one's consequences), so the group is not left with a half-done transfer."""
+    for item in waitables:
+        if item is None:
+            continue
+        try:
+            item.result() if isinstance(item, Future) else item.wait()
+        except Exception:  # noqa: S110  (the error that got us here is being raised)
+            pass

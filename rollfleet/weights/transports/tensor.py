@@ -1,23 +1,19 @@
 """tensor (colocated): flattened buckets as CUDA IPC handles (GPU) or shared-memory handles (CPU)
 through /update_weights_from_tensor. Each call carries whole decoder layers (one bucket per dtype
-in it); every rank of an engine gets its own serialization of the same buckets (handles are
-reference-counted per unpickling: one string read by two ranks would be released twice) and
-slices its own shard. At most two calls' buckets are alive on the sender: one being loaded by the
-engines, one being packed. The version is set after the last call landed."""
+in it), packed into one of two reusable buffers: call k+1 is packed while the engines load call k,
+so the sender's extra memory is two buckets. Every rank of an engine gets its own serialization of
+the same buckets (handles are reference-counted per unpickling: one string read by two ranks would
+be released twice) and slices its own shard. An engine finishes reading a call's buffer before it
+answers; the version is set after the last call landed."""
 
 from __future__ import annotations
 
-from rollfleet.weights.buckets import Bucket
+import torch
+
 from rollfleet.weights.serialize import serialize
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
-
-
-def buckets_by_dtype(call: list) -> list[Bucket]:
-    by_dtype: dict = {}
-    for name, tensor in call:
-        by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
-    return [Bucket.pack(members) for members in by_dtype.values()]
+from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, call_bytes, pack_buckets
 
 
 @register
@@ -26,19 +22,28 @@ class TensorTransport(Transport):
 
     def send(self, source: WeightSource, version: str) -> SyncReport:
         report = self._new_report(version)
-        in_flight = None  # (future, buckets): the buckets must stay alive until their engines answered
+        buffers, in_flight = DoubleBuffer(self.spec.bucket_mb << 20), InFlight()
         with timed(report):
-            for call in iter_calls(self._recorded(source, report), self.spec.bucket_mb << 20):
-                buckets = buckets_by_dtype(call)
-                payload = [b.to_payload() for b in buckets]
-                future = self.calls.each("update_weights_from_tensor", lambda t: (
-                    ([serialize(payload) for _ in range(t.num_ranks)],),
-                    {"load_format": "flattened_bucket", "flush_cache": False}))
-                if in_flight is not None:
-                    in_flight[0].result()
-                in_flight = (future, buckets)
-                report.buckets += len(buckets)
-            if in_flight is not None:
-                in_flight[0].result()
-            self.calls.each("update_weight_version", lambda t: ((version,), {})).result()
+            try:
+                for index, call in enumerate(iter_calls(self._recorded(source, report), self.spec.bucket_mb << 20)):
+                    with timed(report, "wait_engines"):
+                        in_flight.make_room()  # the engines finished reading the buffer packed two calls ago
+                    device = call[0][1].device
+                    with timed(report, "pack"):
+                        buckets = pack_buckets(call, buffers.take(index, call_bytes(call), device))
+                        if device.type == "cuda":
+                            # An engine that still holds this buffer's IPC handle from an earlier call
+                            # reads it without waiting on our stream: the packing must be finished first.
+                            torch.cuda.current_stream(device).synchronize()
+                    with timed(report, "serialize"):
+                        payload = [b.to_payload() for b in buckets]
+                        entries = {t.engine_id: [serialize(payload) for _ in range(t.num_ranks)] for t in self.targets}
+                    in_flight.add(self.calls.each("update_weights_from_tensor", lambda t: (
+                        (entries[t.engine_id],), {"load_format": "flattened_bucket", "flush_cache": False})))
+                    report.buckets += len(buckets)
+            finally:
+                with timed(report, "wait_engines"):
+                    in_flight.drain()
+            with timed(report, "set_version"):
+                self.calls.each("update_weight_version", lambda t: ((version,), {})).result()
         return report

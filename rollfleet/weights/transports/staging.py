@@ -1,0 +1,97 @@
+"""Two reusable flat byte buffers a sender packs calls into, alternately: call k+1 is packed while
+call k is in flight, and the sender's extra memory stays at two buckets whatever the model size.
+
+The buffers live for one sync (`send`), so a trainer holds no extra memory between syncs."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from rollfleet.weights.buckets import Bucket
+
+ALIGN = 64  # bytes: every dtype view of a slice starts aligned
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class DoubleBuffer:
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def take(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A 1-D uint8 tensor of at least `nbytes` on `device` from buffer `slot % 2` (a fresh one
+        when the call is larger than a bucket: a decoder layer bigger than bucket_mb travels alone)."""
+        if nbytes > self.bucket_bytes:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        slot %= 2
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.device != torch.device(device) or buffer.numel() < nbytes:
+            self._buffers[slot] = None  # free the smaller one first
+            # sized to the call, grown when a later call is larger: a small model never holds a whole bucket
+            buffer = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buffer
+
+
+class InFlight:
+    """Calls still in flight (oldest first), each some futures (or torch Works).
+
+    `make_room()` waits for the oldest when two are in flight (its buffer is about to be reused);
+    `drain()` waits for all; on an error it still waits for the rest, so no transfer is left half
+    done behind the raised error."""
+
+    def __init__(self, depth: int = 2):
+        self.depth, self.calls = depth, []
+
+    def add(self, *waitables) -> None:
+        self.calls.append(waitables)
+
+    def make_room(self) -> None:
+        while len(self.calls) >= self.depth:
+            self._finish(self.calls.pop(0))
+
+    def drain(self) -> None:
+        error = None
+        while self.calls:
+            try:
+                self._finish(self.calls.pop(0))
+            except Exception as exc:  # keep draining: every started transfer must complete
+                error = error or exc
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def _finish(waitables) -> None:
+        for item in waitables:
+            item.result() if isinstance(item, Future) else item.wait()
+
+
+def call_bytes(call: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(_aligned(t.numel() * t.element_size()) for _, t in call)
+
+
+def pack_bytes(call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> torch.Tensor:
+    """Every tensor's bytes back to back (no padding) in `buffer`; returns the filled prefix."""
+    parts = [t.detach().to(buffer.device).reshape(-1).view(torch.uint8) for _, t in call]
+    total = sum(p.numel() for p in parts)
+    flat = buffer[:total]
+    torch.cat(parts, out=flat)
+    return flat
+
+
+def pack_buckets(call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> list[Bucket]:
+    """One bucket per dtype of the call, packed into aligned slices of `buffer`."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in call:
+        by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+    buckets, offset = [], 0
+    for dtype, members in by_dtype.items():
+        numel = sum(t.numel() for _, t in members)
+        flat = buffer[offset:offset + numel * dtype.itemsize].view(dtype)
+        buckets.append(Bucket.pack(members, out=flat))
+        offset += _aligned(numel * dtype.itemsize)
+    return buckets
