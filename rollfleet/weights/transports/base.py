@@ -93,6 +93,7 @@ class Transport(ABC):
     def __init__(self, spec, targets: list[EngineTarget], *, timeout_s: float = 600.0):
         self.spec, self.targets = spec, targets
         self.calls = EngineCalls(targets, timeout_s)
+        self._collectors: dict[int, dict] = {}  # report id -> fingerprint collectors of a send in progress
 
     def connect(self) -> None:
         """Set up what the transport needs before its first send (a process group, a directory)."""
@@ -105,8 +106,8 @@ class Transport(ABC):
         self.calls.close()
 
     def _recorded(self, source: WeightSource, report: SyncReport):
-        """The source's tensors, counted and fingerprinted (per target dtype) as they pass. The
-        fingerprints land in the report when the iteration ends (one host copy per sync)."""
+        """The source's tensors, counted and fingerprinted (per target dtype) as they pass; the
+        fingerprints land in the report at `_finish_fingerprints`."""
         collectors = {dtype: Fingerprints(dtype) for dtype in {t.dtype for t in self.targets}}
         tensors = iter(source.named_tensors())
         while True:
@@ -121,6 +122,12 @@ class Transport(ABC):
                 for collector in collectors.values():
                     collector.add(name, tensor)
             yield name, tensor
+        self._collectors[id(report)] = collectors
+
+    def _finish_fingerprints(self, report: SyncReport) -> None:
+        """Fill report.fingerprints from what `_recorded` collected. Call it after the last call went
+        out: it waits for the sender's device (one host copy), which must not stall the pipeline."""
+        collectors = self._collectors.pop(id(report), {})
         with timed(report, "fingerprint"):
             digests = {dtype: collector.digests() for dtype, collector in collectors.items()}
         for target in self.targets:

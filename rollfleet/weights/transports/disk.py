@@ -31,6 +31,7 @@ class DiskTransport(Transport):
         directory = version_dir(self.spec.path, version)
         with timed(report):
             save_checkpoint(self._recorded(source, report), directory, self.config_dir)
+            self._finish_fingerprints(report)
             self.calls.each("update_weights_from_disk",
                             lambda t: ((str(directory.resolve()),), {"weight_version": version})).result()
         self._prune(directory)

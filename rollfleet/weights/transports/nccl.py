@@ -95,8 +95,10 @@ class NcclTransport(Transport):
                         previous.result()
             finally:
                 _finish_quietly(announced, *broadcasts)
+            setting = self.calls.each("update_weight_version", lambda t: ((version,), {}))
+            self._finish_fingerprints(report)
             with timed(report, "set_version"):
-                self.calls.each("update_weight_version", lambda t: ((version,), {})).result()
+                setting.result()
         return report
 
     def disconnect(self) -> None:

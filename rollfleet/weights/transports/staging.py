@@ -31,9 +31,12 @@ class DoubleBuffer:
         slot %= 2
         buffer = self._buffers[slot]
         if buffer is None or buffer.device != torch.device(device) or buffer.numel() < nbytes:
-            self._buffers[slot] = None  # free the smaller one first
-            # sized to the call, grown when a later call is larger: a small model never holds a whole bucket
-            buffer = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            # A whole bucket on a GPU: growing would leave the old buffer alive under an unfinished
+            # transfer (three buffers). On the CPU, sized to the call and grown when needed: the first
+            # send of a CPU buffer moves it into shared memory, a cost paid per byte.
+            size = self.bucket_bytes if torch.device(device).type == "cuda" else nbytes
+            self._buffers[slot] = None
+            buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
         return buffer
 
 

@@ -44,6 +44,8 @@ class TensorTransport(Transport):
             finally:
                 with timed(report, "wait_engines"):
                     in_flight.drain()
+            setting = self.calls.each("update_weight_version", lambda t: ((version,), {}))
+            self._finish_fingerprints(report)
             with timed(report, "set_version"):
-                self.calls.each("update_weight_version", lambda t: ((version,), {})).result()
+                setting.result()
         return report
