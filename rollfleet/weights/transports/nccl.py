@@ -5,7 +5,8 @@ rank_offset = 1 + i*tp*pp. NCCL on GPU, gloo on CPU (the same code runs in CPU t
 call (whole decoder layers, about bucket_mb): announce it to every engine
 (/update_weights_from_distributed, "flattened_bucket": the names, dtypes and shapes of its tensors,
 in order) and broadcast their bytes as one uint8 tensor without waiting for it: call k+1 is packed
-while call k is on the wire (two reusable buffers, so the sender's extra memory is two buckets).
+while call k is on the wire (two reusable buffers, kept while connected: the sender's extra memory
+is two buckets).
 Call k+1 is announced once every engine has answered call k; an engine answers when its receive
 is posted, so the wire stays busy while the calls stay in broadcast order. A join that does not
 complete in time fails with the group, the ranks and the address named, instead of hanging.
@@ -39,6 +40,9 @@ class NcclTransport(Transport):
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.world_size = 1 + sum(t.num_ranks for t in targets)
         self.group = None
+        # Kept for the transport's life: NCCL releases a finished broadcast's tensors from its own
+        # thread, later, so buffers made per sync overlapped the next sync's (three buckets seen)
+        self.buffers = DoubleBuffer(self.spec.bucket_mb << 20)
 
     def connect(self) -> None:
         port = self.spec.master_port or free_port()
@@ -60,7 +64,7 @@ class NcclTransport(Transport):
     def send(self, source: WeightSource, version: str) -> SyncReport:
         assert self.group is not None, "connect() first"
         report = self._new_report(version)
-        buffers = DoubleBuffer(self.spec.bucket_mb << 20)
+        buffers = self.buffers
         broadcasts: list = [None, None]  # the broadcast that last used each buffer
         announced = None  # the engines' answers to the last announcement
         with timed(report):
@@ -108,6 +112,7 @@ class NcclTransport(Transport):
             dist.destroy_process_group(self.group)
             leaving.result()
             self.group = None
+        self.buffers = DoubleBuffer(self.spec.bucket_mb << 20)  # drop the staging buffers
         super().disconnect()
 
 

@@ -29,8 +29,10 @@ class DoubleBuffer:
         if nbytes > self.bucket_bytes:
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         slot %= 2
-        buffer = self._buffers[slot]
-        if buffer is None or buffer.device != torch.device(device) or buffer.numel() < nbytes:
+        buffer, device = self._buffers[slot], torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" never equals a tensor's "cuda:0"
+            device = torch.device("cuda", torch.cuda.current_device())
+        if buffer is None or buffer.device != device or buffer.numel() < nbytes:
             # A whole bucket on a GPU: growing would leave the old buffer alive under an unfinished
             # transfer (three buffers). On the CPU, sized to the call and grown when needed: the first
             # send of a CPU buffer moves it into shared memory, a cost paid per byte.
