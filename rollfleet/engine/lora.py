@@ -24,6 +24,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from rollfleet.weights.fingerprint import fingerprint
+
 KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 TENSORS_PATH = "<tensors>"  # the `path` of an adapter loaded from tensors
@@ -72,6 +74,14 @@ class LoraAdapter:
     config: dict
     tensors: dict[str, torch.Tensor]  # as received, peft's saved naming (what fingerprints cover)
     targets: list[LoraTarget] = field(default_factory=list)
+
+    def fingerprints(self, names: list[str] | None, samples: int) -> dict[str, str]:
+        """peft key -> rollfleet.weights.fingerprint of the stored tensor (all keys when None), in the
+        dtype it arrived in: the sender fingerprints what it sent the same way."""
+        unknown = sorted(set(names or []) - set(self.tensors))
+        if unknown:
+            raise LoraError(f"names not in adapter {self.name!r}: {unknown[:10]}")
+        return {name: fingerprint(self.tensors[name], samples=samples) for name in (names or self.tensors)}
 
 
 def linear_targets(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:

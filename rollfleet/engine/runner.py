@@ -160,13 +160,13 @@ class ModelRunner:
         self.loaded_names: set[str] = set() if dummy else set(self.required_names)
         self._own_storages()
         self._storages = self._unique_storages()
-        self.cache: DynamicCache | None = None
-        self.weight_groups: dict[str, WeightGroup] = {}
         self.lora_limits = lora  # None: LoRA is off (no --enable-lora)
         self.lora_targetable = linear_targets(self.model, self.params)
         self.lora_adapters: dict[str, LoraAdapter] = {}
         self.active_lora: str | None = None  # the adapter merged into the weights now
         self._lora_base: list[tuple[torch.Tensor, torch.Tensor]] = []  # (local weight, its saved base values)
+        self.cache: DynamicCache | None = None
+        self.weight_groups: dict[str, WeightGroup] = {}
 
     @property
     def tp_rank(self) -> int:
@@ -577,10 +577,7 @@ class ModelRunner:
         adapter = self.lora_adapters.get(lora_name)
         if adapter is None:
             raise LoraError(f"lora_name={lora_name!r} is not loaded (loaded: {sorted(self.lora_adapters)})")
-        unknown = sorted(set(names or []) - set(adapter.tensors))
-        if unknown:
-            raise LoraError(f"names not in adapter {lora_name!r}: {unknown[:10]}")
-        mine = {name: fingerprint(adapter.tensors[name], samples=samples) for name in (names or adapter.tensors)}
+        mine = adapter.fingerprints(names, samples)
         ranks = self._gather(mine)
         return {name: value if all(r.get(name) == value for r in ranks) else f"ranks differ: {value}"
                 for name, value in mine.items()}

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollfleet.weights.adapter import LoraSource, save_adapter
+from rollfleet.weights.buckets import Bucket
 from rollfleet.weights.fingerprint import fingerprint
 from rollfleet.weights.serialize import serialize
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
 from rollfleet.weights.transports.disk import version_dir
-from rollfleet.weights.transports.tensor import buckets_by_dtype
 
 KEEP_LAST = 2
 
@@ -55,7 +55,10 @@ class LoraTransport(Transport):
             report.bytes = sum(t.numel() * t.element_size() for _, t in tensors)
             self._unload_where_loaded(name)
             if self.spec.source == "tensors":
-                buckets = buckets_by_dtype(tensors)
+                by_dtype: dict = {}
+                for key, tensor in tensors:
+                    by_dtype.setdefault(tensor.dtype, []).append((key, tensor))
+                buckets = [Bucket.pack(members) for members in by_dtype.values()]  # copies: see the docstring
                 payload = [b.to_payload() for b in buckets]
                 report.buckets = len(buckets)
                 self.calls.each("load_lora_adapter_from_tensors", lambda t: (
