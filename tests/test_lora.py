@@ -136,7 +136,7 @@ def tensors_payload(tensors: dict[str, torch.Tensor], ranks: int) -> list[str]:
 @pytest.fixture(scope="module")
 def servers(qwen3_dir, moe_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    plan = {"tp1": (qwen3_dir, {"extra": LORA_FLAGS}), "tp2": (qwen3_dir, {"tp_size": 2, "extra": LORA_FLAGS}),
+    plan = {"tp1": (qwen3_dir, {"extra": [*LORA_FLAGS, "--max-loaded-loras", "2"]}), "tp2": (qwen3_dir, {"tp_size": 2, "extra": LORA_FLAGS}),
             "moe": (moe_dir, {"tp_size": 2, "ep_size": 2, "extra": ["--enable-lora"]}), "off": (qwen3_dir, {})}
     procs = {}
     try:
@@ -237,11 +237,15 @@ def test_a_base_read_mid_batch_keeps_the_adapter(servers, adapter):
 
 def test_unload_and_unknown_adapters(servers, adapter, base_expected, tmp_path):
     peft_model, want = adapter
-    proc = servers["tp1"]
+    proc = servers["tp1"]  # started with --max-loaded-loras 2
     source = LoraSource(peft_model)
+    sync(LoraSync(), source, "u", {0: proc}, ranks={0: 1})
     directory = save_adapter(source.named_tensors(), source.config_dict(), tmp_path / "extra")
     out = call(proc, "load_lora_adapter", "extra", str(directory))
-    assert out["success"] is True and out["loaded_adapters"]["extra"] == str(directory)
+    assert out["success"] is True and out["loaded_adapters"] == {"policy": "<tensors>", "extra": str(directory)}
+    with pytest.raises(EngineError) as err:
+        call(proc, "load_lora_adapter", "third", str(directory))
+    assert "--max-loaded-loras is 2" in err.value.message and loaded(proc) == out["loaded_adapters"]
     assert_matches(generate(proc, "extra"), want)
     out = call(proc, "unload_lora_adapter", "extra")
     assert out["success"] is True and "extra" not in out["loaded_adapters"]
