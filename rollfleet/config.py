@@ -223,11 +223,17 @@ class DiskSync(_Section):
 
 
 class LoraSync(_Section):
-    """Only the LoRA adapter moves, as tensors or as a saved adapter directory."""
+    """Only the LoRA adapter moves, as tensors or as a saved adapter directory; engines keep their base weights."""
 
     transport: Literal["lora"] = "lora"
     source: Literal["tensors", "directory"] = Field("tensors", description="How the adapter reaches the engines.")
     path: str = Field("checkpoints/adapter", description="Adapter directory when source=directory.")
+    adapter_name: str = Field("policy", min_length=1, description="Name the engines serve the adapter under "
+                              "(generate requests send it as lora_path).")
+    max_lora_rank: int = Field(64, ge=1, description="Largest adapter rank the engines accept (--max-lora-rank).")
+    lora_target_modules: list[str] | None = Field(
+        None, description="Modules adapters may target (--lora-target-modules, e.g. [q_proj, v_proj]); None: any "
+        "nn.Linear on the embedded engine (SGLang needs them listed).")
 
 
 WeightSyncConfig = Annotated[TensorSync | NcclSync | DiskSync | LoraSync, Field(discriminator="transport")]

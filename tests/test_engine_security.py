@@ -31,6 +31,10 @@ ROUTES = [
     ("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}),
     ("POST", "/abort_request", {"abort_all": True}),
     ("POST", "/pause_generation", {"mode": "in_place"}), ("POST", "/continue_generation", {}),
+    ("POST", "/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}),
+    ("POST", "/load_lora_adapter_from_tensors", {"lora_name": "x", "config_dict": {},
+                                                 "serialized_named_tensors": ["x"]}),
+    ("POST", "/unload_lora_adapter", {"lora_name": "x"}),
 ]
 
 

@@ -20,9 +20,12 @@ from rollfleet.engine.protocol import (
     GenerateRequest,
     GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoraAdapterFromTensorsRequest,
+    LoadLoraAdapterRequest,
     MemoryRequest,
     PauseGenerationRequest,
     SamplingParams,
+    UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -34,6 +37,8 @@ from rollfleet.weights.buckets import dtype_name
 
 VERSION = "0.1.0"
 ALL_MEMORY_TAGS = ["weights", "kv_cache"]
+LORA_OFF = ("LoRA is off on this engine: start it with --enable-lora (and --max-lora-rank, --lora-target-modules "
+            "as needed)")
 
 
 class BadRequest(Exception):
@@ -74,8 +79,8 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
     async def on_bad_request(_request, exc: BadRequest):
         return _fail(exc.message, exc.status_code)
 
-    async def control(fn, *, needs_idle: bool = True, abort_first: bool = False) -> Any:
-        future = scheduler.control(fn, needs_idle=needs_idle, abort_first=abort_first)
+    async def control(fn, *, needs_idle: bool = True, abort_first: bool = False, waits_for=None) -> Any:
+        future = scheduler.control(fn, needs_idle=needs_idle, abort_first=abort_first, waits_for=waits_for)
         try:
             return await asyncio.wrap_future(future)
         except (WeightUpdateError, ValueError) as exc:
@@ -109,17 +114,32 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
         except ValidationError as exc:
             raise BadRequest(f"invalid sampling_params: {_validation_message(exc)}") from exc
 
+    def lora_names_of(req: GenerateRequest, count: int) -> list[str | None]:
+        """The adapter of each prompt; every named one must be loaded (checked at submission)."""
+        names = req.lora_path if isinstance(req.lora_path, list) else [req.lora_path] * count
+        if len(names) != count:
+            raise BadRequest(f"lora_path has {len(names)} entries for {count} prompts: give one per prompt")
+        for name in sorted({n for n in names if n is not None}):
+            if runner.lora_limits is None:
+                raise BadRequest(f"lora_path={name!r}: {LORA_OFF}")
+            if name in unloading:
+                raise BadRequest(f"lora_path={name!r}: the adapter is being unloaded; load it again first")
+            if name not in runner.lora_adapters:
+                raise BadRequest(f"lora_path={name!r} is not a loaded LoRA adapter (loaded: "
+                                 f"{sorted(runner.lora_adapters)}): load it with /load_lora_adapter first, or "
+                                 "omit lora_path for the base model")
+        return names
+
     @app.post("/generate")
     async def generate(req: GenerateRequest):
         reason = not_ready_reason()
         if reason:
             raise BadRequest(reason)
-        if req.lora_path:
-            raise BadRequest("lora_path: the embedded engine serves no LoRA adapters yet")
         if req.return_logprob and req.logprob_start_len >= 0:
             raise BadRequest("logprob_start_len >= 0 (input logprobs) is not supported: send -1")
         prompts, is_batch = prompts_of(req)
         params = sampling_of(req, len(prompts))
+        lora_names = lora_names_of(req, len(prompts))
         for index, prompt in enumerate(prompts):
             if not prompt:
                 raise BadRequest(f"prompt {index} is empty: give at least one token")
@@ -131,9 +151,10 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
             raise BadRequest(f"rid has {len(rids)} entries for {len(prompts)} prompts")
         if is_batch and isinstance(req.rid, str):
             rids = [f"{req.rid}-{i}" for i in range(len(prompts))]
-        try:
-            seqs = [seq for prompt, p, rid in zip(prompts, params, rids)
-                    for seq in scheduler.submit(prompt, p, rid=rid, return_logprob=req.return_logprob)]
+        try:  # no await between the adapter check above and this submission: an unload cannot slip in
+            seqs = [seq for prompt, p, rid, lora_name in zip(prompts, params, rids, lora_names)
+                    for seq in scheduler.submit(prompt, p, rid=rid, return_logprob=req.return_logprob,
+                                                lora_name=lora_name)]
         except RuntimeError as exc:
             raise BadRequest(str(exc), 503) from exc
         results = await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
@@ -160,7 +181,7 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
         return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
                 "is_generation": True, "weight_version": scheduler.weight_version,
                 "weights_ready": runner.weights_ready, "context_length": context_length,
-                "dtype": dtype_name(runner.dtype)}
+                "dtype": dtype_name(runner.dtype), "loaded_lora_adapters": loaded_adapters()}
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -168,7 +189,7 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
         info = {k: v for k, v in vars(args).items() if k != "api_key"}
         return {**info, "api_key_set": bool(args.api_key), "version": VERSION, "engine": "rollfleet-embedded",
                 "weight_version": scheduler.weight_version, "weights_ready": runner.weights_ready,
-                "scheduler_stats": dict(scheduler.stats)}
+                "scheduler_stats": dict(scheduler.stats), "loaded_lora_adapters": loaded_adapters()}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -257,7 +278,11 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
 
     @app.post("/rollfleet/weights_fingerprint")
     async def weights_fingerprint(req: WeightsFingerprintRequest):
-        """rollfleet extension: fingerprints of full tensors by checkpoint name (sync verification)."""
+        """rollfleet extension: fingerprints of full tensors by checkpoint name (sync verification), or
+        of a loaded LoRA adapter's tensors by peft key (`lora_name`)."""
+        if req.lora_name is not None:
+            return await control(lambda: run_action("lora_fingerprints", lora_name=req.lora_name, names=req.names,
+                                                    samples=req.samples), needs_idle=False)
         return await control(lambda: run_action("weights_fingerprint", names=req.names, samples=req.samples),
                              needs_idle=False)
 
@@ -265,6 +290,54 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
     async def memory():
         """rollfleet extension: memory per tp rank (weights; allocator and device figures on GPU)."""
         return await control(lambda: run_action("memory"), needs_idle=False)
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------
+    # Loading only stores an adapter (the weights change when a batch asks for it), so it needs no
+    # idle engine. Unloading waits until no unfinished request uses the adapter, and new requests
+    # naming it are refused meanwhile.
+    unloading: set[str] = set()
+
+    def loaded_adapters() -> dict[str, str]:
+        return {name: adapter.path for name, adapter in list(runner.lora_adapters.items())}
+
+    def lora_reply(error: str | None = None):
+        body = {"success": error is None, "error_message": error or "", "loaded_adapters": loaded_adapters()}
+        return body if error is None else JSONResponse({**body, "message": error}, status_code=400)
+
+    async def lora_control(fn, **kwargs):
+        if runner.lora_limits is None:
+            return lora_reply(LORA_OFF)
+        try:
+            await control(fn, **kwargs)
+        except BadRequest as exc:
+            return lora_reply(exc.message)
+        return lora_reply()
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoraAdapterRequest):
+        return await lora_control(lambda: run_action("load_lora_adapter", lora_name=req.lora_name,
+                                                     lora_path=req.lora_path), needs_idle=False)
+
+    @app.post("/load_lora_adapter_from_tensors")
+    async def load_lora_adapter_from_tensors(req: LoadLoraAdapterFromTensorsRequest):
+        count = len(req.serialized_named_tensors)
+        if count != args.tp_size:
+            return lora_reply(f"serialized_named_tensors has {count} entries, this engine has tp_size={args.tp_size}: "
+                              "give one payload per tp rank (rank i reads entry i)")
+        return await lora_control(lambda: run_action(
+            "load_lora_adapter", lora_name=req.lora_name, config_dict=req.config_dict,
+            serialized_named_tensors=req.serialized_named_tensors, load_format=req.load_format), needs_idle=False)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoraAdapterRequest):
+        name = req.lora_name
+        if runner.lora_limits is not None and name in runner.lora_adapters:
+            unloading.add(name)
+        try:
+            return await lora_control(lambda: run_action("unload_lora_adapter", lora_name=name), needs_idle=False,
+                                      waits_for=lambda seq: seq.lora_name == name)
+        finally:
+            unloading.discard(name)
 
     # ---- memory ---------------------------------------------------------------------------------
     def memory_route(action: str):

@@ -73,7 +73,7 @@ class EngineClient:
     # ---- generation and status ---------------------------------------------------------------
     async def generate(self, *, text: str | list[str] | None = None, input_ids: list | None = None,
                        sampling_params: dict | list[dict] | None = None, return_logprob: bool = False,
-                       rid: str | list[str] | None = None, lora_path: str | None = None,
+                       rid: str | list[str] | None = None, lora_path: str | list[str | None] | None = None,
                        timeout: float | None = None) -> dict | list[dict]:
         payload = {"text": text, "input_ids": input_ids, "sampling_params": sampling_params or {},
                    "return_logprob": return_logprob, "rid": rid, "lora_path": lora_path}
@@ -166,9 +166,33 @@ class EngineClient:
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return await self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
-    async def weights_fingerprint(self, names: list[str] | None = None, samples: int = 4096) -> dict[str, str]:
-        """rollfleet extension (embedded engine): checkpoint name -> rollfleet.weights.fingerprint."""
-        return await self._call("POST", "/rollfleet/weights_fingerprint", {"names": names, "samples": samples})
+    async def weights_fingerprint(self, names: list[str] | None = None, samples: int = 4096, *,
+                                  lora_name: str | None = None) -> dict[str, str]:
+        """rollfleet extension (embedded engine): checkpoint name -> rollfleet.weights.fingerprint; with
+        `lora_name`, peft key -> fingerprint of that loaded adapter's tensors."""
+        payload = {"names": names, "samples": samples}
+        if lora_name is not None:
+            payload["lora_name"] = lora_name
+        return await self._call("POST", "/rollfleet/weights_fingerprint", payload)
+
+    # ---- LoRA adapters (answers: {success, error_message, loaded_adapters: {name: path}}) -------------
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> dict:
+        """Load a peft adapter directory (adapter_config.json + adapter_model.safetensors) under `lora_name`."""
+        return await self._call("POST", "/load_lora_adapter",
+                                {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned})
+
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict,
+                                             serialized_named_tensors: list[str], *, load_format: str | None = None,
+                                             pinned: bool = False) -> dict:
+        """One payload per tp rank (its own `rollfleet.weights.serialize.serialize` call) of (peft key,
+        tensor) pairs, or flattened buckets with load_format="flattened_bucket"; `config_dict` is the
+        peft config as adapter_config.json holds it. The sender keeps its tensors alive until this returns."""
+        return await self._call("POST", "/load_lora_adapter_from_tensors", {
+            "lora_name": lora_name, "config_dict": config_dict, "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format, "pinned": pinned})
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        return await self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})
 
     async def memory(self) -> list[dict[str, int]]:
         """rollfleet extension (embedded engine): memory figures per tp rank."""

@@ -58,7 +58,7 @@ class GenerateRequest(_Lenient):
     top_logprobs_num: int = 0
     stream: bool = False
     rid: str | list[str] | None = None
-    lora_path: str | list[str] | None = None
+    lora_path: str | list[str | None] | None = None  # LoRA adapter name; a list: one per prompt
 
     @model_validator(mode="after")
     def _one_prompt_field(self) -> GenerateRequest:
@@ -146,8 +146,28 @@ class FinishReason(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
+class LoadLoraAdapterRequest(_Lenient):
+    lora_name: str = Field(min_length=1)
+    lora_path: str  # a peft adapter directory: adapter_config.json + adapter_model.safetensors
+    pinned: bool = False  # SGLang keeps pinned adapters in GPU memory; every adapter stays loaded here
+
+
+class LoadLoraAdapterFromTensorsRequest(_Lenient):
+    lora_name: str = Field(min_length=1)
+    config_dict: dict[str, Any]  # the peft LoraConfig as saved in adapter_config.json
+    serialized_named_tensors: list[str]  # one payload per tp rank, as /update_weights_from_tensor
+    load_format: Literal["direct", "flattened_bucket"] | None = None
+    pinned: bool = False
+
+
+class UnloadLoraAdapterRequest(_Lenient):
+    lora_name: str
+
+
 class WeightsFingerprintRequest(_Lenient):
-    """rollfleet extension: which tensors (checkpoint names; None = all) and how many samples each."""
+    """rollfleet extension: which tensors (checkpoint names; None = all) and how many samples each;
+    with `lora_name`, the tensors of that loaded adapter (peft keys) instead of the model's."""
 
     names: list[str] | None = None
     samples: int = Field(4096, ge=1)
+    lora_name: str | None = None

@@ -28,6 +28,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.distributed import DistributedConfig
 
+from rollfleet.engine.lora import (
+    TENSORS_PATH,
+    LoraAdapter,
+    LoraError,
+    LoraLimits,
+    linear_targets,
+    parse_adapter,
+    read_adapter_dir,
+)
 from rollfleet.weights.buckets import Bucket, dtype_from_name, view_bytes_as
 from rollfleet.weights.group import join_weight_update_group
 from rollfleet.weights.fingerprint import Fingerprints
@@ -143,7 +152,8 @@ def _parse_specs(names: list[str], dtypes: list[str], shapes: list[list[int]]) -
 
 class ModelRunner:
     def __init__(self, model_path: str, *, tp_size: int = 1, ep_size: int = 1, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, dummy: bool = False, group=None, seed: int = 0):
+                 dtype: torch.dtype = torch.float32, dummy: bool = False, group=None, seed: int = 0,
+                 lora: LoraLimits | None = None):
         self.tp_size, self.ep_size, self.device = tp_size, ep_size, torch.device(device)
         self.group = group  # gloo group of this engine's ranks (None when tp_size == 1)
         self.model = self._load(model_path, dtype, dummy, seed).eval().requires_grad_(False)
@@ -152,6 +162,11 @@ class ModelRunner:
         self.loaded_names: set[str] = set() if dummy else set(self.required_names)
         self._own_storages()
         self._storages = self._unique_storages()
+        self.lora_limits = lora  # None: LoRA is off (no --enable-lora)
+        self.lora_targetable = linear_targets(self.model, self.params)
+        self.lora_adapters: dict[str, LoraAdapter] = {}
+        self.active_lora: str | None = None  # the adapter merged into the weights now
+        self._lora_base: list[tuple[torch.Tensor, torch.Tensor]] = []  # (local weight, its saved base values)
         self.cache: DynamicCache | None = None
         self.weight_groups: dict[str, WeightGroup] = {}
         # The last two decoded tensor payloads stay referenced until the sync ends: a sender
@@ -238,8 +253,10 @@ class ModelRunner:
 
     # ---- generation (lockstep) ----------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Start a batch: left-pad the prompts, fill a fresh KV cache, return last-position logits."""
+    def prefill(self, prompts: list[list[int]], lora_name: str | None = None) -> torch.Tensor:
+        """Start a batch: left-pad the prompts, fill a fresh KV cache, return last-position logits.
+        The whole batch runs with one LoRA adapter, or none."""
+        self._use_lora(lora_name)
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         self.mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -252,7 +269,8 @@ class ModelRunner:
         return self._forward(ids, positions)
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int]) -> torch.Tensor:
+    def decode(self, tokens: list[int], lora_name: str | None = None) -> torch.Tensor:
+        self._use_lora(lora_name)  # merged again if a read or update restored the base mid-batch
         self.mask = torch.cat([self.mask, torch.ones(len(tokens), 1, dtype=torch.long)], dim=1)
         logits = self._forward(torch.tensor(tokens)[:, None], self.next_position[:, None])
         self.next_position = self.next_position + 1
@@ -275,12 +293,14 @@ class ModelRunner:
 
     # ---- weights (lockstep; all or nothing across ranks) --------------------------------
     def update_weights_from_disk(self, model_path: str) -> None:
+        self._restore_base_weights()
         def read():
             return read_hf_checkpoint(model_path), True
         self._update(read)
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None) -> None:
         """Every rank decodes its own entry, `serialized_named_tensors[tp_rank]` (SGLang's rule)."""
+        self._restore_base_weights()
         def decode():
             entry = serialized_named_tensors[self.tp_rank]
             try:
@@ -316,6 +336,7 @@ class ModelRunner:
         refused without receiving: the sender then waits until its group's timeout, and the group
         must be destroyed and made again.
         """
+        self._restore_base_weights()
         def receive():
             group = self.weight_groups.get(group_name)
             if group is None:
@@ -485,6 +506,7 @@ class ModelRunner:
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list[float]:
         """First values of a parameter, by checkpoint name (per expert for MoE) or in-memory name."""
+        self._restore_base_weights()
         if name in self.params:
             full = _full(self.params[name])
         elif name in self.checkpoint_to_param:
@@ -496,12 +518,14 @@ class ModelRunner:
 
     def shard_fingerprints(self) -> list[dict[str, str]]:
         """Per rank: in-memory parameter name -> sha256 of this rank's local shard bytes."""
+        self._restore_base_weights()
         mine = {name: tensor_sha256(_local(p)) for name, p in self.params.items()}
         return self._gather(mine)
 
     def weights_fingerprint(self, names: list[str] | None, samples: int) -> dict[str, str]:
         """Checkpoint name -> fingerprint of the full tensor (rollfleet.weights.fingerprint), for the
         given names (all when None); the sender computes the same over what it sent."""
+        self._restore_base_weights()
         wanted = set(self.checkpoint_to_param) if names is None else set(names)
         unknown = sorted(wanted - set(self.checkpoint_to_param))
         if unknown:
@@ -521,6 +545,106 @@ class ModelRunner:
     def dtype(self) -> torch.dtype:
         return next(iter(self.params.values())).dtype
 
+    # ---- LoRA (lockstep): merge on activation ------------------------------------------------
+    # A batch runs with one adapter or none. `_use_lora` (at the start of every prefill and
+    # decode) makes the weights match it: restore the base values of the previous adapter's
+    # targets from saved copies (a copy back, never a subtraction, so the base is exact), save
+    # copies of the new adapter's targets and set W = W_base + scale * B @ A there. The delta is
+    # a full [out, in] tensor sliced to this rank's shard with distribute_tensor(src_data_rank=None),
+    # as `_stage` slices weight updates, so tp and ep engines need nothing else and no rank talks
+    # to another. Paths that read or replace base weights call `_restore_base_weights` first; the
+    # adapter merges again on the next forward that asks for it.
+    def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, config_dict: dict | None = None,
+                          serialized_named_tensors: list[str] | None = None, load_format: str | None = None) -> None:
+        """Store an adapter read from a directory (`lora_path`) or from this rank's entry of
+        `serialized_named_tensors`; on every rank or, after any rank's refusal, on none."""
+        adapter, error = None, None
+        try:
+            adapter = self._read_adapter(lora_name, lora_path, config_dict, serialized_named_tensors, load_format)
+        except LoraError as exc:
+            error = str(exc)
+        errors = self._gather(error)
+        if any(errors):
+            raise LoraError("; ".join(sorted({e for e in errors if e})))
+        self.lora_adapters[lora_name] = adapter
+
+    def _read_adapter(self, lora_name, lora_path, config_dict, serialized_named_tensors, load_format) -> LoraAdapter:
+        limits = self._lora_limits()
+        if lora_name in self.lora_adapters:
+            raise LoraError(f"lora_name={lora_name!r} is already loaded: unload it first (/unload_lora_adapter), "
+                            "or load under another name")
+        if limits.max_loaded is not None and len(self.lora_adapters) >= limits.max_loaded:
+            raise LoraError(f"{len(self.lora_adapters)} adapters are loaded, --max-loaded-loras is "
+                            f"{limits.max_loaded}: unload one of {sorted(self.lora_adapters)} first")
+        if lora_path is not None:
+            config, tensors = read_adapter_dir(lora_path)
+        else:
+            try:
+                payload = safe_loads(serialized_named_tensors[self.tp_rank])
+            except Exception as exc:  # untrusted bytes: every failure to rebuild them is the sender's, reported
+                raise LoraError(f"serialized_named_tensors[{self.tp_rank}] cannot be read: "
+                                f"{type(exc).__name__}: {_first_line(exc)}") from exc
+            try:
+                tensors = _named_tensors(payload, load_format)
+            except WeightUpdateError as exc:
+                reason = str(exc).removeprefix("weight update refused, nothing changed: ")
+                raise LoraError(f"adapter {lora_name!r} refused, nothing changed: {reason}") from exc
+            config = config_dict
+        return parse_adapter(lora_name, lora_path or TENSORS_PATH, config, tensors, self.model,
+                             self.lora_targetable, limits)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self._lora_limits()
+        if lora_name not in self.lora_adapters:
+            raise LoraError(f"lora_name={lora_name!r} is not loaded (loaded: {sorted(self.lora_adapters)})")
+        if self.active_lora == lora_name:
+            self._restore_base_weights()
+        del self.lora_adapters[lora_name]
+
+    def lora_fingerprints(self, lora_name: str, names: list[str] | None, samples: int) -> dict[str, str]:
+        """peft key -> fingerprint of the adapter's stored tensor (rollfleet.weights.fingerprint). Every
+        rank decoded its own copy: a key whose ranks disagree gets a value that matches nothing."""
+        self._lora_limits()
+        adapter = self.lora_adapters.get(lora_name)
+        if adapter is None:
+            raise LoraError(f"lora_name={lora_name!r} is not loaded (loaded: {sorted(self.lora_adapters)})")
+        mine = adapter.fingerprints(names, samples)
+        ranks = self._gather(mine)
+        return {name: value if all(r.get(name) == value for r in ranks) else f"ranks differ: {value}"
+                for name, value in mine.items()}
+
+    def _lora_limits(self) -> LoraLimits:
+        if self.lora_limits is None:
+            raise LoraError("LoRA is off on this engine: start it with --enable-lora (and --max-lora-rank, "
+                            "--lora-target-modules as needed)")
+        return self.lora_limits
+
+    @torch.no_grad()
+    def _use_lora(self, lora_name: str | None) -> None:
+        if lora_name == self.active_lora:
+            return
+        if lora_name is not None and lora_name not in self.lora_adapters:  # checked before anything changes
+            raise LoraError(f"lora_name={lora_name!r} is not loaded (loaded: {sorted(self.lora_adapters)})")
+        self._restore_base_weights()
+        if lora_name is None:
+            return
+        for target in self.lora_adapters[lora_name].targets:
+            param = self.params[f"{target.module}.weight"]
+            local = _local(param)
+            self._lora_base.append((local, local.clone()))
+            delta = target.delta(local.device)
+            if isinstance(param, DTensor):
+                delta = distribute_tensor(delta, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            local.copy_((local.float() + delta).to(local.dtype))
+        self.active_lora = lora_name
+
+    @torch.no_grad()
+    def _restore_base_weights(self) -> None:
+        """Copy the saved base values back into the active adapter's targets (no-op without one)."""
+        for local, base in self._lora_base:
+            local.copy_(base)
+        self._lora_base, self.active_lora = [], None
+
     # ---- memory (lockstep) ----------------------------------------------------------------
     def memory(self) -> list[dict[str, int]]:
         """Per rank: weight bytes and, on GPU, allocated / reserved / peak allocated / device used."""
@@ -530,6 +654,7 @@ class ModelRunner:
         return self._gather(stats)
 
     def release_memory(self, tags: list[str]) -> list[dict[str, int]]:
+        self._restore_base_weights()
         before = self._memory()
         self._held_payloads.clear()
         if WEIGHT_TAG in tags:

@@ -2,9 +2,12 @@
 
 One engine thread owns the model. It runs, in this order of priority:
   1. control actions (weight updates, memory release, ...); an action that needs an idle
-     engine waits until the running batch ends, unless generation is paused in place;
+     engine waits until the running batch ends, unless generation is paused in place; an
+     action with `waits_for` (unloading a LoRA adapter) waits until no unfinished request
+     matches it;
   2. one decode step of the running batch (every request in it advances one token);
-  3. a new batch made of every waiting request (up to `max_running_requests`).
+  3. a new batch made of the waiting requests that use the same LoRA adapter (or none) as the
+     oldest waiting one (up to `max_running_requests`): a batch runs with one adapter.
 Requests that arrive while a batch runs wait for the next batch. Every model call goes
 through `run_action`, which broadcasts it to the other tp ranks first, so all ranks execute
 the same actions in the same order.
@@ -40,6 +43,7 @@ class Sequence:
     text: str = ""
     finish: FinishReason | None = None
     abort_message: str | None = None
+    lora_name: str | None = None
     future: Future = field(default_factory=Future)
 
 
@@ -47,6 +51,7 @@ class Sequence:
 class ControlAction:
     fn: Callable[[], Any]
     needs_idle: bool
+    waits_for: Callable[[Sequence], bool] | None = None  # runs only when no unfinished request matches
     future: Future = field(default_factory=Future)
 
 
@@ -64,6 +69,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.needs_prefill = False
+        self.batch_lora: str | None = None  # the LoRA adapter of the running batch
         self.controls: deque[ControlAction] = deque()
         self.paused = False
         self.stopped = False
@@ -77,10 +83,10 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None,
-               return_logprob: bool) -> list[Sequence]:
+               return_logprob: bool, lora_name: str | None = None) -> list[Sequence]:
         rid = rid or uuid.uuid4().hex
         seqs = [Sequence(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params,
-                         make_generator(params, i), return_logprob) for i in range(params.n)]
+                         make_generator(params, i), return_logprob, lora_name=lora_name) for i in range(params.n)]
         with self._wakeup:
             self._raise_if_dead()
             for seq in seqs:
@@ -91,8 +97,9 @@ class Scheduler:
             self._wakeup.notify()
         return seqs
 
-    def control(self, fn: Callable[[], Any], *, needs_idle: bool = True, abort_first: bool = False) -> Future:
-        action = ControlAction(fn, needs_idle)
+    def control(self, fn: Callable[[], Any], *, needs_idle: bool = True, abort_first: bool = False,
+                waits_for: Callable[[Sequence], bool] | None = None) -> Future:
+        action = ControlAction(fn, needs_idle, waits_for)
         with self._wakeup:
             self._raise_if_dead()
             if abort_first:
@@ -152,7 +159,7 @@ class Scheduler:
 
     def _next_work(self) -> Callable[[], None] | None:
         self._drop_aborted_waiting()
-        if self.controls and (not self.running or self.paused or not self.controls[0].needs_idle):
+        if self.controls and self._can_run(self.controls[0]):
             action = self.controls.popleft()
             return lambda: self._run_control(action)
         if any(seq.abort_message is not None for seq in self.running):
@@ -160,13 +167,21 @@ class Scheduler:
         if self.running and not self.paused:
             return self._step
         if self.waiting and not self.paused:
-            take = min(len(self.waiting), self.max_running_requests)
-            self.running = [self.waiting.popleft() for _ in range(take)]
+            self.batch_lora = self.waiting[0].lora_name
+            self.running = [seq for seq in self.waiting if seq.lora_name == self.batch_lora][:self.max_running_requests]
+            taken = {id(seq) for seq in self.running}
+            self.waiting = deque(seq for seq in self.waiting if id(seq) not in taken)
             self.needs_prefill = True
             self.stats["batches"] += 1
-            self.stats["largest_batch"] = max(self.stats["largest_batch"], take)
+            self.stats["largest_batch"] = max(self.stats["largest_batch"], len(self.running))
             return self._step
         return None
+
+    def _can_run(self, action: ControlAction) -> bool:
+        if action.needs_idle and self.running and not self.paused:
+            return False
+        return action.waits_for is None or not any(map(action.waits_for, itertools.chain(self.waiting,
+                                                                                          self.running)))
 
     def _run_control(self, action: ControlAction) -> None:
         try:
@@ -179,10 +194,12 @@ class Scheduler:
         if not self.running:
             return
         if self.needs_prefill:
-            logits = self.run_action("prefill", prompts=[s.prompt_ids for s in self.running])
+            logits = self.run_action("prefill", prompts=[s.prompt_ids for s in self.running],
+                                     lora_name=self.batch_lora)
             self.needs_prefill = False
         else:
-            logits = self.run_action("decode", tokens=[s.output_ids[-1] for s in self.running])
+            logits = self.run_action("decode", tokens=[s.output_ids[-1] for s in self.running],
+                                     lora_name=self.batch_lora)
         logprobs = torch.log_softmax(logits, dim=-1)
         for seq, row, row_logprobs in zip(self.running, logits, logprobs):
             self._advance(seq, row, row_logprobs)

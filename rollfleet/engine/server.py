@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from rollfleet.engine.lora import LoraLimits
 from rollfleet.engine.runner import ModelRunner, local_device
 
 log = logging.getLogger("rollfleet.engine")
@@ -51,8 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--max-running-requests", type=int, default=64, help="largest batch")
     p.add_argument("--random-seed", type=int, default=0, help="seed of dummy weights")
-    p.add_argument("--enable-lora", action="store_true", help="not available in the embedded engine yet")
-    p.add_argument("--max-lora-rank", type=int, default=None)
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (merged into the weights "
+                   "for the batches that use them; nn.Linear targets only)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted (default: any)")
+    p.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="module names adapters may target (q_proj v_proj ...; 'all' or unset: any nn.Linear)")
+    p.add_argument("--max-loaded-loras", type=int, default=None, help="most adapters loaded at once (default: any)")
     p.add_argument("--enable-memory-saver", action="store_true", help="accepted; release/resume always works here")
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted; the embedded engine has no warmup")
     p.add_argument("--log-level", default="warning")
@@ -73,8 +78,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.ep_size not in (1, args.tp_size):
         parser.error(f"--ep-size {args.ep_size}: the embedded engine (transformers' EP plan) needs "
                      f"--ep-size 1 or equal to --tp-size {args.tp_size}; SGLang supports other splits")
-    if args.enable_lora:
-        parser.error("--enable-lora: the embedded engine does not serve LoRA adapters yet; use SGLang")
+    lora_flags = {"--max-lora-rank": args.max_lora_rank, "--lora-target-modules": args.lora_target_modules,
+                  "--max-loaded-loras": args.max_loaded_loras}
+    given = [flag for flag, value in lora_flags.items() if value is not None]
+    if given and not args.enable_lora:
+        parser.error(f"{', '.join(given)} without --enable-lora: add --enable-lora, or drop them")
+    for flag in ("--max-lora-rank", "--max-loaded-loras"):
+        if lora_flags[flag] is not None and lora_flags[flag] < 1:
+            parser.error(f"{flag} {lora_flags[flag]}: must be >= 1")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -123,10 +134,18 @@ def _init_distributed(args, rank: int, store) -> tuple[str, object]:
     return device, group
 
 
+def lora_limits(args: argparse.Namespace) -> LoraLimits | None:
+    if not args.enable_lora:
+        return None
+    modules = args.lora_target_modules
+    targets = None if modules is None or "all" in modules else frozenset(modules)
+    return LoraLimits(max_rank=args.max_lora_rank, target_modules=targets, max_loaded=args.max_loaded_loras)
+
+
 def _make_runner(args, device: str, group) -> ModelRunner:
     return ModelRunner(args.model_path, tp_size=args.tp_size, ep_size=args.ep_size, device=device,
                        dtype=resolve_dtype(args), dummy=args.load_format == "dummy", group=group,
-                       seed=args.random_seed)
+                       seed=args.random_seed, lora=lora_limits(args))
 
 
 def _follower_main(args, rank: int, store_port: int) -> None:

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from rollfleet.config import RunConfig, TensorSync
 from rollfleet.engine.client import EngineClient
+from rollfleet.engine.launch import lora_server_args
 from rollfleet.engine.runner import read_hf_checkpoint
 from rollfleet.fleet.health import EngineState
 from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, worker_options
@@ -36,6 +37,7 @@ from rollfleet.weights.fingerprint import fingerprints
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
 from rollfleet.weights.transports.disk import version_dir
+from rollfleet.weights.transports.lora import LoraSyncReport
 from rollfleet.weights.verify import find_unverified
 
 log = logging.getLogger("rollfleet.fleet")
@@ -58,6 +60,7 @@ class Fleet:
         self.placement_group, self.workers, self.slots = placement_group, workers, slots
         self.tokenizer = tokenizer
         self.version = "default"  # the weight version every ACTIVE engine holds (verified)
+        self.lora_name: str | None = None  # the adapter generate asks for, once a LoRA sync verified it
         self._events_seen: dict[int, int] = {}
         self._recovery_checkpoints: dict[str, str] = {}  # version -> HF directory (insertion order)
         self._closing = threading.Event()
@@ -85,6 +88,9 @@ class Fleet:
         ranks = build_rank_infos(rollout.num_engines, rollout.pp_size, rollout.tp_size, rollout.ep_size)
         group = create_placement_group(rollout)
         log_dir = str(Path(rollout.log_dir).resolve())
+        # engines of a LoRA run serve the adapter the trainer sends (--enable-lora ...)
+        rollout = rollout.model_copy(update={"server_extras": [*lora_server_args(cfg.weight_sync),
+                                                               *rollout.server_extras]})
         workers = [RemoteRolloutWorker.options(**worker_options(group, r.rank, rollout)).remote(r, rollout, log_dir)
                    for r in ranks]
         try:
@@ -202,7 +208,9 @@ class Fleet:
         for slot in slots:
             slot.lifecycle.to(EngineState.RECOVERING, "restart")
         ray.get([s.head.stop_engine.remote() for s in slots])
-        starts = [s.head.start_engine.remote(s.gpu_ids, "dummy") for s in slots]
+        # a LoRA run never sends base weights: restarted engines load them from the model path
+        load_format = "auto" if self.cfg.weight_sync.transport == "lora" else "dummy"
+        starts = [s.head.start_engine.remote(s.gpu_ids, load_format) for s in slots]
         restarted = []
         for slot, start in zip(slots, starts):
             try:
@@ -210,7 +218,7 @@ class Fleet:
             except ray.exceptions.RayError as exc:
                 slot.lifecycle.to(EngineState.INACTIVE, f"restart failed: {exc}")
                 continue
-            slot.lifecycle.to(EngineState.AWAITING_WEIGHTS, "restarted with dummy weights")
+            slot.lifecycle.to(EngineState.AWAITING_WEIGHTS, f"restarted with {load_format} weights")
             restarted.append(slot.engine_id)
         directory = restore_from or self.checkpoint_for(self.version)
         if restarted and directory and restore:
@@ -265,6 +273,9 @@ class Fleet:
         if n is not None:
             params["n"] = n
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        request = {"sampling_params": params, "return_logprob": True}
+        if self.lora_name is not None:  # a LoRA run: the adapter the last verified sync loaded
+            request["lora_path"] = self.lora_name
         router = Router(self.slots, self.version, api_key=self.rollout.api_key,
                         timeout=self.rollout.request_timeout_s, wait_s=self.rollout.recovery_wait_s)
         try:
@@ -272,8 +283,7 @@ class Fleet:
                 task = bar.add_task("generate", total=len(prompt_ids))
 
                 async def one(index: int) -> list[Sample]:
-                    outs, engine_id = await router.generate({"input_ids": prompt_ids[index], "sampling_params":
-                                                             params, "return_logprob": True})
+                    outs, engine_id = await router.generate({"input_ids": prompt_ids[index], **request})
                     bar.advance(task)
                     group = [_sample(index, k, prompt_ids[index], out, engine_id) for k, out in enumerate(outs)]
                     if on_group is not None:
@@ -379,6 +389,8 @@ class Fleet:
                 slot.lifecycle.to(EngineState.ACTIVE, f"verified at version {report.version!r}")
         if len(failed) < len(report.engine_ids):
             self.version = report.version
+            if isinstance(report, LoraSyncReport):
+                self.lora_name = report.lora_name
         if failed:
             detail = "; ".join(f"engine {e}: {problem}" for e, problem in sorted(failed.items()))
             raise WeightSyncError(f"weight sync to version {report.version!r} not verified, engines marked "

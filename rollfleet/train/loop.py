@@ -85,6 +85,10 @@ def latest_state(output_dir: Path) -> Path | None:
 
 
 def train(cfg: RunConfig, *, resume: bool = False, console: Console | None = None) -> Path:
+    if cfg.weight_sync.transport == "lora":
+        raise ValueError("weight_sync.transport='lora': the GRPO trainer trains full weights, it has no LoRA "
+                         "adapter to send; use tensor, nccl or disk (a LoRA run pushes with "
+                         "Fleet.sync_weights(LoraSource(peft_model), version))")
     console = console or Console()
     output_dir = Path(cfg.grpo.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,6 @@
 """
 
 from rollfleet.weights.transports.base import TRANSPORTS, EngineTarget, SyncReport, Transport, make_transport
-from rollfleet.weights.transports import disk, nccl, tensor  # noqa: F401  (they register themselves)
+from rollfleet.weights.transports import disk, lora, nccl, tensor  # noqa: F401  (they register themselves)
 
 __all__ = ["TRANSPORTS", "EngineTarget", "SyncReport", "Transport", "make_transport"]

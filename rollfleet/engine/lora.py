@@ -1,0 +1,241 @@
+"""LoRA adapters in the embedded engine: read a peft adapter, check it against the model, and the
+arithmetic of merge on activation.
+
+An adapter is kept as it arrived (peft's saved naming `base_model.model.<module>.lora_A.weight`,
+tensors on the CPU) plus, per targeted nn.Linear, its (A [r, in], B [out, r], scale). The runner
+serves it by merging: see ModelRunner's LoRA section. Only plain nn.Linear modules whose weight
+is not tied to another parameter can be targets; fused MoE experts (one parameter holding every
+expert) cannot.
+
+Every check runs before anything changes, and a refusal names the key or field, the value and
+the fix (LoraError, a ValueError: HTTP 400).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from rollfleet.weights.fingerprint import fingerprint
+
+KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+TENSORS_PATH = "<tensors>"  # the `path` of an adapter loaded from tensors
+# peft features that change the arithmetic W + scale * B @ A, refused rather than served wrong
+UNSUPPORTED = {
+    "use_dora": "DoRA (use_dora=True)",
+    "lora_bias": "LoRA bias (lora_bias=True)",
+    "modules_to_save": "fully trained modules (modules_to_save)",
+    "target_parameters": "LoRA on parameters (target_parameters, e.g. MoE experts)",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "layer_replication": "layer replication (layer_replication)",
+    "use_qalora": "QA-LoRA (use_qalora=True)",
+}
+
+
+class LoraError(ValueError):
+    """A LoRA request refused before anything changed."""
+
+
+@dataclass(frozen=True)
+class LoraLimits:
+    """The server's LoRA flags: --max-lora-rank, --lora-target-modules, --max-loaded-loras."""
+
+    max_rank: int | None = None
+    target_modules: frozenset[str] | None = None  # short names (q_proj); None: any targetable module
+    max_loaded: int | None = None
+
+
+@dataclass
+class LoraTarget:
+    module: str  # in-memory module path, e.g. model.layers.0.self_attn.q_proj
+    lora_a: torch.Tensor  # [r, in_features]
+    lora_b: torch.Tensor  # [out_features, r]
+    scale: float
+
+    def delta(self, device: torch.device) -> torch.Tensor:
+        """scale * B @ A as a full float32 [out, in] tensor (peft's get_delta_weight, in float32)."""
+        return (self.lora_b.to(device, torch.float32) @ self.lora_a.to(device, torch.float32)) * self.scale
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    path: str  # the directory it was read from, or TENSORS_PATH
+    config: dict
+    tensors: dict[str, torch.Tensor]  # as received, peft's saved naming (what fingerprints cover)
+    targets: list[LoraTarget] = field(default_factory=list)
+
+    def fingerprints(self, names: list[str] | None, samples: int) -> dict[str, str]:
+        """peft key -> rollfleet.weights.fingerprint of the stored tensor (all keys when None), in the
+        dtype it arrived in: the sender fingerprints what it sent the same way."""
+        unknown = sorted(set(names or []) - set(self.tensors))
+        if unknown:
+            raise LoraError(f"names not in adapter {self.name!r}: {unknown[:10]}")
+        return {name: fingerprint(self.tensors[name], samples=samples) for name in (names or self.tensors)}
+
+
+def linear_targets(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """Module path -> full (out, in) weight shape of every nn.Linear an adapter may target: its
+    weight is one parameter of its own (not tied, not fused)."""
+    names_of: dict[int, int] = {}
+    for param in params.values():
+        names_of[id(param)] = names_of.get(id(param), 0) + 1
+    return {name: tuple(module.weight.shape) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and names_of.get(id(module.weight)) == 1}
+
+
+def why_not_targetable(model: nn.Module, module_path: str) -> str:
+    try:
+        module = model.get_submodule(module_path)
+    except AttributeError:
+        return "the model has no such module"
+    kind = type(module).__name__
+    if "expert" in module_path.split(".")[-1].lower() or "Experts" in kind:
+        return (f"it is a fused MoE expert module ({kind}: one parameter holds every expert), which the embedded "
+                "engine cannot target; target attention projections (q_proj, k_proj, v_proj, o_proj) or serve "
+                "expert LoRA with SGLang")
+    if isinstance(module, nn.Linear):
+        return "its weight is tied to another parameter (e.g. lm_head tied to the embeddings)"
+    return f"it is a {kind}, not an nn.Linear"
+
+
+def read_adapter_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, tensors) of a peft adapter directory (adapter_config.json + adapter_model.safetensors)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise LoraError(f"lora_path={path!r} is not a directory: give a peft adapter directory "
+                        f"(save_pretrained), holding {CONFIG_FILE} and {WEIGHTS_FILE}")
+    config_file, weights_file = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_file.is_file():
+        raise LoraError(f"lora_path={path!r} has no {CONFIG_FILE}: save the adapter with peft's save_pretrained")
+    if not weights_file.is_file():
+        raise LoraError(f"lora_path={path!r} has no {WEIGHTS_FILE}: save the adapter with "
+                        "save_pretrained(safe_serialization=True) (pickled .bin adapters are not read)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoraError(f"{CONFIG_FILE} in {path!r} cannot be read: {exc}") from exc
+    try:
+        tensors = load_file(weights_file)
+    except (SafetensorError, OSError) as exc:
+        raise LoraError(f"{WEIGHTS_FILE} in {path!r} cannot be read: {exc}") from exc
+    return config, tensors
+
+
+def parse_adapter(name: str, path: str, config: dict, tensors: dict[str, torch.Tensor], model: nn.Module,
+                  targetable: dict[str, tuple[int, int]], limits: LoraLimits) -> LoraAdapter:
+    """Check `config` and `tensors` against the model and the limits; every problem in one LoraError."""
+    if not isinstance(config, dict):
+        raise LoraError(f"config_dict must be a peft LoraConfig as a dict (adapter_config.json), got "
+                        f"{type(config).__name__}")
+    rank, alpha = _config_numbers(config)
+    problems = _config_problems(config)
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = KEY.match(key)
+        if match is None:
+            hint = (" (the adapter name is inside the key: save with get_peft_model_state_dict or save_pretrained, "
+                    "which drop it)" if ".lora_A." in key or ".lora_B." in key else "")
+            problems.append(f"key {key!r} is not a LoRA weight: expected base_model.model.<module>.lora_A.weight "
+                            f"or .lora_B.weight{hint}")
+        elif not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            problems.append(f"{key}: {getattr(tensor, 'dtype', type(tensor).__name__)} is not a floating tensor")
+        else:
+            modules.setdefault(match["module"], {})[match["half"]] = tensor
+    if not tensors:
+        problems.append("the adapter holds no tensors")
+    targets = []
+    for module, halves in sorted(modules.items()):
+        target = _target(module, halves, config, rank, alpha, model, targetable, limits, problems)
+        if target is not None:
+            targets.append(target)
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
+        raise LoraError(f"adapter {name!r} refused, nothing changed: {shown}")
+    owned = {key: tensor.detach().to("cpu").clone() for key, tensor in tensors.items()}  # no sender memory kept
+    for target in targets:
+        prefix = f"base_model.model.{target.module}"
+        target.lora_a, target.lora_b = owned[f"{prefix}.lora_A.weight"], owned[f"{prefix}.lora_B.weight"]
+    return LoraAdapter(name, path, config, owned, targets)
+
+
+def _config_numbers(config: dict) -> tuple[int, float]:
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise LoraError(f"config r={rank!r}: must be a positive integer (the LoRA rank)")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise LoraError(f"config lora_alpha={alpha!r}: must be a number")
+    return rank, float(alpha)
+
+
+def _config_problems(config: dict) -> list[str]:
+    problems = []
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        problems.append(f"config peft_type={peft_type!r}: only LoRA adapters are served (peft_type='LORA')")
+    for key, what in UNSUPPORTED.items():
+        if config.get(key):
+            problems.append(f"config {key}={config[key]!r}: {what} is not served by the embedded engine; "
+                            f"train without it (or serve with SGLang)")
+    if config.get("bias", "none") != "none":
+        problems.append(f"config bias={config['bias']!r}: bias training is not served; train with bias='none'")
+    return problems
+
+
+def _target(module: str, halves: dict[str, torch.Tensor], config: dict, rank: int, alpha: float, model: nn.Module,
+            targetable: dict[str, tuple[int, int]], limits: LoraLimits, problems: list[str]) -> LoraTarget | None:
+    key = f"base_model.model.{module}"
+    missing = [f"lora_{h}" for h in "AB" if h not in halves]
+    if missing:
+        problems.append(f"{key}: has no {' or '.join(missing)}.weight: every target needs both halves")
+        return None
+    if module not in targetable:
+        problems.append(f"{key}: module {module!r} cannot be a LoRA target: {why_not_targetable(model, module)}")
+        return None
+    short = module.rsplit(".", 1)[-1]
+    if limits.target_modules is not None and short not in limits.target_modules:
+        problems.append(f"{key}: target {short!r} is not in --lora-target-modules {sorted(limits.target_modules)}: "
+                        f"train without it or start the engine with {short} in --lora-target-modules")
+        return None
+    lora_a, lora_b = halves["A"], halves["B"]
+    out_features, in_features = targetable[module]
+    r = lora_a.shape[0] if lora_a.dim() == 2 else None
+    if lora_a.dim() != 2 or lora_a.shape[1] != in_features:
+        problems.append(f"{key}.lora_A.weight: shape {tuple(lora_a.shape)}, expected (r, {in_features}) = "
+                        f"[r, in_features] of {module} (full, unsharded size)")
+        return None
+    if tuple(lora_b.shape) != (out_features, r):
+        problems.append(f"{key}.lora_B.weight: shape {tuple(lora_b.shape)}, expected ({out_features}, {r}) = "
+                        f"[out_features, r] of {module} (full, unsharded size)")
+        return None
+    expected_rank = _pattern_value(config.get("rank_pattern"), module, rank)
+    if r != expected_rank:
+        problems.append(f"{key}: rank {r} differs from the config's r={expected_rank} for this module: send the "
+                        "adapter_config.json that was saved with these tensors")
+        return None
+    if limits.max_rank is not None and r > limits.max_rank:
+        problems.append(f"{key}: rank {r} > --max-lora-rank {limits.max_rank}: train with r <= {limits.max_rank} "
+                        f"or start the engine with --max-lora-rank {r}")
+        return None
+    module_alpha = float(_pattern_value(config.get("alpha_pattern"), module, alpha))
+    scale = module_alpha / math.sqrt(r) if config.get("use_rslora") else module_alpha / r
+    return LoraTarget(module, lora_a, lora_b, scale)
+
+
+def _pattern_value(patterns: dict | None, module: str, default):
+    """peft's rank_pattern / alpha_pattern lookup for one module (peft.utils.other.get_pattern_key)."""
+    if not patterns:
+        return default
+    from peft.utils.other import get_pattern_key  # peft is only needed for adapters with patterns
+    key = get_pattern_key(list(patterns), module)
+    return patterns.get(key, default)

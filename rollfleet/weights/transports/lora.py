@@ -1,0 +1,88 @@
+"""lora: only the LoRA adapter moves; engines keep the base weights they started with.
+
+Per sync, on every engine: unload the adapter name where it is loaded (SGLang refuses to load a
+name twice), load the new adapter under that name, then set the weight version. source=tensors:
+one /load_lora_adapter_from_tensors call whose payload (flattened buckets: the trainer's own
+parameter storages never become shared memory) is serialized once per engine rank;
+source=directory: the adapter is written as a peft directory under `<path>/version-<v>` (the
+newest KEEP_LAST stay) and loaded with /load_lora_adapter. Between the unload and the load the
+name is not served: the fleet syncs between generate phases, so nothing asks for it then.
+
+Fingerprints cover the adapter's tensors by peft key, as sent (no cast: engines keep adapters in
+the dtype they arrive in); verification asks the engines for the adapter's fingerprints by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollfleet.weights.adapter import LoraSource, save_adapter
+from rollfleet.weights.buckets import Bucket
+from rollfleet.weights.fingerprint import fingerprint
+from rollfleet.weights.serialize import serialize
+from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
+from rollfleet.weights.transports.disk import version_dir
+
+KEEP_LAST = 2
+
+
+@dataclass
+class LoraSyncReport(SyncReport):
+    lora_name: str = ""  # the adapter the fingerprints belong to
+
+
+@register
+class LoraTransport(Transport):
+    name = "lora"
+
+    def send(self, source: LoraSource, version: str) -> LoraSyncReport:
+        if not isinstance(source, LoraSource):
+            raise TypeError(f"weight_sync.transport='lora' sends a LoRA adapter: give a LoraSource (a peft model), "
+                            f"got {type(source).__name__}; full weights go over tensor, nccl or disk")
+        name = self.spec.adapter_name
+        report = LoraSyncReport(version=version, transport=self.name, engine_ids=[t.engine_id for t in self.targets],
+                                lora_name=name)
+        directory = None
+        with timed(report):
+            tensors = list(source.named_tensors())
+            config = source.config_dict()
+            prints = {key: fingerprint(tensor) for key, tensor in tensors}
+            report.fingerprints = {t.engine_id: dict(prints) for t in self.targets}
+            report.tensors = len(tensors)
+            report.bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+            self._unload_where_loaded(name)
+            if self.spec.source == "tensors":
+                by_dtype: dict = {}
+                for key, tensor in tensors:
+                    by_dtype.setdefault(tensor.dtype, []).append((key, tensor))
+                buckets = [Bucket.pack(members) for members in by_dtype.values()]  # copies: see the docstring
+                payload = [b.to_payload() for b in buckets]
+                report.buckets = len(buckets)
+                self.calls.each("load_lora_adapter_from_tensors", lambda t: (
+                    (name, config, [serialize(payload) for _ in range(t.num_ranks)]),
+                    {"load_format": "flattened_bucket"})).result()
+            else:
+                directory = save_adapter(tensors, config, version_dir(self.spec.path, version))
+                self.calls.each("load_lora_adapter", lambda t: ((name, str(directory.resolve())), {})).result()
+            self.calls.each("update_weight_version", lambda t: ((version,), {})).result()
+        if directory is not None:
+            _prune(directory)
+        return report
+
+    def _unload_where_loaded(self, name: str) -> None:
+        infos = self.calls.each("get_model_info", lambda t: ((), {})).result()
+        loaded = [t.engine_id for t, info in zip(self.targets, infos) if name in info.get("loaded_lora_adapters", {})]
+
+        async def unload():
+            await asyncio.gather(*(self.calls.clients[e].unload_lora_adapter(name) for e in loaded))
+        self.calls._run(unload()).result()
+
+
+def _prune(newest: Path) -> None:
+    versions = sorted(newest.parent.glob("version-*"), key=lambda p: p.stat().st_mtime)
+    for old in versions[:-KEEP_LAST]:
+        if old != newest:
+            shutil.rmtree(old, ignore_errors=True)

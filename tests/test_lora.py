@@ -1,0 +1,458 @@
+"""LoRA end to end: peft adapters made here, sent by the lora transport (as tensors and as a
+directory) into real engine processes (tp=1, tp=2, and a tp=2 ep=2 MoE), served by merge on
+activation. Adapter generations equal a plain forward pass of peft's merge_and_unload, base
+generations stay equal to the base model's, fingerprints prove what arrived, bad adapters change
+nothing, and base weight updates while an adapter is loaded keep both right."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import ray
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import call, reference_greedy
+from rollfleet.config import LoraSync, load_config
+from rollfleet.engine.client import EngineClient, EngineError
+from rollfleet.engine.launch import EngineProcess, embedded_argv, free_port, lora_server_args
+from rollfleet.engine.lora import LoraError, LoraLimits, linear_targets, parse_adapter
+from rollfleet.engine.server import build_parser, check_args
+from rollfleet.fleet.fleet import Fleet
+from rollfleet.tiny import tiny_config
+from rollfleet.weights.adapter import LoraSource, save_adapter
+from rollfleet.weights.fingerprint import fingerprint
+from rollfleet.weights.serialize import serialize
+from rollfleet.weights.transports import EngineTarget, make_transport
+from rollfleet.weights.verify import find_unverified
+
+PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7]]
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+DENSE_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LORA_FLAGS = ["--enable-lora", "--max-lora-rank", "8"]
+
+
+def make_adapter(model_dir: str, targets: list[str], seed: int = 0, **config) -> PeftModel:
+    """A peft model whose adapter changes the output: peft starts lora_B at zero, so it is drawn here."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": targets, **config}))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    return peft_model
+
+
+def merged_dir(peft_model: PeftModel, directory) -> str:
+    """peft's own merge of the adapter into its base model, saved as a HF directory (the reference)."""
+    copy.deepcopy(peft_model).merge_and_unload().save_pretrained(directory)
+    return str(directory)
+
+
+def on_base(peft_model: PeftModel, base_dir: str) -> PeftModel:
+    """The same adapter tensors on other base weights."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    other = get_peft_model(model, copy.deepcopy(peft_model.peft_config["default"]))
+    set_peft_model_state_dict(other, get_peft_model_state_dict(peft_model))
+    return other
+
+
+def expected(model_dir: str) -> list[tuple[list[int], list[float]]]:
+    return [reference_greedy(model_dir, prompt, GREEDY["max_new_tokens"]) for prompt in PROMPTS]
+
+
+def generate(proc, lora_path=None) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and logprobs of PROMPTS in one batch request (lora_path: one name for all, or a list)."""
+    outs = call(proc, "generate", input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, lora_path=lora_path)
+    return [(o["output_ids"], [e[0] for e in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+
+def generate_together(proc, lora_path) -> tuple[list, int]:
+    """generate() with every prompt waiting before the scheduler forms a batch (generation is paused
+    until the request is queued); also returns how many batches it took."""
+    call(proc, "pause_generation", "in_place")
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            future = pool.submit(generate, proc, lora_path)
+            wait_until_queued(proc, future)
+            batches = call(proc, "get_server_info")["scheduler_stats"]["batches"]
+        finally:
+            call(proc, "continue_generation")
+        out = future.result()
+    return out, call(proc, "get_server_info")["scheduler_stats"]["batches"] - batches
+
+
+def wait_until_queued(proc, future, timeout: float = 30.0) -> None:
+    """Until the server holds unfinished requests (/flush_cache answers 400 then)."""
+    deadline = time.monotonic() + timeout
+    while httpx.post(f"{proc.url}/flush_cache", timeout=10).status_code != 400:
+        assert time.monotonic() < deadline and not future.done()
+        time.sleep(0.02)
+
+
+def assert_matches(got, want):
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4)
+
+
+def loaded(proc) -> dict[str, str]:
+    return call(proc, "get_model_info")["loaded_lora_adapters"]
+
+
+def unverified(report, procs: dict[int, EngineProcess]) -> dict[int, str]:
+    async def go():
+        clients = {e: EngineClient(p.url, timeout=60) for e, p in procs.items()}
+        try:
+            return await find_unverified(report, clients)
+        finally:
+            await asyncio.gather(*(c.close() for c in clients.values()))
+    return asyncio.run(go())
+
+
+def sync(spec: LoraSync, source: LoraSource, version: str, procs: dict[int, EngineProcess], ranks: dict[int, int]):
+    transport = make_transport(spec, [EngineTarget(engine_id=e, url=p.url, num_ranks=ranks[e], rank_offset=0)
+                                      for e, p in procs.items()], timeout_s=60)
+    try:
+        return transport.send(source, version)
+    finally:
+        transport.disconnect()
+
+
+def tensors_payload(tensors: dict[str, torch.Tensor], ranks: int) -> list[str]:
+    return [serialize(list(tensors.items())) for _ in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def servers(qwen3_dir, moe_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    plan = {"tp1": (qwen3_dir, {"extra": [*LORA_FLAGS, "--max-loaded-loras", "2"]}), "tp2": (qwen3_dir, {"tp_size": 2, "extra": LORA_FLAGS}),
+            "moe": (moe_dir, {"tp_size": 2, "ep_size": 2, "extra": ["--enable-lora"]}), "off": (qwen3_dir, {})}
+    procs = {}
+    try:
+        for key, (path, kwargs) in plan.items():  # start all, then wait: the loads overlap
+            port = free_port()
+            procs[key] = EngineProcess(embedded_argv(path, port, **kwargs), port=port, log_path=logs / f"{key}.log")
+        for proc in procs.values():
+            proc.wait_until_up(timeout=180)
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def adapter(qwen3_dir, tmp_path_factory):
+    """(peft model, greedy tokens and logprobs of its peft merge) on the tiny Qwen3."""
+    peft_model = make_adapter(qwen3_dir, DENSE_TARGETS)
+    return peft_model, expected(merged_dir(peft_model, tmp_path_factory.mktemp("merged")))
+
+
+@pytest.fixture(scope="module")
+def base_expected(qwen3_dir):
+    return expected(qwen3_dir)
+
+
+# ---- dense tp=1 and tp=2 ----------------------------------------------------------------------------
+@pytest.mark.parametrize("source", ["tensors", "directory"])
+def test_transport_sends_an_adapter_that_serves_like_peft_merge(servers, adapter, base_expected, source, tmp_path,
+                                                                qwen3_dir):
+    peft_model, want = adapter
+    assert want != base_expected  # the adapter changes what the model says
+    engines = {0: servers["tp1"], 1: servers["tp2"]}
+    spec = LoraSync(source=source, path=str(tmp_path / "adapters"))
+    # synced twice: the second sync unloads the adapter the first one loaded under the same name
+    for version in (f"{source}-1", f"{source}-2"):
+        report = sync(spec, LoraSource(peft_model), version, engines, ranks={0: 1, 1: 2})
+    assert report.lora_name == "policy" and report.tensors == len(get_peft_model_state_dict(peft_model)) == 16
+    assert unverified(report, engines) == {}
+    bad = copy.deepcopy(report)
+    key = sorted(bad.fingerprints[1])[3]
+    bad.fingerprints[1][key] = "0" * 24
+    problems = unverified(bad, engines)
+    assert list(problems) == [1] and key in problems[1]
+    for proc in engines.values():
+        assert list(loaded(proc)) == ["policy"]
+        assert call(proc, "get_model_info")["weight_version"] == f"{source}-2"
+        assert_matches(generate(proc, "policy"), want)
+        assert_matches(generate(proc), base_expected)
+        mixed, batches = generate_together(proc, ["policy", None])  # two adapters (one is none): two batches
+        assert batches == 2
+        assert_matches(mixed, [want[0], base_expected[1]])
+    if source == "directory":  # what the transport wrote is a peft adapter directory
+        directory = tmp_path / "adapters" / "version-directory-2"
+        assert loaded(servers["tp1"])["policy"] == str(directory.resolve())
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(qwen3_dir), directory)
+        sent = get_peft_model_state_dict(peft_model)
+        assert all(torch.equal(t, sent[k]) for k, t in get_peft_model_state_dict(reloaded).items())
+
+
+def test_base_update_while_an_adapter_is_loaded(servers, adapter, qwen3_dir, qwen3_dir_b, tmp_path):
+    peft_model, want = adapter
+    proc = servers["tp2"]
+    sync(LoraSync(), LoraSource(peft_model), "a", {0: proc}, ranks={0: 2})
+    assert_matches(generate(proc, "policy"), want)  # the adapter is merged now
+    # fingerprints read the base weights, not the merged ones
+    base_prints = {n: fingerprint(t) for n, t in load_file(f"{qwen3_dir}/model.safetensors").items()}
+    assert call(proc, "weights_fingerprint", sorted(base_prints)) == base_prints
+    call(proc, "update_weights_from_disk", qwen3_dir_b, weight_version="b")
+    assert_matches(generate(proc), expected(qwen3_dir_b))
+    assert_matches(generate(proc, "policy"), expected(merged_dir(on_base(peft_model, qwen3_dir_b), tmp_path / "m")))
+    call(proc, "update_weights_from_disk", qwen3_dir, weight_version="a")
+    assert_matches(generate(proc, ["policy", None]), [want[0], expected(qwen3_dir)[1]])
+
+
+def test_a_base_read_mid_batch_keeps_the_adapter(servers, adapter):
+    """Fingerprints restore the base weights; a batch paused in place around them goes on with its adapter."""
+    proc = servers["tp2"]
+    sync(LoraSync(), LoraSource(adapter[0]), "mid", {0: proc}, ranks={0: 2})
+    request = {"input_ids": PROMPTS[0], "sampling_params": {**GREEDY, "max_new_tokens": 40},
+               "return_logprob": True, "lora_path": "policy"}
+    uninterrupted = call(proc, "generate", **request)
+    batches = call(proc, "get_server_info")["scheduler_stats"]["batches"]
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(call, proc, "generate", **request)
+        while call(proc, "get_server_info")["scheduler_stats"]["batches"] == batches:  # until its batch started
+            time.sleep(0.01)
+        call(proc, "pause_generation", "in_place")
+        try:
+            assert not running.done()
+            call(proc, "weights_fingerprint", ["model.layers.0.self_attn.q_proj.weight"])
+        finally:
+            call(proc, "continue_generation")
+        out = running.result()
+    assert out["output_ids"] == uninterrupted["output_ids"]
+    assert out["meta_info"]["output_token_logprobs"] == uninterrupted["meta_info"]["output_token_logprobs"]
+
+
+def test_unload_and_unknown_adapters(servers, adapter, base_expected, tmp_path):
+    peft_model, want = adapter
+    proc = servers["tp1"]  # started with --max-loaded-loras 2
+    source = LoraSource(peft_model)
+    sync(LoraSync(), source, "u", {0: proc}, ranks={0: 1})
+    directory = save_adapter(source.named_tensors(), source.config_dict(), tmp_path / "extra")
+    out = call(proc, "load_lora_adapter", "extra", str(directory))
+    assert out["success"] is True and out["loaded_adapters"] == {"policy": "<tensors>", "extra": str(directory)}
+    with pytest.raises(EngineError) as err:
+        call(proc, "load_lora_adapter", "third", str(directory))
+    assert "--max-loaded-loras is 2" in err.value.message and loaded(proc) == out["loaded_adapters"]
+    assert_matches(generate(proc, "extra"), want)
+    out = call(proc, "unload_lora_adapter", "extra")
+    assert out["success"] is True and "extra" not in out["loaded_adapters"]
+    for request in ({"lora_path": "extra"}, {"lora_path": ["extra", None]}):
+        with pytest.raises(EngineError) as err:
+            call(proc, "generate", input_ids=PROMPTS, sampling_params=GREEDY, **request)
+        assert err.value.status_code == 400 and "'extra' is not a loaded LoRA adapter" in err.value.message
+        assert str(sorted(loaded(proc))) in err.value.message  # names what is loaded
+    with pytest.raises(EngineError) as err:
+        call(proc, "unload_lora_adapter", "extra")
+    assert err.value.status_code == 400 and "not loaded" in err.value.message
+    with pytest.raises(EngineError) as err:
+        call(proc, "generate", input_ids=PROMPTS, sampling_params=GREEDY, lora_path=["extra"])
+    assert "1 entries for 2 prompts" in err.value.message
+    assert_matches(generate(proc), base_expected)
+
+
+def test_unload_waits_for_the_requests_that_use_the_adapter(servers, adapter, tmp_path):
+    peft_model, want = adapter
+    proc = servers["tp1"]
+    source = LoraSource(peft_model)
+    call(proc, "load_lora_adapter", "slow", str(save_adapter(source.named_tensors(), source.config_dict(),
+                                                             tmp_path / "slow")))
+    call(proc, "pause_generation", "in_place")  # the request below stays queued until generation continues
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            queued = pool.submit(generate, proc, "slow")
+            wait_until_queued(proc, queued)
+            unloading = pool.submit(call, proc, "unload_lora_adapter", "slow")
+            time.sleep(0.5)
+            assert not unloading.done()  # it waits for the queued request that uses the adapter
+            with pytest.raises(EngineError) as err:  # and new requests for the adapter are refused meanwhile
+                call(proc, "generate", input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="slow")
+            assert "being unloaded" in err.value.message
+        finally:
+            call(proc, "continue_generation")
+        assert_matches(queued.result(), want)
+        assert "slow" not in unloading.result()["loaded_adapters"]
+
+
+def _bad_adapters(peft_model, qwen3_dir, tmp_path):
+    """(lora_name, how to load it, what the refusal names), all against an engine holding 'policy'."""
+    config = LoraSource(peft_model).config_dict()
+    good = {k: v.clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    wrong_shape = {**good, q_a: torch.zeros(4, 63)}
+    unknown = {**good, "base_model.model.model.layers.0.self_attn.qq_proj.lora_A.weight": torch.zeros(4, 64),
+               "base_model.model.model.layers.0.self_attn.qq_proj.lora_B.weight": torch.zeros(64, 4)}
+    big = make_adapter(qwen3_dir, ["q_proj"], r=16)
+    big_source = LoraSource(big)
+    rank_mismatch = {**good, q_a: torch.zeros(2, 64),
+                     "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 2)}
+    dora = save_adapter(good.items(), {**config, "use_dora": True}, tmp_path / "dora")
+    return [
+        ("wrong-shape", ("tensors", config, wrong_shape), f"{q_a}: shape (4, 63), expected (r, 64)"),
+        ("unknown", ("tensors", config, unknown), "module 'model.layers.0.self_attn.qq_proj' cannot be a LoRA target"),
+        ("big", ("tensors", big_source.config_dict(), dict(big_source.named_tensors())), "rank 16 > --max-lora-rank 8"),
+        ("mismatch", ("tensors", config, rank_mismatch), "rank 2 differs from the config's r=4"),
+        ("policy", ("tensors", config, good), "lora_name='policy' is already loaded"),
+        ("dora", ("directory", str(dora)), "use_dora=True"),
+        ("missing", ("directory", str(tmp_path / "nope")), "is not a directory"),
+    ]
+
+
+def _load(proc, ranks: int, name: str, how):
+    if how[0] == "directory":
+        return call(proc, "load_lora_adapter", name, how[1])
+    return call(proc, "load_lora_adapter_from_tensors", name, how[1], tensors_payload(how[2], ranks))
+
+
+def test_bad_adapters_change_nothing(servers, adapter, qwen3_dir, tmp_path):
+    peft_model, want = adapter
+    proc = servers["tp2"]
+    sync(LoraSync(), LoraSource(peft_model), "good", {0: proc}, ranks={0: 2})
+    before, tokens = loaded(proc), generate(proc, ["policy", None])
+    for name, how, offender in _bad_adapters(peft_model, qwen3_dir, tmp_path):
+        with pytest.raises(EngineError) as err:
+            _load(proc, 2, name, how)
+        assert err.value.status_code == 400 and offender in err.value.message, err.value.message
+        assert loaded(proc) == before
+    assert generate(proc, ["policy", None]) == tokens
+    assert_matches(tokens[:1], want[:1])
+
+
+def test_adapter_fingerprints_cover_every_rank(servers, adapter):
+    """Each rank decodes its own payload: a rank holding other values fails the adapter's verification."""
+    proc = servers["tp2"]
+    source = LoraSource(adapter[0])
+    tensors = {k: v.clone() for k, v in source.named_tensors()}
+    key = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    other = {**tensors, key: tensors[key] + 1}
+    payloads = [serialize(list(tensors.items())), serialize(list(other.items()))]
+    call(proc, "load_lora_adapter_from_tensors", "split", source.config_dict(), payloads)
+    try:
+        prints = call(proc, "weights_fingerprint", None, lora_name="split")
+        assert prints[key].startswith("ranks differ")
+        assert {k: v for k, v in prints.items() if k != key} == {k: fingerprint(t) for k, t in tensors.items()
+                                                                 if k != key}
+    finally:
+        call(proc, "unload_lora_adapter", "split")
+
+
+# ---- MoE: tp=2 ep=2, attention targets ------------------------------------------------------------------
+def test_moe_tp2_ep2_serves_an_attention_adapter_and_refuses_experts(servers, moe_dir, tmp_path):
+    proc = servers["moe"]
+    peft_model = make_adapter(moe_dir, ATTENTION)
+    want, base = expected(merged_dir(peft_model, tmp_path / "merged")), expected(moe_dir)
+    assert want != base
+    report = sync(LoraSync(), LoraSource(peft_model), "moe-1", {0: proc}, ranks={0: 2})
+    assert unverified(report, {0: proc}) == {}
+    assert_matches(generate(proc, ["policy", None]), [want[0], base[1]])
+    # an adapter on the fused experts (peft's target_parameters) is refused, nothing changes
+    experts = make_adapter(moe_dir, ["q_proj"], target_parameters=["mlp.experts.down_proj"])
+    source = LoraSource(experts)
+    tensors = dict(source.named_tensors())
+    assert "base_model.model.model.layers.0.mlp.experts.lora_A.weight" in tensors
+    config = {**source.config_dict(), "target_parameters": None}  # the module check alone
+    for config_dict, offender in ((config, "model.layers.0.mlp.experts' cannot be a LoRA target: it is a fused MoE "
+                                           "expert module"), (source.config_dict(), "target_parameters")):
+        with pytest.raises(EngineError) as err:
+            call(proc, "load_lora_adapter_from_tensors", "experts", config_dict, tensors_payload(tensors, 2))
+        assert err.value.status_code == 400 and offender in err.value.message, err.value.message
+    assert list(loaded(proc)) == ["policy"]
+    assert_matches(generate(proc, ["policy", None]), [want[0], base[1]])
+
+
+# ---- an engine without --enable-lora -------------------------------------------------------------------
+def test_lora_routes_need_enable_lora(servers, adapter):
+    proc = servers["off"]
+    source = LoraSource(adapter[0])
+    for route, args in (("load_lora_adapter", ("x", "/nowhere")), ("unload_lora_adapter", ("x",)),
+                        ("load_lora_adapter_from_tensors", ("x", source.config_dict(),
+                                                            tensors_payload(dict(source.named_tensors()), 1)))):
+        with pytest.raises(EngineError) as err:
+            call(proc, route, *args)
+        assert err.value.status_code == 400 and "--enable-lora" in err.value.message
+    with pytest.raises(EngineError) as err:
+        call(proc, "generate", input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="x")
+    assert err.value.status_code == 400 and "--enable-lora" in err.value.message
+    assert call(proc, "get_model_info")["loaded_lora_adapters"] == {}
+
+
+# ---- the fleet ---------------------------------------------------------------------------------------------
+def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, adapter, base_expected, tmp_path):
+    peft_model, want = adapter
+    cfg = load_config(None, [f"rollout.model_path={qwen3_dir}", "rollout.use_gpu=true", f"rollout.log_dir={tmp_path}",
+                             "weight_sync.transport=lora", "weight_sync.source=directory",
+                             f"weight_sync.path={tmp_path / 'adapters'}", "weight_sync.max_lora_rank=8",
+                             "rollout.auto_restart=false"])
+    fleet = Fleet.from_config(cfg)
+    try:
+        info = fleet._on_all("get_server_info")[0]
+        assert info["enable_lora"] is True and info["max_lora_rank"] == 8
+        assert [s.output_ids for s in fleet.generate(PROMPTS, sampling=GREEDY)] == [t for t, _ in base_expected]
+        report = fleet.sync_weights(LoraSource(peft_model), "1")  # verified inside
+        assert report.lora_name == fleet.lora_name == "policy"
+        samples = fleet.generate(PROMPTS, sampling=GREEDY)
+        assert [s.output_ids for s in samples] == [t for t, _ in want] and {s.weight_version for s in samples} == {"1"}
+        # a restarted engine loads the base weights itself (a LoRA run never sends them), waits for the adapter
+        ray.get(fleet.slots[0].head.kill_engine.remote())
+        deadline = time.monotonic() + 10
+        while fleet.slots[0].state.value != "INACTIVE":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert fleet.restart_inactive() == [0] and fleet.slots[0].state.value == "AWAITING_WEIGHTS"
+        (base,) = fleet._on_all("generate", input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in base] == [t for t, _ in base_expected]
+        fleet.sync_weights(LoraSource(peft_model), "2")
+        assert [s.output_ids for s in fleet.generate(PROMPTS, sampling=GREEDY)] == [t for t, _ in want]
+    finally:
+        fleet.shutdown()
+
+
+# ---- pure logic ----------------------------------------------------------------------------------------------
+def test_scale_follows_rslora_and_patterns(qwen3_dir):
+    peft_model = make_adapter(qwen3_dir, ["q_proj", "v_proj"], use_rslora=True, rank_pattern={"v_proj": 2},
+                              alpha_pattern={"layers.1.self_attn.q_proj": 3})
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)  # the engine's: no peft layers
+    source = LoraSource(peft_model)
+    tensors = dict(source.named_tensors())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    parsed = parse_adapter("p", "<tensors>", source.config_dict(), tensors, model, linear_targets(model, params),
+                           LoraLimits())
+    scales = {t.module: t.scale for t in parsed.targets}
+    layers = {name.removeprefix("base_model.model."): module
+              for name, module in peft_model.named_modules() if name.endswith(("q_proj", "v_proj"))}
+    assert scales == {name: module.scaling["default"] for name, module in layers.items()}
+    assert scales["model.layers.0.self_attn.v_proj"] == 8 / 2 ** 0.5  # rslora, rank_pattern
+    assert scales["model.layers.0.self_attn.q_proj"] == 8 / 2 and scales["model.layers.1.self_attn.q_proj"] == 3 / 2
+    # the merge the engine computes equals peft's
+    for target in parsed.targets:
+        assert torch.equal(target.delta(torch.device("cpu")), layers[target.module].get_delta_weight("default"))
+    with pytest.raises(LoraError, match="--lora-target-modules"):
+        parse_adapter("p", "<tensors>", source.config_dict(), tensors, model, linear_targets(model, params),
+                      LoraLimits(target_modules=frozenset({"q_proj"})))
+    tied = AutoModelForCausalLM.from_config(tiny_config("qwen3", vocab_size=model.config.vocab_size,
+                                                        tie_word_embeddings=True))
+    tied_params = dict(tied.named_parameters(remove_duplicate=False))
+    assert "lm_head" not in linear_targets(tied, tied_params) and "lm_head" in linear_targets(model, params)
+
+
+def test_lora_flags_and_config(tmp_path):
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        check_args(parser, parser.parse_args(["--model-path", "m", "--max-lora-rank", "8"]))
+    args = parser.parse_args(["--model-path", "m", "--enable-lora", "--lora-target-modules", "q_proj", "v_proj"])
+    check_args(parser, args)
+    assert lora_server_args(LoraSync(lora_target_modules=["q_proj"])) == [
+        "--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "q_proj"]
+    assert json.dumps(LoraSync().model_dump())
