@@ -202,7 +202,12 @@ class TensorSync(_Section):
     """Colocated: CUDA IPC (GPU) or shared-memory (CPU) handles through /update_weights_from_tensor."""
 
     transport: Literal["tensor"] = "tensor"
-    bucket_mb: int = Field(512, ge=1, description="Largest flattened bucket, in MiB.")
+    bucket_mb: float = Field(512, gt=0, description="Largest flattened bucket, in MiB; the sender holds "
+                             "two. Larger buckets mean fewer round trips (2048 suits 8B-class models).")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * (1 << 20)))
 
 
 class NcclSync(_Section):
@@ -211,7 +216,12 @@ class NcclSync(_Section):
     transport: Literal["nccl"] = "nccl"
     master_address: str = Field("127.0.0.1", description="Address of trainer rank 0, reachable from every engine.")
     master_port: int | None = Field(None, ge=1, le=65535, description="Port of the group's store; None: a free one.")
-    bucket_mb: int = Field(512, ge=1, description="Largest flattened bucket, in MiB.")
+    bucket_mb: float = Field(512, gt=0, description="Largest flattened bucket, in MiB; the sender holds "
+                             "two. Larger buckets mean fewer round trips (2048 suits 8B-class models).")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * (1 << 20)))
     join_timeout_s: float = Field(120.0, gt=0.0, description="Seconds the group join may take before it fails.")
 
 

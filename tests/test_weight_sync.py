@@ -13,8 +13,8 @@ from rollfleet.config import DiskSync, NcclSync, TensorSync, load_config
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.weights.source import ModuleSource
 
-# 1 MiB buckets: the tiny models span several buckets, so bucketing is exercised
-TRANSPORTS = {"tensor": TensorSync(bucket_mb=1), "nccl": NcclSync(bucket_mb=1, join_timeout_s=30)}
+# 0.1 MiB buckets: a tiny model (0.46 MB) takes several calls, so bucketing and pipelining are exercised
+TRANSPORTS = {"tensor": TensorSync(bucket_mb=0.1), "nccl": NcclSync(bucket_mb=0.1, join_timeout_s=30)}
 # one bucket: an update is all or nothing per request, so a bad tensor must share the only bucket
 ONE_BUCKET = {"tensor": TensorSync(), "nccl": NcclSync(join_timeout_s=30)}
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7]]
@@ -110,6 +110,41 @@ def test_bad_update_changes_nothing(dense_fleet, qwen3_dir_b, name, bad):
     assert "not_a_weight" in str(err.value) or "shape" in str(err.value)
     assert dense_fleet._on_all("shard_fingerprints") == before
     assert [info["weight_version"] for info in dense_fleet._on_all("get_model_info")] == versions
+
+
+class LastLayerWrong:
+    """A source whose last decoder layer carries one tensor of a wrong shape: with small buckets the
+    refusal comes in a late call, while earlier calls were sent (and later ones packed) already."""
+
+    def __init__(self, model):
+        self.inner = ModuleSource(model)
+
+    def named_tensors(self):
+        for name, tensor in self.inner.named_tensors():
+            yield (name, tensor[:-1]) if name.endswith("layers.1.mlp.down_proj.weight") else (name, tensor)
+
+
+@pytest.mark.parametrize("name", ["tensor", "nccl"])
+def test_refused_late_call_leaves_transport_usable(dense_fleet, qwen3_dir, qwen3_dir_b, name):
+    """A pipelined sync refused in a late call raises naming the tensor, drains what was in flight,
+    and the same connected transport (the same NCCL group) then delivers a good sync."""
+    from rollfleet.weights.transports import make_transport
+    transport = make_transport(TRANSPORTS[name], dense_fleet.weight_targets(), timeout_s=60)
+    transport.connect()
+    try:
+        bad = AutoModelForCausalLM.from_pretrained(qwen3_dir_b, dtype=torch.float32)
+        with pytest.raises(Exception, match="layers.1.mlp.down_proj.weight"):
+            transport.send(LastLayerWrong(bad), "refused")
+        assert {info["weight_version"] for info in dense_fleet._on_all("get_model_info")} != {"refused"}
+        good = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+        report = transport.send(ModuleSource(good), f"after-refusal-{name}")
+        assert report.buckets > 2  # several calls: the refusal above was not in the first one
+    finally:
+        transport.disconnect()
+    dense_fleet.verify(report)
+    outputs, versions = greedy(dense_fleet)
+    assert versions == {f"after-refusal-{name}"}
+    assert outputs == [reference_greedy(qwen3_dir, p, 8)[0] for p in PROMPTS]
 
 
 def test_weight_sync_benchmark_runs_in_ci_size(tmp_path):

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rollfleet bench weight-sync")
     parser.add_argument("--transport", choices=["tensor", "nccl", "disk"], required=True)
     parser.add_argument("--size-gb", type=float, default=0.05)
-    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--bucket-mb", type=float, default=512)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeat", type=int, default=3, help="timed syncs after the cold one (median reported)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             for param in model.parameters():
                 param.add_(torch.randn_like(param) * 1e-3)
         buckets = [b.flattened_tensor.view(torch.uint8) for b in
-                   iter_buckets(ModuleSource(model).named_tensors(), args.bucket_mb << 20)]
+                   iter_buckets(ModuleSource(model).named_tensors(), int(args.bucket_mb * (1 << 20)))]
         say("measuring the raw ceiling")
         if args.transport == "nccl":
             raw_seconds = raw_broadcast(buckets, sender_device, engine_device, "nccl" if gpu else "gloo")

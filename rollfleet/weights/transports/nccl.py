@@ -42,7 +42,7 @@ class NcclTransport(Transport):
         self.group = None
         # Kept for the transport's life: NCCL releases a finished broadcast's tensors from its own
         # thread, later, so buffers made per sync overlapped the next sync's (three buckets seen)
-        self.buffers = DoubleBuffer(self.spec.bucket_mb << 20)
+        self.buffers = DoubleBuffer(self.spec.bucket_bytes)
 
     def connect(self) -> None:
         port = self.spec.master_port or free_port()
@@ -69,7 +69,7 @@ class NcclTransport(Transport):
         announced = None  # the engines' answers to the last announcement
         with timed(report):
             try:
-                for index, call in enumerate(iter_calls(self._recorded(source, report), self.spec.bucket_mb << 20)):
+                for index, call in enumerate(iter_calls(self._recorded(source, report), self.spec.bucket_bytes)):
                     slot = index % 2
                     with timed(report, "pack"):
                         if broadcasts[slot] is not None:  # reuse the buffer once its broadcast has left it
@@ -112,7 +112,7 @@ class NcclTransport(Transport):
             dist.destroy_process_group(self.group)
             leaving.result()
             self.group = None
-        self.buffers = DoubleBuffer(self.spec.bucket_mb << 20)  # drop the staging buffers
+        self.buffers = DoubleBuffer(self.spec.bucket_bytes)  # drop the staging buffers
         super().disconnect()
 
 

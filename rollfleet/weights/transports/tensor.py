@@ -22,10 +22,10 @@ class TensorTransport(Transport):
 
     def send(self, source: WeightSource, version: str) -> SyncReport:
         report = self._new_report(version)
-        buffers, in_flight = DoubleBuffer(self.spec.bucket_mb << 20), InFlight()
+        buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight()
         with timed(report):
             try:
-                for index, call in enumerate(iter_calls(self._recorded(source, report), self.spec.bucket_mb << 20)):
+                for index, call in enumerate(iter_calls(self._recorded(source, report), self.spec.bucket_bytes)):
                     with timed(report, "wait_engines"):
                         in_flight.make_room()  # the engines finished reading the buffer packed two calls ago
                     device = call[0][1].device
