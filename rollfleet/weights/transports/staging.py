@@ -71,8 +71,16 @@ class InFlight:
 
     @staticmethod
     def _finish(waitables) -> None:
+        """Wait for every item of one call (a failed answer does not stop the others), then raise
+        the first error."""
+        error = None
         for item in waitables:
-            item.result() if isinstance(item, Future) else item.wait()
+            try:
+                item.result() if isinstance(item, Future) else item.wait()
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 def call_bytes(call: list[tuple[str, torch.Tensor]]) -> int:

@@ -1,0 +1,125 @@
+"""The sender's staging (two reusable buffers, packing, draining) and batched fingerprints."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollfleet.weights.fingerprint import Fingerprints, fingerprint, fingerprints, sample_view
+from rollfleet.weights.naming import plain_names
+from rollfleet.weights.transports.staging import ALIGN, DoubleBuffer, InFlight, call_bytes, pack_buckets, pack_bytes
+
+
+def _call(shapes_and_dtypes):
+    torch.manual_seed(0)
+    return [(f"t{i}", (torch.randn(shape) * 10).to(dtype)) for i, (shape, dtype) in enumerate(shapes_and_dtypes)]
+
+
+def test_pack_buckets_round_trips_mixed_dtypes_in_aligned_slices_of_one_buffer():
+    call = _call([((3, 5), torch.float32), ((7,), torch.bfloat16), ((2, 2), torch.float32), ((9,), torch.float16)])
+    buffer = DoubleBuffer(1 << 20).take(0, call_bytes(call), torch.device("cpu"))
+    buckets = pack_buckets(call, buffer)
+    assert [b.dtype for b in buckets] == [torch.float32, torch.bfloat16, torch.float16]  # one per dtype, in order
+    for bucket in buckets:
+        assert bucket.flattened_tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert (bucket.flattened_tensor.data_ptr() - buffer.data_ptr()) % ALIGN == 0
+    unpacked = {name: tensor for bucket in buckets for name, tensor in bucket.unpack().items()}
+    assert set(unpacked) == {name for name, _ in call}
+    for name, tensor in call:
+        assert torch.equal(unpacked[name], tensor)
+
+
+def test_pack_bytes_is_every_tensor_back_to_back():
+    call = _call([((4,), torch.float32), ((3,), torch.bfloat16)])
+    flat = pack_bytes(call, torch.empty(call_bytes(call), dtype=torch.uint8))
+    expected = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in call])
+    assert torch.equal(flat, expected)
+
+
+def test_double_buffer_reuses_two_buffers_and_gives_oversized_calls_their_own():
+    buffers = DoubleBuffer(bucket_bytes=1000)
+    first, second = buffers.take(0, 100, torch.device("cpu")), buffers.take(1, 100, torch.device("cpu"))
+    assert first.data_ptr() != second.data_ptr()
+    assert buffers.take(2, 100, "cpu").data_ptr() == first.data_ptr()  # slot 2 is slot 0 again
+    grown = buffers.take(2, 800, "cpu")  # on the CPU a buffer is sized to the call and grows when needed
+    assert grown.numel() >= 800 and buffers.take(4, 500, "cpu").data_ptr() == grown.data_ptr()
+    oversized = buffers.take(1, 5000, "cpu")
+    assert oversized.numel() == 5000 and buffers.take(3, 10, "cpu").data_ptr() == second.data_ptr()
+
+
+def _done(value=None, error=None) -> Future:
+    future = Future()
+    future.set_exception(error) if error else future.set_result(value)
+    return future
+
+
+def test_in_flight_keeps_two_calls_and_drains_everything_even_after_an_error():
+    order = []
+
+    class Work:  # a torch Work: waited, not asked for a result
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self):
+            order.append(self.name)
+
+    in_flight = InFlight()
+    in_flight.add(_done(), Work("a"))
+    in_flight.add(_done(error=ValueError("call 2 refused")), Work("b"))
+    in_flight.make_room()  # two in flight: the oldest is finished to make room
+    assert order == ["a"]
+    in_flight.add(_done(), Work("c"))
+    with pytest.raises(ValueError, match="call 2 refused"):
+        in_flight.drain()
+    assert order == ["a", "b", "c"] and not in_flight.calls  # call 2's work waited despite its error; 3 too
+
+
+@settings(max_examples=40, deadline=None)
+@given(numel=st.integers(0, 20000), samples=st.integers(1, 5000))
+def test_sample_view_is_strided_and_covers_the_tensor(numel, samples):
+    tensor = torch.arange(numel, dtype=torch.float32)
+    view = sample_view(tensor, samples)
+    assert view.numel() == min(numel, samples)
+    if numel > samples:
+        assert view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()  # a view, no copy
+        step = numel // samples
+        assert torch.equal(view, tensor[::step][:samples])
+
+
+def test_batched_fingerprints_equal_single_ones_and_see_any_sampled_change():
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(300, 70), "b": torch.randn(10), "c": torch.randn(5000).to(torch.bfloat16)}
+    collector = Fingerprints(torch.bfloat16, samples=128, hold_bytes=1)  # gather early: every add
+    for name, tensor in tensors.items():
+        collector.add(name, tensor)
+    batched = collector.digests()
+    assert batched == {name: fingerprint(tensor, torch.bfloat16, samples=128) for name, tensor in tensors.items()}
+    assert batched == fingerprints(tensors.items(), torch.bfloat16, samples=128)
+    changed = tensors["a"].clone()
+    changed.view(-1)[0] += 1.0  # position 0 is always sampled
+    assert fingerprint(changed, torch.bfloat16, samples=128) != batched["a"]
+    assert fingerprint(tensors["a"].reshape(70, 300), torch.bfloat16, samples=128) != batched["a"]  # shape counts
+
+
+def test_fingerprint_of_a_bucket_slice_equals_the_original_tensor():
+    call = _call([((64, 33), torch.float32), ((17,), torch.float32)])
+    (bucket,) = pack_buckets(call, torch.empty(call_bytes(call), dtype=torch.uint8))
+    unpacked = bucket.unpack()
+    for name, tensor in call:
+        assert fingerprint(unpacked[name], torch.bfloat16) == fingerprint(tensor, torch.bfloat16)
+
+
+def test_plain_names_leave_out_fused_experts_only():
+    from transformers import AutoModelForCausalLM
+
+    from rollfleet.tiny import make_tokenizer, tiny_config
+    moe = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", vocab_size=len(make_tokenizer())))
+    plain = plain_names(moe)
+    names = [n for n, _ in moe.named_parameters(remove_duplicate=False)]
+    assert sorted(set(names) - set(plain)) == sorted(n for n in names if ".mlp.experts." in n)
+    assert all(plain[n] == n for n in plain)  # Qwen3's checkpoint names are its in-memory names
+    assert plain_names(moe) is plain  # computed once per model
