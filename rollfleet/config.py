@@ -247,7 +247,15 @@ class LoraSync(_Section):
 
 
 WeightSyncConfig = Annotated[TensorSync | NcclSync | DiskSync | LoraSync, Field(discriminator="transport")]
-TRANSPORTS_WITH_PIPELINE_PARALLEL = ("tensor", "disk")
+TRANSPORTS_WITH_PIPELINE_PARALLEL = ("disk",)
+# why the others cannot feed an SGLang engine with pp_size > 1
+PIPELINE_PARALLEL_PROBLEMS = {
+    "nccl": "its weight-update group ignores the pipeline rank",
+    "tensor": "every pipeline stage of a tp rank reads the same payload (serialized_named_tensors is indexed "
+              "by tp_rank only), and a CUDA IPC or shared-memory handle unpickled by several processes is "
+              "released once too often; rollfleet has no per-stage routing for it yet",
+    "lora": "LoRA serving with pipeline parallel has not been built or tested here",
+}
 
 
 class RunConfig(_Section):
@@ -266,7 +274,7 @@ class RunConfig(_Section):
         if self.rollout.pp_size > 1 and transport not in TRANSPORTS_WITH_PIPELINE_PARALLEL:
             raise FieldProblem(
                 f"SGLang cannot take weights over '{transport}' with pp_size={self.rollout.pp_size} "
-                "(its weight-update group ignores the pipeline rank)",
+                f"({PIPELINE_PARALLEL_PROBLEMS[transport]})",
                 f"set weight_sync.transport to one of {list(TRANSPORTS_WITH_PIPELINE_PARALLEL)}, or rollout.pp_size=1",
                 field="weight_sync.transport",
                 value=transport,

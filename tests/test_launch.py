@@ -61,11 +61,14 @@ def test_embedded_backend_refuses_pipeline_parallel():
     assert "rollout.pp_size=2" in str(err.value) and "backend=sglang" in str(err.value)
 
 
-def test_nccl_with_pipeline_parallel_is_refused_naming_working_transports():
+def test_nccl_and_tensor_with_pipeline_parallel_are_refused_naming_disk():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2",
                            "weight_sync.transport=nccl"])
-    assert "weight_sync.transport='nccl'" in str(err.value) and "'tensor', 'disk'" in str(err.value)
-    for transport in ("tensor", "disk"):
+    assert "weight_sync.transport='nccl'" in str(err.value) and "['disk']" in str(err.value)
+    assert "ignores the pipeline rank" in str(err.value)
+    with pytest.raises(ConfigError, match="indexed by tp_rank only"):
         load_config(None, ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2",
-                           f"weight_sync.transport={transport}"])
+                           "weight_sync.transport=tensor"])
+    load_config(None, ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2",
+                       "weight_sync.transport=disk"])
