@@ -61,7 +61,8 @@ def test_pause_abort_mode_aborts_in_flight_and_holds_new_requests(server):
             running = await _started(client, "p1")
             await client.pause_generation("abort")
             aborted = await running
-            later = asyncio.create_task(client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2}))
+            later = asyncio.create_task(client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2,
+                                                                                        "ignore_eos": True}))
             await asyncio.sleep(0.5)
             held = not later.done()
             await client.continue_generation()

@@ -70,13 +70,16 @@ class EngineCalls:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def each(self, verb: str, make_args) -> Future:
-        """Call `verb` on every target with `make_args(target) -> (args, kwargs)`; a future of all answers."""
+        """Call `verb` on every target with `make_args(target) -> (args, kwargs)`; a future of all answers.
+
+        The arguments are made here, in the caller's thread, before this returns: a `make_args`
+        closing over a loop variable would otherwise read it after the caller's next iteration
+        rebound it (engines got the next call's payload)."""
+        arguments = {engine_id: make_args(target) for engine_id, target in self.targets.items()}
+
         async def go():
-            calls = []
-            for engine_id, target in self.targets.items():
-                args, kwargs = make_args(target)
-                calls.append(getattr(self.clients[engine_id], verb)(*args, **kwargs))
-            return await asyncio.gather(*calls)
+            return await asyncio.gather(*(getattr(self.clients[engine_id], verb)(*args, **kwargs)
+                                          for engine_id, (args, kwargs) in arguments.items()))
         return self._run(go())
 
     def close(self) -> None:

@@ -52,18 +52,19 @@ class InFlight:
     def __init__(self, depth: int = 2):
         self.depth, self.calls = depth, []
 
-    def add(self, *waitables) -> None:
-        self.calls.append(waitables)
+    def add(self, *waitables, keep=None) -> None:
+        """`keep`: what must stay alive until the call is finished (tensors whose handles were sent)."""
+        self.calls.append((waitables, keep))
 
     def make_room(self) -> None:
         while len(self.calls) >= self.depth:
-            self._finish(self.calls.pop(0))
+            self._finish(self.calls.pop(0)[0])
 
     def drain(self) -> None:
         error = None
         while self.calls:
             try:
-                self._finish(self.calls.pop(0))
+                self._finish(self.calls.pop(0)[0])
             except Exception as exc:  # keep draining: every started transfer must complete
                 error = error or exc
         if error is not None:
