@@ -194,22 +194,27 @@ def _sync(cfg, fleet: Fleet, trainers: TrainerGroup, version: str, attempts: int
     and the push is made again (the engines that already took it verify again: idempotent)."""
     options = {"config_dir": cfg.rollout.model_path} if cfg.weight_sync.transport == "disk" else {}
     for attempt in range(attempts):
+        marks = {s.engine_id: len(s.lifecycle.history) for s in fleet.slots}
         try:
             report = trainers.push_weights(cfg.weight_sync, fleet.weight_targets(), version, **options)
             fleet.verify(report)
             return report
         except Exception:
-            if attempt == attempts - 1 or not _engine_died(fleet):
+            if attempt == attempts - 1 or not _engine_died(fleet, marks):
                 raise
             fleet.restart_inactive(restore=False)  # they take this very push
 
 
-def _engine_died(fleet: Fleet, grace_s: float = 2.0) -> bool:
-    """Whether an engine is (or, within the death watch's reaction time, becomes) INACTIVE."""
+def _engine_died(fleet: Fleet, marks: dict[int, int], grace_s: float = 2.0) -> bool:
+    """Whether an engine went INACTIVE (or on to RECOVERING: the background restarter may already
+    have picked it up) since `marks` (each lifecycle's history length when the push began), now
+    or within the death watch's reaction time."""
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if any(s.state == EngineState.INACTIVE for s in fleet.slots):
-            return True
+        for slot in fleet.slots:
+            if any(new in (EngineState.INACTIVE, EngineState.RECOVERING)
+                   for _, _, new, _ in slot.lifecycle.history[marks.get(slot.engine_id, 0):]):
+                return True
         time.sleep(0.05)
     return False
 
