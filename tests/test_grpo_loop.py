@@ -72,7 +72,7 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
 
     model_dir = tmp_path / "chaos-model"
     shutil.copytree(qwen3_dir, model_dir)  # a path of its own, to find this run's engines
-    steps = 40
+    steps = 70  # long enough for the second engine to come back: faster syncs made 40 steps a tight fit
     cfg, temp = run_config(model_dir, tmp_path / "out", "rollout.num_engines=2", f"grpo.steps={steps}",
                            "grpo.prompts_per_step=8", "weight_sync.transport=tensor",
                            "rollout.sampling.max_new_tokens=24", "rollout.sampling.ignore_eos=true",
