@@ -198,10 +198,16 @@ class RayConfig(_Section):
     temp_dir: str | None = Field(None, description="Ray's session directory; None: Ray's default.")
 
 
-class TensorSync(_Section):
-    """Colocated: CUDA IPC (GPU) or shared-memory (CPU) handles through /update_weights_from_tensor."""
+class _WeightSync(_Section):
+    """What every transport's settings share."""
 
-    transport: Literal["tensor"] = "tensor"
+    verify: Literal["auto", "fingerprint", "version"] = Field(
+        "auto", description="After a sync: 'fingerprint' compares every tensor's fingerprint and the version "
+        "(the embedded engine's /rollfleet/weights_fingerprint); 'version' checks only each engine's weight "
+        "version (SGLang has no fingerprint route); auto: fingerprint on the embedded engine, version on SGLang.")
+
+
+class _Bucketed(_WeightSync):
     bucket_mb: float = Field(512, gt=0, description="Largest flattened bucket, in MiB; the sender holds "
                              "two. Larger buckets mean fewer round trips (2048 suits 8B-class models).")
 
@@ -210,29 +216,29 @@ class TensorSync(_Section):
         return max(1, int(self.bucket_mb * (1 << 20)))
 
 
-class NcclSync(_Section):
+class TensorSync(_Bucketed):
+    """Colocated: CUDA IPC (GPU) or shared-memory (CPU) handles through /update_weights_from_tensor."""
+
+    transport: Literal["tensor"] = "tensor"
+
+
+class NcclSync(_Bucketed):
     """Disaggregated: broadcast from trainer rank 0 to every engine rank (gloo on CPU)."""
 
     transport: Literal["nccl"] = "nccl"
     master_address: str = Field("127.0.0.1", description="Address of trainer rank 0, reachable from every engine.")
     master_port: int | None = Field(None, ge=1, le=65535, description="Port of the group's store; None: a free one.")
-    bucket_mb: float = Field(512, gt=0, description="Largest flattened bucket, in MiB; the sender holds "
-                             "two. Larger buckets mean fewer round trips (2048 suits 8B-class models).")
-
-    @property
-    def bucket_bytes(self) -> int:
-        return max(1, int(self.bucket_mb * (1 << 20)))
     join_timeout_s: float = Field(120.0, gt=0.0, description="Seconds the group join may take before it fails.")
 
 
-class DiskSync(_Section):
+class DiskSync(_WeightSync):
     """An HF checkpoint directory and /update_weights_from_disk."""
 
     transport: Literal["disk"] = "disk"
     path: str = Field("runs/weight-sync", description="Directory the trainer saves the synced weights into.")
 
 
-class LoraSync(_Section):
+class LoraSync(_WeightSync):
     """Only the LoRA adapter moves, as tensors or as a saved adapter directory; engines keep their base weights."""
 
     transport: Literal["lora"] = "lora"
@@ -280,6 +286,26 @@ class RunConfig(_Section):
                 value=transport,
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_verification(self) -> RunConfig:
+        if self.rollout.backend == "sglang" and self.weight_sync.verify == "fingerprint":
+            raise FieldProblem(
+                "SGLang has no /rollfleet/weights_fingerprint route (an embedded-engine extension), so syncs "
+                "to it cannot be verified by fingerprint",
+                "set weight_sync.verify=version (each engine's weight version is checked) or auto, or use "
+                "rollout.backend=embedded",
+                field="weight_sync.verify",
+                value="fingerprint",
+            )
+        return self
+
+    @property
+    def verify_mode(self) -> str:
+        """'fingerprint' or 'version': weight_sync.verify with 'auto' resolved for the backend."""
+        if self.weight_sync.verify != "auto":
+            return self.weight_sync.verify
+        return "version" if self.rollout.backend == "sglang" else "fingerprint"
 
     @model_validator(mode="after")
     def _check_colocation(self) -> RunConfig:

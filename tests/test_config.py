@@ -261,3 +261,11 @@ def test_sampling_accepted_iff_ranges_hold(temperature, top_p, top_k, n):
 
 def test_run_config_is_the_loaded_type():
     assert isinstance(load_config(None, [MODEL]), RunConfig)
+
+
+def test_verification_mode_follows_the_backend_and_fingerprints_are_refused_on_sglang():
+    assert load_config(None, [MODEL]).verify_mode == "fingerprint"
+    assert load_config(None, [MODEL, "rollout.backend=sglang"]).verify_mode == "version"
+    assert load_config(None, [MODEL, "weight_sync.transport=disk", "weight_sync.verify=version"]).verify_mode == "version"
+    message = error_of(MODEL, "rollout.backend=sglang", "weight_sync.transport=nccl", "weight_sync.verify=fingerprint")
+    assert "weight_sync.verify" in message and "'fingerprint'" in message and "verify=version" in message

@@ -3,6 +3,7 @@ tensor (shared memory), nccl (gloo) and disk; verified by fingerprint; bad updat
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -145,6 +146,30 @@ def test_refused_late_call_leaves_transport_usable(dense_fleet, qwen3_dir, qwen3
     outputs, versions = greedy(dense_fleet)
     assert versions == {f"after-refusal-{name}"}
     assert outputs == [reference_greedy(qwen3_dir, p, 8)[0] for p in PROMPTS]
+
+
+def test_version_mode_checks_versions_only(dense_fleet, qwen3_dir):
+    """verify=version (SGLang engines) catches a wrong version but, unlike fingerprints, not wrong tensors."""
+    import asyncio
+
+    from rollfleet.engine.client import EngineClient
+    from rollfleet.weights.verify import find_unverified
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    report = dense_fleet.sync_weights(ModuleSource(model), "checked", transport=TRANSPORTS["tensor"])
+    name = next(iter(report.fingerprints[0]))
+    tampered = dataclasses.replace(report, fingerprints={e: {**f, name: "0" * 24} for e, f in report.fingerprints.items()})
+    stale = dataclasses.replace(report, version="not-sent")
+
+    async def problems(checked, mode):
+        clients = {s.engine_id: EngineClient(s.url) for s in dense_fleet.slots}
+        try:
+            return await find_unverified(checked, clients, mode)
+        finally:
+            await asyncio.gather(*(c.close() for c in clients.values()))
+    assert asyncio.run(problems(report, "fingerprint")) == {} == asyncio.run(problems(report, "version"))
+    assert set(asyncio.run(problems(tampered, "fingerprint"))) == {0, 1}
+    assert asyncio.run(problems(tampered, "version")) == {}  # the weaker check
+    assert set(asyncio.run(problems(stale, "version"))) == {0, 1}
 
 
 def test_weight_sync_benchmark_runs_in_ci_size(tmp_path):

@@ -322,7 +322,7 @@ class Fleet:
     def verify_checkpoint(self, path: str, weight_version: str, engine_ids: list[int] | None = None) -> None:
         """Verify engines against fingerprints computed here from the checkpoint's files."""
         targets = self.weight_targets(engine_ids)
-        tensors = read_hf_checkpoint(path)
+        tensors = read_hf_checkpoint(path) if self.cfg.verify_mode == "fingerprint" else {}  # version mode: no reads
         report = SyncReport(version=weight_version, transport="disk", engine_ids=[t.engine_id for t in targets])
         for target in targets:
             report.fingerprints[target.engine_id] = fingerprints(tensors.items(), target.dtype)
@@ -376,7 +376,7 @@ class Fleet:
             clients = {e: EngineClient(slots[e].url, api_key=self.rollout.api_key,
                                        timeout=self.rollout.request_timeout_s) for e in report.engine_ids}
             try:
-                return await find_unverified(report, clients)
+                return await find_unverified(report, clients, self.cfg.verify_mode)
             finally:
                 await asyncio.gather(*(c.close() for c in clients.values()))
         failed = asyncio.run(go())

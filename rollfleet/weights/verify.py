@@ -11,13 +11,22 @@ from rollfleet.weights.transports.base import SyncReport
 from rollfleet.weights.transports.lora import LoraSyncReport
 
 
-async def find_unverified(report: SyncReport, clients: dict[int, EngineClient]) -> dict[int, str]:
-    """Engine id -> what is wrong, for every engine of the report that does not match it."""
+async def find_unverified(report: SyncReport, clients: dict[int, EngineClient],
+                          mode: str = "fingerprint") -> dict[int, str]:
+    """Engine id -> what is wrong, for every engine of the report that does not match it.
+
+    mode "fingerprint": the tensors' fingerprints and the version; "version": the version only
+    (for engines without rollfleet's fingerprint route, i.e. SGLang: a weaker check)."""
+    if mode not in ("fingerprint", "version"):
+        raise ValueError(f"mode={mode!r}: use 'fingerprint' or 'version'")
     lora_name = report.lora_name if isinstance(report, LoraSyncReport) else None
 
     async def check(engine_id: int) -> str | None:
         expected = report.fingerprints.get(engine_id, {})
         client = clients[engine_id]
+        if mode == "version":
+            version = str((await client.get_model_info())["weight_version"])
+            return None if version == report.version else f"version {version!r} (sent {report.version!r})"
         if lora_name is not None:
             try:  # every tensor of the adapter, so a stale extra key is caught too
                 got = await client.weights_fingerprint(None, lora_name=lora_name)
