@@ -128,3 +128,19 @@ def test_background_restart_brings_a_dead_engine_back_without_being_asked(fleet,
     assert fleet.slots[1].version == "v1"
     samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
     assert {s.engine_id for s in samples} == {0, 1}
+
+
+def test_a_late_restore_of_an_older_version_does_not_move_the_fleet_back(fleet, qwen3_dir):
+    """The background restarter reads the fleet's version, restarts, restores that version; if the
+    trainer pushed a newer one meanwhile, the restore's verification must not set the fleet back (the
+    GRPO chaos test once served a step from the stale engine that way)."""
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    fleet.sync_weights(ModuleSource(model), "v2", config_dir=qwen3_dir)
+    older = fleet.checkpoint_for("v1")
+    assert older is not None and fleet.version == "v2"
+    fleet.restore(older, "v1", [1])  # what a restart that began before the v2 push finishes with
+    assert fleet.version == "v2" and fleet.slots[1].version == "v1"
+    samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
+    assert {s.engine_id for s in samples} == {0} and {s.weight_version for s in samples} == {"v2"}
+    fleet.sync_weights(ModuleSource(model), "v3", config_dir=qwen3_dir)  # the next push takes it along
+    assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0, 1}

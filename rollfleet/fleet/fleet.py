@@ -230,9 +230,10 @@ class Fleet:
         read once here and the tensors fanned out over the tensor transport (shared memory on CPU,
         CUDA IPC on GPU; same node), instead of each engine reading the disk."""
         if fan_out if fan_out is not None else len(engine_ids) > 1:
-            self.sync_weights(CheckpointSource(directory), version, engine_ids=engine_ids, transport=TensorSync())
+            self.sync_weights(CheckpointSource(directory), version, engine_ids=engine_ids, transport=TensorSync(),
+                              advance=False)
         else:
-            self.update_weights_from_disk(directory, version, engine_ids=engine_ids)
+            self.update_weights_from_disk(directory, version, engine_ids=engine_ids, advance=False)
 
     def take_events(self) -> list[dict]:
         """Lifecycle transitions of every engine since the last call (for the run's metrics)."""
@@ -314,19 +315,21 @@ class Fleet:
                 slot.lifecycle.to(EngineState.ACTIVE if holds_weights else EngineState.AWAITING_WEIGHTS,
                                   f"resumed {tags or 'all'}")
 
-    def update_weights_from_disk(self, path: str, weight_version: str, engine_ids: list[int] | None = None) -> None:
+    def update_weights_from_disk(self, path: str, weight_version: str, engine_ids: list[int] | None = None, *,
+                                 advance: bool = True) -> None:
         """Load a HF directory into engines, then verify them against the files' own fingerprints."""
         self._on_all("update_weights_from_disk", path, weight_version=weight_version, engine_ids=engine_ids)
-        self.verify_checkpoint(path, weight_version, engine_ids)
+        self.verify_checkpoint(path, weight_version, engine_ids, advance=advance)
 
-    def verify_checkpoint(self, path: str, weight_version: str, engine_ids: list[int] | None = None) -> None:
+    def verify_checkpoint(self, path: str, weight_version: str, engine_ids: list[int] | None = None, *,
+                          advance: bool = True) -> None:
         """Verify engines against fingerprints computed here from the checkpoint's files."""
         targets = self.weight_targets(engine_ids)
         tensors = read_hf_checkpoint(path) if self.cfg.verify_mode == "fingerprint" else {}  # version mode: no reads
         report = SyncReport(version=weight_version, transport="disk", engine_ids=[t.engine_id for t in targets])
         for target in targets:
             report.fingerprints[target.engine_id] = fingerprints(tensors.items(), target.dtype)
-        self.verify(report)
+        self.verify(report, advance=advance)
 
     def _on_all(self, verb: str, *args, engine_ids: list[int] | None = None, **kwargs) -> list:
         """The same call on every live engine (or the live ones among engine_ids), concurrently."""
@@ -354,7 +357,7 @@ class Fleet:
                 for k, s in enumerate(slots)]
 
     def sync_weights(self, source: WeightSource, version: str, *, engine_ids: list[int] | None = None,
-                     transport=None, **transport_options) -> SyncReport:
+                     transport=None, advance: bool = True, **transport_options) -> SyncReport:
         """Push `source` to the engines over `transport` (default: the configured weight_sync), then
         verify every engine. Runs where the tensors are (the trainer's sending rank, or a test)."""
         transport = make_transport(transport or self.cfg.weight_sync, self.weight_targets(engine_ids),
@@ -364,12 +367,15 @@ class Fleet:
             report = transport.send(source, version)
         finally:
             transport.disconnect()
-        self.verify(report)
+        self.verify(report, advance=advance)
         return report
 
-    def verify(self, report: SyncReport) -> None:
+    def verify(self, report: SyncReport, *, advance: bool = True) -> None:
         """Compare each engine's fingerprints and version with what was sent; an engine that differs
-        is marked failed (it takes no more traffic) and WeightSyncError names it."""
+        is marked failed (it takes no more traffic) and WeightSyncError names it. With `advance` (a
+        trainer's push) the fleet's version becomes the report's; a restore does not advance it: the
+        background restarter may finish restoring version v after the trainer pushed v+1, and moving
+        the fleet back to v would route generate traffic to the stale engine."""
         slots = {s.engine_id: s for s in self.slots}
 
         async def go():
@@ -387,7 +393,7 @@ class Fleet:
             else:
                 slot.version = report.version
                 slot.lifecycle.to(EngineState.ACTIVE, f"verified at version {report.version!r}")
-        if len(failed) < len(report.engine_ids):
+        if advance and len(failed) < len(report.engine_ids):
             self.version = report.version
             if isinstance(report, LoraSyncReport):
                 self.lora_name = report.lora_name
