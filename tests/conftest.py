@@ -63,6 +63,23 @@ def engine_server(model_path: str, log_dir, **kwargs):
         proc.stop()
 
 
+@contextlib.contextmanager
+def engine_servers(plan: dict[str, tuple[str, dict]], log_dir):
+    """Several servers, `plan` = key -> (model path, embedded_argv kwargs): all started, then waited
+    for, so their loads overlap; key -> EngineProcess."""
+    procs = {}
+    try:
+        for key, (path, kwargs) in plan.items():
+            port = free_port()
+            procs[key] = EngineProcess(embedded_argv(path, port, **kwargs), port=port, log_path=log_dir / f"{key}.log")
+        for proc in procs.values():
+            proc.wait_until_up(timeout=180)
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
 def client_for(proc: EngineProcess, **kwargs) -> EngineClient:
     return EngineClient(proc.url, timeout=60, **kwargs)
 

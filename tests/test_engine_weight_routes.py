@@ -22,9 +22,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-from conftest import call, reference_greedy
+from conftest import call, engine_servers, reference_greedy
 from rollfleet.engine.client import EngineError
-from rollfleet.engine.launch import EngineProcess, embedded_argv, free_port
+from rollfleet.engine.launch import free_port
 from rollfleet.weights.buckets import dtype_name, iter_buckets
 from rollfleet.weights.serialize import serialize
 
@@ -40,17 +40,8 @@ def servers(qwen3_dir, qwen3_dir_b, moe_dir, tmp_path_factory):
     plan = {"tp1": (qwen3_dir, {"load_format": "dummy"}), "tp2": (qwen3_dir, {"tp_size": 2, "load_format": "dummy"}),
             "ref1": (qwen3_dir_b, {}), "ref2": (qwen3_dir_b, {"tp_size": 2}),
             "moe": (moe_dir, {"tp_size": 2, "ep_size": 2})}
-    procs = {}
-    try:
-        for key, (path, kwargs) in plan.items():  # start all, then wait: the loads overlap
-            port = free_port()
-            procs[key] = EngineProcess(embedded_argv(path, port, **kwargs), port=port, log_path=logs / f"{key}.log")
-        for proc in procs.values():
-            proc.wait_until_up(timeout=180)
+    with engine_servers(plan, logs) as procs:
         yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
 
 
 def tp_of(key: str) -> int:

@@ -20,10 +20,10 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import call, reference_greedy
+from conftest import call, engine_servers, reference_greedy
 from rollfleet.config import LoraSync, load_config
 from rollfleet.engine.client import EngineClient, EngineError
-from rollfleet.engine.launch import EngineProcess, embedded_argv, free_port, lora_server_args
+from rollfleet.engine.launch import EngineProcess, lora_server_args
 from rollfleet.engine.lora import LoraError, LoraLimits, linear_targets, parse_adapter
 from rollfleet.engine.server import build_parser, check_args
 from rollfleet.fleet.fleet import Fleet
@@ -138,17 +138,8 @@ def servers(qwen3_dir, moe_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     plan = {"tp1": (qwen3_dir, {"extra": [*LORA_FLAGS, "--max-loaded-loras", "2"]}), "tp2": (qwen3_dir, {"tp_size": 2, "extra": LORA_FLAGS}),
             "moe": (moe_dir, {"tp_size": 2, "ep_size": 2, "extra": ["--enable-lora"]}), "off": (qwen3_dir, {})}
-    procs = {}
-    try:
-        for key, (path, kwargs) in plan.items():  # start all, then wait: the loads overlap
-            port = free_port()
-            procs[key] = EngineProcess(embedded_argv(path, port, **kwargs), port=port, log_path=logs / f"{key}.log")
-        for proc in procs.values():
-            proc.wait_until_up(timeout=180)
+    with engine_servers(plan, logs) as procs:
         yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
 
 
 @pytest.fixture(scope="module")

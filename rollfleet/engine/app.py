@@ -220,12 +220,16 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
                 scheduler.weight_version = weight_version
         return run
 
+    def not_one_per_rank(payloads: list[str]) -> str | None:
+        if len(payloads) == args.tp_size:
+            return None
+        return (f"serialized_named_tensors has {len(payloads)} entries, this engine has tp_size={args.tp_size}: "
+                "give one payload per tp rank (rank i reads entry i)")
+
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest):
-        count = len(req.serialized_named_tensors)
-        if count != args.tp_size:
-            raise BadRequest(f"serialized_named_tensors has {count} entries, this engine has tp_size={args.tp_size}: "
-                             "give one payload per tp rank (rank i reads entry i)")
+        if problem := not_one_per_rank(req.serialized_named_tensors):
+            raise BadRequest(problem)
         # The entries are small (shared-memory / CUDA IPC handles): every rank gets the whole list and
         # decodes only its own entry.
         await control(update_then_set_version("update_weights_from_tensor", req.weight_version,
@@ -320,10 +324,8 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
 
     @app.post("/load_lora_adapter_from_tensors")
     async def load_lora_adapter_from_tensors(req: LoadLoraAdapterFromTensorsRequest):
-        count = len(req.serialized_named_tensors)
-        if count != args.tp_size:
-            return lora_reply(f"serialized_named_tensors has {count} entries, this engine has tp_size={args.tp_size}: "
-                              "give one payload per tp rank (rank i reads entry i)")
+        if problem := not_one_per_rank(req.serialized_named_tensors):
+            return lora_reply(problem)
         return await lora_control(lambda: run_action(
             "load_lora_adapter", lora_name=req.lora_name, config_dict=req.config_dict,
             serialized_named_tensors=req.serialized_named_tensors, load_format=req.load_format), needs_idle=False)

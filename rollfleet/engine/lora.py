@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from rollfleet.weights.fingerprint import fingerprint
+from rollfleet.weights.fingerprint import fingerprints
 
 KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -81,7 +81,7 @@ class LoraAdapter:
         unknown = sorted(set(names or []) - set(self.tensors))
         if unknown:
             raise LoraError(f"names not in adapter {self.name!r}: {unknown[:10]}")
-        return {name: fingerprint(self.tensors[name], samples=samples) for name in (names or self.tensors)}
+        return fingerprints(((name, self.tensors[name]) for name in (names or self.tensors)), samples=samples)
 
 
 def linear_targets(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:

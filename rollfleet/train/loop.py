@@ -9,7 +9,6 @@ trainer trains and get weights pushed again after resuming them.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -27,6 +26,7 @@ from rollfleet.rewards import load_reward
 from rollfleet.sample import Sample
 from rollfleet.train.grpo import group_advantages
 from rollfleet.train.worker import TrainerGroup
+from rollfleet.weights.checkpoint import atomic_directory, prune_versions
 
 PHASES = ("generate", "reward", "train", "sync", "sleep_wake", "recovery")
 
@@ -221,13 +221,11 @@ def _engine_died(fleet: Fleet, marks: dict[int, int], grace_s: float = 2.0) -> b
 
 def _save_recovery_checkpoint(fleet: Fleet, trainers: TrainerGroup, output_dir: Path, version: str) -> None:
     root = output_dir / "recovery"
-    final, partial = root / f"version-{version}", root / f"version-{version}.partial"
-    trainers.save_hf(str(partial))
-    shutil.rmtree(final, ignore_errors=True)
-    partial.rename(final)
+    final = root / f"version-{version}"
+    with atomic_directory(final) as partial:
+        trainers.save_hf(str(partial))
     fleet.register_checkpoint(version, str(final))
-    for old in sorted(root.glob("version-*"), key=lambda p: p.stat().st_mtime)[:-2]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune_versions(root, keep=2)
 
 
 def _train_item(sample: Sample, advantage: float) -> dict:
@@ -243,9 +241,8 @@ def _checkpoint(trainers: TrainerGroup, output_dir: Path, step: int, colocated: 
     if colocated:
         trainers.onload()
     for kind, save in (("hf", trainers.save_hf), ("state", lambda p: trainers.save_state(p, {"step": step}))):
-        final, partial = root / f"{kind}-step-{step}", root / f"{kind}-step-{step}.partial"
-        save(str(partial))
-        partial.rename(final)
+        with atomic_directory(root / f"{kind}-step-{step}") as partial:
+            save(str(partial))
     if colocated:
         trainers.offload()
 

@@ -9,7 +9,6 @@ dropped), what `get_peft_model_state_dict` returns and what SGLang and the embed
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from rollfleet.engine.lora import CONFIG_FILE, WEIGHTS_FILE
+from rollfleet.weights.checkpoint import atomic_directory
 
 
 class LoraSource:
@@ -55,13 +55,8 @@ def adapter_config_dict(config) -> dict:
 def save_adapter(named_tensors: Iterable[tuple[str, torch.Tensor]], config_dict: dict, directory: str | Path) -> Path:
     """Write a peft adapter directory, under a temporary name renamed at the end (a reader never
     sees a half-written adapter)."""
-    final = Path(directory)
-    partial = final.with_name(final.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
-    save_file(tensors, partial / WEIGHTS_FILE, metadata={"format": "pt"})
-    (partial / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2, sort_keys=True))
-    shutil.rmtree(final, ignore_errors=True)
-    partial.rename(final)
-    return final
+    with atomic_directory(directory) as partial:
+        save_file(tensors, partial / WEIGHTS_FILE, metadata={"format": "pt"})
+        (partial / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2, sort_keys=True))
+    return Path(directory)

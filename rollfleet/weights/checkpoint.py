@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -15,16 +16,38 @@ CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
+@contextmanager
+def atomic_directory(directory: str | Path) -> Iterator[Path]:
+    """A fresh temporary sibling (`<name>.partial`) to write into; when the block ends without an
+    error it replaces `directory`, so a reader never sees a half-written directory and a crash
+    leaves none that looks complete."""
+    final = Path(directory)
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    yield partial
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+
+
+def prune_versions(root: str | Path, keep: int = 2) -> None:
+    """Delete all but the `keep` newest `version-*` directories under `root` (by modification time)."""
+    versions = sorted(Path(root).glob("version-*"), key=lambda p: p.stat().st_mtime)
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str | Path,
                     config_dir: str | Path | None = None, shard_bytes: int = 2 << 30) -> int:
     """Stream tensors into shards of at most `shard_bytes`; returns the bytes written.
 
     The directory is written under a temporary name and renamed at the end, so a reader never
     sees a half-written checkpoint (and a crash leaves no directory that looks complete)."""
-    final = Path(directory)
-    partial = final.with_name(final.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    with atomic_directory(directory) as partial:
+        return _write_checkpoint(named_tensors, partial, config_dir, shard_bytes)
+
+
+def _write_checkpoint(named_tensors, partial: Path, config_dir, shard_bytes: int) -> int:
     shard: dict[str, torch.Tensor] = {}
     shard_size = total = 0
     files: list[dict[str, torch.Tensor]] = []
@@ -59,8 +82,6 @@ def save_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], directory
         for name in CONFIG_FILES:
             if (Path(config_dir) / name).exists():
                 shutil.copy2(Path(config_dir) / name, partial / name)
-    shutil.rmtree(final, ignore_errors=True)
-    partial.rename(final)
     return total
 
 

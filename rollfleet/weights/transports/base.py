@@ -69,13 +69,15 @@ class EngineCalls:
     def _run(self, coro) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def each(self, verb: str, make_args) -> Future:
-        """Call `verb` on every target with `make_args(target) -> (args, kwargs)`; a future of all answers.
+    def each(self, verb: str, make_args, engine_ids: list[int] | None = None) -> Future:
+        """Call `verb` on every target (or those of `engine_ids`) with `make_args(target) -> (args,
+        kwargs)`; a future of all answers.
 
         The arguments are made here, in the caller's thread, before this returns: a `make_args`
         closing over a loop variable would otherwise read it after the caller's next iteration
         rebound it (engines got the next call's payload)."""
-        arguments = {engine_id: make_args(target) for engine_id, target in self.targets.items()}
+        arguments = {engine_id: make_args(target) for engine_id, target in self.targets.items()
+                     if engine_ids is None or engine_id in engine_ids}
 
         async def go():
             return await asyncio.gather(*(getattr(self.clients[engine_id], verb)(*args, **kwargs)
@@ -96,7 +98,6 @@ class Transport(ABC):
     def __init__(self, spec, targets: list[EngineTarget], *, timeout_s: float = 600.0):
         self.spec, self.targets = spec, targets
         self.calls = EngineCalls(targets, timeout_s)
-        self._collectors: dict[int, dict] = {}  # report id -> fingerprint collectors of a send in progress
 
     def connect(self) -> None:
         """Set up what the transport needs before its first send (a process group, a directory)."""
@@ -108,10 +109,13 @@ class Transport(ABC):
     def disconnect(self) -> None:
         self.calls.close()
 
-    def _recorded(self, source: WeightSource, report: SyncReport):
+    def _collectors(self) -> dict:
+        """One fingerprint collector per target dtype, for `_recorded` and `_finish_fingerprints`."""
+        return {dtype: Fingerprints(dtype) for dtype in {t.dtype for t in self.targets}}
+
+    def _recorded(self, source: WeightSource, report: SyncReport, collectors: dict):
         """The source's tensors, counted and fingerprinted (per target dtype) as they pass; the
         fingerprints land in the report at `_finish_fingerprints`."""
-        collectors = {dtype: Fingerprints(dtype) for dtype in {t.dtype for t in self.targets}}
         tensors = iter(source.named_tensors())
         while True:
             with timed(report, "source"):  # gathers and name conversion
@@ -125,12 +129,10 @@ class Transport(ABC):
                 for collector in collectors.values():
                     collector.add(name, tensor)
             yield name, tensor
-        self._collectors[id(report)] = collectors
 
-    def _finish_fingerprints(self, report: SyncReport) -> None:
+    def _finish_fingerprints(self, report: SyncReport, collectors: dict) -> None:
         """Fill report.fingerprints from what `_recorded` collected. Call it after the last call went
         out: it waits for the sender's device (one host copy), which must not stall the pipeline."""
-        collectors = self._collectors.pop(id(report), {})
         with timed(report, "fingerprint"):
             digests = {dtype: collector.digests() for dtype, collector in collectors.items()}
         for target in self.targets:

@@ -4,10 +4,9 @@ Directories are `<path>/version-<v>`; the newest `keep_last` stay (recovery rest
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-from rollfleet.weights.checkpoint import save_checkpoint
+from rollfleet.weights.checkpoint import prune_versions, save_checkpoint
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
 
@@ -27,18 +26,12 @@ class DiskTransport(Transport):
         self.config_dir = config_dir
 
     def send(self, source: WeightSource, version: str) -> SyncReport:
-        report = self._new_report(version)
+        report, collectors = self._new_report(version), self._collectors()
         directory = version_dir(self.spec.path, version)
         with timed(report):
-            save_checkpoint(self._recorded(source, report), directory, self.config_dir)
-            self._finish_fingerprints(report)
+            save_checkpoint(self._recorded(source, report, collectors), directory, self.config_dir)
+            self._finish_fingerprints(report, collectors)
             self.calls.each("update_weights_from_disk",
                             lambda t: ((str(directory.resolve()),), {"weight_version": version})).result()
-        self._prune(directory)
+        prune_versions(directory.parent, KEEP_LAST)
         return report
-
-    def _prune(self, newest: Path) -> None:
-        versions = sorted(newest.parent.glob("version-*"), key=lambda p: p.stat().st_mtime)
-        for old in versions[:-KEEP_LAST]:
-            if old != newest:
-                shutil.rmtree(old, ignore_errors=True)

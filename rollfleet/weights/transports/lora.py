@@ -14,17 +14,17 @@ the dtype they arrive in); verification asks the engines for the adapter's finge
 
 from __future__ import annotations
 
-import asyncio
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
+
+import torch
 
 from rollfleet.weights.adapter import LoraSource, save_adapter
-from rollfleet.weights.buckets import Bucket
-from rollfleet.weights.fingerprint import fingerprint
+from rollfleet.weights.checkpoint import prune_versions
+from rollfleet.weights.fingerprint import fingerprints
 from rollfleet.weights.serialize import serialize
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
 from rollfleet.weights.transports.disk import version_dir
+from rollfleet.weights.transports.staging import call_bytes, pack_buckets
 
 KEEP_LAST = 2
 
@@ -49,16 +49,15 @@ class LoraTransport(Transport):
         with timed(report):
             tensors = list(source.named_tensors())
             config = source.config_dict()
-            prints = {key: fingerprint(tensor) for key, tensor in tensors}
+            prints = fingerprints(tensors)
             report.fingerprints = {t.engine_id: dict(prints) for t in self.targets}
             report.tensors = len(tensors)
             report.bytes = sum(t.numel() * t.element_size() for _, t in tensors)
             self._unload_where_loaded(name)
             if self.spec.source == "tensors":
-                by_dtype: dict = {}
-                for key, tensor in tensors:
-                    by_dtype.setdefault(tensor.dtype, []).append((key, tensor))
-                buckets = [Bucket.pack(members) for members in by_dtype.values()]  # copies: see the docstring
+                device = tensors[0][1].device if tensors else torch.device("cpu")
+                # copies, see the docstring: the trainer's own parameter storages never become shared memory
+                buckets = pack_buckets(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8, device=device))
                 payload = [b.to_payload() for b in buckets]
                 report.buckets = len(buckets)
                 self.calls.each("load_lora_adapter_from_tensors", lambda t: (
@@ -69,20 +68,10 @@ class LoraTransport(Transport):
                 self.calls.each("load_lora_adapter", lambda t: ((name, str(directory.resolve())), {})).result()
             self.calls.each("update_weight_version", lambda t: ((version,), {})).result()
         if directory is not None:
-            _prune(directory)
+            prune_versions(directory.parent, KEEP_LAST)
         return report
 
     def _unload_where_loaded(self, name: str) -> None:
         infos = self.calls.each("get_model_info", lambda t: ((), {})).result()
         loaded = [t.engine_id for t, info in zip(self.targets, infos) if name in info.get("loaded_lora_adapters", {})]
-
-        async def unload():
-            await asyncio.gather(*(self.calls.clients[e].unload_lora_adapter(name) for e in loaded))
-        self.calls._run(unload()).result()
-
-
-def _prune(newest: Path) -> None:
-    versions = sorted(newest.parent.glob("version-*"), key=lambda p: p.stat().st_mtime)
-    for old in versions[:-KEEP_LAST]:
-        if old != newest:
-            shutil.rmtree(old, ignore_errors=True)
+        self.calls.each("unload_lora_adapter", lambda t: ((name,), {}), engine_ids=loaded).result()

@@ -14,7 +14,6 @@ complete in time fails with the group, the ranks and the address named, instead 
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from datetime import timedelta
 
 import torch
@@ -25,7 +24,7 @@ from rollfleet.weights.buckets import dtype_name
 from rollfleet.weights.group import join_weight_update_group
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
-from rollfleet.weights.transports.staging import DoubleBuffer, call_bytes, pack_bytes
+from rollfleet.weights.transports.staging import DoubleBuffer, call_bytes, pack_bytes, wait_all
 
 GROUP_NAME = "rollfleet_weight_update"
 
@@ -63,19 +62,19 @@ class NcclTransport(Transport):
 
     def send(self, source: WeightSource, version: str) -> SyncReport:
         assert self.group is not None, "connect() first"
-        report = self._new_report(version)
-        buffers = self.buffers
+        report, collectors = self._new_report(version), self._collectors()
         broadcasts: list = [None, None]  # the broadcast that last used each buffer
         announced = None  # the engines' answers to the last announcement
         with timed(report):
             try:
-                for index, call in enumerate(iter_calls(self._recorded(source, report), self.spec.bucket_bytes)):
+                calls = iter_calls(self._recorded(source, report, collectors), self.spec.bucket_bytes)
+                for index, call in enumerate(calls):
                     slot = index % 2
                     with timed(report, "pack"):
                         if broadcasts[slot] is not None:  # reuse the buffer once its broadcast has left it
                             broadcasts[slot].wait()
                             broadcasts[slot] = None
-                        flat = pack_bytes(call, buffers.take(slot, call_bytes(call), self.device))
+                        flat = pack_bytes(call, self.buffers.take(slot, call_bytes(call), self.device))
                     if announced is not None:
                         # Every engine has taken the previous call (it answers once its receive is
                         # posted, not when the bytes have arrived): announcing now keeps the calls in
@@ -98,9 +97,11 @@ class NcclTransport(Transport):
                     with timed(report, "wait_engines"):
                         previous.result()
             finally:
-                _finish_quietly(announced, *broadcasts)
+                # every started announcement and broadcast completes, so the group is not left with a
+                # half-done transfer; after an error, theirs are its consequences
+                wait_all(announced, *broadcasts)
             setting = self.calls.each("update_weight_version", lambda t: ((version,), {}))
-            self._finish_fingerprints(report)
+            self._finish_fingerprints(report, collectors)
             with timed(report, "set_version"):
                 setting.result()
         return report
@@ -115,14 +116,3 @@ class NcclTransport(Transport):
         self.buffers = DoubleBuffer(self.spec.bucket_bytes)  # drop the staging buffers
         super().disconnect()
 
-
-def _finish_quietly(*waitables) -> None:
-    """After an error: let every started announcement and broadcast complete (their errors are
-    the raised one's consequences), so the group is not left with a half-done transfer."""
-    for item in waitables:
-        if item is None:
-            continue
-        try:
-            item.result() if isinstance(item, Future) else item.wait()
-        except Exception:  # noqa: S110  (the error that got us here is being raised)
-            pass

@@ -1,7 +1,8 @@
 """Two reusable flat byte buffers a sender packs calls into, alternately: call k+1 is packed while
 call k is in flight, and the sender's extra memory stays at two buckets whatever the model size.
 
-The buffers live for one sync (`send`), so a trainer holds no extra memory between syncs."""
+The tensor transport makes them per sync (a colocated trainer holds nothing between syncs); the
+nccl transport keeps them while connected (NCCL releases a broadcast's tensors late)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class DoubleBuffer:
             # A whole bucket on a GPU: growing would leave the old buffer alive under an unfinished
             # transfer (three buffers). On the CPU, sized to the call and grown when needed: the first
             # send of a CPU buffer moves it into shared memory, a cost paid per byte.
-            size = self.bucket_bytes if torch.device(device).type == "cuda" else nbytes
+            size = self.bucket_bytes if device.type == "cuda" else nbytes
             self._buffers[slot] = None
             buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
         return buffer
@@ -61,27 +62,31 @@ class InFlight:
             self._finish(self.calls.pop(0)[0])
 
     def drain(self) -> None:
-        error = None
-        while self.calls:
-            try:
-                self._finish(self.calls.pop(0)[0])
-            except Exception as exc:  # keep draining: every started transfer must complete
-                error = error or exc
+        errors = [wait_all(*waitables) for waitables, _ in self.calls]  # every call, even after an error
+        self.calls = []
+        error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error
 
     @staticmethod
     def _finish(waitables) -> None:
-        """Wait for every item of one call (a failed answer does not stop the others), then raise
-        the first error."""
-        error = None
-        for item in waitables:
-            try:
-                item.result() if isinstance(item, Future) else item.wait()
-            except Exception as exc:
-                error = error or exc
+        error = wait_all(*waitables)
         if error is not None:
             raise error
+
+
+def wait_all(*waitables) -> Exception | None:
+    """Wait for every future (its answer) or torch Work (its transfer), None ones skipped; a failure
+    does not stop the waits for the others. Returns the first error."""
+    error = None
+    for item in waitables:
+        if item is None:
+            continue
+        try:
+            item.result() if isinstance(item, Future) else item.wait()
+        except Exception as exc:  # noqa: BLE001  (reported to the caller)
+            error = error or exc
+    return error
 
 
 def call_bytes(call: list[tuple[str, torch.Tensor]]) -> int:

@@ -21,11 +21,12 @@ class TensorTransport(Transport):
     name = "tensor"
 
     def send(self, source: WeightSource, version: str) -> SyncReport:
-        report = self._new_report(version)
+        report, collectors = self._new_report(version), self._collectors()
         buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight()
         with timed(report):
             try:
-                for index, call in enumerate(iter_calls(self._recorded(source, report), self.spec.bucket_bytes)):
+                calls = iter_calls(self._recorded(source, report, collectors), self.spec.bucket_bytes)
+                for index, call in enumerate(calls):
                     with timed(report, "wait_engines"):
                         in_flight.make_room()  # the engines finished reading the buffer packed two calls ago
                     device = call[0][1].device
@@ -48,7 +49,7 @@ class TensorTransport(Transport):
                 with timed(report, "wait_engines"):
                     in_flight.drain()
             setting = self.calls.each("update_weight_version", lambda t: ((version,), {}))
-            self._finish_fingerprints(report)
+            self._finish_fingerprints(report, collectors)
             with timed(report, "set_version"):
                 setting.result()
         return report
