@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import os
 import pickle
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -206,6 +207,32 @@ def test_distributed_route_buckets_and_per_tensor_broadcasts(servers, key, qwen3
     assert greedy(engine) == expected(qwen3_dir_b)
     prints, version = state(engine)
     assert version == "dist-b" and prints == call(servers[f"ref{tp}"], "shard_fingerprints")
+    sender.close()
+
+
+def test_numbered_calls_run_in_number_order_whatever_order_they_arrive_in(servers, qwen3_dir, qwen3_dir_b):
+    """rollfleet's extension: every call is announced before any broadcast, the last first; the
+    engine runs them by number, so each receives its own broadcast."""
+    engine = servers["tp2"]
+    call(engine, "update_weights_from_disk", qwen3_dir, weight_version="a")
+    assert call(engine, "get_server_info")["rollfleet_ordered_weight_calls"] is True
+    sender = Sender(engine, 2, group_name="ordered")
+    buckets = list(iter_buckets(checkpoint(qwen3_dir_b).items(), BUCKET_BYTES))
+    assert len(buckets) >= 3
+    with ThreadPoolExecutor(len(buckets)) as pool:
+        answers = []
+        for index in reversed(range(len(buckets))):
+            named = list(buckets[index].unpack().items())
+            answers.append(pool.submit(call, engine, "update_weights_from_distributed", [n for n, _ in named],
+                                       [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named],
+                                       group_name="ordered", load_format="flattened_bucket", order=("s1", index)))
+            time.sleep(0.05)
+        for bucket in buckets:
+            dist.broadcast(bucket.flattened_tensor.view(torch.uint8), src=0, group=sender.group)
+        assert all(answer.result(timeout=60)["success"] for answer in answers)
+    call(engine, "update_weight_version", "ordered-b")
+    assert greedy(engine) == expected(qwen3_dir_b)
+    assert call(engine, "shard_fingerprints") == call(servers["ref2"], "shard_fingerprints")
     sender.close()
 
 

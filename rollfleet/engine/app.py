@@ -6,6 +6,7 @@ Errors are HTTP 4xx with a JSON body `{"success": false, "message": ...}`; the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from typing import Any
 
@@ -14,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
+from rollfleet.engine.call_order import CallOrder, CallOrderError
 from rollfleet.engine.protocol import (
     AbortRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -79,8 +81,13 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
     async def on_bad_request(_request, exc: BadRequest):
         return _fail(exc.message, exc.status_code)
 
-    async def control(fn, *, needs_idle: bool = True, abort_first: bool = False, waits_for=None) -> Any:
-        future = scheduler.control(fn, needs_idle=needs_idle, abort_first=abort_first, waits_for=waits_for)
+    call_order = CallOrder()
+
+    async def control(fn, *, needs_idle: bool = True, abort_first: bool = False, waits_for=None,
+                      queued=None) -> Any:
+        """Run `fn` on the engine thread; `queued`: an async context held while it is queued (a turn)."""
+        async with queued or contextlib.nullcontext():
+            future = scheduler.control(fn, needs_idle=needs_idle, abort_first=abort_first, waits_for=waits_for)
         try:
             return await asyncio.wrap_future(future)
         except (WeightUpdateError, ValueError) as exc:
@@ -189,7 +196,8 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
         info = {k: v for k, v in vars(args).items() if k != "api_key"}
         return {**info, "api_key_set": bool(args.api_key), "version": VERSION, "engine": "rollfleet-embedded",
                 "weight_version": scheduler.weight_version, "weights_ready": runner.weights_ready,
-                "scheduler_stats": dict(scheduler.stats), "loaded_lora_adapters": loaded_adapters()}
+                "scheduler_stats": dict(scheduler.stats), "loaded_lora_adapters": loaded_adapters(),
+                "rollfleet_ordered_weight_calls": True}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -250,10 +258,14 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest):
-        await control(update_then_set_version("update_weights_from_distributed", req.weight_version,
-                                              names=req.names, dtypes=req.dtypes, shapes=req.shapes,
-                                              group_name=req.group_name, load_format=req.load_format),
-                      abort_first=req.abort_all_requests)
+        try:
+            turn = call_order.turn(req.rollfleet_sync_id, req.rollfleet_call)
+            await control(update_then_set_version("update_weights_from_distributed", req.weight_version,
+                                                  names=req.names, dtypes=req.dtypes, shapes=req.shapes,
+                                                  group_name=req.group_name, load_format=req.load_format),
+                          abort_first=req.abort_all_requests, queued=turn)
+        except CallOrderError as exc:
+            raise BadRequest(str(exc)) from exc
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     @app.post("/destroy_weights_update_group")

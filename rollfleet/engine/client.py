@@ -146,14 +146,18 @@ class EngineClient:
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
                                               group_name: str = "weight_update_group", load_format: str | None = None,
                                               weight_version: str | None = None, flush_cache: bool = True,
-                                              abort_all_requests: bool = False) -> dict:
+                                              abort_all_requests: bool = False,
+                                              order: tuple[str, int] | None = None) -> dict:
         """Announce the broadcasts the sender makes now (dtypes by name: "bfloat16"; see
         rollfleet.weights.buckets.dtype_name). load_format None: one broadcast per tensor;
-        "flattened_bucket": one uint8 broadcast of all their bytes, in order."""
+        "flattened_bucket": one uint8 broadcast of all their bytes, in order. `order`: (sync id,
+        call number) for engines with `rollfleet_ordered_weight_calls` (rollfleet.engine.call_order)."""
         payload = {"names": names, "dtypes": dtypes, "shapes": [list(s) for s in shapes], "group_name": group_name,
                    "load_format": load_format, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             payload["weight_version"] = weight_version
+        if order is not None:
+            payload["rollfleet_sync_id"], payload["rollfleet_call"] = order
         return await self._call("POST", "/update_weights_from_distributed", payload)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:

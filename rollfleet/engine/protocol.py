@@ -107,6 +107,9 @@ class UpdateWeightsFromDistributedRequest(_Lenient):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: Literal["flattened_bucket"] | None = None
+    # rollfleet extension (rollfleet.engine.call_order): numbered calls run in number order
+    rollfleet_sync_id: str | None = None
+    rollfleet_call: int | None = Field(None, ge=0)
 
 
 class DestroyWeightsUpdateGroupRequest(_Lenient):

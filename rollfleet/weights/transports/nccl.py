@@ -7,13 +7,18 @@ call (whole decoder layers, about bucket_mb): announce it to every engine
 in order) and broadcast their bytes as one uint8 tensor without waiting for it: call k+1 is packed
 while call k is on the wire (two reusable buffers, kept while connected: the sender's extra memory
 is two buckets).
-Call k+1 is announced once every engine has answered call k; an engine answers when its receive
-is posted, so the wire stays busy while the calls stay in broadcast order. A join that does not
-complete in time fails with the group, the ranks and the address named, instead of hanging.
+An engine must run the calls in broadcast order, and two requests in flight may reach it in either
+order. Engines that advertise `rollfleet_ordered_weight_calls` (the embedded one) take numbered
+calls and run them in number order (rollfleet.engine.call_order), so call k+1 is announced while
+call k is on the wire. Others (SGLang) get call k+1 once every engine has answered call k (an
+engine answers when its receive is posted). A join that does not complete in time fails with the
+group, the ranks and the address named, instead of hanging.
 """
 
 from __future__ import annotations
 
+import secrets
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -27,6 +32,7 @@ from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls,
 from rollfleet.weights.transports.staging import DoubleBuffer, call_bytes, pack_bytes, wait_all
 
 GROUP_NAME = "rollfleet_weight_update"
+CALLS_AHEAD = 2  # announced calls an ordered engine may hold (each may allocate a receive buffer)
 
 
 @register
@@ -39,6 +45,7 @@ class NcclTransport(Transport):
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.world_size = 1 + sum(t.num_ranks for t in targets)
         self.group = None
+        self.calls_ahead = 1  # set at connect(), from what the engines support
         # Kept for the transport's life: NCCL releases a finished broadcast's tensors from its own
         # thread, later, so buffers made per sync overlapped the next sync's (three buckets seen)
         self.buffers = DoubleBuffer(self.spec.bucket_bytes)
@@ -53,18 +60,24 @@ class NcclTransport(Transport):
             self.group = join_weight_update_group(self.spec.master_address, port, 0, self.world_size, GROUP_NAME,
                                                   self.backend, timedelta(seconds=self.spec.join_timeout_s))
             joins.result(timeout=self.spec.join_timeout_s + 30)
+            infos = self.calls.each("get_server_info", lambda t: ((), {})).result()
         except Exception as exc:
             ranks = {t.engine_id: list(range(t.rank_offset, t.rank_offset + t.num_ranks)) for t in self.targets}
             raise RuntimeError(
                 f"weight update group {GROUP_NAME!r} at {where} did not form within {self.spec.join_timeout_s:.0f} s "
                 f"(world_size={self.world_size}; sender rank 0; engine ranks {ranks}): {exc}; check that every "
                 "engine can reach the address and that nothing else uses the port") from exc
+        # Engines that run numbered calls in order (rollfleet.engine.call_order) take the next
+        # calls' announcements while a call is on the wire; others (SGLang) get one call at a time.
+        ordered = all(info.get("rollfleet_ordered_weight_calls") for info in infos)
+        self.calls_ahead = CALLS_AHEAD if ordered else 1
 
     def send(self, source: WeightSource, version: str) -> SyncReport:
         assert self.group is not None, "connect() first"
         report, collectors = self._new_report(version), self._collectors()
         broadcasts: list = [None, None]  # the broadcast that last used each buffer
-        announced = None  # the engines' answers to the last announcement
+        answers: deque = deque()  # the engines' answers to announced calls, oldest first
+        sync_id = f"{version}:{secrets.token_hex(4)}"
         with timed(report):
             try:
                 calls = iter_calls(self._recorded(source, report, collectors), self.spec.bucket_bytes)
@@ -75,31 +88,27 @@ class NcclTransport(Transport):
                             broadcasts[slot].wait()
                             broadcasts[slot] = None
                         flat = pack_bytes(call, self.buffers.take(slot, call_bytes(call), self.device))
-                    if announced is not None:
-                        # Every engine has taken the previous call (it answers once its receive is
-                        # posted, not when the bytes have arrived): announcing now keeps the calls in
-                        # broadcast order, which two requests in flight at once would not guarantee.
-                        announced, previous = None, announced
-                        with timed(report, "wait_engines"):
-                            previous.result()
+                    with timed(report, "wait_engines"):
+                        while len(answers) >= self.calls_ahead:
+                            answers.popleft().result()
                     names = [name for name, _ in call]
                     dtypes = [dtype_name(tensor.dtype) for _, tensor in call]
                     shapes = [list(tensor.shape) for _, tensor in call]
-                    announced = self.calls.each("update_weights_from_distributed", lambda t: (
+                    order = (sync_id, index) if self.calls_ahead > 1 else None
+                    answers.append(self.calls.each("update_weights_from_distributed", lambda t: (
                         (names, dtypes, shapes), {"group_name": GROUP_NAME, "load_format": "flattened_bucket",
-                                                  "flush_cache": False}))
+                                                  "flush_cache": False, "order": order})))
                     # one broadcast of every tensor's bytes back to back (mixed dtypes are allowed);
-                    # it runs while the next call is packed
+                    # it runs while the next call is packed and announced
                     broadcasts[slot] = dist.broadcast(flat, group=self.group, group_src=0, async_op=True)
                     report.buckets += 1
-                if announced is not None:
-                    announced, previous = None, announced
-                    with timed(report, "wait_engines"):
-                        previous.result()
+                with timed(report, "wait_engines"):
+                    while answers:
+                        answers.popleft().result()
             finally:
                 # every started announcement and broadcast completes, so the group is not left with a
                 # half-done transfer; after an error, theirs are its consequences
-                wait_all(announced, *broadcasts)
+                wait_all(*answers, *broadcasts)
             setting = self.calls.each("update_weight_version", lambda t: ((version,), {}))
             self._finish_fingerprints(report, collectors)
             with timed(report, "set_version"):
