@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         "ratio_sync_to_raw": round(raw_seconds / send_seconds, 3),
         "ratio_sync_plus_verify_to_raw": round(raw_seconds / full_seconds, 3), "verified": not problems,
         "sync_seconds": [round(x, 4) for x in sends], "raw_seconds": round(raw_seconds, 4),
+        "verify_seconds": [round(full - send, 4) for send, full in zip(sends, fulls)],
         "phases_last_sync": {k: round(v, 4) for k, v in report.phases.items()},
         "sender_peak_extra_gb": round((torch.cuda.max_memory_allocated(0) - sender_before) / 1e9, 2) if gpu else None,
         "engine_memory": engine_memory,
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  ratio full sync / raw:                     {figures['ratio_sync_to_raw']:8.3f}")
     print(f"  ratio full sync + verification / raw:      {figures['ratio_sync_plus_verify_to_raw']:8.3f}")
     print(f"  timed syncs (s): {figures['sync_seconds']} (median of {len(sends)}); raw {figures['raw_seconds']} s")
+    print(f"  verification (s): {figures['verify_seconds']}")
     print(f"  verified by fingerprint:                   {figures['verified']}  {problems or ''}")
     if gpu:
         print(f"  sender peak extra GPU memory:              {figures['sender_peak_extra_gb']} GB")

@@ -7,6 +7,7 @@ use collectives (weight updates, full tensors, fingerprints) rely on that.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -94,6 +95,9 @@ class WeightGroup:
     rank: int
     world_size: int
     device: torch.device
+    # GPU receives run on a stream of their own: a broadcast launched from the default stream would
+    # wait for the previous call's copy into the parameters, leaving the wire idle during each copy
+    stream: torch.cuda.Stream | None = None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -173,6 +177,11 @@ class ModelRunner:
         # alternates two buffers, and a buffer still referenced here is not mapped again (opening a
         # CUDA IPC handle costs far more than reading a few hundred MB).
         self._held_payloads: deque = deque(maxlen=2)
+        # Fingerprints of parameters taken right after an update copied into them (on the device,
+        # hashed while later calls arrive), so verification need not sample every tensor again.
+        # Only parameters that are their checkpoint tensor and unsharded (tp=1, not fused experts);
+        # anything else that changes weights (a LoRA merge, release) drops them all.
+        self._forget_load_prints()
 
     @property
     def tp_rank(self) -> int:
@@ -365,8 +374,12 @@ class ModelRunner:
         try:
             if load_format == "flattened_bucket":
                 sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
-                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
-                dist.broadcast(flat, group=group.group, group_src=0)
+                with torch.cuda.stream(group.stream) if group.stream is not None else contextlib.nullcontext():
+                    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
+                    dist.broadcast(flat, group=group.group, group_src=0)
+                if group.stream is not None:  # the copies (default stream) start once the bytes landed
+                    torch.cuda.current_stream(group.device).wait_stream(group.stream)
+                    flat.record_stream(torch.cuda.current_stream(group.device))  # freed only after they read it
                 tensors, offset = {}, 0
                 for (name, dtype, shape), size in zip(specs, sizes):
                     tensors[name] = view_bytes_as(flat[offset:offset + size], dtype).view(shape)
@@ -403,11 +416,28 @@ class ModelRunner:
                 if target.device != value.device or target.dtype != value.dtype:
                     target.copy_(value)
         self.loaded_names |= set(tensors)
+        self._take_load_prints(tensors)
         if SYNC_TIMING:
             clock.append(time.perf_counter())
             phases = zip(("receive", "stage", "gather", "copy"), (b - a for a, b in zip(clock, clock[1:])))
             log.warning("weight update of %d tensors: %s", len(tensors),
                         " ".join(f"{name}={seconds * 1e3:.2f}ms" for name, seconds in phases))
+
+    def _take_load_prints(self, names) -> None:
+        for name in names:
+            param = self.params.get(self.plain_to_param.get(name, ""))
+            if param is not None and not isinstance(param, DTensor):
+                self._load_prints.add(name, param.data)
+            else:
+                self._load_digests.pop(name, None)  # computed from the parameter when asked
+        self._load_prints.flush()
+
+    def _digests_taken_at_load(self) -> dict[str, str]:
+        self._load_digests.update(self._load_prints.digests())  # waits for the device's pending copies
+        return self._load_digests
+
+    def _forget_load_prints(self) -> None:
+        self._load_prints, self._load_digests = Fingerprints(), {}
 
     def _check(self, tensors: dict[str, torch.Tensor], complete: bool) -> dict[str, torch.Tensor]:
         """Check every name, shape and dtype and fuse into in-memory names; works on meta tensors too."""
@@ -478,7 +508,8 @@ class ModelRunner:
                 error = f"rank {rank}: {_first_line(exc)}"
             else:
                 device = self.device if backend == "nccl" else torch.device("cpu")
-                self.weight_groups[group_name] = WeightGroup(joined, rank, world_size, device)
+                stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+                self.weight_groups[group_name] = WeightGroup(joined, rank, world_size, device, stream)
         errors = self._gather(error)
         if any(errors):
             if joined is not None:  # another rank failed: leave no half-joined group behind
@@ -530,7 +561,12 @@ class ModelRunner:
         unknown = sorted(wanted - set(self.checkpoint_to_param))
         if unknown:
             raise WeightUpdateError(f"names not in this model: {unknown[:10]}")
-        collector = Fingerprints(samples=samples)
+        start = time.perf_counter()
+        taken = self._digests_taken_at_load()
+        known = {} if samples != self._load_prints.samples else {name: taken[name] for name in wanted if name in taken}
+        wanted -= set(known)
+        # parameters stay alive anyway: gather their samples once, not every HOLD_BYTES
+        collector = Fingerprints(samples=samples, hold_bytes=math.inf)
         for name in sorted(n for n in wanted if n in self.plain_to_param):
             collector.add(name, _full(self.params[self.plain_to_param[name]]))  # collective on DTensors
         fused = {self.checkpoint_to_param[n] for n in wanted if n not in self.plain_to_param}
@@ -539,7 +575,11 @@ class ModelRunner:
             for name, tensor in model_to_checkpoint(self.model, {param_name: full}).items():
                 if name in wanted:
                     collector.add(name, tensor)
-        return collector.digests()
+        digests = {**known, **collector.digests()}
+        if SYNC_TIMING:
+            log.warning("fingerprints of %d tensors (%d taken at load): %.2fms", len(digests), len(known),
+                        (time.perf_counter() - start) * 1e3)
+        return digests
 
     @property
     def dtype(self) -> torch.dtype:
@@ -628,6 +668,7 @@ class ModelRunner:
         self._restore_base_weights()
         if lora_name is None:
             return
+        self._forget_load_prints()
         for target in self.lora_adapters[lora_name].targets:
             param = self.params[f"{target.module}.weight"]
             local = _local(param)
@@ -661,6 +702,7 @@ class ModelRunner:
             for storage, _ in self._storages:
                 storage.resize_(0)
             self.loaded_names = set()  # SGLang semantics: released weights must be pushed again
+            self._forget_load_prints()
         if KV_CACHE_TAG in tags:
             self.cache = None
         self._empty_cache()
