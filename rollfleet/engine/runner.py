@@ -177,8 +177,8 @@ class ModelRunner:
         # alternates two buffers, and a buffer still referenced here is not mapped again (opening a
         # CUDA IPC handle costs far more than reading a few hundred MB).
         self._held_payloads: deque = deque(maxlen=2)
-        # Fingerprints of parameters taken right after an update copied into them (on the device,
-        # hashed while later calls arrive), so verification need not sample every tensor again.
+        # Fingerprints of parameters sampled right after an update copied into them (gathered on the
+        # device; copied to the host and hashed when asked), so verification samples no tensor again.
         # Only parameters that are their checkpoint tensor and unsharded (tp=1, not fused experts);
         # anything else that changes weights (a LoRA merge, release) drops them all.
         self._forget_load_prints()
@@ -431,6 +431,8 @@ class ModelRunner:
             else:
                 self._load_digests.pop(name, None)  # computed from the parameter when asked
         self._load_prints.flush()
+        if self._load_prints.pending > 2 * len(self.plain_to_param):  # nobody asked for a while
+            self._digests_taken_at_load()  # bounds the samples held on the device
 
     def _digests_taken_at_load(self) -> dict[str, str]:
         self._load_digests.update(self._load_prints.digests())  # waits for the device's pending copies

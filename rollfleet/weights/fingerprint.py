@@ -6,9 +6,8 @@ of them with `step = numel // samples` (all elements when there are fewer): a st
 sampling launches no kernel per tensor. Casts between the dtypes used here are exact into float32,
 so sender and engine agree bit for bit on the same weights, on any device.
 
-`Fingerprints` batches many tensors: pending samples are gathered with one `torch.cat` per dtype,
-copied to the host without blocking and hashed once the copy is done, so hashing overlaps the
-transfer instead of following it. Pending views keep their tensors alive, so the collector
+`Fingerprints` batches many tensors: pending samples are gathered with one `torch.cat` per dtype
+and copied to the host once, at `digests()`. Pending views keep their tensors alive, so the collector
 gathers early once they reference more than `hold_bytes` (a sender's gathered full tensors are
 temporaries).
 """
@@ -32,8 +31,11 @@ def sample_view(tensor: torch.Tensor, samples: int = DEFAULT_SAMPLES) -> torch.T
     return flat[: step * samples: step]
 
 
-def _digest(values: torch.Tensor, shape: tuple[int, ...]) -> str:
-    digest = hashlib.sha256(values.contiguous().view(torch.uint8).numpy().tobytes())
+def _digest(data, shape: tuple[int, ...]) -> str:
+    """`data`: a float32 tensor on the host, or its bytes."""
+    if isinstance(data, torch.Tensor):
+        data = memoryview(data.contiguous().numpy()).cast("B")
+    digest = hashlib.sha256(data)
     digest.update(str(tuple(shape)).encode())
     return digest.hexdigest()[:24]
 
@@ -49,20 +51,14 @@ def fingerprint(tensor: torch.Tensor, dtype: torch.dtype | None = None, samples:
 
 
 class Fingerprints:
-    """Collect fingerprints of many tensors, hashing them while the device works on.
-
-    Pending sample views are gathered (one `cat` per device and dtype) once they reference more
-    than `hold_bytes`, or at `flush()`; a gathered GPU batch goes to pinned host memory without
-    blocking, and is hashed by a later `add`/`flush` once its copy has finished, or by
-    `digests()`, which waits for the rest."""
+    """Collect fingerprints of many tensors; one host copy per device at `digests()`."""
 
     def __init__(self, dtype: torch.dtype | None = None, samples: int = DEFAULT_SAMPLES,
                  hold_bytes: float = HOLD_BYTES):
         self.dtype, self.samples, self.hold_bytes = dtype, samples, hold_bytes
         self._views: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
         self._held = 0
-        self._batches: list[tuple[list[tuple[str, tuple[int, ...], int]], torch.Tensor, object]] = []
-        self._digests: dict[str, str] = {}
+        self._gathered: list[tuple[list[tuple[str, tuple[int, ...], int]], torch.Tensor]] = []
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         self._views.append((name, tuple(tensor.shape), sample_view(tensor, self.samples)))
@@ -71,43 +67,36 @@ class Fingerprints:
             self.flush()
 
     def flush(self) -> None:
-        """Gather the pending views now (their tensors may change or go after this), and hash the
-        batches whose host copy has finished."""
+        """Gather the pending views now, on their device (one `cat` per device and dtype): their
+        tensors may change or go after this."""
         groups: dict[tuple[torch.device, torch.dtype], list] = {}
         for entry in self._views:
             groups.setdefault((entry[2].device, entry[2].dtype), []).append(entry)
         for entries in groups.values():
             values = _as_float32(torch.cat([view for _, _, view in entries]), self.dtype)
-            records = [(name, shape, view.numel()) for name, shape, view in entries]
-            copied = None
-            if values.is_cuda:  # to the host without waiting for the device
-                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-                host.copy_(values, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-                values = host
-            self._batches.append((records, values, copied))
+            self._gathered.append(([(name, shape, view.numel()) for name, shape, view in entries], values))
         self._views, self._held = [], 0
-        self._hash(wait=False)
 
-    def _hash(self, wait: bool) -> None:
-        while self._batches:
-            records, values, copied = self._batches[0]
-            if copied is not None:
-                if not wait and not copied.query():
-                    return  # batches finish in order: the later ones are not ready either
-                copied.synchronize()
-            start = 0
-            for name, shape, count in records:
-                self._digests[name] = _digest(values[start:start + count], shape)
-                start += count
-            self._batches.pop(0)
+    @property
+    def pending(self) -> int:
+        """Tensors added since the last `digests()`."""
+        return len(self._views) + sum(len(records) for records, _ in self._gathered)
 
     def digests(self) -> dict[str, str]:
-        """Every fingerprint collected since the last call (waits for the device's copies)."""
+        """Every fingerprint collected since the last call; the later of two for one name wins."""
         self.flush()
-        self._hash(wait=True)
-        out, self._digests = self._digests, {}
+        out: dict[str, str] = {}
+        by_device: dict[torch.device, list] = {}
+        for records, values in self._gathered:
+            by_device.setdefault(values.device, []).append((records, values))
+        for batches in by_device.values():
+            host = torch.cat([values for _, values in batches]).cpu()  # the one device-to-host copy
+            data, start = memoryview(host.numpy()).cast("B"), 0  # float32: 4 bytes per value
+            for records, _ in batches:
+                for name, shape, count in records:
+                    out[name] = _digest(data[4 * start:4 * (start + count)], shape)
+                    start += count
+        self._gathered = []
         return out
 
 

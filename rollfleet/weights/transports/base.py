@@ -132,8 +132,9 @@ class Transport(ABC):
 
     def _finish_fingerprints(self, report: SyncReport, collectors: dict) -> None:
         """Fill report.fingerprints from what `_recorded` collected. Call it after the last call went
-        out: it waits for the sender's device (one host copy), which must not stall the pipeline."""
-        with timed(report, "fingerprint"):
+        out: it waits for the sender's device (the host copies of the samples), which must not stall
+        the pipeline."""
+        with timed(report, "fingerprint_finish"):
             digests = {dtype: collector.digests() for dtype, collector in collectors.items()}
         for target in self.targets:
             report.fingerprints[target.engine_id] = digests[target.dtype]
