@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import shutil
 import tempfile
 
@@ -13,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollfleet.engine.client import EngineClient
-from rollfleet.engine.launch import EngineProcess, embedded_argv, free_port
+from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv, free_port
 from rollfleet.tiny import make_tiny_model
 
 
@@ -54,13 +55,12 @@ def local_ray():
 
 @contextlib.contextmanager
 def engine_server(model_path: str, log_dir, **kwargs):
-    port = free_port()
-    proc = EngineProcess(embedded_argv(model_path, port, **kwargs), port=port, log_path=log_dir / f"engine-{port}.log")
-    try:
-        proc.wait_until_up(timeout=120)
-        yield proc
-    finally:
-        proc.stop()
+    key = f"engine-{next(_SERVER_NUMBERS)}"  # its log's name: several may share a directory
+    with engine_servers({key: (model_path, kwargs)}, log_dir) as procs:
+        yield procs[key]
+
+
+_SERVER_NUMBERS = itertools.count()
 
 
 @contextlib.contextmanager
@@ -68,12 +68,23 @@ def engine_servers(plan: dict[str, tuple[str, dict]], log_dir):
     """Several servers, `plan` = key -> (model path, embedded_argv kwargs): all started, then waited
     for, so their loads overlap; key -> EngineProcess."""
     procs = {}
+
+    def start(key):
+        path, kwargs = plan[key]
+        port = free_port()
+        procs[key] = EngineProcess(embedded_argv(path, port, **kwargs), port=port, log_path=log_dir / f"{key}.log")
     try:
-        for key, (path, kwargs) in plan.items():
-            port = free_port()
-            procs[key] = EngineProcess(embedded_argv(path, port, **kwargs), port=port, log_path=log_dir / f"{key}.log")
-        for proc in procs.values():
-            proc.wait_until_up(timeout=180)
+        for key in plan:
+            start(key)
+        for key in plan:
+            for attempt in range(3):
+                try:
+                    procs[key].wait_until_up(timeout=180)
+                    break
+                except PortInUse:  # another process (a starting engine's store) took the port meanwhile
+                    if attempt == 2:
+                        raise
+                    start(key)
         yield procs
     finally:
         for proc in procs.values():
