@@ -115,7 +115,11 @@ def follow(runner: ModelRunner, group) -> None:
     """A follower rank: run whatever rank 0 announces, until it says shutdown."""
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0, group=group)
+        try:
+            dist.broadcast_object_list(box, src=0, group=group)
+        except RuntimeError as exc:  # rank 0 exited (stopped or crashed): nothing left to follow
+            log.warning("follower: rank 0 is gone (%s); exiting", str(exc).splitlines()[0][:200])
+            return
         action, kwargs = box[0]
         if action == SHUTDOWN:
             return
