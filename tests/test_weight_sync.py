@@ -125,13 +125,17 @@ class LastLayerWrong:
             yield (name, tensor[:-1]) if name.endswith("layers.1.mlp.down_proj.weight") else (name, tensor)
 
 
-@pytest.mark.parametrize("name", ["tensor", "nccl"])
+@pytest.mark.parametrize("name", ["tensor", "nccl", "nccl-one-call-at-a-time"])
 def test_refused_late_call_leaves_transport_usable(dense_fleet, qwen3_dir, qwen3_dir_b, name):
     """A pipelined sync refused in a late call raises naming the tensor, drains what was in flight,
     and the same connected transport (the same NCCL group) then delivers a good sync."""
     from rollfleet.weights.transports import make_transport
-    transport = make_transport(TRANSPORTS[name], dense_fleet.weight_targets(), timeout_s=60)
+    transport = make_transport(TRANSPORTS[name.split("-")[0]], dense_fleet.weight_targets(), timeout_s=60)
     transport.connect()
+    if name.startswith("nccl"):
+        assert transport.calls_ahead == 2  # embedded engines run numbered calls in order
+    if name == "nccl-one-call-at-a-time":
+        transport.calls_ahead = 1  # what engines that do not (SGLang) get: unnumbered calls, one in flight
     try:
         bad = AutoModelForCausalLM.from_pretrained(qwen3_dir_b, dtype=torch.float32)
         with pytest.raises(Exception, match="layers.1.mlp.down_proj.weight"):
