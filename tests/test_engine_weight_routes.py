@@ -210,6 +210,22 @@ def test_distributed_route_buckets_and_per_tensor_broadcasts(servers, key, qwen3
     sender.close()
 
 
+def test_distributed_bucket_of_mixed_dtypes(servers, qwen3_dir, qwen3_dir_b):
+    """One flattened broadcast holding float32 and bfloat16 tensors back to back; the engine (float32)
+    casts on load."""
+    engine = servers["tp1"]
+    call(engine, "update_weights_from_disk", qwen3_dir, weight_version="a")
+    sender = Sender(engine, 1, group_name="mixed")
+    new = checkpoint(qwen3_dir_b)
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    named = [(q, new[q]), (k, new[k].to(torch.bfloat16))]
+    assert sender.update(named, load_format="flattened_bucket")["success"] is True
+    for name, tensor in named:
+        got = call(engine, "get_weights_by_name", name, truncate_size=7)
+        assert torch.equal(torch.tensor(got), tensor.float().flatten()[:7])
+    sender.close()
+
+
 def test_numbered_calls_run_in_number_order_whatever_order_they_arrive_in(servers, qwen3_dir, qwen3_dir_b):
     """rollfleet's extension: every call is announced before any broadcast, the last first; the
     engine runs them by number, so each receives its own broadcast."""

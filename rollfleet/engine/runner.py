@@ -40,7 +40,7 @@ from rollfleet.engine.lora import (
 )
 from rollfleet.weights.buckets import Bucket, dtype_from_name, view_bytes_as
 from rollfleet.weights.group import join_weight_update_group
-from rollfleet.weights.fingerprint import Fingerprints
+from rollfleet.weights.fingerprint import Fingerprints, sample_view
 from rollfleet.weights.naming import checkpoint_to_model, model_to_checkpoint, plain_names
 from rollfleet.weights.serialize import safe_loads
 
@@ -181,6 +181,7 @@ class ModelRunner:
         # device; copied to the host and hashed when asked), so verification samples no tensor again.
         # Only parameters that are their checkpoint tensor and unsharded (tp=1, not fused experts);
         # anything else that changes weights (a LoRA merge, release) drops them all.
+        self._sample_views: dict[str, torch.Tensor | None] = {}
         self._forget_load_prints()
 
     @property
@@ -380,6 +381,9 @@ class ModelRunner:
                 if group.stream is not None:  # the copies (default stream) start once the bytes landed
                     torch.cuda.current_stream(group.device).wait_stream(group.stream)
                     flat.record_stream(torch.cuda.current_stream(group.device))  # freed only after they read it
+                if len({dtype for _, dtype, _ in specs}) == 1:  # the usual call: one split, no per-tensor slicing
+                    pieces = flat.view(specs[0][1]).split([math.prod(shape) for _, _, shape in specs])
+                    return {name: piece.view(shape) for (name, _, shape), piece in zip(specs, pieces)}
                 tensors, offset = {}, 0
                 for (name, dtype, shape), size in zip(specs, sizes):
                     tensors[name] = view_bytes_as(flat[offset:offset + size], dtype).view(shape)
@@ -425,14 +429,23 @@ class ModelRunner:
 
     def _take_load_prints(self, names) -> None:
         for name in names:
-            param = self.params.get(self.plain_to_param.get(name, ""))
-            if param is not None and not isinstance(param, DTensor):
-                self._load_prints.add(name, param.data)
+            sample = self._load_sample(name)
+            if sample is not None:
+                self._load_prints.add_sample(name, self.checkpoint_shapes[name], sample)
             else:
                 self._load_digests.pop(name, None)  # computed from the parameter when asked
         self._load_prints.flush()
         if self._load_prints.pending > 2 * len(self.plain_to_param):  # nobody asked for a while
             self._digests_taken_at_load()  # bounds the samples held on the device
+
+    def _load_sample(self, name: str) -> torch.Tensor | None:
+        """The sample view of an unsharded plain parameter (made once: a view of the parameter's
+        storage stays valid through updates, merges and release/resume), else None."""
+        if name not in self._sample_views:
+            param = self.params.get(self.plain_to_param.get(name, ""))
+            plain = param is not None and not isinstance(param, DTensor)
+            self._sample_views[name] = sample_view(param.data, self._load_prints.samples) if plain else None
+        return self._sample_views[name]
 
     def _digests_taken_at_load(self) -> dict[str, str]:
         self._load_digests.update(self._load_prints.digests())  # waits for the device's pending copies
@@ -476,10 +489,12 @@ class ModelRunner:
         staged = []
         for name, full in self._check(tensors, complete).items():
             param = self.params[name]
-            full = full.to(device=_local(param).device, dtype=param.dtype)
+            local = _local(param)
+            if full.device != local.device or full.dtype != param.dtype:
+                full = full.to(device=local.device, dtype=param.dtype)
             if isinstance(param, DTensor):
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-            staged.append((_local(param), full))
+            staged.append((local, full))
         return staged
 
     # ---- weight-update groups (lockstep) ----------------------------------------------------

@@ -66,6 +66,11 @@ class Fingerprints:
         if self._held > self.hold_bytes:
             self.flush()
 
+    def add_sample(self, name: str, shape: tuple[int, ...], sample: torch.Tensor) -> None:
+        """`sample`: `sample_view(tensor, self.samples)` of a tensor of `shape` that outlives the
+        collector's next `flush()` (an engine's parameter)."""
+        self._views.append((name, tuple(shape), sample))
+
     def flush(self) -> None:
         """Gather the pending views now, on their device (one `cat` per device and dtype): their
         tensors may change or go after this."""
