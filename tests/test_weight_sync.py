@@ -22,24 +22,25 @@ PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7]]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
-def make_fleet(model_dir, log_dir, *overrides):
+def running_fleet(model_dir, log_dir, *overrides):
+    """A fleet for a module fixture (`yield from`): shut down when the module ends."""
     cfg = load_config(None, [f"rollout.model_path={model_dir}", "rollout.use_gpu=true",
                              f"rollout.log_dir={log_dir}", *overrides])
-    return Fleet.from_config(cfg)
+    fleet = Fleet.from_config(cfg)
+    try:
+        yield fleet
+    finally:
+        fleet.shutdown()
 
 
 @pytest.fixture(scope="module")
 def dense_fleet(local_ray, qwen3_dir, tmp_path_factory):
-    fleet = make_fleet(qwen3_dir, tmp_path_factory.mktemp("logs"), "rollout.num_engines=2")
-    yield fleet
-    fleet.shutdown()
+    yield from running_fleet(qwen3_dir, tmp_path_factory.mktemp("logs"), "rollout.num_engines=2")
 
 
 @pytest.fixture(scope="module")
 def moe_fleet(local_ray, moe_dir, tmp_path_factory):
-    fleet = make_fleet(moe_dir, tmp_path_factory.mktemp("logs"), "rollout.tp_size=2", "rollout.ep_size=2")
-    yield fleet
-    fleet.shutdown()
+    yield from running_fleet(moe_dir, tmp_path_factory.mktemp("logs"), "rollout.tp_size=2", "rollout.ep_size=2")
 
 
 def transport(name, tmp_path):

@@ -10,21 +10,17 @@ from transformers import AutoModelForCausalLM
 
 from conftest import reference_greedy
 from rollfleet.weights.source import ModuleSource
-from test_weight_sync import PROMPTS, greedy, make_fleet, transport
+from test_weight_sync import PROMPTS, greedy, running_fleet, transport
 
 
 @pytest.fixture(scope="module")
 def dense_tp2_fleet(local_ray, qwen3_dir, tmp_path_factory):
-    fleet = make_fleet(qwen3_dir, tmp_path_factory.mktemp("logs"), "rollout.tp_size=2")
-    yield fleet
-    fleet.shutdown()
+    yield from running_fleet(qwen3_dir, tmp_path_factory.mktemp("logs"), "rollout.tp_size=2")
 
 
 @pytest.fixture(scope="module")
 def moe_tp1_fleet(local_ray, moe_dir, tmp_path_factory):
-    fleet = make_fleet(moe_dir, tmp_path_factory.mktemp("logs"))
-    yield fleet
-    fleet.shutdown()
+    yield from running_fleet(moe_dir, tmp_path_factory.mktemp("logs"))
 
 
 @pytest.mark.parametrize("name", ["tensor", "nccl", "disk"])
