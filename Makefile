@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench-batching clean
+.PHONY: demo test lint bench-batching clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,8 +12,12 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed lint
 	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check rollfleet tests scripts examples
+	$(VENV)/bin/ruff format --check rollfleet tests scripts examples
 
 demo: $(VENV)/.installed
 	$(PY) -m rollfleet.demo

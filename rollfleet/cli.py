@@ -7,11 +7,13 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: rollfleet train CONFIG.yaml [key.path=value ...] [--resume]\n"
-             "       rollfleet serve [engine flags]   (see rollfleet serve --help)\n"
-             "       rollfleet bench batching [--requests N]\n"
-             "       rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X\n"
-             "       rollfleet bench recovery [--hidden 256 --layers 8]")
+    usage = (
+        "usage: rollfleet train CONFIG.yaml [key.path=value ...] [--resume]\n"
+        "       rollfleet serve [engine flags]   (see rollfleet serve --help)\n"
+        "       rollfleet bench batching [--requests N]\n"
+        "       rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X\n"
+        "       rollfleet bench recovery [--hidden 256 --layers 8]"
+    )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return
@@ -20,15 +22,19 @@ def main(argv: list[str] | None = None) -> None:
         train_command(rest)
     elif command == "serve":
         from rollfleet.engine.server import main as serve
+
         serve(rest)
     elif command == "bench" and rest[:1] == ["batching"]:
         from rollfleet.bench.batching import main as bench_batching
+
         bench_batching(rest[1:])
     elif command == "bench" and rest[:1] == ["recovery"]:
         from rollfleet.bench.recovery import main as bench_recovery
+
         bench_recovery(rest[1:])
     elif command == "bench" and rest[:1] == ["weight-sync"]:
         from rollfleet.bench.weight_sync import main as bench_weight_sync
+
         bench_weight_sync(rest[1:])
     else:
         sys.exit(f"unknown command {' '.join(argv[:2])!r}\n{usage}")
@@ -36,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train_command(args: list[str]) -> None:
     from rollfleet.config import ConfigError, load_config
+
     resume = "--resume" in args
     args = [a for a in args if a != "--resume"]
     if not args or "=" in args[0]:
@@ -45,6 +52,7 @@ def train_command(args: list[str]) -> None:
     except ConfigError as err:
         sys.exit(str(err))
     from rollfleet.train.loop import train
+
     output_dir = train(cfg, resume=resume)
     print(f"metrics, TensorBoard, checkpoints and curves.png are in {output_dir}")
 

@@ -93,9 +93,12 @@ class RolloutConfig(_Section):
     probe_interval_s: float = Field(2.0, gt=0.0, description="Seconds between health probes of each ACTIVE engine.")
     probe_timeout_s: float = Field(5.0, gt=0.0, description="A probe slower than this counts as failed.")
     probe_failures: int = Field(3, ge=1, description="Consecutive failed probes that mark an engine INACTIVE.")
-    auto_restart: bool = Field(True, description="Restart INACTIVE engines in the background (see Fleet.restart_inactive).")
+    auto_restart: bool = Field(
+        True, description="Restart INACTIVE engines in the background (see Fleet.restart_inactive)."
+    )
     recovery_wait_s: float = Field(
-        300.0, ge=0.0, description="With no ACTIVE engine, how long generate waits for one to recover before failing.")
+        300.0, ge=0.0, description="With no ACTIVE engine, how long generate waits for one to recover before failing."
+    )
     startup_timeout_s: float = Field(300.0, gt=0.0, description="Seconds to wait for an engine server to be ready.")
     log_dir: str = Field("logs/engines", description="Directory for engine server logs.")
 
@@ -153,20 +156,30 @@ class TrainConfig(_Section):
     lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate (constant).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
-    micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward on one rank (gradient accumulation).")
+    micro_batch_size: int = Field(
+        8, ge=1, description="Samples per forward/backward on one rank (gradient accumulation)."
+    )
     grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this; 0 turns clipping off.")
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="Ratio clip below: ratio >= 1 - clip_low.")
-    clip_high: float = Field(0.28, ge=0.0, description="Ratio clip above: ratio <= 1 + clip_high (0.28 is DAPO's clip-higher).")
+    clip_high: float = Field(
+        0.28, ge=0.0, description="Ratio clip above: ratio <= 1 + clip_high (0.28 is DAPO's clip-higher)."
+    )
     token_level_loss: bool = Field(
         True, description="Average the loss over every token of the batch; False: per sample, then over samples."
     )
-    scale_adv_by_std: bool = Field(True, description="Divide group advantages by the group's reward std (False: Dr. GRPO).")
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to a frozen reference model; 0 loads no reference.")
+    scale_adv_by_std: bool = Field(
+        True, description="Divide group advantages by the group's reward std (False: Dr. GRPO)."
+    )
+    kl_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the k3 KL to a frozen reference model; 0 loads no reference."
+    )
     mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="Compute dtype: auto = bf16 on GPU, fp32 on CPU; bf16 needs a GPU. Master weights stay fp32."
+        "auto",
+        description="Compute dtype: auto = bf16 on GPU, fp32 on CPU; bf16 needs a GPU. Master weights stay fp32.",
     )
     offload: bool = Field(
-        False, description="Move parameters and optimizer state to CPU between steps (colocated, GPU only; no-op on CPU)."
+        False,
+        description="Move parameters and optimizer state to CPU between steps (colocated, GPU only; no-op on CPU).",
     )
     seed: int = Field(0, description="Torch seed set before the model is built.")
 
@@ -176,17 +189,30 @@ class GrpoConfig(_Section):
 
     steps: int = Field(50, ge=1, description="Training steps (one generate + train + sync each).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; each gets rollout.sampling.n samples.")
-    dataset: str = Field("synthetic", description="'synthetic' (the bundled copy task) or a JSONL path of {prompt, answer}.")
+    dataset: str = Field(
+        "synthetic", description="'synthetic' (the bundled copy task) or a JSONL path of {prompt, answer}."
+    )
     synthetic_prompts: int = Field(512, ge=1, description="Size of the synthetic dataset.")
     synthetic_digits: int = Field(3, ge=1, description="Digits per synthetic prompt.")
-    reward: str = Field("rollfleet.rewards.basic:copy_digits", description="Reward function, 'package.module:function'.")
-    reward_threads: int = Field(4, ge=1, description="Threads computing rewards (slow rewards leave the critical path).")
-    output_dir: str = Field("runs/default", description="Metrics, TensorBoard, checkpoints and the reward plot go here.")
-    checkpoint_every: int = Field(0, ge=0, description="Save an HF checkpoint and trainer state every K steps; 0: at the end only.")
+    reward: str = Field(
+        "rollfleet.rewards.basic:copy_digits", description="Reward function, 'package.module:function'."
+    )
+    reward_threads: int = Field(
+        4, ge=1, description="Threads computing rewards (slow rewards leave the critical path)."
+    )
+    output_dir: str = Field(
+        "runs/default", description="Metrics, TensorBoard, checkpoints and the reward plot go here."
+    )
+    checkpoint_every: int = Field(
+        0, ge=0, description="Save an HF checkpoint and trainer state every K steps; 0: at the end only."
+    )
     seed: int = Field(0, description="Seed of the prompt order.")
     recovery_checkpoint_every: int = Field(
-        1, ge=0, description="Save the synced weights as a HF directory every K steps so restarted engines restore "
-        "from disk (only used when weight_sync is not disk, whose sync directory already serves); 0: never.")
+        1,
+        ge=0,
+        description="Save the synced weights as a HF directory every K steps so restarted engines restore "
+        "from disk (only used when weight_sync is not disk, whose sync directory already serves); 0: never.",
+    )
 
 
 class RayConfig(_Section):
@@ -202,14 +228,20 @@ class _WeightSync(_Section):
     """What every transport's settings share."""
 
     verify: Literal["auto", "fingerprint", "version"] = Field(
-        "auto", description="After a sync: 'fingerprint' compares every tensor's fingerprint and the version "
+        "auto",
+        description="After a sync: 'fingerprint' compares every tensor's fingerprint and the version "
         "(the embedded engine's /rollfleet/weights_fingerprint); 'version' checks only each engine's weight "
-        "version (SGLang has no fingerprint route); auto: fingerprint on the embedded engine, version on SGLang.")
+        "version (SGLang has no fingerprint route); auto: fingerprint on the embedded engine, version on SGLang.",
+    )
 
 
 class _Bucketed(_WeightSync):
-    bucket_mb: float = Field(512, gt=0, description="Largest flattened bucket, in MiB; the sender holds "
-                             "two. Larger buckets mean fewer round trips (2048 suits 8B-class models).")
+    bucket_mb: float = Field(
+        512,
+        gt=0,
+        description="Largest flattened bucket, in MiB; the sender holds "
+        "two. Larger buckets mean fewer round trips (2048 suits 8B-class models).",
+    )
 
     @property
     def bucket_bytes(self) -> int:
@@ -244,12 +276,17 @@ class LoraSync(_WeightSync):
     transport: Literal["lora"] = "lora"
     source: Literal["tensors", "directory"] = Field("tensors", description="How the adapter reaches the engines.")
     path: str = Field("checkpoints/adapter", description="Adapter directory when source=directory.")
-    adapter_name: str = Field("policy", min_length=1, description="Name the engines serve the adapter under "
-                              "(generate requests send it as lora_path).")
+    adapter_name: str = Field(
+        "policy",
+        min_length=1,
+        description="Name the engines serve the adapter under (generate requests send it as lora_path).",
+    )
     max_lora_rank: int = Field(64, ge=1, description="Largest adapter rank the engines accept (--max-lora-rank).")
     lora_target_modules: list[str] | None = Field(
-        None, description="Modules adapters may target (--lora-target-modules, e.g. [q_proj, v_proj]); None: any "
-        "nn.Linear on the embedded engine (SGLang needs them listed).")
+        None,
+        description="Modules adapters may target (--lora-target-modules, e.g. [q_proj, v_proj]); None: any "
+        "nn.Linear on the embedded engine (SGLang needs them listed).",
+    )
 
 
 WeightSyncConfig = Annotated[TensorSync | NcclSync | DiskSync | LoraSync, Field(discriminator="transport")]
@@ -258,8 +295,8 @@ TRANSPORTS_WITH_PIPELINE_PARALLEL = ("disk",)
 PIPELINE_PARALLEL_PROBLEMS = {
     "nccl": "its weight-update group ignores the pipeline rank",
     "tensor": "every pipeline stage of a tp rank reads the same payload (serialized_named_tensors is indexed "
-              "by tp_rank only), and a CUDA IPC or shared-memory handle unpickled by several processes is "
-              "released once too often; rollfleet has no per-stage routing for it yet",
+    "by tp_rank only), and a CUDA IPC or shared-memory handle unpickled by several processes is "
+    "released once too often; rollfleet has no per-stage routing for it yet",
     "lora": "LoRA serving with pipeline parallel has not been built or tested here",
 }
 
@@ -385,8 +422,7 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         here = ".".join(parts[:depth]) or "the top level"
         if part not in model.model_fields:
             raise ConfigError(
-                f"override {key}: unknown key {part!r} at {here} "
-                f"(fix: use one of {', '.join(model.model_fields)})"
+                f"override {key}: unknown key {part!r} at {here} (fix: use one of {', '.join(model.model_fields)})"
             )
         if depth == len(parts) - 1:
             node[part] = value

@@ -17,4 +17,3 @@ class Sample:
     weight_version: str = ""
     engine_id: int = -1
     reward: float | None = None
-

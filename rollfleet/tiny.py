@@ -26,22 +26,42 @@ def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>", bos_token=None)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token=None
+    )
 
 
 def tiny_config(kind: str = "qwen3", vocab_size: int = 320, **overrides):
-    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
-                  eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     if kind == "qwen3":
         return Qwen3Config(**{**common, "intermediate_size": 128, **overrides})
     if kind == "qwen3_moe":
-        return Qwen3MoeConfig(**{**common, "intermediate_size": 128, "moe_intermediate_size": 32,
-                                 "num_experts": 4, "num_experts_per_tok": 2, **overrides})
+        return Qwen3MoeConfig(
+            **{
+                **common,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 32,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                **overrides,
+            }
+        )
     raise ValueError(f"kind={kind!r}: use 'qwen3' or 'qwen3_moe'")
 
 
@@ -54,5 +74,7 @@ def make_tiny_model(directory: str | Path, kind: str = "qwen3", seed: int = 0, *
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(directory)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
+        directory
+    )
     return directory

@@ -24,9 +24,16 @@ from rollfleet.tiny import make_tokenizer, tiny_config
 
 def write_model(directory: Path, seed: int, hidden: int, layers: int) -> None:
     tokenizer = make_tokenizer()
-    config = tiny_config("qwen3", vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-                         intermediate_size=4 * hidden, num_attention_heads=hidden // 128,
-                         num_key_value_heads=max(2, hidden // 512), head_dim=128)
+    config = tiny_config(
+        "qwen3",
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=4 * hidden,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=max(2, hidden // 512),
+        head_dim=128,
+    )
     torch.manual_seed(seed)
     with torch.device("cuda:0"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -45,7 +52,7 @@ def reference_tokens(directory: Path, prompts, max_new_tokens: int, dtype=torch.
             ids = list(prompt)
             for _ in range(max_new_tokens):
                 ids.append(int(model(torch.tensor([ids], device="cuda:0")).logits[0, -1].argmax()))
-            outs.append(ids[len(prompt):])
+            outs.append(ids[len(prompt) :])
     del model
     torch.cuda.empty_cache()
     return outs
@@ -54,8 +61,11 @@ def reference_tokens(directory: Path, prompts, max_new_tokens: int, dtype=torch.
 async def exercise(url: str, dir_a: Path, dir_b: Path, prompts, report: dict) -> None:
     greedy = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     async with EngineClient(url, timeout=600) as client:
-        report["server_info"] = {k: v for k, v in (await client.get_server_info()).items()
-                                 if k in ("tp_size", "device", "base_gpu_id", "dtype")}
+        report["server_info"] = {
+            k: v
+            for k, v in (await client.get_server_info()).items()
+            if k in ("tp_size", "device", "base_gpu_id", "dtype")
+        }
         outs = await client.generate(input_ids=prompts, sampling_params=greedy)
         report["generate_a"] = [o["output_ids"] for o in outs]
         start = time.perf_counter()
@@ -76,8 +86,9 @@ async def exercise(url: str, dir_a: Path, dir_b: Path, prompts, report: dict) ->
 
 async def fp32_tokens(url: str, prompts) -> list[list[int]]:
     async with EngineClient(url, timeout=600) as client:
-        outs = await client.generate(input_ids=prompts, sampling_params={
-            "temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+        outs = await client.generate(
+            input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+        )
         return [o["output_ids"] for o in outs]
 
 
@@ -98,8 +109,9 @@ def main() -> None:
         report["reference_fp32"] = reference_tokens(dir_a, prompts, 16, torch.float32)
         port = free_port()
         log = Path(os.environ.get("OUT", scratch)) / "engine-tp2.log"
-        engine = EngineProcess(embedded_argv(str(dir_a), port, tp_size=2, extra=["--device", "cuda"]),
-                               port=port, log_path=log)
+        engine = EngineProcess(
+            embedded_argv(str(dir_a), port, tp_size=2, extra=["--device", "cuda"]), port=port, log_path=log
+        )
         try:
             start = time.perf_counter()
             engine.wait_until_up(timeout=300)
@@ -111,20 +123,30 @@ def main() -> None:
         # tokens are compared exactly in fp32, on an engine placed by --base-gpu-id on GPU 1 alone too
         for tp_size, base in ((2, 0), (1, 1)):
             port = free_port()
-            engine = EngineProcess(embedded_argv(str(dir_a), port, tp_size=tp_size, extra=[
-                "--device", "cuda", "--dtype", "float32", "--base-gpu-id", str(base)]), port=port,
-                log_path=Path(os.environ.get("OUT", scratch)) / f"engine-fp32-tp{tp_size}.log")
+            engine = EngineProcess(
+                embedded_argv(
+                    str(dir_a),
+                    port,
+                    tp_size=tp_size,
+                    extra=["--device", "cuda", "--dtype", "float32", "--base-gpu-id", str(base)],
+                ),
+                port=port,
+                log_path=Path(os.environ.get("OUT", scratch)) / f"engine-fp32-tp{tp_size}.log",
+            )
             try:
                 engine.wait_until_up(timeout=300)
-                report[f"fp32_tp{tp_size}_gpu{base}_equals_reference"] = asyncio.run(
-                    fp32_tokens(engine.url, prompts)) == report["reference_fp32"]
+                report[f"fp32_tp{tp_size}_gpu{base}_equals_reference"] = (
+                    asyncio.run(fp32_tokens(engine.url, prompts)) == report["reference_fp32"]
+                )
             finally:
                 engine.stop()
     for rank_memory in report["release"]:
         before, after = rank_memory["before"]["reserved"], rank_memory["after"]["reserved"]
         rank_memory["held_after_release_pct"] = round(100 * after / before, 2)
     for name in ("a", "b"):
-        same = sum(x == y for g, r in zip(report[f"generate_{name}"], report[f"reference_{name}"]) for x, y in zip(g, r))
+        same = sum(
+            x == y for g, r in zip(report[f"generate_{name}"], report[f"reference_{name}"]) for x, y in zip(g, r)
+        )
         report[f"tp2_vs_one_gpu_token_agreement_{name}"] = f"{same}/{sum(len(r) for r in report[f'reference_{name}'])}"
     text = json.dumps(report, indent=1)
     print(text)

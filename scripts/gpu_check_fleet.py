@@ -21,8 +21,9 @@ from rollfleet.tiny import make_tiny_model
 
 
 def run_fleet(model_dir: str, log_dir: str, *overrides: str) -> dict:
-    cfg = load_config(None, [f"rollout.model_path={model_dir}", "rollout.use_gpu=true",
-                             f"rollout.log_dir={log_dir}", *overrides])
+    cfg = load_config(
+        None, [f"rollout.model_path={model_dir}", "rollout.use_gpu=true", f"rollout.log_dir={log_dir}", *overrides]
+    )
     start = time.perf_counter()
     fleet = Fleet.from_config(cfg)
     started = time.perf_counter() - start
@@ -37,13 +38,21 @@ def run_fleet(model_dir: str, log_dir: str, *overrides: str) -> dict:
             pid = ray.get(slot.head.engine_pid.remote())
             env = dict(x.split("=", 1) for x in open(f"/proc/{pid}/environ").read().split("\0") if "=" in x)
             engine_devices.append(env.get("CUDA_VISIBLE_DEVICES"))
-        return {"overrides": list(overrides), "startup_s": round(started, 1),
-                "worker_gpus": [p["gpu_ids"] for p in placements], "engine_cuda_visible_devices": engine_devices,
-                "samples": len(samples), "samples_per_engine": {e: sum(s.engine_id == e for s in samples)
-                                                                for e in sorted({s.engine_id for s in samples})},
-                "tokens_per_s": round(sum(len(s.output_ids) for s in samples) / seconds, 1),
-                "gpu_memory_used_gb": [round((torch.cuda.mem_get_info(i)[1] - torch.cuda.mem_get_info(i)[0]) / 1e9, 2)
-                                       for i in range(torch.cuda.device_count())]}
+        return {
+            "overrides": list(overrides),
+            "startup_s": round(started, 1),
+            "worker_gpus": [p["gpu_ids"] for p in placements],
+            "engine_cuda_visible_devices": engine_devices,
+            "samples": len(samples),
+            "samples_per_engine": {
+                e: sum(s.engine_id == e for s in samples) for e in sorted({s.engine_id for s in samples})
+            },
+            "tokens_per_s": round(sum(len(s.output_ids) for s in samples) / seconds, 1),
+            "gpu_memory_used_gb": [
+                round((torch.cuda.mem_get_info(i)[1] - torch.cuda.mem_get_info(i)[0]) / 1e9, 2)
+                for i in range(torch.cuda.device_count())
+            ],
+        }
     finally:
         fleet.shutdown()
 
@@ -52,13 +61,24 @@ def main() -> None:
     ray.init(num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
     report = {}
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = str(make_tiny_model(Path(scratch) / "model", hidden_size=1024, num_hidden_layers=8,
-                                        intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2,
-                                        head_dim=128))
+        model_dir = str(
+            make_tiny_model(
+                Path(scratch) / "model",
+                hidden_size=1024,
+                num_hidden_layers=8,
+                intermediate_size=4096,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                head_dim=128,
+            )
+        )
         logs = os.environ.get("OUT", scratch)
-        report["tp2_one_engine"] = run_fleet(model_dir, logs, "rollout.tp_size=2", "rollout.server_extras=['--device','cuda']")
-        report["tp1_two_engines"] = run_fleet(model_dir, logs, "rollout.num_engines=2",
-                                              "rollout.server_extras=['--device','cuda']")
+        report["tp2_one_engine"] = run_fleet(
+            model_dir, logs, "rollout.tp_size=2", "rollout.server_extras=['--device','cuda']"
+        )
+        report["tp1_two_engines"] = run_fleet(
+            model_dir, logs, "rollout.num_engines=2", "rollout.server_extras=['--device','cuda']"
+        )
     ray.shutdown()
     text = json.dumps(report, indent=1)
     print(text)

@@ -43,14 +43,17 @@ def greedy_reference(model) -> list[list[int]]:
             with torch.no_grad():
                 logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
             ids.append(int(logits.argmax()))
-        out.append(ids[len(prompt):])
+        out.append(ids[len(prompt) :])
     return out
 
 
 async def engine_state(url: str, lora_path: str | None = None):
     async with EngineClient(url, timeout=120) as client:
-        outs = await client.generate(input_ids=PROMPTS, lora_path=lora_path,
-                                     sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
+        outs = await client.generate(
+            input_ids=PROMPTS,
+            lora_path=lora_path,
+            sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        )
         return [o["output_ids"] for o in outs], await client.weights_fingerprint(None)
 
 
@@ -60,8 +63,9 @@ async def verify(url: str, report) -> dict:
 
 
 def send(spec, source, version: str, url: str):
-    transport = make_transport(spec, [EngineTarget(engine_id=0, url=url, num_ranks=2, rank_offset=1,
-                                                   dtype=torch.float32)], timeout_s=120)
+    transport = make_transport(
+        spec, [EngineTarget(engine_id=0, url=url, num_ranks=2, rank_offset=1, dtype=torch.float32)], timeout_s=120
+    )
     try:
         return transport.send(source, version)
     finally:
@@ -77,14 +81,27 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        shape = dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1536, num_attention_heads=8,
-                     num_key_value_heads=4, head_dim=64)
+        shape = dict(
+            hidden_size=512,
+            num_hidden_layers=4,
+            intermediate_size=1536,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+        )
         make_tiny_model(str(scratch / "a"), seed=1, **shape)
         make_tiny_model(str(scratch / "b"), seed=2, **shape)
         port = free_port()
-        engine = EngineProcess(embedded_argv(str(scratch / "a"), port, tp_size=2, extra=[
-            "--device", args.device, "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8"]), port=port,
-            log_path=Path(args.log_dir or scratch) / "engine-tp2.log")
+        engine = EngineProcess(
+            embedded_argv(
+                str(scratch / "a"),
+                port,
+                tp_size=2,
+                extra=["--device", args.device, "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8"],
+            ),
+            port=port,
+            log_path=Path(args.log_dir or scratch) / "engine-tp2.log",
+        )
         try:
             engine.wait_until_up(timeout=300)
             trainer = AutoModelForCausalLM.from_pretrained(scratch / "b", dtype=torch.float32).to(sender).eval()
@@ -96,8 +113,11 @@ def main() -> int:
             tokens, prints_b = asyncio.run(engine_state(engine.url))
             results["tensor tp=2: verified"] = problems == {}
             results["tensor tp=2: greedy tokens equal transformers (fp32)"] = tokens == want
-            print(f"tensor sync: {report.bytes / 1e6:.1f} MB in {report.buckets} buckets, {report.seconds * 1e3:.1f} ms; "
-                  f"problems {problems}", flush=True)
+            print(
+                f"tensor sync: {report.bytes / 1e6:.1f} MB in {report.buckets} buckets, {report.seconds * 1e3:.1f} ms; "
+                f"problems {problems}",
+                flush=True,
+            )
 
             # 2. a late tensor of the wrong shape: refused, nothing changes
             bad = copy.deepcopy(trainer)
@@ -115,8 +135,10 @@ def main() -> int:
 
             # 3. lora from tensors on GPU 0
             torch.manual_seed(3)
-            peft_model = get_peft_model(copy.deepcopy(trainer), LoraConfig(
-                r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+            peft_model = get_peft_model(
+                copy.deepcopy(trainer),
+                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
+            )
             with torch.no_grad():
                 for name, param in peft_model.named_parameters():
                     if "lora_B" in name:

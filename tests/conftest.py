@@ -73,6 +73,7 @@ def engine_servers(plan: dict[str, tuple[str, dict]], log_dir):
         path, kwargs = plan[key]
         port = free_port()
         procs[key] = EngineProcess(embedded_argv(path, port, **kwargs), port=port, log_path=log_dir / f"{key}.log")
+
     try:
         for key in plan:
             start(key)
@@ -97,9 +98,11 @@ def client_for(proc: EngineProcess, **kwargs) -> EngineClient:
 
 def call(proc: EngineProcess, method: str, *args, **kwargs):
     """One client call against a server, from sync test code."""
+
     async def go():
         async with client_for(proc, api_key=kwargs.pop("api_key", None)) as client:
             return await getattr(client, method)(*args, **kwargs)
+
     return run(go())
 
 

@@ -38,7 +38,8 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torc
 
 named_tensor_lists = st.lists(
     st.tuples(st.lists(st.integers(0, 6), min_size=0, max_size=3), st.sampled_from(DTYPES)),
-    min_size=1, max_size=12,
+    min_size=1,
+    max_size=12,
 ).map(lambda specs: [(f"w{i}", random_tensor(tuple(shape), dtype, i)) for i, (shape, dtype) in enumerate(specs)])
 
 
@@ -90,23 +91,28 @@ def test_uint8_buckets_of_newer_sglang_are_read_by_bytes():
     """Newer SGLang packs mixed dtypes as bytes: start/end/numel count bytes of a uint8 tensor."""
     a, b = torch.randn(3).to(torch.bfloat16), torch.randn(2, 2)
     flat = torch.cat([a.view(torch.uint8), b.reshape(-1).view(torch.uint8)])
-    records = [types.SimpleNamespace(name="a", shape=torch.Size([3]), dtype=torch.bfloat16, start_idx=0, end_idx=6,
-                                     numel=6),
-               {"name": "b", "shape": [2, 2], "dtype": "float32", "start_idx": 6, "end_idx": 22, "numel": 16}]
+    records = [
+        types.SimpleNamespace(name="a", shape=torch.Size([3]), dtype=torch.bfloat16, start_idx=0, end_idx=6, numel=6),
+        {"name": "b", "shape": [2, 2], "dtype": "float32", "start_idx": 6, "end_idx": 22, "numel": 16},
+    ]
     out = Bucket.from_payload({"flattened_tensor": flat, "metadata": records}).unpack()
     assert torch.equal(out["a"], a) and torch.equal(out["b"], b)  # b starts at byte 6: copied to align
 
 
 def test_inconsistent_metadata_is_refused_with_the_tensor_name():
     bucket = Bucket.pack([("a", torch.ones(4)), ("b", torch.ones(2))])
-    bad = Bucket(bucket.flattened_tensor, [bucket.metadata[0],
-                                           FlattenedTensorMetadata("b", (3,), torch.float32, 4, 7, 3)])
+    bad = Bucket(
+        bucket.flattened_tensor, [bucket.metadata[0], FlattenedTensorMetadata("b", (3,), torch.float32, 4, 7, 3)]
+    )
     with pytest.raises(ValueError, match="b: start_idx=4, end_idx=7"):
         bad.unpack()
     with pytest.raises(ValueError, match="has no 'numel'"):
-        Bucket.from_payload({"flattened_tensor": torch.ones(1), "metadata": [{"name": "a", "shape": [1],
-                                                                              "dtype": "float32", "start_idx": 0,
-                                                                              "end_idx": 1}]})
+        Bucket.from_payload(
+            {
+                "flattened_tensor": torch.ones(1),
+                "metadata": [{"name": "a", "shape": [1], "dtype": "float32", "start_idx": 0, "end_idx": 1}],
+            }
+        )
 
 
 def test_dtype_names():
@@ -131,8 +137,13 @@ print(sorted(tensors), float(tensors["w"].sum()))
 def test_a_bucket_payload_crosses_to_an_unrelated_process_through_shared_memory():
     w = torch.arange(12.0).reshape(3, 4)
     bucket = Bucket.pack([("w", w), ("v", torch.ones(5))])
-    out = subprocess.run([sys.executable, "-c", READ_IN_OTHER_PROCESS], input=serialize(bucket.to_payload()),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", READ_IN_OTHER_PROCESS],
+        input=serialize(bucket.to_payload()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     expected_sum = float(w.sum()) - 1.0  # w[0, 0] was 0.0
     assert out.stdout.split() == ["['v',", "'w']", str(expected_sum)]
@@ -173,6 +184,7 @@ def test_sglang_pickled_metadata_records_are_read(monkeypatch):
         start_idx: int
         end_idx: int
         numel: int
+
     FlattenedTensorMetadata.__module__ = module.__name__
     FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
     module.FlattenedTensorMetadata = FlattenedTensorMetadata

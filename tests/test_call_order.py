@@ -22,6 +22,7 @@ def test_calls_arriving_in_reverse_are_queued_in_order():
         order, queued = CallOrder(wait_s=5), []
         await asyncio.gather(*(arrive(order, queued, "s", call, delay=0.01 * (4 - call)) for call in range(5)))
         return queued
+
     assert asyncio.run(go()) == [("s", call) for call in range(5)]
 
 
@@ -32,6 +33,7 @@ def test_unnumbered_calls_take_no_turn_and_half_numbered_ones_are_refused():
         with pytest.raises(CallOrderError, match="give both"):
             await arrive(order, queued, "s", None)
         return queued
+
     assert asyncio.run(go()) == [(None, None)]
 
 
@@ -41,6 +43,7 @@ def test_a_missing_call_times_out_naming_it():
         await arrive(order, queued, "s", 0)
         with pytest.raises(CallOrderError, match="call 1 of that sync did not arrive within 0.2 s"):
             await arrive(order, queued, "s", 2)
+
     asyncio.run(go())
 
 
@@ -55,11 +58,13 @@ def test_a_new_sync_ends_the_waits_of_the_old_one():
             await waiting
         await arrive(order, queued, "new", 1)
         return queued
+
     assert asyncio.run(go()) == [("old", 0), ("new", 0), ("new", 1)]
 
 
 def test_a_call_refused_before_it_was_queued_refuses_the_rest_of_its_sync():
     """A later call would otherwise receive the refused call's broadcast."""
+
     async def go():
         order, queued = CallOrder(wait_s=5), []
         await arrive(order, queued, "s", 0)
@@ -69,4 +74,5 @@ def test_a_call_refused_before_it_was_queued_refuses_the_rest_of_its_sync():
             await arrive(order, queued, "s", 2)
         await arrive(order, queued, "next", 0)  # a new sync starts clean
         return queued
+
     assert asyncio.run(go()) == [("s", 0), ("next", 0)]

@@ -38,14 +38,17 @@ def test_defaults_and_derived_sizes():
 
 
 def test_world_size_and_gpus_per_engine():
-    cfg = load_config(None, [MODEL, "rollout.backend=sglang", "rollout.num_engines=3",
-                             "rollout.tp_size=4", "rollout.pp_size=2"])
+    cfg = load_config(
+        None, [MODEL, "rollout.backend=sglang", "rollout.num_engines=3", "rollout.tp_size=4", "rollout.pp_size=2"]
+    )
     assert cfg.rollout.gpus_per_engine == 8
     assert cfg.rollout.world_size == 24
 
 
 def test_yaml_load_with_nested_sampling(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 rollout:
   model_path: /models/tiny
   num_engines: 2
@@ -59,7 +62,8 @@ trainer:
   world_size: 4
 ray:
   num_cpus: 8
-""")
+""",
+    )
     cfg = load_config(path, [])
     assert cfg.rollout.num_engines == 2 and cfg.rollout.tp_size == 2
     assert cfg.rollout.server_extras == ["--mem-fraction-static", "0.5"]
@@ -76,15 +80,18 @@ def test_empty_yaml_file_is_an_empty_config(tmp_path):
 
 def test_overrides_parse_yaml_values_and_beat_the_file(tmp_path):
     path = write(tmp_path, "rollout:\n  model_path: /models/tiny\n  tp_size: 4\n  sampling:\n    n: 8\n")
-    cfg = load_config(path, [
-        "rollout.tp_size=2",
-        "rollout.use_gpu=true",
-        "rollout.sampling.top_p=0.9",
-        "rollout.sampling.stop_token_ids=[1, 2]",
-        "rollout.sampling.stop=['a=b']",
-        "rollout.api_key=secret",
-        "ray.address=auto",
-    ])
+    cfg = load_config(
+        path,
+        [
+            "rollout.tp_size=2",
+            "rollout.use_gpu=true",
+            "rollout.sampling.top_p=0.9",
+            "rollout.sampling.stop_token_ids=[1, 2]",
+            "rollout.sampling.stop=['a=b']",
+            "rollout.api_key=secret",
+            "ray.address=auto",
+        ],
+    )
     assert cfg.rollout.tp_size == 2 and cfg.rollout.use_gpu is True
     assert cfg.rollout.sampling.top_p == 0.9 and cfg.rollout.sampling.n == 8
     assert cfg.rollout.sampling.stop_token_ids == [1, 2] and cfg.rollout.sampling.stop == ["a=b"]
@@ -266,6 +273,8 @@ def test_run_config_is_the_loaded_type():
 def test_verification_mode_follows_the_backend_and_fingerprints_are_refused_on_sglang():
     assert load_config(None, [MODEL]).verify_mode == "fingerprint"
     assert load_config(None, [MODEL, "rollout.backend=sglang"]).verify_mode == "version"
-    assert load_config(None, [MODEL, "weight_sync.transport=disk", "weight_sync.verify=version"]).verify_mode == "version"
+    assert (
+        load_config(None, [MODEL, "weight_sync.transport=disk", "weight_sync.verify=version"]).verify_mode == "version"
+    )
     message = error_of(MODEL, "rollout.backend=sglang", "weight_sync.transport=nccl", "weight_sync.verify=fingerprint")
     assert "weight_sync.verify" in message and "'fingerprint'" in message and "verify=version" in message

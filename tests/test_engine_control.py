@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from conftest import client_for, engine_server, run
+
 from rollfleet.engine.client import EngineError
 
 LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
@@ -36,6 +36,7 @@ def test_abort_one_request_by_rid(server):
             doomed = await doomed
             await client.continue_generation()
             return doomed, await other
+
     doomed, other = run(go())
     assert doomed["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(doomed["output_ids"]) < 400
@@ -52,6 +53,7 @@ def test_abort_all(server):
             outs = await asyncio.gather(*tasks)
             await client.continue_generation()
             return outs
+
     assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in run(go()))
 
 
@@ -61,12 +63,14 @@ def test_pause_abort_mode_aborts_in_flight_and_holds_new_requests(server):
             running = await _started(client, "p1")
             await client.pause_generation("abort")
             aborted = await running
-            later = asyncio.create_task(client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2,
-                                                                                        "ignore_eos": True}))
+            later = asyncio.create_task(
+                client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+            )
             await asyncio.sleep(0.5)
             held = not later.done()
             await client.continue_generation()
             return aborted, held, await later
+
     aborted, held, later = run(go())
     assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
     assert held and later["meta_info"]["finish_reason"]["type"] == "length"
@@ -83,6 +87,7 @@ def test_pause_in_place_keeps_requests_and_continue_finishes_them(server):
             still = (await client.get_server_info())["scheduler_stats"]["generated_tokens"]
             await client.continue_generation()
             return stalled, progress == still, await task
+
     stalled, frozen, out = run(go())
     assert stalled and frozen
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
@@ -102,6 +107,7 @@ def test_release_memory_refused_while_requests_run(server):
             await client.continue_generation()
             await task
             return error
+
     error = run(go())
     assert error is not None and error.status_code == 400 and "unfinished" in error.message
 
@@ -110,6 +116,7 @@ def test_retract_mode_is_refused_with_a_message(server):
     async def go():
         async with client_for(server) as client:
             await client.pause_generation("retract")
+
     with pytest.raises(EngineError) as err:
         run(go())
     assert err.value.status_code == 400 and "in_place" in err.value.message
@@ -121,10 +128,12 @@ def test_client_timeout_raises_engine_timeout(server):
     async def go():
         async with EngineClient(server.url, timeout=0.05) as client:
             await client.generate(input_ids=[1, 2, 3], sampling_params=LONG, rid="slow")
+
     with pytest.raises(EngineTimeout):
         run(go())
 
     async def clean_up():
         async with client_for(server) as client:
             await client.abort_request("slow")
+
     run(clean_up())

@@ -6,9 +6,8 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from conftest import call, client_for, engine_server, reference_greedy, run
+from transformers import AutoModelForCausalLM
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -47,8 +46,13 @@ def test_greedy_matches_transformers_and_logprobs_match_a_forward_pass(server, q
 
 def test_sampled_logprobs_match_a_forward_pass_in_a_padded_batch(server, qwen3_dir):
     prompts = [[5, 6], [7, 8, 9, 10, 11, 12, 13], [14]]
-    outs = call(server, "generate", input_ids=prompts, return_logprob=True,
-                sampling_params={"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 11, "ignore_eos": True})
+    outs = call(
+        server,
+        "generate",
+        input_ids=prompts,
+        return_logprob=True,
+        sampling_params={"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 11, "ignore_eos": True},
+    )
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
@@ -59,8 +63,12 @@ def test_sampled_logprobs_match_a_forward_pass_in_a_padded_batch(server, qwen3_d
 
 
 def test_batch_with_n_groups_results_by_prompt(server):
-    outs = call(server, "generate", text=["alpha", "beta"],
-                sampling_params={"max_new_tokens": 6, "n": 3, "sampling_seed": 1, "ignore_eos": True})
+    outs = call(
+        server,
+        "generate",
+        text=["alpha", "beta"],
+        sampling_params={"max_new_tokens": 6, "n": 3, "sampling_seed": 1, "ignore_eos": True},
+    )
     assert len(outs) == 6
     assert [o["meta_info"]["prompt_tokens"] for o in outs[:3]] == [outs[0]["meta_info"]["prompt_tokens"]] * 3
     rids = [o["meta_info"]["id"] for o in outs]
@@ -93,7 +101,7 @@ def test_stop_token_ids_and_stop_strings(server):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
     assert out["output_ids"] == base["output_ids"][: first + 1]
     text = base["text"]
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop, "the greedy text is too short to pick a stop string"
     out = call(server, "generate", input_ids=[1, 2, 3], sampling_params={**GREEDY, "stop": [stop]})
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
@@ -123,14 +131,16 @@ def test_concurrent_requests_share_one_batch(server):
     async def go():
         async with client_for(server) as client:
             await client.pause_generation("in_place")  # hold them so they queue together
-            tasks = [asyncio.create_task(client.generate(input_ids=[i + 1, 2], sampling_params=GREEDY))
-                     for i in range(8)]
+            tasks = [
+                asyncio.create_task(client.generate(input_ids=[i + 1, 2], sampling_params=GREEDY)) for i in range(8)
+            ]
             await asyncio.sleep(1.0)
             before = (await client.get_server_info())["scheduler_stats"]["batches"]
             await client.continue_generation()
             outs = await asyncio.gather(*tasks)
             stats = (await client.get_server_info())["scheduler_stats"]
             return before, stats, outs
+
     before, stats, outs = run(go())
     assert all(len(o["output_ids"]) == 12 for o in outs)
     assert stats["batches"] == before + 1 and stats["largest_batch"] >= 8

@@ -8,32 +8,43 @@ import sys
 
 import httpx
 import pytest
-
 from conftest import engine_server
 
 KEY = "s3cret"
 ROUTES = [
     ("POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}}),
-    ("GET", "/health", None), ("GET", "/health_generate", None),
-    ("GET", "/get_model_info", None), ("GET", "/model_info", None),
-    ("GET", "/get_server_info", None), ("GET", "/server_info", None), ("POST", "/flush_cache", None),
+    ("GET", "/health", None),
+    ("GET", "/health_generate", None),
+    ("GET", "/get_model_info", None),
+    ("GET", "/model_info", None),
+    ("GET", "/get_server_info", None),
+    ("GET", "/server_info", None),
+    ("POST", "/flush_cache", None),
     ("POST", "/update_weights_from_disk", {"model_path": "/nonexistent"}),
     ("POST", "/update_weight_version", {"new_version": "x"}),
     ("POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}),
-    ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                            "world_size": 2}),
+    (
+        "POST",
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2},
+    ),
     ("POST", "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []}),
     ("POST", "/destroy_weights_update_group", {}),
     ("POST", "/get_weights_by_name", {"name": "model.norm.weight"}),
-    ("GET", "/rollfleet/shard_fingerprints", None), ("GET", "/rollfleet/memory", None),
+    ("GET", "/rollfleet/shard_fingerprints", None),
+    ("GET", "/rollfleet/memory", None),
     ("POST", "/rollfleet/weights_fingerprint", {"names": ["model.norm.weight"]}),
     ("POST", "/release_memory_occupation", {"tags": ["kv_cache"]}),
     ("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}),
     ("POST", "/abort_request", {"abort_all": True}),
-    ("POST", "/pause_generation", {"mode": "in_place"}), ("POST", "/continue_generation", {}),
+    ("POST", "/pause_generation", {"mode": "in_place"}),
+    ("POST", "/continue_generation", {}),
     ("POST", "/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}),
-    ("POST", "/load_lora_adapter_from_tensors", {"lora_name": "x", "config_dict": {},
-                                                 "serialized_named_tensors": ["x"]}),
+    (
+        "POST",
+        "/load_lora_adapter_from_tensors",
+        {"lora_name": "x", "config_dict": {}, "serialized_named_tensors": ["x"]},
+    ),
     ("POST", "/unload_lora_adapter", {"lora_name": "x"}),
 ]
 
@@ -47,8 +58,9 @@ def server(qwen3_dir, tmp_path_factory):
 def send(server, method, route, body=None, key=KEY, raw=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if raw is not None:
-        return httpx.request(method, server.url + route, content=raw, timeout=30,
-                             headers={**headers, "content-type": "application/json"})
+        return httpx.request(
+            method, server.url + route, content=raw, timeout=30, headers={**headers, "content-type": "application/json"}
+        )
     return httpx.request(method, server.url + route, json=body, headers=headers, timeout=30)
 
 
@@ -64,19 +76,22 @@ def test_every_route_needs_the_key(server):
     assert send(server, "GET", "/health").status_code == 200
 
 
-@pytest.mark.parametrize("raw, needle", [
-    (b"{not json", "JSON"),
-    (b'{"text": "a", "input_ids": [1]}', "exactly one"),
-    (b'{"sampling_params": {}}', "exactly one"),
-    (b'{"text": "a", "sampling_params": {"max_new_tokens": -1}}', "max_new_tokens"),
-    (b'{"text": "a", "sampling_params": {"temperature": -0.5}}', "temperature"),
-    (b'{"text": "a", "sampling_params": {"n": 0}}', "n:"),
-    (b'{"text": "a", "sampling_params": {"top_p": 0}}', "top_p"),
-    (b'{"text": "a", "sampling_params": {"top_k": 0}}', "top_k"),
-    (b'{"input_ids": [' + b",".join([b"1"] * 600) + b"]}", "context length"),
-    (b'{"input_ids": []}', "empty"),
-    (b'{"text": ["a", "b"], "sampling_params": [{}]}', "one per prompt"),
-])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (b"{not json", "JSON"),
+        (b'{"text": "a", "input_ids": [1]}', "exactly one"),
+        (b'{"sampling_params": {}}', "exactly one"),
+        (b'{"text": "a", "sampling_params": {"max_new_tokens": -1}}', "max_new_tokens"),
+        (b'{"text": "a", "sampling_params": {"temperature": -0.5}}', "temperature"),
+        (b'{"text": "a", "sampling_params": {"n": 0}}', "n:"),
+        (b'{"text": "a", "sampling_params": {"top_p": 0}}', "top_p"),
+        (b'{"text": "a", "sampling_params": {"top_k": 0}}', "top_k"),
+        (b'{"input_ids": [' + b",".join([b"1"] * 600) + b"]}", "context length"),
+        (b'{"input_ids": []}', "empty"),
+        (b'{"text": ["a", "b"], "sampling_params": [{}]}', "one per prompt"),
+    ],
+)
 def test_bad_generate_requests_get_400_and_the_server_keeps_serving(server, raw, needle):
     response = send(server, "POST", "/generate", raw=raw)
     assert response.status_code == 400
@@ -112,7 +127,11 @@ def test_binds_loopback_by_default(server):
 
 
 def test_pipeline_parallel_is_refused_with_a_message(qwen3_dir):
-    out = subprocess.run([sys.executable, "-m", "rollfleet.engine.server", "--model-path", qwen3_dir,
-                          "--pp-size", "2"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "rollfleet.engine.server", "--model-path", qwen3_dir, "--pp-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "no pipeline parallel" in out.stderr and "SGLang" in out.stderr

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
+from conftest import call, engine_server, reference_greedy
 from safetensors.torch import load_file, save_file
 
-from conftest import call, engine_server, reference_greedy
 from rollfleet.engine.client import EngineError
 
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7]]
@@ -30,8 +30,10 @@ def logs(tmp_path_factory):
 
 
 def test_tp2_matches_one_process_and_reload_gives_the_fresh_load_shards(qwen3_dir, qwen3_dir_b, logs):
-    with engine_server(qwen3_dir_b, logs, tp_size=2) as fresh, \
-         engine_server(qwen3_dir, logs, tp_size=2, load_format="dummy") as reloaded:
+    with (
+        engine_server(qwen3_dir_b, logs, tp_size=2) as fresh,
+        engine_server(qwen3_dir, logs, tp_size=2, load_format="dummy") as reloaded,
+    ):
         assert greedy(fresh) == expected(qwen3_dir_b)
         call(reloaded, "update_weights_from_disk", qwen3_dir, weight_version="a")
         assert greedy(reloaded) == expected(qwen3_dir)
@@ -43,8 +45,10 @@ def test_tp2_matches_one_process_and_reload_gives_the_fresh_load_shards(qwen3_di
 
 
 def test_tp2_ep2_serves_a_moe_and_reloads_per_expert_checkpoints(moe_dir, moe_dir_b, logs, tmp_path):
-    with engine_server(moe_dir, logs, tp_size=2, ep_size=2) as engine, \
-         engine_server(moe_dir_b, logs, tp_size=2, ep_size=2) as fresh:
+    with (
+        engine_server(moe_dir, logs, tp_size=2, ep_size=2) as engine,
+        engine_server(moe_dir_b, logs, tp_size=2, ep_size=2) as fresh,
+    ):
         info = call(engine, "get_server_info")
         assert (info["tp_size"], info["ep_size"]) == (2, 2)
         assert greedy(engine) == expected(moe_dir)

@@ -20,10 +20,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import call, engine_servers, reference_greedy
 from safetensors.torch import load_file
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-from conftest import call, engine_servers, reference_greedy
 from rollfleet.engine.client import EngineError
 from rollfleet.engine.launch import free_port
 from rollfleet.weights.buckets import dtype_name, iter_buckets
@@ -38,9 +38,13 @@ BUCKET_BYTES = 48 * 1024  # the tiny models then need several buckets, one of th
 def servers(qwen3_dir, qwen3_dir_b, moe_dir, tmp_path_factory):
     """Targets start from dummy (qwen3) or other (MoE) weights; refs start from qwen3_dir_b."""
     logs = tmp_path_factory.mktemp("logs")
-    plan = {"tp1": (qwen3_dir, {"load_format": "dummy"}), "tp2": (qwen3_dir, {"tp_size": 2, "load_format": "dummy"}),
-            "ref1": (qwen3_dir_b, {}), "ref2": (qwen3_dir_b, {"tp_size": 2}),
-            "moe": (moe_dir, {"tp_size": 2, "ep_size": 2})}
+    plan = {
+        "tp1": (qwen3_dir, {"load_format": "dummy"}),
+        "tp2": (qwen3_dir, {"tp_size": 2, "load_format": "dummy"}),
+        "ref1": (qwen3_dir_b, {}),
+        "ref2": (qwen3_dir_b, {"tp_size": 2}),
+        "moe": (moe_dir, {"tp_size": 2, "ep_size": 2}),
+    }
     with engine_servers(plan, logs) as procs:
         yield procs
 
@@ -105,8 +109,10 @@ def test_bad_tensor_updates_change_nothing(servers, qwen3_dir, qwen3_dir_b):
     good = checkpoint(qwen3_dir)
     wrong_shape = {**good, "model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)}
     unknown = {**good, "model.layers.0.mlp.not_a_weight": torch.zeros(2)}
-    for tensors, offender in [(wrong_shape, "model.layers.0.self_attn.q_proj.weight"),
-                              (unknown, "model.layers.0.mlp.not_a_weight")]:
+    for tensors, offender in [
+        (wrong_shape, "model.layers.0.self_attn.q_proj.weight"),
+        (unknown, "model.layers.0.mlp.not_a_weight"),
+    ]:
         with pytest.raises(EngineError) as err:
             push_tensors(engine, 2, list(iter_buckets(tensors.items(), BUCKET_BYTES)), weight_version="bad")
         assert err.value.status_code == 400 and offender in err.value.message, err.value.message
@@ -115,14 +121,19 @@ def test_bad_tensor_updates_change_nothing(servers, qwen3_dir, qwen3_dir_b):
         call(engine, "update_weights_from_tensor", [serialize(list(good.items()))], weight_version="bad")
     assert err.value.status_code == 400 and "tp_size=2" in err.value.message
     with pytest.raises(EngineError) as err:  # rank 1 reads entry 1; rank 0's good entry is not applied alone
-        call(engine, "update_weights_from_tensor", [serialize(list(checkpoint(qwen3_dir_b).items())), "%%%"],
-             weight_version="bad")
+        call(
+            engine,
+            "update_weights_from_tensor",
+            [serialize(list(checkpoint(qwen3_dir_b).items())), "%%%"],
+            weight_version="bad",
+        )
     assert "serialized_named_tensors[1]" in err.value.message and "[0]" not in err.value.message
     assert state(engine) == before
 
     class RunsAShellCommand:
         def __reduce__(self):
             return (os.system, ("touch /tmp/rollfleet-engine-pwned",))
+
     evil = base64.b64encode(pickle.dumps([("x", RunsAShellCommand())])).decode()
     with pytest.raises(EngineError) as err:
         call(engine, "update_weights_from_tensor", [evil, evil], weight_version="bad")
@@ -154,8 +165,9 @@ def sglang_style_rank0(port: int, world_size: int, group_name: str) -> dist.Proc
     timeout = timedelta(seconds=60)
     store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(world_size, 0, [], Backend("gloo"), PrefixStore(group_name, store),
-                                         group_name=group_name, timeout=timeout)
+    group, _ = _new_process_group_helper(
+        world_size, 0, [], Backend("gloo"), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
+    )
     _world.pg_group_ranks[group] = {r: r for r in range(world_size)}
     return group
 
@@ -166,16 +178,33 @@ class Sender:
     def __init__(self, engine, tp: int, group_name: str):
         self.engine, self.group_name, self.pool = engine, group_name, ThreadPoolExecutor(1)
         port, world_size = free_port(), 1 + tp
-        joining = self.pool.submit(call, engine, "init_weights_update_group", "127.0.0.1", port, 1, world_size,
-                                   group_name=group_name, backend="nccl")  # CPU engine: joins with gloo
+        joining = self.pool.submit(
+            call,
+            engine,
+            "init_weights_update_group",
+            "127.0.0.1",
+            port,
+            1,
+            world_size,
+            group_name=group_name,
+            backend="nccl",
+        )  # CPU engine: joins with gloo
         self.group = sglang_style_rank0(port, world_size, group_name)
         assert joining.result(timeout=60)["success"] is True
 
     def update(self, named: list[tuple[str, torch.Tensor]], load_format=None, broadcast=None, **kwargs):
         """Announce `named` over HTTP while broadcasting them; returns the HTTP result (or raises)."""
-        request = self.pool.submit(call, self.engine, "update_weights_from_distributed", [n for n, _ in named],
-                                   [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named],
-                                   group_name=self.group_name, load_format=load_format, **kwargs)
+        request = self.pool.submit(
+            call,
+            self.engine,
+            "update_weights_from_distributed",
+            [n for n, _ in named],
+            [dtype_name(t.dtype) for _, t in named],
+            [list(t.shape) for _, t in named],
+            group_name=self.group_name,
+            load_format=load_format,
+            **kwargs,
+        )
         for tensor in broadcast if broadcast is not None else self.wire_tensors(named, load_format):
             dist.broadcast(tensor, src=0, group=self.group)
         return request.result(timeout=60)
@@ -199,8 +228,11 @@ def test_distributed_route_buckets_and_per_tensor_broadcasts(servers, key, qwen3
     sender = Sender(engine, tp, group_name=f"sync-{key}")
     buckets = list(iter_buckets(checkpoint(qwen3_dir_b).items(), BUCKET_BYTES))
     for bucket in buckets[:-1]:  # one call and one broadcast per bucket
-        out = sender.update(list(bucket.unpack().items()), load_format="flattened_bucket",
-                            broadcast=[bucket.flattened_tensor.view(torch.uint8)])
+        out = sender.update(
+            list(bucket.unpack().items()),
+            load_format="flattened_bucket",
+            broadcast=[bucket.flattened_tensor.view(torch.uint8)],
+        )
         assert out["success"] is True
     # the last bucket's tensors one broadcast each (load_format null), and the version with them
     sender.update(list(buckets[-1].unpack().items()), weight_version="dist-b")
@@ -239,9 +271,19 @@ def test_numbered_calls_run_in_number_order_whatever_order_they_arrive_in(server
         answers = []
         for index in reversed(range(len(buckets))):
             named = list(buckets[index].unpack().items())
-            answers.append(pool.submit(call, engine, "update_weights_from_distributed", [n for n, _ in named],
-                                       [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named],
-                                       group_name="ordered", load_format="flattened_bucket", order=("s1", index)))
+            answers.append(
+                pool.submit(
+                    call,
+                    engine,
+                    "update_weights_from_distributed",
+                    [n for n, _ in named],
+                    [dtype_name(t.dtype) for _, t in named],
+                    [list(t.shape) for _, t in named],
+                    group_name="ordered",
+                    load_format="flattened_bucket",
+                    order=("s1", index),
+                )
+            )
             time.sleep(0.05)
         for bucket in buckets:
             dist.broadcast(bucket.flattened_tensor.view(torch.uint8), src=0, group=sender.group)
@@ -259,10 +301,15 @@ def test_refused_distributed_updates_drain_the_broadcast_and_change_nothing(serv
     sender = Sender(engine, 2, group_name="refusals")
     q = "model.layers.0.self_attn.q_proj.weight"
     new = checkpoint(qwen3_dir_b)
-    cases = [([(q, torch.zeros(3, 3))], None, q),  # the sender broadcasts what it announced: drained
-             ([(q, new[q]), ("model.layers.0.mlp.not_a_weight", torch.ones(5))], "flattened_bucket",
-              "model.layers.0.mlp.not_a_weight"),
-             ([(q, new[q].to(torch.int64))], None, "non-floating")]
+    cases = [
+        ([(q, torch.zeros(3, 3))], None, q),  # the sender broadcasts what it announced: drained
+        (
+            [(q, new[q]), ("model.layers.0.mlp.not_a_weight", torch.ones(5))],
+            "flattened_bucket",
+            "model.layers.0.mlp.not_a_weight",
+        ),
+        ([(q, new[q].to(torch.int64))], None, "non-floating"),
+    ]
     for named, load_format, offender in cases:
         with pytest.raises(EngineError) as err:
             sender.update(named, load_format=load_format, weight_version="bad")
@@ -282,8 +329,17 @@ def test_join_timeout_names_the_group_and_ranks(servers):
     engine = servers["tp2"]
     port = free_port()  # nobody serves it: group rank 0 never comes
     with pytest.raises(EngineError) as err:
-        call(engine, "init_weights_update_group", "127.0.0.1", port, 1, 3, group_name="lonely", backend="gloo",
-             timeout_s=2)
+        call(
+            engine,
+            "init_weights_update_group",
+            "127.0.0.1",
+            port,
+            1,
+            3,
+            group_name="lonely",
+            backend="gloo",
+            timeout_s=2,
+        )
     message = err.value.message
     assert err.value.status_code == 400
     for part in ["'lonely'", f"127.0.0.1:{port}", "world_size=3", "[1, 2]", "within 2 s"]:

@@ -7,9 +7,9 @@ import shutil
 import httpx
 import pytest
 import torch
+from conftest import call, engine_server, reference_greedy
 from safetensors.torch import load_file, save_file
 
-from conftest import call, engine_server, reference_greedy
 from rollfleet.engine.client import EngineError
 
 PROMPT = [4, 8, 15, 16, 23, 42]
@@ -77,6 +77,7 @@ def _bad_checkpoints(qwen3_dir, tmp):
 
     def integer(t):
         t["model.norm.weight"] = torch.zeros(64, dtype=torch.int64)
+
     corrupt = copy_checkpoint(qwen3_dir, tmp / "corrupt")
     with open(f"{corrupt}/model.safetensors", "r+b") as handle:
         handle.write(b"\xff" * 64)

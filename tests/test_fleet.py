@@ -19,8 +19,16 @@ from rollfleet.layout import build_rank_infos
 
 
 def config(model_dir, log_dir, *overrides):
-    return load_config(None, [f"rollout.model_path={model_dir}", "rollout.use_gpu=true", "rollout.auto_restart=false",
-                              f"rollout.log_dir={log_dir}", *overrides])
+    return load_config(
+        None,
+        [
+            f"rollout.model_path={model_dir}",
+            "rollout.use_gpu=true",
+            "rollout.auto_restart=false",
+            f"rollout.log_dir={log_dir}",
+            *overrides,
+        ],
+    )
 
 
 def engine_env(pid: int) -> dict[str, str]:
@@ -44,15 +52,27 @@ def test_colocated_workers_share_a_gpu_with_a_trainer_actor(local_ray, qwen3_dir
         def gpu_ids(self):
             return [str(g) for g in ray.get_gpu_ids()]
 
-    cfg = config(qwen3_dir, tmp_path, "rollout.num_engines=2", "rollout.placement=colocated",
-                 "rollout.gpus_per_worker=0.5", "trainer.world_size=2").rollout
+    cfg = config(
+        qwen3_dir,
+        tmp_path,
+        "rollout.num_engines=2",
+        "rollout.placement=colocated",
+        "rollout.gpus_per_worker=0.5",
+        "trainer.world_size=2",
+    ).rollout
     group = create_placement_group(cfg)
     try:
         ranks = build_rank_infos(2, 1, 1, 1)
-        workers = [RemoteRolloutWorker.options(**worker_options(group, r.rank, cfg)).remote(r, cfg, str(tmp_path))
-                   for r in ranks]
-        trainers = [TrainerStandIn.options(**{k: v for k, v in worker_options(group, i, cfg).items()
-                                              if k == "scheduling_strategy"}).remote() for i in range(2)]
+        workers = [
+            RemoteRolloutWorker.options(**worker_options(group, r.rank, cfg)).remote(r, cfg, str(tmp_path))
+            for r in ranks
+        ]
+        trainers = [
+            TrainerStandIn.options(
+                **{k: v for k, v in worker_options(group, i, cfg).items() if k == "scheduling_strategy"}
+            ).remote()
+            for i in range(2)
+        ]
         rollout_gpus = [p["gpu_ids"] for p in ray.get([w.placement.remote() for w in workers])]
         assert rollout_gpus == ray.get([t.gpu_ids.remote() for t in trainers])
         assert rollout_gpus[0] != rollout_gpus[1]
@@ -74,8 +94,9 @@ def test_sglang_pipeline_layout_reaches_launch_and_a_failed_start_reports_the_lo
 
 @pytest.fixture(scope="module")
 def fleet(local_ray, qwen3_dir, tmp_path_factory):
-    fleet = Fleet.from_config(config(qwen3_dir, tmp_path_factory.mktemp("logs"), "rollout.tp_size=2",
-                                     "rollout.num_engines=2"))
+    fleet = Fleet.from_config(
+        config(qwen3_dir, tmp_path_factory.mktemp("logs"), "rollout.tp_size=2", "rollout.num_engines=2")
+    )
     yield fleet
     fleet.shutdown()
 
@@ -122,6 +143,7 @@ def test_engine_killed_mid_batch_loses_no_result(fleet):
     def kill_soon():
         time.sleep(1.5)
         os.killpg(pid, signal.SIGKILL)
+
     killer = threading.Thread(target=kill_soon)
     killer.start()
     prompts = [[i % 50 + 1, 2, 3] for i in range(40)]

@@ -40,8 +40,16 @@ def cluster():
 
 
 def rollout_config(model_dir, log_dir, *overrides):
-    return load_config(None, [f"rollout.model_path={model_dir}", "rollout.use_gpu=true", "rollout.tp_size=2",
-                              f"rollout.log_dir={log_dir}", *overrides])
+    return load_config(
+        None,
+        [
+            f"rollout.model_path={model_dir}",
+            "rollout.use_gpu=true",
+            "rollout.tp_size=2",
+            f"rollout.log_dir={log_dir}",
+            *overrides,
+        ],
+    )
 
 
 def test_a_tp2_engine_is_packed_on_one_node(cluster, qwen3_dir, tmp_path):
@@ -49,8 +57,10 @@ def test_a_tp2_engine_is_packed_on_one_node(cluster, qwen3_dir, tmp_path):
     group = create_placement_group(cfg)
     try:
         ranks = build_rank_infos(1, 1, 2, 1)
-        workers = [RemoteRolloutWorker.options(**worker_options(group, r.rank, cfg)).remote(r, cfg, str(tmp_path))
-                   for r in ranks]
+        workers = [
+            RemoteRolloutWorker.options(**worker_options(group, r.rank, cfg)).remote(r, cfg, str(tmp_path))
+            for r in ranks
+        ]
         placements = ray.get([w.placement.remote() for w in workers])
         assert placements[0]["node_id"] == placements[1]["node_id"]
         check_engines_on_one_node(ranks, {p["rank"]: p["node_id"] for p in placements})

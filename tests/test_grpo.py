@@ -81,8 +81,17 @@ def test_micro_batches_with_a_global_normalizer_add_up_to_the_full_batch():
     for token_level in (True, False):
         full, _ = policy_loss(logprobs, old, advantages, mask, token_level=token_level)
         normalizer = float(mask.sum()) if token_level else 6
-        parts = sum(policy_loss(logprobs[i:i + 2], old[i:i + 2], advantages[i:i + 2], mask[i:i + 2],
-                                token_level=token_level, normalizer=normalizer)[0] for i in range(0, 6, 2))
+        parts = sum(
+            policy_loss(
+                logprobs[i : i + 2],
+                old[i : i + 2],
+                advantages[i : i + 2],
+                mask[i : i + 2],
+                token_level=token_level,
+                normalizer=normalizer,
+            )[0]
+            for i in range(0, 6, 2)
+        )
         assert float(parts) == pytest.approx(float(full), abs=1e-6)
 
 

@@ -17,16 +17,35 @@ from rollfleet.train.loop import PHASES, train
 
 def run_config(model_dir, out, *overrides):
     temp = tempfile.mkdtemp(prefix="rf-ray-")
-    return load_config(None, [
-        f"rollout.model_path={model_dir}", "rollout.sampling.n=4", "rollout.sampling.max_new_tokens=4",
-        f"rollout.log_dir={out}/logs", "grpo.prompts_per_step=4", "grpo.synthetic_prompts=32",
-        f"grpo.output_dir={out}", "train.lr=0.001", "ray.num_cpus=4", f"ray.temp_dir={temp}", *overrides]), temp
+    return load_config(
+        None,
+        [
+            f"rollout.model_path={model_dir}",
+            "rollout.sampling.n=4",
+            "rollout.sampling.max_new_tokens=4",
+            f"rollout.log_dir={out}/logs",
+            "grpo.prompts_per_step=4",
+            "grpo.synthetic_prompts=32",
+            f"grpo.output_dir={out}",
+            "train.lr=0.001",
+            "ray.num_cpus=4",
+            f"ray.temp_dir={temp}",
+            *overrides,
+        ],
+    ), temp
 
 
 @pytest.mark.parametrize("placement, transport, world", [("colocated", "tensor", 1), ("disaggregated", "nccl", 2)])
 def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, transport, world):
-    cfg, temp = run_config(qwen3_dir, tmp_path, f"rollout.placement={placement}", f"weight_sync.transport={transport}",
-                           f"trainer.world_size={world}", "grpo.steps=3", "grpo.checkpoint_every=2")
+    cfg, temp = run_config(
+        qwen3_dir,
+        tmp_path,
+        f"rollout.placement={placement}",
+        f"weight_sync.transport={transport}",
+        f"trainer.world_size={world}",
+        "grpo.steps=3",
+        "grpo.checkpoint_every=2",
+    )
     try:
         train(cfg)
     finally:
@@ -73,10 +92,19 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     model_dir = tmp_path / "chaos-model"
     shutil.copytree(qwen3_dir, model_dir)  # a path of its own, to find this run's engines
     steps = 70  # long enough for the second engine to come back: faster syncs made 40 steps a tight fit
-    cfg, temp = run_config(model_dir, tmp_path / "out", "rollout.num_engines=2", f"grpo.steps={steps}",
-                           "grpo.prompts_per_step=8", "weight_sync.transport=tensor",
-                           "rollout.sampling.max_new_tokens=24", "rollout.sampling.ignore_eos=true",
-                           "rollout.probe_interval_s=0.5", "rollout.probe_timeout_s=1", "rollout.probe_failures=2")
+    cfg, temp = run_config(
+        model_dir,
+        tmp_path / "out",
+        "rollout.num_engines=2",
+        f"grpo.steps={steps}",
+        "grpo.prompts_per_step=8",
+        "weight_sync.transport=tensor",
+        "rollout.sampling.max_new_tokens=24",
+        "rollout.sampling.ignore_eos=true",
+        "rollout.probe_interval_s=0.5",
+        "rollout.probe_timeout_s=1",
+        "rollout.probe_failures=2",
+    )
     metrics = tmp_path / "out" / "metrics.jsonl"
     stop, faults = threading.Event(), []
 
@@ -93,13 +121,15 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
         wait_for(0)  # the fleet is up and step 1 is done: from here on, engines fail
         for round_, how in enumerate((signal.SIGSTOP, signal.SIGKILL)):  # one hang, then one death
             stop.wait(rng.uniform(0.2, 1.5))
-            pids = subprocess.run(["pgrep", "-f", f"rollfleet.engine.server --model-path {model_dir} "],
-                                  capture_output=True, text=True).stdout.split()
+            pids = subprocess.run(
+                ["pgrep", "-f", f"rollfleet.engine.server --model-path {model_dir} "], capture_output=True, text=True
+            ).stdout.split()
             if stop.is_set() or not pids:
                 return
             os.killpg(int(rng.choice(pids)), how)
             faults.append(how)
             wait_for(round_ + 1)  # the next fault only once this one has recovered
+
     thread = threading.Thread(target=chaos)
     thread.start()
     try:

@@ -20,8 +20,13 @@ def flag(argv, name):
 
 @pytest.mark.parametrize("tp, pp, ep, dp", [(1, 1, 1, 1), (2, 1, 1, 4), (4, 1, 2, 2), (2, 2, 1, 2), (8, 2, 8, 1)])
 def test_sglang_argv_carries_the_engine_shape(tp, pp, ep, dp):
-    cfg = rollout("rollout.backend=sglang", f"rollout.tp_size={tp}", f"rollout.pp_size={pp}",
-                  f"rollout.ep_size={ep}", f"rollout.num_engines={dp}")
+    cfg = rollout(
+        "rollout.backend=sglang",
+        f"rollout.tp_size={tp}",
+        f"rollout.pp_size={pp}",
+        f"rollout.ep_size={ep}",
+        f"rollout.num_engines={dp}",
+    )
     argv = engine_argv(cfg, EngineLaunch(port=31234, base_gpu_id=0, load_format="dummy"))
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert (flag(argv, "--tp-size"), flag(argv, "--pp-size"), flag(argv, "--ep-size")) == (str(tp), str(pp), str(ep))
@@ -33,8 +38,12 @@ def test_sglang_argv_carries_the_engine_shape(tp, pp, ep, dp):
 
 
 def test_sglang_colocated_key_and_extras():
-    cfg = rollout("rollout.backend=sglang", "rollout.placement=colocated", "rollout.api_key=k",
-                  "rollout.server_extras=['--mem-fraction-static', '0.6']")
+    cfg = rollout(
+        "rollout.backend=sglang",
+        "rollout.placement=colocated",
+        "rollout.api_key=k",
+        "rollout.server_extras=['--mem-fraction-static', '0.6']",
+    )
     argv = engine_argv(cfg, EngineLaunch(port=1, host="0.0.0.0"))
     assert "--enable-memory-saver" in argv and flag(argv, "--api-key") == "k"
     assert argv[-2:] == ["--mem-fraction-static", "0.6"] and flag(argv, "--host") == "0.0.0.0"
@@ -63,12 +72,16 @@ def test_embedded_backend_refuses_pipeline_parallel():
 
 def test_nccl_and_tensor_with_pipeline_parallel_are_refused_naming_disk():
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2",
-                           "weight_sync.transport=nccl"])
+        load_config(
+            None, ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2", "weight_sync.transport=nccl"]
+        )
     assert "weight_sync.transport='nccl'" in str(err.value) and "['disk']" in str(err.value)
     assert "ignores the pipeline rank" in str(err.value)
     with pytest.raises(ConfigError, match="indexed by tp_rank only"):
-        load_config(None, ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2",
-                           "weight_sync.transport=tensor"])
-    load_config(None, ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2",
-                       "weight_sync.transport=disk"])
+        load_config(
+            None,
+            ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2", "weight_sync.transport=tensor"],
+        )
+    load_config(
+        None, ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2", "weight_sync.transport=disk"]
+    )

@@ -29,16 +29,28 @@ def grids(draw):
 
 def tiny_dense():
     return Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
     )
 
 
 def tiny_moe():
     return Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=4, num_experts_per_tok=2,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
     )
 
 
@@ -49,8 +61,14 @@ def test_concrete_layout_tp_fastest_then_pp_then_dp():
     infos = build_rank_infos(dp_size=2, pp_size=2, tp_size=2, ep_size=1)
     coords = [(i.dp_rank, i.pp_rank, i.tp_rank) for i in infos]
     assert coords == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
-        (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
     ]
     assert [i.rank for i in infos if i.is_engine_head] == [0, 4]
     assert [i.rank_in_engine for i in infos] == [0, 1, 2, 3, 0, 1, 2, 3]
@@ -160,8 +178,13 @@ def test_validate_layout_accepts_iff_sizes_divide(world, tp, pp, ep):
 
 
 @given(
-    tp=st.integers(1, 8), pp=st.integers(1, 4), ep=st.integers(1, 8),
-    heads=st.integers(1, 16), kv_heads=st.integers(1, 16), experts=st.integers(0, 16), layers=st.integers(1, 6),
+    tp=st.integers(1, 8),
+    pp=st.integers(1, 4),
+    ep=st.integers(1, 8),
+    heads=st.integers(1, 16),
+    kv_heads=st.integers(1, 16),
+    experts=st.integers(0, 16),
+    layers=st.integers(1, 6),
 )
 def test_validate_layout_with_model_accepts_iff_model_splits(tp, pp, ep, heads, kv_heads, experts, layers):
     model = {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": layers}

@@ -26,8 +26,9 @@ def test_load_fingerprints_answer_like_fresh_ones(qwen3_dir, qwen3_dir_b):
     assert set(taken) == set(runner.plain_to_param)  # every unsharded plain parameter, tied ones included
     assert taken == {name: want[name] for name in taken}
     assert runner.weights_fingerprint(None, 4096) == want
-    assert runner.weights_fingerprint(None, 128) == fingerprints(load_file(f"{qwen3_dir_b}/model.safetensors")
-                                                                 .items(), runner.dtype, samples=128)
+    assert runner.weights_fingerprint(None, 128) == fingerprints(
+        load_file(f"{qwen3_dir_b}/model.safetensors").items(), runner.dtype, samples=128
+    )
     assert fresh(runner) == want
 
 

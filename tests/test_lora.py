@@ -16,11 +16,11 @@ import httpx
 import pytest
 import ray
 import torch
+from conftest import call, engine_servers, reference_greedy
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import call, engine_servers, reference_greedy
 from rollfleet.config import LoraSync, load_config
 from rollfleet.engine.client import EngineClient, EngineError
 from rollfleet.engine.launch import EngineProcess, lora_server_args
@@ -117,12 +117,16 @@ def unverified(report, procs: dict[int, EngineProcess]) -> dict[int, str]:
             return await find_unverified(report, clients)
         finally:
             await asyncio.gather(*(c.close() for c in clients.values()))
+
     return asyncio.run(go())
 
 
 def sync(spec: LoraSync, source: LoraSource, version: str, procs: dict[int, EngineProcess], ranks: dict[int, int]):
-    transport = make_transport(spec, [EngineTarget(engine_id=e, url=p.url, num_ranks=ranks[e], rank_offset=0)
-                                      for e, p in procs.items()], timeout_s=60)
+    transport = make_transport(
+        spec,
+        [EngineTarget(engine_id=e, url=p.url, num_ranks=ranks[e], rank_offset=0) for e, p in procs.items()],
+        timeout_s=60,
+    )
     try:
         return transport.send(source, version)
     finally:
@@ -136,8 +140,12 @@ def tensors_payload(tensors: dict[str, torch.Tensor], ranks: int) -> list[str]:
 @pytest.fixture(scope="module")
 def servers(qwen3_dir, moe_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    plan = {"tp1": (qwen3_dir, {"extra": [*LORA_FLAGS, "--max-loaded-loras", "2"]}), "tp2": (qwen3_dir, {"tp_size": 2, "extra": LORA_FLAGS}),
-            "moe": (moe_dir, {"tp_size": 2, "ep_size": 2, "extra": ["--enable-lora"]}), "off": (qwen3_dir, {})}
+    plan = {
+        "tp1": (qwen3_dir, {"extra": [*LORA_FLAGS, "--max-loaded-loras", "2"]}),
+        "tp2": (qwen3_dir, {"tp_size": 2, "extra": LORA_FLAGS}),
+        "moe": (moe_dir, {"tp_size": 2, "ep_size": 2, "extra": ["--enable-lora"]}),
+        "off": (qwen3_dir, {}),
+    }
     with engine_servers(plan, logs) as procs:
         yield procs
 
@@ -156,8 +164,9 @@ def base_expected(qwen3_dir):
 
 # ---- dense tp=1 and tp=2 ----------------------------------------------------------------------------
 @pytest.mark.parametrize("source", ["tensors", "directory"])
-def test_transport_sends_an_adapter_that_serves_like_peft_merge(servers, adapter, base_expected, source, tmp_path,
-                                                                qwen3_dir):
+def test_transport_sends_an_adapter_that_serves_like_peft_merge(
+    servers, adapter, base_expected, source, tmp_path, qwen3_dir
+):
     peft_model, want = adapter
     assert want != base_expected  # the adapter changes what the model says
     engines = {0: servers["tp1"], 1: servers["tp2"]}
@@ -207,8 +216,12 @@ def test_a_base_read_mid_batch_keeps_the_adapter(servers, adapter):
     """Fingerprints restore the base weights; a batch paused in place around them goes on with its adapter."""
     proc = servers["tp2"]
     sync(LoraSync(), LoraSource(adapter[0]), "mid", {0: proc}, ranks={0: 2})
-    request = {"input_ids": PROMPTS[0], "sampling_params": {**GREEDY, "max_new_tokens": 40},
-               "return_logprob": True, "lora_path": "policy"}
+    request = {
+        "input_ids": PROMPTS[0],
+        "sampling_params": {**GREEDY, "max_new_tokens": 40},
+        "return_logprob": True,
+        "lora_path": "policy",
+    }
     uninterrupted = call(proc, "generate", **request)
     batches = call(proc, "get_server_info")["scheduler_stats"]["batches"]
     with ThreadPoolExecutor(1) as pool:
@@ -258,8 +271,12 @@ def test_unload_waits_for_the_requests_that_use_the_adapter(servers, adapter, tm
     peft_model, want = adapter
     proc = servers["tp1"]
     source = LoraSource(peft_model)
-    call(proc, "load_lora_adapter", "slow", str(save_adapter(source.named_tensors(), source.config_dict(),
-                                                             tmp_path / "slow")))
+    call(
+        proc,
+        "load_lora_adapter",
+        "slow",
+        str(save_adapter(source.named_tensors(), source.config_dict(), tmp_path / "slow")),
+    )
     call(proc, "pause_generation", "in_place")  # the request below stays queued until generation continues
     with ThreadPoolExecutor(2) as pool:
         try:
@@ -283,12 +300,18 @@ def _bad_adapters(peft_model, qwen3_dir, tmp_path):
     good = {k: v.clone() for k, v in get_peft_model_state_dict(peft_model).items()}
     q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     wrong_shape = {**good, q_a: torch.zeros(4, 63)}
-    unknown = {**good, "base_model.model.model.layers.0.self_attn.qq_proj.lora_A.weight": torch.zeros(4, 64),
-               "base_model.model.model.layers.0.self_attn.qq_proj.lora_B.weight": torch.zeros(64, 4)}
+    unknown = {
+        **good,
+        "base_model.model.model.layers.0.self_attn.qq_proj.lora_A.weight": torch.zeros(4, 64),
+        "base_model.model.model.layers.0.self_attn.qq_proj.lora_B.weight": torch.zeros(64, 4),
+    }
     big = make_adapter(qwen3_dir, ["q_proj"], r=16)
     big_source = LoraSource(big)
-    rank_mismatch = {**good, q_a: torch.zeros(2, 64),
-                     "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 2)}
+    rank_mismatch = {
+        **good,
+        q_a: torch.zeros(2, 64),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 2),
+    }
     dora = save_adapter(good.items(), {**config, "use_dora": True}, tmp_path / "dora")
     return [
         ("wrong-shape", ("tensors", config, wrong_shape), f"{q_a}: shape (4, 63), expected (r, 64)"),
@@ -333,8 +356,9 @@ def test_adapter_fingerprints_cover_every_rank(servers, adapter):
     try:
         prints = call(proc, "weights_fingerprint", None, lora_name="split")
         assert prints[key].startswith("ranks differ")
-        assert {k: v for k, v in prints.items() if k != key} == {k: fingerprint(t) for k, t in tensors.items()
-                                                                 if k != key}
+        assert {k: v for k, v in prints.items() if k != key} == {
+            k: fingerprint(t) for k, t in tensors.items() if k != key
+        }
     finally:
         call(proc, "unload_lora_adapter", "split")
 
@@ -354,8 +378,10 @@ def test_moe_tp2_ep2_serves_an_attention_adapter_and_refuses_experts(servers, mo
     tensors = dict(source.named_tensors())
     assert "base_model.model.model.layers.0.mlp.experts.lora_A.weight" in tensors
     config = {**source.config_dict(), "target_parameters": None}  # the module check alone
-    for config_dict, offender in ((config, "model.layers.0.mlp.experts' cannot be a LoRA target: it is a fused MoE "
-                                           "expert module"), (source.config_dict(), "target_parameters")):
+    for config_dict, offender in (
+        (config, "model.layers.0.mlp.experts' cannot be a LoRA target: it is a fused MoE expert module"),
+        (source.config_dict(), "target_parameters"),
+    ):
         with pytest.raises(EngineError) as err:
             call(proc, "load_lora_adapter_from_tensors", "experts", config_dict, tensors_payload(tensors, 2))
         assert err.value.status_code == 400 and offender in err.value.message, err.value.message
@@ -367,9 +393,14 @@ def test_moe_tp2_ep2_serves_an_attention_adapter_and_refuses_experts(servers, mo
 def test_lora_routes_need_enable_lora(servers, adapter):
     proc = servers["off"]
     source = LoraSource(adapter[0])
-    for route, args in (("load_lora_adapter", ("x", "/nowhere")), ("unload_lora_adapter", ("x",)),
-                        ("load_lora_adapter_from_tensors", ("x", source.config_dict(),
-                                                            tensors_payload(dict(source.named_tensors()), 1)))):
+    for route, args in (
+        ("load_lora_adapter", ("x", "/nowhere")),
+        ("unload_lora_adapter", ("x",)),
+        (
+            "load_lora_adapter_from_tensors",
+            ("x", source.config_dict(), tensors_payload(dict(source.named_tensors()), 1)),
+        ),
+    ):
         with pytest.raises(EngineError) as err:
             call(proc, route, *args)
         assert err.value.status_code == 400 and "--enable-lora" in err.value.message
@@ -382,10 +413,19 @@ def test_lora_routes_need_enable_lora(servers, adapter):
 # ---- the fleet ---------------------------------------------------------------------------------------------
 def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, adapter, base_expected, tmp_path):
     peft_model, want = adapter
-    cfg = load_config(None, [f"rollout.model_path={qwen3_dir}", "rollout.use_gpu=true", f"rollout.log_dir={tmp_path}",
-                             "weight_sync.transport=lora", "weight_sync.source=directory",
-                             f"weight_sync.path={tmp_path / 'adapters'}", "weight_sync.max_lora_rank=8",
-                             "rollout.auto_restart=false"])
+    cfg = load_config(
+        None,
+        [
+            f"rollout.model_path={qwen3_dir}",
+            "rollout.use_gpu=true",
+            f"rollout.log_dir={tmp_path}",
+            "weight_sync.transport=lora",
+            "weight_sync.source=directory",
+            f"weight_sync.path={tmp_path / 'adapters'}",
+            "weight_sync.max_lora_rank=8",
+            "rollout.auto_restart=false",
+        ],
+    )
     fleet = Fleet.from_config(cfg)
     try:
         info = fleet._on_all("get_server_info")[0]
@@ -412,28 +452,45 @@ def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, ada
 
 # ---- pure logic ----------------------------------------------------------------------------------------------
 def test_scale_follows_rslora_and_patterns(qwen3_dir):
-    peft_model = make_adapter(qwen3_dir, ["q_proj", "v_proj"], use_rslora=True, rank_pattern={"v_proj": 2},
-                              alpha_pattern={"layers.1.self_attn.q_proj": 3})
+    peft_model = make_adapter(
+        qwen3_dir,
+        ["q_proj", "v_proj"],
+        use_rslora=True,
+        rank_pattern={"v_proj": 2},
+        alpha_pattern={"layers.1.self_attn.q_proj": 3},
+    )
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)  # the engine's: no peft layers
     source = LoraSource(peft_model)
     tensors = dict(source.named_tensors())
     params = dict(model.named_parameters(remove_duplicate=False))
-    parsed = parse_adapter("p", "<tensors>", source.config_dict(), tensors, model, linear_targets(model, params),
-                           LoraLimits())
+    parsed = parse_adapter(
+        "p", "<tensors>", source.config_dict(), tensors, model, linear_targets(model, params), LoraLimits()
+    )
     scales = {t.module: t.scale for t in parsed.targets}
-    layers = {name.removeprefix("base_model.model."): module
-              for name, module in peft_model.named_modules() if name.endswith(("q_proj", "v_proj"))}
+    layers = {
+        name.removeprefix("base_model.model."): module
+        for name, module in peft_model.named_modules()
+        if name.endswith(("q_proj", "v_proj"))
+    }
     assert scales == {name: module.scaling["default"] for name, module in layers.items()}
-    assert scales["model.layers.0.self_attn.v_proj"] == 8 / 2 ** 0.5  # rslora, rank_pattern
+    assert scales["model.layers.0.self_attn.v_proj"] == 8 / 2**0.5  # rslora, rank_pattern
     assert scales["model.layers.0.self_attn.q_proj"] == 8 / 2 and scales["model.layers.1.self_attn.q_proj"] == 3 / 2
     # the merge the engine computes equals peft's
     for target in parsed.targets:
         assert torch.equal(target.delta(torch.device("cpu")), layers[target.module].get_delta_weight("default"))
     with pytest.raises(LoraError, match="--lora-target-modules"):
-        parse_adapter("p", "<tensors>", source.config_dict(), tensors, model, linear_targets(model, params),
-                      LoraLimits(target_modules=frozenset({"q_proj"})))
-    tied = AutoModelForCausalLM.from_config(tiny_config("qwen3", vocab_size=model.config.vocab_size,
-                                                        tie_word_embeddings=True))
+        parse_adapter(
+            "p",
+            "<tensors>",
+            source.config_dict(),
+            tensors,
+            model,
+            linear_targets(model, params),
+            LoraLimits(target_modules=frozenset({"q_proj"})),
+        )
+    tied = AutoModelForCausalLM.from_config(
+        tiny_config("qwen3", vocab_size=model.config.vocab_size, tie_word_embeddings=True)
+    )
     tied_params = dict(tied.named_parameters(remove_duplicate=False))
     assert "lm_head" not in linear_targets(tied, tied_params) and "lm_head" in linear_targets(model, params)
 
@@ -445,5 +502,10 @@ def test_lora_flags_and_config(tmp_path):
     args = parser.parse_args(["--model-path", "m", "--enable-lora", "--lora-target-modules", "q_proj", "v_proj"])
     check_args(parser, args)
     assert lora_server_args(LoraSync(lora_target_modules=["q_proj"])) == [
-        "--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "q_proj"]
+        "--enable-lora",
+        "--max-lora-rank",
+        "64",
+        "--lora-target-modules",
+        "q_proj",
+    ]
     assert json.dumps(LoraSync().model_dump())

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import ray
 import torch
+from conftest import reference_greedy
 from transformers import AutoModelForCausalLM
 
-from conftest import reference_greedy
 from rollfleet.config import load_config
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.weights.source import ModuleSource
@@ -31,11 +31,22 @@ def fleet(qwen3_dir, tmp_path_factory):
     temp = tempfile.mkdtemp(prefix="rf-ray-")
     ray.init(num_cpus=8, num_gpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
     out = tmp_path_factory.mktemp("recovery")
-    cfg = load_config(None, [f"rollout.model_path={qwen3_dir}", "rollout.use_gpu=true", "rollout.num_engines=2",
-                             f"rollout.log_dir={out}/logs", "rollout.recovery_wait_s=60",
-                             "rollout.probe_interval_s=0.5", "rollout.probe_timeout_s=1", "rollout.probe_failures=2",
-                             "rollout.auto_restart=false",  # the tests drive restarts; the last one turns it on
-                             "weight_sync.transport=disk", f"weight_sync.path={out}/sync"])
+    cfg = load_config(
+        None,
+        [
+            f"rollout.model_path={qwen3_dir}",
+            "rollout.use_gpu=true",
+            "rollout.num_engines=2",
+            f"rollout.log_dir={out}/logs",
+            "rollout.recovery_wait_s=60",
+            "rollout.probe_interval_s=0.5",
+            "rollout.probe_timeout_s=1",
+            "rollout.probe_failures=2",
+            "rollout.auto_restart=false",  # the tests drive restarts; the last one turns it on
+            "weight_sync.transport=disk",
+            f"weight_sync.path={out}/sync",
+        ],
+    )
     fleet = Fleet.from_config(cfg)
     yield fleet
     fleet.shutdown()
@@ -80,8 +91,12 @@ def test_death_is_noticed_at_once_and_restore_waits_for_verified_weights(fleet, 
     assert [s.output_ids for s in samples[:4]] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]
     assert {s.weight_version for s in samples} == {"v1"}
     history = [(h[1], h[2]) for h in fleet.slots[1].lifecycle.history]
-    assert history[-4:] == [("ACTIVE", "INACTIVE"), ("INACTIVE", "RECOVERING"), ("RECOVERING", "AWAITING_WEIGHTS"),
-                            ("AWAITING_WEIGHTS", "ACTIVE")]
+    assert history[-4:] == [
+        ("ACTIVE", "INACTIVE"),
+        ("INACTIVE", "RECOVERING"),
+        ("RECOVERING", "AWAITING_WEIGHTS"),
+        ("AWAITING_WEIGHTS", "ACTIVE"),
+    ]
 
 
 def test_generate_waits_for_recovery_when_no_engine_is_active(fleet, qwen3_dir_b):
@@ -92,6 +107,7 @@ def test_generate_waits_for_recovery_when_no_engine_is_active(fleet, qwen3_dir_b
 
     def generate():
         results["samples"] = fleet.generate(PROMPTS, sampling=GREEDY)
+
     waiting = threading.Thread(target=generate)
     waiting.start()
     time.sleep(1.0)

@@ -41,6 +41,8 @@ def test_temperature_zero_is_argmax():
 @given(seed=st.integers(0, 2**31), index=st.integers(0, 7))
 def test_same_seed_same_draws(seed, index):
     params = SamplingParams(sampling_seed=seed)
-    draws = [[sample_token(LOGITS, params, g) for _ in range(8)] for g in
-             (make_generator(params, index), make_generator(params, index))]
+    draws = [
+        [sample_token(LOGITS, params, g) for _ in range(8)]
+        for g in (make_generator(params, index), make_generator(params, index))
+    ]
     assert draws[0] == draws[1]

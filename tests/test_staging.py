@@ -117,6 +117,7 @@ def test_plain_names_leave_out_fused_experts_only():
     from transformers import AutoModelForCausalLM
 
     from rollfleet.tiny import make_tokenizer, tiny_config
+
     moe = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", vocab_size=len(make_tokenizer())))
     plain = plain_names(moe)
     names = [n for n, _ in moe.named_parameters(remove_duplicate=False)]

@@ -66,8 +66,12 @@ def run_grpo(model_dir: str, recipe: Recipe, log=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = PromptDataset.from_records(make_records(recipe.num_prompts, seed=recipe.seed))
     reward_fn = load_reward(REWARD)
-    config = TrainConfig(lr=recipe.lr, micro_batch_size=recipe.prompts_per_step * recipe.n,
-                         scale_adv_by_std=recipe.scale_adv_by_std, seed=recipe.seed)
+    config = TrainConfig(
+        lr=recipe.lr,
+        micro_batch_size=recipe.prompts_per_step * recipe.n,
+        scale_adv_by_std=recipe.scale_adv_by_std,
+        seed=recipe.seed,
+    )
     trainer = PolicyTrainer(model_dir, config)
     rollout = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(recipe.seed)
@@ -81,19 +85,27 @@ def run_grpo(model_dir: str, recipe: Recipe, log=None) -> dict:
         answers = [item.answer for item in prompts for _ in range(recipe.n)]
         rewards = [reward_fn(text, answer) for text, answer in zip(texts, answers, strict=True)]
         advantages = group_advantages(rewards, recipe.n, scale_by_std=config.scale_adv_by_std).tolist()
-        batch = [{"prompt_ids": ids, "output_ids": tokens, "logprobs": logprobs, "advantage": adv}
-                 for ids, (tokens, logprobs), adv in zip(prompt_ids, samples, advantages, strict=True)]
+        batch = [
+            {"prompt_ids": ids, "output_ids": tokens, "logprobs": logprobs, "advantage": adv}
+            for ids, (tokens, logprobs), adv in zip(prompt_ids, samples, advantages, strict=True)
+        ]
         metrics = trainer.train_step(batch)
         rollout.load_state_dict(dict(trainer.weight_source().named_tensors()))  # the weight sync
         rewards_per_step.append(sum(rewards) / len(rewards))
         metrics_per_step.append(metrics)
         if log:
-            log(f"step {step:3d}  reward {rewards_per_step[-1]:.3f}  exact "
+            log(
+                f"step {step:3d}  reward {rewards_per_step[-1]:.3f}  exact "
                 f"{sum(exact_match(t, a) for t, a in zip(texts, answers)) / len(texts):.2f}  "
                 f"loss {metrics['loss']:+.3f}  mismatch {metrics['logprob_mismatch_max']:.1e}  "
-                f"sample {texts[0]!r} for {answers[0]!r}  {time.perf_counter() - start:.1f}s")
-    return {"rewards": rewards_per_step, "metrics": metrics_per_step, "seconds": time.perf_counter() - start,
-            "last_samples": list(zip(texts, answers, strict=True))}
+                f"sample {texts[0]!r} for {answers[0]!r}  {time.perf_counter() - start:.1f}s"
+            )
+    return {
+        "rewards": rewards_per_step,
+        "metrics": metrics_per_step,
+        "seconds": time.perf_counter() - start,
+        "last_samples": list(zip(texts, answers, strict=True)),
+    }
 
 
 @pytest.fixture
@@ -165,7 +177,9 @@ if __name__ == "__main__":
         directory = str(make_tiny_model(scratch, "qwen3", seed=recipe.seed))
         result = run_grpo(directory, recipe, log=print)
     rewards = result["rewards"]
-    print(f"{recipe}\n{len(rewards)} steps in {result['seconds']:.1f} s train loop, "
-          f"{time.perf_counter() - begin:.1f} s total; reward first10 {sum(rewards[:10]) / 10:.3f} "
-          f"last10 {sum(rewards[-10:]) / 10:.3f}")
+    print(
+        f"{recipe}\n{len(rewards)} steps in {result['seconds']:.1f} s train loop, "
+        f"{time.perf_counter() - begin:.1f} s total; reward first10 {sum(rewards[:10]) / 10:.3f} "
+        f"last10 {sum(rewards[-10:]) / 10:.3f}"
+    )
     dist.destroy_process_group()

@@ -25,9 +25,14 @@ def make_batch(seed: int = 0, count: int = 7) -> list[dict]:
     for index in range(count):
         prompt = torch.randint(3, 300, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
         output = torch.randint(3, 300, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
-        batch.append({"prompt_ids": prompt, "output_ids": output,
-                      "logprobs": (torch.randn(len(output), generator=g) * 0.1 - 5.8).tolist(),
-                      "advantage": float(index % 3 - 1)})
+        batch.append(
+            {
+                "prompt_ids": prompt,
+                "output_ids": output,
+                "logprobs": (torch.randn(len(output), generator=g) * 0.1 - 5.8).tolist(),
+                "advantage": float(index % 3 - 1),
+            }
+        )
     return batch
 
 
@@ -107,8 +112,10 @@ def test_save_hf_reloads_with_transformers(runs):
     saved_keys = set(load_file(hf / "model.safetensors"))
     assert saved_keys == set(two["after"]) == set(load_file(Path(model_dir) / "model.safetensors"))
     tokenizer = AutoTokenizer.from_pretrained(hf)
-    assert tokenizer("the quick brown fox")["input_ids"] == AutoTokenizer.from_pretrained(model_dir)(
-        "the quick brown fox")["input_ids"]
+    assert (
+        tokenizer("the quick brown fox")["input_ids"]
+        == AutoTokenizer.from_pretrained(model_dir)("the quick brown fox")["input_ids"]
+    )
     assert (hf / "generation_config.json").is_file()
 
 

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import reference_greedy
 from transformers import AutoModelForCausalLM
 
-from conftest import reference_greedy
 from rollfleet.config import DiskSync, NcclSync, TensorSync, load_config
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.weights.source import ModuleSource
@@ -24,8 +24,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 def running_fleet(model_dir, log_dir, *overrides):
     """A fleet for a module fixture (`yield from`): shut down when the module ends."""
-    cfg = load_config(None, [f"rollout.model_path={model_dir}", "rollout.use_gpu=true",
-                             f"rollout.log_dir={log_dir}", *overrides])
+    cfg = load_config(
+        None, [f"rollout.model_path={model_dir}", "rollout.use_gpu=true", f"rollout.log_dir={log_dir}", *overrides]
+    )
     fleet = Fleet.from_config(cfg)
     try:
         yield fleet
@@ -57,8 +58,7 @@ def test_dense_sync_to_two_engines(dense_fleet, qwen3_dir, qwen3_dir_b, name, tm
     for version, model_dir in ((f"{name}-b", qwen3_dir_b), (f"{name}-a", qwen3_dir)):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         options = {"config_dir": qwen3_dir} if name == "disk" else {}
-        report = dense_fleet.sync_weights(ModuleSource(model), version, transport=transport(name, tmp_path),
-                                          **options)
+        report = dense_fleet.sync_weights(ModuleSource(model), version, transport=transport(name, tmp_path), **options)
         assert report.tensors == len(dict(model.named_parameters())) and sorted(report.fingerprints) == [0, 1]
         outputs, versions = greedy(dense_fleet)
         assert versions == {version}
@@ -69,8 +69,7 @@ def test_dense_sync_to_two_engines(dense_fleet, qwen3_dir, qwen3_dir_b, name, tm
 def test_moe_sync_into_tp2_ep2(moe_fleet, moe_dir, moe_dir_b, name, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(moe_dir_b, dtype=torch.float32)
     options = {"config_dir": moe_dir} if name == "disk" else {}
-    report = moe_fleet.sync_weights(ModuleSource(model), f"moe-{name}", transport=transport(name, tmp_path),
-                                    **options)
+    report = moe_fleet.sync_weights(ModuleSource(model), f"moe-{name}", transport=transport(name, tmp_path), **options)
     assert any(".experts.3.up_proj.weight" in n for n in report.fingerprints[0])  # per-expert names travel
     outputs, versions = greedy(moe_fleet)
     assert versions == {f"moe-{name}"}
@@ -101,8 +100,11 @@ class RenamedSource:
 
 
 @pytest.mark.parametrize("name", ["tensor", "nccl"])
-@pytest.mark.parametrize("bad", [lambda n, t: ("model.layers.0.not_a_weight", t),
-                                 lambda n, t: (n, t[:-1])], ids=["unknown-name", "wrong-shape"])
+@pytest.mark.parametrize(
+    "bad",
+    [lambda n, t: ("model.layers.0.not_a_weight", t), lambda n, t: (n, t[:-1])],
+    ids=["unknown-name", "wrong-shape"],
+)
 def test_bad_update_changes_nothing(dense_fleet, qwen3_dir_b, name, bad):
     before = dense_fleet._on_all("shard_fingerprints")
     versions = [info["weight_version"] for info in dense_fleet._on_all("get_model_info")]
@@ -131,6 +133,7 @@ def test_refused_late_call_leaves_transport_usable(dense_fleet, qwen3_dir, qwen3
     """A pipelined sync refused in a late call raises naming the tensor, drains what was in flight,
     and the same connected transport (the same NCCL group) then delivers a good sync."""
     from rollfleet.weights.transports import make_transport
+
     transport = make_transport(TRANSPORTS[name.split("-")[0]], dense_fleet.weight_targets(), timeout_s=60)
     transport.connect()
     if name.startswith("nccl"):
@@ -159,10 +162,13 @@ def test_version_mode_checks_versions_only(dense_fleet, qwen3_dir):
 
     from rollfleet.engine.client import EngineClient
     from rollfleet.weights.verify import find_unverified
+
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
     report = dense_fleet.sync_weights(ModuleSource(model), "checked", transport=TRANSPORTS["tensor"])
     name = next(iter(report.fingerprints[0]))
-    tampered = dataclasses.replace(report, fingerprints={e: {**f, name: "0" * 24} for e, f in report.fingerprints.items()})
+    tampered = dataclasses.replace(
+        report, fingerprints={e: {**f, name: "0" * 24} for e, f in report.fingerprints.items()}
+    )
     stale = dataclasses.replace(report, version="not-sent")
 
     async def problems(checked, mode):
@@ -171,6 +177,7 @@ def test_version_mode_checks_versions_only(dense_fleet, qwen3_dir):
             return await find_unverified(checked, clients, mode)
         finally:
             await asyncio.gather(*(c.close() for c in clients.values()))
+
     assert asyncio.run(problems(report, "fingerprint")) == {} == asyncio.run(problems(report, "version"))
     assert set(asyncio.run(problems(tampered, "fingerprint"))) == {0, 1}
     assert asyncio.run(problems(tampered, "version")) == {}  # the weaker check
@@ -181,9 +188,27 @@ def test_weight_sync_benchmark_runs_in_ci_size(tmp_path):
     import json
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "rollfleet", "bench", "weight-sync", "--transport", "nccl",
-                          "--size-gb", "0.01", "--device", "cpu", "--json", str(tmp_path / "f.json")],
-                         capture_output=True, text=True, timeout=300)
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollfleet",
+            "bench",
+            "weight-sync",
+            "--transport",
+            "nccl",
+            "--size-gb",
+            "0.01",
+            "--device",
+            "cpu",
+            "--json",
+            str(tmp_path / "f.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     figures = json.loads((tmp_path / "f.json").read_text())
     assert figures["verified"] is True

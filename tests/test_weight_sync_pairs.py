@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import reference_greedy
+from test_weight_sync import PROMPTS, greedy, running_fleet, transport
 from transformers import AutoModelForCausalLM
 
-from conftest import reference_greedy
 from rollfleet.weights.source import ModuleSource
-from test_weight_sync import PROMPTS, greedy, running_fleet, transport
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,11 @@ def moe_tp1_fleet(local_ray, moe_dir, tmp_path_factory):
 def test_other_model_and_tp_pairs(request, kind, name, tmp_path):
     """The other two (model, tp) pairs: a dense Qwen3 into a tp=2 engine, a Qwen3-MoE into tp=1."""
     fleet = request.getfixturevalue("dense_tp2_fleet" if kind == "dense-tp2" else "moe_tp1_fleet")
-    base, other = ((request.getfixturevalue("qwen3_dir"), request.getfixturevalue("qwen3_dir_b")) if kind == "dense-tp2"
-                   else (request.getfixturevalue("moe_dir"), request.getfixturevalue("moe_dir_b")))
+    base, other = (
+        (request.getfixturevalue("qwen3_dir"), request.getfixturevalue("qwen3_dir_b"))
+        if kind == "dense-tp2"
+        else (request.getfixturevalue("moe_dir"), request.getfixturevalue("moe_dir_b"))
+    )
     for version, model_dir in ((f"{kind}-{name}-b", other), (f"{kind}-{name}-a", base)):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         options = {"config_dir": base} if name == "disk" else {}
@@ -37,5 +40,3 @@ def test_other_model_and_tp_pairs(request, kind, name, tmp_path):
         outputs, versions = greedy(fleet)
         assert versions == {version}
         assert outputs == [reference_greedy(model_dir, p, 8)[0] for p in PROMPTS]
-
-

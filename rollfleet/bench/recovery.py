@@ -51,16 +51,31 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as scratch:
         scratch = Path(scratch)
-        model_dir = make_tiny_model(scratch / "model", hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                    intermediate_size=4 * args.hidden, num_attention_heads=4, num_key_value_heads=2,
-                                    head_dim=args.hidden // 4)
+        model_dir = make_tiny_model(
+            scratch / "model",
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            intermediate_size=4 * args.hidden,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=args.hidden // 4,
+        )
         gpus = torch.cuda.device_count()
-        ray.init(num_cpus=8, num_gpus=gpus or 2, _temp_dir=str(scratch / "ray"), include_dashboard=False,
-                 log_to_driver=False)
-        cfg = load_config(None, [f"rollout.model_path={model_dir}", "rollout.use_gpu=true", "rollout.num_engines=2",
-                                 "rollout.auto_restart=false",  # the benchmark times each restart itself
-                                 f"rollout.log_dir={scratch}/logs", "weight_sync.transport=disk",
-                                 f"weight_sync.path={scratch}/sync"])
+        ray.init(
+            num_cpus=8, num_gpus=gpus or 2, _temp_dir=str(scratch / "ray"), include_dashboard=False, log_to_driver=False
+        )
+        cfg = load_config(
+            None,
+            [
+                f"rollout.model_path={model_dir}",
+                "rollout.use_gpu=true",
+                "rollout.num_engines=2",
+                "rollout.auto_restart=false",  # the benchmark times each restart itself
+                f"rollout.log_dir={scratch}/logs",
+                "weight_sync.transport=disk",
+                f"weight_sync.path={scratch}/sync",
+            ],
+        )
         fleet = Fleet.from_config(cfg)
         rows = []
         try:
@@ -73,33 +88,43 @@ def main(argv: list[str] | None = None) -> None:
             size_mb = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors")) / 1e6
 
             times = _kill_and_restart(fleet, [1])
-            times["restore"] = _timed(lambda: fleet._on_all("update_weights_from_disk", checkpoint,
-                                                             weight_version="v1", engine_ids=[1]))
+            times["restore"] = _timed(
+                lambda: fleet._on_all("update_weights_from_disk", checkpoint, weight_version="v1", engine_ids=[1])
+            )
             times["verify"] = _timed(lambda: fleet.verify_checkpoint(checkpoint, "v1", [1]))
             rows.append(("1 engine, disk checkpoint", times))
 
             times = _kill_and_restart(fleet, [1])
             report_holder = {}
-            total = _timed(lambda: report_holder.setdefault(
-                "r", fleet.sync_weights(ModuleSource(model), "v1", engine_ids=[1], transport=TensorSync())))
+            total = _timed(
+                lambda: report_holder.setdefault(
+                    "r", fleet.sync_weights(ModuleSource(model), "v1", engine_ids=[1], transport=TensorSync())
+                )
+            )
             times["restore"] = report_holder["r"].seconds
             times["verify"] = total - times["restore"]
             rows.append(("1 engine, trainer push (tensor)", times))
 
-            for label, fan_out in (("2 engines, each reads the files", False), ("2 engines, read once + fan-out", True)):
+            for label, fan_out in (
+                ("2 engines, each reads the files", False),
+                ("2 engines, read once + fan-out", True),
+            ):
                 times = _kill_and_restart(fleet, [0, 1])
                 if fan_out:
                     times["restore+verify"] = _timed(lambda: fleet.restore(checkpoint, "v1", [0, 1], fan_out=True))
                 else:
-                    times["restore+verify"] = _timed(lambda: fleet.update_weights_from_disk(checkpoint, "v1",
-                                                                                             engine_ids=[0, 1]))
+                    times["restore+verify"] = _timed(
+                        lambda: fleet.update_weights_from_disk(checkpoint, "v1", engine_ids=[0, 1])
+                    )
                 rows.append((label, times))
             assert [s.state.value for s in fleet.slots] == ["ACTIVE", "ACTIVE"]
         finally:
             fleet.shutdown()
             ray.shutdown()
-    print(f"recovery, embedded engines on {'GPU' if gpus else 'CPU'}, checkpoint {size_mb:.1f} MB "
-          "(seconds; total = kill to ACTIVE)")
+    print(
+        f"recovery, embedded engines on {'GPU' if gpus else 'CPU'}, checkpoint {size_mb:.1f} MB "
+        "(seconds; total = kill to ACTIVE)"
+    )
     print(f"  {'path':36} {'detect':>7} {'restart':>8} {'restore':>8} {'verify':>7} {'total':>7}")
     for label, t in rows:
         restore = t.get("restore", t.get("restore+verify"))

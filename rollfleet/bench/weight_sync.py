@@ -46,9 +46,16 @@ def model_for(size_gb: float, dtype: torch.dtype, device: str):
     hidden = 4096 if size_gb >= 12 else 2048 if size_gb >= 1 else 256  # 8B-class models have hidden 4096
     per_layer = 12 * hidden * hidden * bytes_per  # attention 4h^2 (GQA ~3h^2) + MLP 3*h*4h
     layers = max(1, round(size_gb * 1e9 / per_layer))
-    config = tiny_config("qwen3", vocab_size=len(make_tokenizer()), hidden_size=hidden, num_hidden_layers=layers,
-                         intermediate_size=4 * hidden, num_attention_heads=hidden // 128 if hidden >= 1024 else 4,
-                         num_key_value_heads=max(2, hidden // 512), head_dim=128 if hidden >= 1024 else 64)
+    config = tiny_config(
+        "qwen3",
+        vocab_size=len(make_tokenizer()),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=4 * hidden,
+        num_attention_heads=hidden // 128 if hidden >= 1024 else 4,
+        num_key_value_heads=max(2, hidden // 512),
+        head_dim=128 if hidden >= 1024 else 64,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -69,8 +76,7 @@ def _raw_receiver(rank, port, total_bytes_per_bucket, device, backend):
 def raw_broadcast(buckets: list[torch.Tensor], device: str, receiver_device: str, backend: str) -> float:
     port = free_port()
     context = mp.get_context("spawn")
-    proc = context.Process(target=_raw_receiver, args=(1, port, [b.numel() for b in buckets], receiver_device,
-                                                       backend))
+    proc = context.Process(target=_raw_receiver, args=(1, port, [b.numel() for b in buckets], receiver_device, backend))
     proc.start()
     group = join_weight_update_group("127.0.0.1", port, 0, 2, "raw", backend, timedelta(seconds=60))
     dist.broadcast(torch.zeros(1, device=device), group=group, group_src=0)
@@ -92,7 +98,7 @@ def raw_copy(buckets: list[torch.Tensor]) -> float:
     for _ in range(2):  # warm-up, then timed
         start = time.perf_counter()
         for i, bucket in enumerate(buckets):
-            targets[i % 2][:bucket.numel()].copy_(bucket)
+            targets[i % 2][: bucket.numel()].copy_(bucket)
         if bucket.is_cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -146,8 +152,10 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():  # the trainer's "new" weights differ from the engine's
             for param in model.parameters():
                 param.add_(torch.randn_like(param) * 1e-3)
-        buckets = [b.flattened_tensor.view(torch.uint8) for b in
-                   iter_buckets(ModuleSource(model).named_tensors(), int(args.bucket_mb * (1 << 20)))]
+        buckets = [
+            b.flattened_tensor.view(torch.uint8)
+            for b in iter_buckets(ModuleSource(model).named_tensors(), int(args.bucket_mb * (1 << 20)))
+        ]
         say("measuring the raw ceiling")
         if args.transport == "nccl":
             raw_seconds = raw_broadcast(buckets, sender_device, engine_device, "nccl" if gpu else "gloo")
@@ -164,16 +172,21 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.reset_peak_memory_stats(0)
         sender_before = torch.cuda.memory_allocated(0) if gpu else 0
         port = free_port()
-        extra = ["--device", args.device, "--base-gpu-id", str(engine_gpu), "--dtype",
-                 "bfloat16" if gpu else "float32"]
-        engine = EngineProcess(embedded_argv(str(scratch / "model"), port, extra=extra), port=port,
-                               log_path=Path(args.log_dir or scratch) / f"engine-{args.transport}.log")
+        extra = ["--device", args.device, "--base-gpu-id", str(engine_gpu), "--dtype", "bfloat16" if gpu else "float32"]
+        engine = EngineProcess(
+            embedded_argv(str(scratch / "model"), port, extra=extra),
+            port=port,
+            log_path=Path(args.log_dir or scratch) / f"engine-{args.transport}.log",
+        )
         try:
             say("starting the engine")
             engine.wait_until_up(timeout=600)
             say("engine up; connecting")
-            spec = {"tensor": TensorSync(bucket_mb=args.bucket_mb), "nccl": NcclSync(bucket_mb=args.bucket_mb, join_timeout_s=60),
-                    "disk": DiskSync(path=str(scratch / "sync"))}[args.transport]
+            spec = {
+                "tensor": TensorSync(bucket_mb=args.bucket_mb),
+                "nccl": NcclSync(bucket_mb=args.bucket_mb, join_timeout_s=60),
+                "disk": DiskSync(path=str(scratch / "sync")),
+            }[args.transport]
             target = EngineTarget(engine_id=0, url=engine.url, num_ranks=1, rank_offset=1, dtype=dtype)
             options = {"config_dir": str(scratch / "model")} if args.transport == "disk" else {}
             transport = make_transport(spec, [target], **options)
@@ -199,14 +212,20 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             engine.stop()
     figures = {
-        "transport": args.transport, "device": args.device, "model_gb": round(model_bytes / 1e9, 3),
-        "bucket_mb": args.bucket_mb, "raw_path": raw_name, "raw_gb_per_s": round(model_bytes / raw_seconds / 1e9, 2),
+        "transport": args.transport,
+        "device": args.device,
+        "model_gb": round(model_bytes / 1e9, 3),
+        "bucket_mb": args.bucket_mb,
+        "raw_path": raw_name,
+        "raw_gb_per_s": round(model_bytes / raw_seconds / 1e9, 2),
         "sync_gb_per_s": round(model_bytes / send_seconds / 1e9, 2),
         "first_sync_gb_per_s": round(model_bytes / cold_seconds / 1e9, 2),
         "sync_plus_verify_gb_per_s": round(model_bytes / full_seconds / 1e9, 2),
         "ratio_sync_to_raw": round(raw_seconds / send_seconds, 3),
-        "ratio_sync_plus_verify_to_raw": round(raw_seconds / full_seconds, 3), "verified": not problems,
-        "sync_seconds": [round(x, 4) for x in sends], "raw_seconds": round(raw_seconds, 4),
+        "ratio_sync_plus_verify_to_raw": round(raw_seconds / full_seconds, 3),
+        "verified": not problems,
+        "sync_seconds": [round(x, 4) for x in sends],
+        "raw_seconds": round(raw_seconds, 4),
         "verify_seconds": [round(full - send, 4) for send, full in zip(sends, fulls)],
         "phases_last_sync": {k: round(v, 4) for k, v in report.phases.items()},
         "sender_peak_extra_gb": round((torch.cuda.max_memory_allocated(0) - sender_before) / 1e9, 2) if gpu else None,

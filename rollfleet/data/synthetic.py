@@ -15,7 +15,8 @@ Recipe measured in-process (tests/test_task.py, 2-core CPU, world 1, temperature
 max_new_tokens=3, 16 prompts x n=16 per step, lr 2e-3, std-scaled advantages: mean reward 0.015 over
 the first 10 steps, 0.23-0.32 over steps 70-80, 0.62-0.72 over steps 190-200 (seeds 0-3; ~60 ms a
 step in one process), about 20% exact copies by then. Smaller batches (8 x 8) learn too, but slower
-and noisier (0.35-0.52 after 400 steps); without std scaling it stalls near 0.37. Sample exactly `num_digits` new tokens: the reward
+and noisier (0.35-0.52 after 400 steps); without std scaling it stalls near 0.37.
+Sample exactly `num_digits` new tokens: the reward
 counts extra characters against the sample, and stopping is not what this task teaches.
 """
 

@@ -39,8 +39,9 @@ from rollfleet.weights.buckets import dtype_name
 
 VERSION = "0.1.0"
 ALL_MEMORY_TAGS = ["weights", "kv_cache"]
-LORA_OFF = ("LoRA is off on this engine: start it with --enable-lora (and --max-lora-rank, --lora-target-modules "
-            "as needed)")
+LORA_OFF = (
+    "LoRA is off on this engine: start it with --enable-lora (and --max-lora-rank, --lora-target-modules as needed)"
+)
 
 
 class BadRequest(Exception):
@@ -83,8 +84,7 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
 
     call_order = CallOrder()
 
-    async def control(fn, *, needs_idle: bool = True, abort_first: bool = False, waits_for=None,
-                      queued=None) -> Any:
+    async def control(fn, *, needs_idle: bool = True, abort_first: bool = False, waits_for=None, queued=None) -> Any:
         """Run `fn` on the engine thread; `queued`: an async context held while it is queued (a turn)."""
         async with queued or contextlib.nullcontext():
             future = scheduler.control(fn, needs_idle=needs_idle, abort_first=abort_first, waits_for=waits_for)
@@ -97,8 +97,10 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
         if scheduler.failure is not None:
             return f"the engine loop has stopped: {scheduler.failure!r}"
         if not runner.weights_ready:
-            return ("weights are not loaded (started with --load-format dummy, or released): push weights with "
-                    "/update_weights_from_disk (or another update route) first")
+            return (
+                "weights are not loaded (started with --load-format dummy, or released): push weights with "
+                "/update_weights_from_disk (or another update route) first"
+            )
         return None
 
     # ---- generation --------------------------------------------------------------------------
@@ -132,9 +134,11 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
             if name in unloading:
                 raise BadRequest(f"lora_path={name!r}: the adapter is being unloaded; load it again first")
             if name not in runner.lora_adapters:
-                raise BadRequest(f"lora_path={name!r} is not a loaded LoRA adapter (loaded: "
-                                 f"{sorted(runner.lora_adapters)}): load it with /load_lora_adapter first, or "
-                                 "omit lora_path for the base model")
+                raise BadRequest(
+                    f"lora_path={name!r} is not a loaded LoRA adapter (loaded: "
+                    f"{sorted(runner.lora_adapters)}): load it with /load_lora_adapter first, or "
+                    "omit lora_path for the base model"
+                )
         return names
 
     @app.post("/generate")
@@ -151,17 +155,21 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
             if not prompt:
                 raise BadRequest(f"prompt {index} is empty: give at least one token")
             if len(prompt) >= context_length:
-                raise BadRequest(f"prompt {index} has {len(prompt)} tokens, the context length is "
-                                 f"{context_length}: shorten the prompt")
+                raise BadRequest(
+                    f"prompt {index} has {len(prompt)} tokens, the context length is "
+                    f"{context_length}: shorten the prompt"
+                )
         rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
         if len(rids) != len(prompts):
             raise BadRequest(f"rid has {len(rids)} entries for {len(prompts)} prompts")
         if is_batch and isinstance(req.rid, str):
             rids = [f"{req.rid}-{i}" for i in range(len(prompts))]
         try:  # no await between the adapter check above and this submission: an unload cannot slip in
-            seqs = [seq for prompt, p, rid, lora_name in zip(prompts, params, rids, lora_names)
-                    for seq in scheduler.submit(prompt, p, rid=rid, return_logprob=req.return_logprob,
-                                                lora_name=lora_name)]
+            seqs = [
+                seq
+                for prompt, p, rid, lora_name in zip(prompts, params, rids, lora_names)
+                for seq in scheduler.submit(prompt, p, rid=rid, return_logprob=req.return_logprob, lora_name=lora_name)
+            ]
         except RuntimeError as exc:
             raise BadRequest(str(exc), 503) from exc
         results = await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
@@ -176,8 +184,12 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
         reason = not_ready_reason() or ("generation is paused" if scheduler.paused else None)
         if reason:
             return _fail(reason, 503)
-        (seq,) = scheduler.submit([tokenizer.eos_token_id or 0], SamplingParams(max_new_tokens=1, temperature=0),
-                                  rid=None, return_logprob=False)
+        (seq,) = scheduler.submit(
+            [tokenizer.eos_token_id or 0],
+            SamplingParams(max_new_tokens=1, temperature=0),
+            rid=None,
+            return_logprob=False,
+        )
         await asyncio.wrap_future(seq.future)
         return Response(status_code=200)
 
@@ -185,19 +197,32 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
     @app.get("/get_model_info")
     @app.get("/model_info")
     async def model_info():
-        return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
-                "is_generation": True, "weight_version": scheduler.weight_version,
-                "weights_ready": runner.weights_ready, "context_length": context_length,
-                "dtype": dtype_name(runner.dtype), "loaded_lora_adapters": loaded_adapters()}
+        return {
+            "model_path": args.model_path,
+            "tokenizer_path": args.tokenizer_path or args.model_path,
+            "is_generation": True,
+            "weight_version": scheduler.weight_version,
+            "weights_ready": runner.weights_ready,
+            "context_length": context_length,
+            "dtype": dtype_name(runner.dtype),
+            "loaded_lora_adapters": loaded_adapters(),
+        }
 
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info():
         info = {k: v for k, v in vars(args).items() if k != "api_key"}
-        return {**info, "api_key_set": bool(args.api_key), "version": VERSION, "engine": "rollfleet-embedded",
-                "weight_version": scheduler.weight_version, "weights_ready": runner.weights_ready,
-                "scheduler_stats": dict(scheduler.stats), "loaded_lora_adapters": loaded_adapters(),
-                "rollfleet_ordered_weight_calls": True}
+        return {
+            **info,
+            "api_key_set": bool(args.api_key),
+            "version": VERSION,
+            "engine": "rollfleet-embedded",
+            "weight_version": scheduler.weight_version,
+            "weights_ready": runner.weights_ready,
+            "scheduler_stats": dict(scheduler.stats),
+            "loaded_lora_adapters": loaded_adapters(),
+            "rollfleet_ordered_weight_calls": True,
+        }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -215,6 +240,7 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
             run_action("update_weights_from_disk", model_path=req.model_path)
             if req.weight_version is not None:
                 scheduler.weight_version = req.weight_version
+
         try:
             await control(load, abort_first=req.abort_all_requests)
         except BadRequest as exc:
@@ -226,13 +252,16 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
             run_action(action, **kwargs)
             if weight_version is not None:
                 scheduler.weight_version = weight_version
+
         return run
 
     def not_one_per_rank(payloads: list[str]) -> str | None:
         if len(payloads) == args.tp_size:
             return None
-        return (f"serialized_named_tensors has {len(payloads)} entries, this engine has tp_size={args.tp_size}: "
-                "give one payload per tp rank (rank i reads entry i)")
+        return (
+            f"serialized_named_tensors has {len(payloads)} entries, this engine has tp_size={args.tp_size}: "
+            "give one payload per tp rank (rank i reads entry i)"
+        )
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(req: UpdateWeightsFromTensorRequest):
@@ -240,38 +269,60 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
             raise BadRequest(problem)
         # The entries are small (shared-memory / CUDA IPC handles): every rank gets the whole list and
         # decodes only its own entry.
-        await control(update_then_set_version("update_weights_from_tensor", req.weight_version,
-                                              serialized_named_tensors=req.serialized_named_tensors,
-                                              load_format=req.load_format),
-                      abort_first=req.abort_all_requests)
+        await control(
+            update_then_set_version(
+                "update_weights_from_tensor",
+                req.weight_version,
+                serialized_named_tensors=req.serialized_named_tensors,
+                load_format=req.load_format,
+            ),
+            abort_first=req.abort_all_requests,
+        )
         return {"success": True, "message": "Succeeded to update model weights."}
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(req: InitWeightsUpdateGroupRequest):
         # Blocks the engine thread (not HTTP) until every rank joined or timeout_s passed; it needs no
         # idle engine, so a running batch pauses for the join at most.
-        await control(lambda: run_action("init_weights_update_group", master_address=req.master_address,
-                                         master_port=req.master_port, rank_offset=req.rank_offset,
-                                         world_size=req.world_size, group_name=req.group_name,
-                                         backend=req.backend, timeout_s=req.timeout_s), needs_idle=False)
+        await control(
+            lambda: run_action(
+                "init_weights_update_group",
+                master_address=req.master_address,
+                master_port=req.master_port,
+                rank_offset=req.rank_offset,
+                world_size=req.world_size,
+                group_name=req.group_name,
+                backend=req.backend,
+                timeout_s=req.timeout_s,
+            ),
+            needs_idle=False,
+        )
         return {"success": True, "message": f"joined weight update group {req.group_name!r}"}
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateWeightsFromDistributedRequest):
         try:
             turn = call_order.turn(req.rollfleet_sync_id, req.rollfleet_call)
-            await control(update_then_set_version("update_weights_from_distributed", req.weight_version,
-                                                  names=req.names, dtypes=req.dtypes, shapes=req.shapes,
-                                                  group_name=req.group_name, load_format=req.load_format),
-                          abort_first=req.abort_all_requests, queued=turn)
+            await control(
+                update_then_set_version(
+                    "update_weights_from_distributed",
+                    req.weight_version,
+                    names=req.names,
+                    dtypes=req.dtypes,
+                    shapes=req.shapes,
+                    group_name=req.group_name,
+                    load_format=req.load_format,
+                ),
+                abort_first=req.abort_all_requests,
+                queued=turn,
+            )
         except CallOrderError as exc:
             raise BadRequest(str(exc)) from exc
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupRequest):
-        await control(lambda: run_action("destroy_weights_update_group", group_name=req.group_name),
-                      needs_idle=False)
+        await control(lambda: run_action("destroy_weights_update_group", group_name=req.group_name), needs_idle=False)
         return {"success": True, "message": f"destroyed weight update group {req.group_name!r}"}
 
     @app.post("/update_weight_version")
@@ -279,13 +330,15 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
         def set_version():
             run_action("drop_held_payloads")  # a version marks the end of a sync
             scheduler.weight_version = req.new_version
+
         await control(set_version, abort_first=req.abort_all_requests)
         return {"success": True, "message": "weight version updated", "new_version": req.new_version}
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(req: GetWeightsByNameRequest):
-        return await control(lambda: run_action("get_weights_by_name", name=req.name,
-                                                truncate_size=req.truncate_size), needs_idle=False)
+        return await control(
+            lambda: run_action("get_weights_by_name", name=req.name, truncate_size=req.truncate_size), needs_idle=False
+        )
 
     @app.get("/rollfleet/shard_fingerprints")
     async def shard_fingerprints():
@@ -297,10 +350,13 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
         """rollfleet extension: fingerprints of full tensors by checkpoint name (sync verification), or
         of a loaded LoRA adapter's tensors by peft key (`lora_name`)."""
         if req.lora_name is not None:
-            return await control(lambda: run_action("lora_fingerprints", lora_name=req.lora_name, names=req.names,
-                                                    samples=req.samples), needs_idle=False)
-        return await control(lambda: run_action("weights_fingerprint", names=req.names, samples=req.samples),
-                             needs_idle=False)
+            return await control(
+                lambda: run_action("lora_fingerprints", lora_name=req.lora_name, names=req.names, samples=req.samples),
+                needs_idle=False,
+            )
+        return await control(
+            lambda: run_action("weights_fingerprint", names=req.names, samples=req.samples), needs_idle=False
+        )
 
     @app.get("/rollfleet/memory")
     async def memory():
@@ -331,16 +387,24 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoraAdapterRequest):
-        return await lora_control(lambda: run_action("load_lora_adapter", lora_name=req.lora_name,
-                                                     lora_path=req.lora_path), needs_idle=False)
+        return await lora_control(
+            lambda: run_action("load_lora_adapter", lora_name=req.lora_name, lora_path=req.lora_path), needs_idle=False
+        )
 
     @app.post("/load_lora_adapter_from_tensors")
     async def load_lora_adapter_from_tensors(req: LoadLoraAdapterFromTensorsRequest):
         if problem := not_one_per_rank(req.serialized_named_tensors):
             return lora_reply(problem)
-        return await lora_control(lambda: run_action(
-            "load_lora_adapter", lora_name=req.lora_name, config_dict=req.config_dict,
-            serialized_named_tensors=req.serialized_named_tensors, load_format=req.load_format), needs_idle=False)
+        return await lora_control(
+            lambda: run_action(
+                "load_lora_adapter",
+                lora_name=req.lora_name,
+                config_dict=req.config_dict,
+                serialized_named_tensors=req.serialized_named_tensors,
+                load_format=req.load_format,
+            ),
+            needs_idle=False,
+        )
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoraAdapterRequest):
@@ -348,8 +412,11 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
         if runner.lora_limits is not None and name in runner.lora_adapters:
             unloading.add(name)
         try:
-            return await lora_control(lambda: run_action("unload_lora_adapter", lora_name=name), needs_idle=False,
-                                      waits_for=lambda seq: seq.lora_name == name)
+            return await lora_control(
+                lambda: run_action("unload_lora_adapter", lora_name=name),
+                needs_idle=False,
+                waits_for=lambda seq: seq.lora_name == name,
+            )
         finally:
             unloading.discard(name)
 
@@ -360,11 +427,15 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
 
             def act():
                 if scheduler.num_unfinished:
-                    raise ValueError(f"{scheduler.num_unfinished} requests are unfinished: pause or abort them "
-                                     "before releasing or resuming memory")
+                    raise ValueError(
+                        f"{scheduler.num_unfinished} requests are unfinished: pause or abort them "
+                        "before releasing or resuming memory"
+                    )
                 return run_action(action, tags=tags)
+
             memory = await control(act)
             return {"success": True, "message": f"{action} {tags}", "memory": memory}
+
         return handler
 
     app.post("/release_memory_occupation")(memory_route("release_memory"))

@@ -42,24 +42,32 @@ class CallOrder:
             yield
             return
         if sync_id is None or call is None:
-            raise CallOrderError(f"rollfleet_sync_id={sync_id!r}, rollfleet_call={call!r}: give both (a numbered "
-                                 "call) or neither")
+            raise CallOrderError(
+                f"rollfleet_sync_id={sync_id!r}, rollfleet_call={call!r}: give both (a numbered call) or neither"
+            )
         async with self._changed:
             if call == 0:
                 self.ended.append(self.sync_id)
                 self.sync_id, self.next_call, self.broken = sync_id, 0, None
                 self._changed.notify_all()  # waiters of an older sync learn that it is over
             try:  # a call may also arrive before its sync's call 0
-                await asyncio.wait_for(self._changed.wait_for(
-                    lambda: sync_id in self.ended or (self.sync_id == sync_id and self.next_call == call)),
-                    self.wait_s)
+                await asyncio.wait_for(
+                    self._changed.wait_for(
+                        lambda: sync_id in self.ended or (self.sync_id == sync_id and self.next_call == call)
+                    ),
+                    self.wait_s,
+                )
             except TimeoutError:
-                raise CallOrderError(f"rollfleet_call={call} of sync {sync_id!r}: call {self.next_call} of that "
-                                     f"sync did not arrive within {self.wait_s:g} s; the sender must send every "
-                                     "call, numbered from 0") from None
+                raise CallOrderError(
+                    f"rollfleet_call={call} of sync {sync_id!r}: call {self.next_call} of that "
+                    f"sync did not arrive within {self.wait_s:g} s; the sender must send every "
+                    "call, numbered from 0"
+                ) from None
             if sync_id in self.ended:
-                raise CallOrderError(f"rollfleet_call={call} of sync {sync_id!r}: that sync is over (sync "
-                                     f"{self.sync_id!r} has started); number a new sync's calls from 0")
+                raise CallOrderError(
+                    f"rollfleet_call={call} of sync {sync_id!r}: that sync is over (sync "
+                    f"{self.sync_id!r} has started); number a new sync's calls from 0"
+                )
             if self.broken is not None:
                 self.next_call = call + 1
                 self._changed.notify_all()

@@ -40,9 +40,13 @@ class EngineClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # An https engine gets httpx's default certificate checks; plain http needs no TLS context,
         # and building one (loading the CA bundle) costs 15-30 ms per client.
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout,
-                                       verify=self.base_url.startswith("https://"),
-                                       limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=timeout,
+            verify=self.base_url.startswith("https://"),
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+        )
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -71,14 +75,28 @@ class EngineClient:
             return response.text
 
     # ---- generation and status ---------------------------------------------------------------
-    async def generate(self, *, text: str | list[str] | None = None, input_ids: list | None = None,
-                       sampling_params: dict | list[dict] | None = None, return_logprob: bool = False,
-                       rid: str | list[str] | None = None, lora_path: str | list[str | None] | None = None,
-                       timeout: float | None = None) -> dict | list[dict]:
-        payload = {"text": text, "input_ids": input_ids, "sampling_params": sampling_params or {},
-                   "return_logprob": return_logprob, "rid": rid, "lora_path": lora_path}
-        return await self._call("POST", "/generate", {k: v for k, v in payload.items() if v is not None},
-                                timeout=timeout)
+    async def generate(
+        self,
+        *,
+        text: str | list[str] | None = None,
+        input_ids: list | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        return_logprob: bool = False,
+        rid: str | list[str] | None = None,
+        lora_path: str | list[str | None] | None = None,
+        timeout: float | None = None,
+    ) -> dict | list[dict]:
+        payload = {
+            "text": text,
+            "input_ids": input_ids,
+            "sampling_params": sampling_params or {},
+            "return_logprob": return_logprob,
+            "rid": rid,
+            "lora_path": lora_path,
+        }
+        return await self._call(
+            "POST", "/generate", {k: v for k, v in payload.items() if v is not None}, timeout=timeout
+        )
 
     async def health(self) -> bool:
         try:
@@ -112,48 +130,97 @@ class EngineClient:
         return await self._call("POST", "/flush_cache")
 
     # ---- weights -----------------------------------------------------------------------------------
-    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
-                                       flush_cache: bool = True, abort_all_requests: bool = False) -> dict:
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict:
         payload = {"model_path": model_path, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             payload["weight_version"] = weight_version
         return await self._call("POST", "/update_weights_from_disk", payload)
 
-    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
-                                         weight_version: str | None = None, flush_cache: bool = True,
-                                         abort_all_requests: bool = False) -> dict:
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> dict:
         """One payload per tp rank, each from its own `rollfleet.weights.serialize.serialize` call (never
         the same string for several ranks); load_format None, "direct" or "flattened_bucket". The sender
         keeps its tensors alive until this returns."""
-        payload = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
-                   "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        payload = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
         if weight_version is not None:
             payload["weight_version"] = weight_version
         return await self._call("POST", "/update_weights_from_tensor", payload)
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, *, group_name: str = "weight_update_group",
-                                        backend: str = "nccl", timeout_s: float | None = None) -> dict:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float | None = None,
+    ) -> dict:
         """Blocks until every engine rank joined; group rank 0 (the caller's sender) must join meanwhile.
         `timeout_s` is a rollfleet extension (the embedded engine's default is 60 s); SGLang ignores it."""
-        payload = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-                   "world_size": world_size, "group_name": group_name, "backend": backend}
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
         if timeout_s is None:
             return await self._call("POST", "/init_weights_update_group", payload)
-        return await self._call("POST", "/init_weights_update_group", {**payload, "timeout_s": timeout_s},
-                                timeout=max(self._http.timeout.read or 0, timeout_s + 30))
+        return await self._call(
+            "POST",
+            "/init_weights_update_group",
+            {**payload, "timeout_s": timeout_s},
+            timeout=max(self._http.timeout.read or 0, timeout_s + 30),
+        )
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
-                                              group_name: str = "weight_update_group", load_format: str | None = None,
-                                              weight_version: str | None = None, flush_cache: bool = True,
-                                              abort_all_requests: bool = False,
-                                              order: tuple[str, int] | None = None) -> dict:
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = "weight_update_group",
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        order: tuple[str, int] | None = None,
+    ) -> dict:
         """Announce the broadcasts the sender makes now (dtypes by name: "bfloat16"; see
         rollfleet.weights.buckets.dtype_name). load_format None: one broadcast per tensor;
         "flattened_bucket": one uint8 broadcast of all their bytes, in order. `order`: (sync id,
         call number) for engines with `rollfleet_ordered_weight_calls` (rollfleet.engine.call_order)."""
-        payload = {"names": names, "dtypes": dtypes, "shapes": [list(s) for s in shapes], "group_name": group_name,
-                   "load_format": load_format, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        payload = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
         if weight_version is not None:
             payload["weight_version"] = weight_version
         if order is not None:
@@ -164,14 +231,16 @@ class EngineClient:
         return await self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
-        return await self._call("POST", "/update_weight_version",
-                                {"new_version": new_version, "abort_all_requests": abort_all_requests})
+        return await self._call(
+            "POST", "/update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        )
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return await self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
-    async def weights_fingerprint(self, names: list[str] | None = None, samples: int = 4096, *,
-                                  lora_name: str | None = None) -> dict[str, str]:
+    async def weights_fingerprint(
+        self, names: list[str] | None = None, samples: int = 4096, *, lora_name: str | None = None
+    ) -> dict[str, str]:
         """rollfleet extension (embedded engine): checkpoint name -> rollfleet.weights.fingerprint; with
         `lora_name`, peft key -> fingerprint of that loaded adapter's tensors."""
         payload = {"names": names, "samples": samples}
@@ -182,18 +251,33 @@ class EngineClient:
     # ---- LoRA adapters (answers: {success, error_message, loaded_adapters: {name: path}}) -------------
     async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> dict:
         """Load a peft adapter directory (adapter_config.json + adapter_model.safetensors) under `lora_name`."""
-        return await self._call("POST", "/load_lora_adapter",
-                                {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned})
+        return await self._call(
+            "POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+        )
 
-    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict,
-                                             serialized_named_tensors: list[str], *, load_format: str | None = None,
-                                             pinned: bool = False) -> dict:
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None = None,
+        pinned: bool = False,
+    ) -> dict:
         """One payload per tp rank (its own `rollfleet.weights.serialize.serialize` call) of (peft key,
         tensor) pairs, or flattened buckets with load_format="flattened_bucket"; `config_dict` is the
         peft config as adapter_config.json holds it. The sender keeps its tensors alive until this returns."""
-        return await self._call("POST", "/load_lora_adapter_from_tensors", {
-            "lora_name": lora_name, "config_dict": config_dict, "serialized_named_tensors": serialized_named_tensors,
-            "load_format": load_format, "pinned": pinned})
+        return await self._call(
+            "POST",
+            "/load_lora_adapter_from_tensors",
+            {
+                "lora_name": lora_name,
+                "config_dict": config_dict,
+                "serialized_named_tensors": serialized_named_tensors,
+                "load_format": load_format,
+                "pinned": pinned,
+            },
+        )
 
     async def unload_lora_adapter(self, lora_name: str) -> dict:
         return await self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})

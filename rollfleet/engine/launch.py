@@ -37,10 +37,34 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def embedded_argv(model_path: str, port: int, *, host: str = "127.0.0.1", tp_size: int = 1, ep_size: int = 1,
-                  load_format: str = "auto", api_key: str | None = None, extra: list[str] | None = None) -> list[str]:
-    argv = [sys.executable, "-m", "rollfleet.engine.server", "--model-path", model_path, "--host", host,
-            "--port", str(port), "--tp-size", str(tp_size), "--ep-size", str(ep_size), "--load-format", load_format]
+def embedded_argv(
+    model_path: str,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    tp_size: int = 1,
+    ep_size: int = 1,
+    load_format: str = "auto",
+    api_key: str | None = None,
+    extra: list[str] | None = None,
+) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "rollfleet.engine.server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp_size),
+        "--ep-size",
+        str(ep_size),
+        "--load-format",
+        load_format,
+    ]
     if api_key:
         argv += ["--api-key", api_key]
     return argv + list(extra or [])
@@ -58,10 +82,27 @@ class EngineLaunch:
 
 def sglang_argv(rollout, launch: EngineLaunch) -> list[str]:
     """`python -m sglang.launch_server ...` for one engine of the fleet (one server per dp replica)."""
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", rollout.model_path,
-            "--host", launch.host, "--port", str(launch.port), "--tp-size", str(rollout.tp_size),
-            "--pp-size", str(rollout.pp_size), "--ep-size", str(rollout.ep_size),
-            "--base-gpu-id", str(launch.base_gpu_id), "--load-format", launch.load_format]
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        rollout.model_path,
+        "--host",
+        launch.host,
+        "--port",
+        str(launch.port),
+        "--tp-size",
+        str(rollout.tp_size),
+        "--pp-size",
+        str(rollout.pp_size),
+        "--ep-size",
+        str(rollout.ep_size),
+        "--base-gpu-id",
+        str(launch.base_gpu_id),
+        "--load-format",
+        launch.load_format,
+    ]
     if rollout.placement == "colocated":
         argv.append("--enable-memory-saver")  # release/resume of weights and KV cache around training
     if rollout.api_key:
@@ -71,9 +112,16 @@ def sglang_argv(rollout, launch: EngineLaunch) -> list[str]:
 
 def embedded_fleet_argv(rollout, launch: EngineLaunch) -> list[str]:
     extra = ["--base-gpu-id", str(launch.base_gpu_id), *rollout.server_extras]
-    return embedded_argv(rollout.model_path, launch.port, host=launch.host, tp_size=rollout.tp_size,
-                         ep_size=rollout.ep_size, load_format=launch.load_format, api_key=rollout.api_key,
-                         extra=extra)
+    return embedded_argv(
+        rollout.model_path,
+        launch.port,
+        host=launch.host,
+        tp_size=rollout.tp_size,
+        ep_size=rollout.ep_size,
+        load_format=launch.load_format,
+        api_key=rollout.api_key,
+        extra=extra,
+    )
 
 
 def lora_server_args(weight_sync) -> list[str]:
@@ -112,14 +160,20 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 
 class EngineProcess:
-    def __init__(self, argv: list[str], *, port: int, log_path: str | Path, env: dict[str, str] | None = None,
-                 host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        port: int,
+        log_path: str | Path,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+    ):
         self.argv, self.port, self.host = argv, port, host
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     @property
     def url(self) -> str:
@@ -140,8 +194,10 @@ class EngineProcess:
             if not self.is_alive():
                 tail = log_tail(self.log_path)
                 error = PortInUse if any(m in tail.lower() for m in PORT_IN_USE_MARKERS) else EngineStartError
-                raise error(f"engine exited with code {self.proc.returncode} before it was up; "
-                            f"last lines of {self.log_path}:\n{tail}")
+                raise error(
+                    f"engine exited with code {self.proc.returncode} before it was up; "
+                    f"last lines of {self.log_path}:\n{tail}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code in (200, 401):
                     return
@@ -149,8 +205,9 @@ class EngineProcess:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise EngineStartError(f"engine not up after {timeout:.0f} s; last lines of {self.log_path}:\n"
-                               f"{log_tail(self.log_path)}")
+        raise EngineStartError(
+            f"engine not up after {timeout:.0f} s; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+        )
 
     def kill(self) -> None:
         """Kill the whole process group at once (what a crash looks like)."""

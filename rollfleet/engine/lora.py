@@ -90,8 +90,11 @@ def linear_targets(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[st
     names_of: dict[int, int] = {}
     for param in params.values():
         names_of[id(param)] = names_of.get(id(param), 0) + 1
-    return {name: tuple(module.weight.shape) for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and names_of.get(id(module.weight)) == 1}
+    return {
+        name: tuple(module.weight.shape)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and names_of.get(id(module.weight)) == 1
+    }
 
 
 def why_not_targetable(model: nn.Module, module_path: str) -> str:
@@ -101,9 +104,11 @@ def why_not_targetable(model: nn.Module, module_path: str) -> str:
         return "the model has no such module"
     kind = type(module).__name__
     if "expert" in module_path.split(".")[-1].lower() or "Experts" in kind:
-        return (f"it is a fused MoE expert module ({kind}: one parameter holds every expert), which the embedded "
-                "engine cannot target; target attention projections (q_proj, k_proj, v_proj, o_proj) or serve "
-                "expert LoRA with SGLang")
+        return (
+            f"it is a fused MoE expert module ({kind}: one parameter holds every expert), which the embedded "
+            "engine cannot target; target attention projections (q_proj, k_proj, v_proj, o_proj) or serve "
+            "expert LoRA with SGLang"
+        )
     if isinstance(module, nn.Linear):
         return "its weight is tied to another parameter (e.g. lm_head tied to the embeddings)"
     return f"it is a {kind}, not an nn.Linear"
@@ -113,14 +118,18 @@ def read_adapter_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, tensors) of a peft adapter directory (adapter_config.json + adapter_model.safetensors)."""
     directory = Path(path)
     if not directory.is_dir():
-        raise LoraError(f"lora_path={path!r} is not a directory: give a peft adapter directory "
-                        f"(save_pretrained), holding {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raise LoraError(
+            f"lora_path={path!r} is not a directory: give a peft adapter directory "
+            f"(save_pretrained), holding {CONFIG_FILE} and {WEIGHTS_FILE}"
+        )
     config_file, weights_file = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_file.is_file():
         raise LoraError(f"lora_path={path!r} has no {CONFIG_FILE}: save the adapter with peft's save_pretrained")
     if not weights_file.is_file():
-        raise LoraError(f"lora_path={path!r} has no {WEIGHTS_FILE}: save the adapter with "
-                        "save_pretrained(safe_serialization=True) (pickled .bin adapters are not read)")
+        raise LoraError(
+            f"lora_path={path!r} has no {WEIGHTS_FILE}: save the adapter with "
+            "save_pretrained(safe_serialization=True) (pickled .bin adapters are not read)"
+        )
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
@@ -132,22 +141,36 @@ def read_adapter_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, tensors
 
 
-def parse_adapter(name: str, path: str, config: dict, tensors: dict[str, torch.Tensor], model: nn.Module,
-                  targetable: dict[str, tuple[int, int]], limits: LoraLimits) -> LoraAdapter:
+def parse_adapter(
+    name: str,
+    path: str,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    model: nn.Module,
+    targetable: dict[str, tuple[int, int]],
+    limits: LoraLimits,
+) -> LoraAdapter:
     """Check `config` and `tensors` against the model and the limits; every problem in one LoraError."""
     if not isinstance(config, dict):
-        raise LoraError(f"config_dict must be a peft LoraConfig as a dict (adapter_config.json), got "
-                        f"{type(config).__name__}")
+        raise LoraError(
+            f"config_dict must be a peft LoraConfig as a dict (adapter_config.json), got {type(config).__name__}"
+        )
     rank, alpha = _config_numbers(config)
     problems = _config_problems(config)
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = KEY.match(key)
         if match is None:
-            hint = (" (the adapter name is inside the key: save with get_peft_model_state_dict or save_pretrained, "
-                    "which drop it)" if ".lora_A." in key or ".lora_B." in key else "")
-            problems.append(f"key {key!r} is not a LoRA weight: expected base_model.model.<module>.lora_A.weight "
-                            f"or .lora_B.weight{hint}")
+            hint = (
+                " (the adapter name is inside the key: save with get_peft_model_state_dict or save_pretrained, "
+                "which drop it)"
+                if ".lora_A." in key or ".lora_B." in key
+                else ""
+            )
+            problems.append(
+                f"key {key!r} is not a LoRA weight: expected base_model.model.<module>.lora_A.weight "
+                f"or .lora_B.weight{hint}"
+            )
         elif not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             problems.append(f"{key}: {getattr(tensor, 'dtype', type(tensor).__name__)} is not a floating tensor")
         else:
@@ -185,15 +208,26 @@ def _config_problems(config: dict) -> list[str]:
         problems.append(f"config peft_type={peft_type!r}: only LoRA adapters are served (peft_type='LORA')")
     for key, what in UNSUPPORTED.items():
         if config.get(key):
-            problems.append(f"config {key}={config[key]!r}: {what} is not served by the embedded engine; "
-                            f"train without it (or serve with SGLang)")
+            problems.append(
+                f"config {key}={config[key]!r}: {what} is not served by the embedded engine; "
+                f"train without it (or serve with SGLang)"
+            )
     if config.get("bias", "none") != "none":
         problems.append(f"config bias={config['bias']!r}: bias training is not served; train with bias='none'")
     return problems
 
 
-def _target(module: str, halves: dict[str, torch.Tensor], config: dict, rank: int, alpha: float, model: nn.Module,
-            targetable: dict[str, tuple[int, int]], limits: LoraLimits, problems: list[str]) -> LoraTarget | None:
+def _target(
+    module: str,
+    halves: dict[str, torch.Tensor],
+    config: dict,
+    rank: int,
+    alpha: float,
+    model: nn.Module,
+    targetable: dict[str, tuple[int, int]],
+    limits: LoraLimits,
+    problems: list[str],
+) -> LoraTarget | None:
     key = f"base_model.model.{module}"
     missing = [f"lora_{h}" for h in "AB" if h not in halves]
     if missing:
@@ -204,28 +238,38 @@ def _target(module: str, halves: dict[str, torch.Tensor], config: dict, rank: in
         return None
     short = module.rsplit(".", 1)[-1]
     if limits.target_modules is not None and short not in limits.target_modules:
-        problems.append(f"{key}: target {short!r} is not in --lora-target-modules {sorted(limits.target_modules)}: "
-                        f"train without it or start the engine with {short} in --lora-target-modules")
+        problems.append(
+            f"{key}: target {short!r} is not in --lora-target-modules {sorted(limits.target_modules)}: "
+            f"train without it or start the engine with {short} in --lora-target-modules"
+        )
         return None
     lora_a, lora_b = halves["A"], halves["B"]
     out_features, in_features = targetable[module]
     r = lora_a.shape[0] if lora_a.dim() == 2 else None
     if lora_a.dim() != 2 or lora_a.shape[1] != in_features:
-        problems.append(f"{key}.lora_A.weight: shape {tuple(lora_a.shape)}, expected (r, {in_features}) = "
-                        f"[r, in_features] of {module} (full, unsharded size)")
+        problems.append(
+            f"{key}.lora_A.weight: shape {tuple(lora_a.shape)}, expected (r, {in_features}) = "
+            f"[r, in_features] of {module} (full, unsharded size)"
+        )
         return None
     if tuple(lora_b.shape) != (out_features, r):
-        problems.append(f"{key}.lora_B.weight: shape {tuple(lora_b.shape)}, expected ({out_features}, {r}) = "
-                        f"[out_features, r] of {module} (full, unsharded size)")
+        problems.append(
+            f"{key}.lora_B.weight: shape {tuple(lora_b.shape)}, expected ({out_features}, {r}) = "
+            f"[out_features, r] of {module} (full, unsharded size)"
+        )
         return None
     expected_rank = _pattern_value(config.get("rank_pattern"), module, rank)
     if r != expected_rank:
-        problems.append(f"{key}: rank {r} differs from the config's r={expected_rank} for this module: send the "
-                        "adapter_config.json that was saved with these tensors")
+        problems.append(
+            f"{key}: rank {r} differs from the config's r={expected_rank} for this module: send the "
+            "adapter_config.json that was saved with these tensors"
+        )
         return None
     if limits.max_rank is not None and r > limits.max_rank:
-        problems.append(f"{key}: rank {r} > --max-lora-rank {limits.max_rank}: train with r <= {limits.max_rank} "
-                        f"or start the engine with --max-lora-rank {r}")
+        problems.append(
+            f"{key}: rank {r} > --max-lora-rank {limits.max_rank}: train with r <= {limits.max_rank} "
+            f"or start the engine with --max-lora-rank {r}"
+        )
         return None
     module_alpha = float(_pattern_value(config.get("alpha_pattern"), module, alpha))
     scale = module_alpha / math.sqrt(r) if config.get("use_rslora") else module_alpha / r
@@ -237,5 +281,6 @@ def _pattern_value(patterns: dict | None, module: str, default):
     if not patterns:
         return default
     from peft.utils.other import get_pattern_key  # peft is only needed for adapters with patterns
+
     key = get_pattern_key(list(patterns), module)
     return patterns.get(key, default)

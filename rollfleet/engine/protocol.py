@@ -94,8 +94,12 @@ class InitWeightsUpdateGroupRequest(_Lenient):
     world_size: int = Field(ge=2)
     group_name: str = "weight_update_group"
     backend: str = "nccl"
-    timeout_s: float = Field(60.0, gt=0, description="rollfleet extension: give up joining after this long; "
-                             "also the longest wait for each later broadcast in this group")
+    timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="rollfleet extension: give up joining after this long; "
+        "also the longest wait for each later broadcast in this group",
+    )
 
 
 class UpdateWeightsFromDistributedRequest(_Lenient):

@@ -39,8 +39,8 @@ from rollfleet.engine.lora import (
     read_adapter_dir,
 )
 from rollfleet.weights.buckets import Bucket, dtype_from_name, view_bytes_as
-from rollfleet.weights.group import join_weight_update_group
 from rollfleet.weights.fingerprint import Fingerprints, sample_view
+from rollfleet.weights.group import join_weight_update_group
 from rollfleet.weights.naming import checkpoint_to_model, model_to_checkpoint, plain_names
 from rollfleet.weights.serialize import safe_loads
 
@@ -61,8 +61,10 @@ def read_hf_checkpoint(path: str) -> dict[str, torch.Tensor]:
         raise WeightUpdateError(f"model_path={path!r} is not a directory: give a HF model directory")
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise WeightUpdateError(f"model_path={path!r} holds no *.safetensors file: save the model with "
-                                "save_pretrained(safe_serialization=True)")
+        raise WeightUpdateError(
+            f"model_path={path!r} holds no *.safetensors file: save the model with "
+            "save_pretrained(safe_serialization=True)"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -119,9 +121,12 @@ def _named_tensors(payload: Any, load_format: str | None) -> dict[str, torch.Ten
             raise WeightUpdateError(f"weight update refused, nothing changed: {exc}") from exc
     else:
         if not isinstance(payload, (list, tuple)) or not all(
-                isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) for p in payload):
-            raise WeightUpdateError(f"load_format={load_format!r} expects a list of (name, tensor) pairs, got "
-                                    f"{type(payload).__name__}; bucket payloads need load_format='flattened_bucket'")
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) for p in payload
+        ):
+            raise WeightUpdateError(
+                f"load_format={load_format!r} expects a list of (name, tensor) pairs, got "
+                f"{type(payload).__name__}; bucket payloads need load_format='flattened_bucket'"
+            )
         pairs = list(payload)
     not_tensors = sorted(name for name, tensor in pairs if not isinstance(tensor, torch.Tensor))
     if not_tensors:
@@ -137,27 +142,43 @@ def _parse_specs(names: list[str], dtypes: list[str], shapes: list[list[int]]) -
     """(name, dtype, shape) per tensor of a distributed update; WeightUpdateError when the metadata
     cannot say how many bytes the sender broadcasts."""
     if not len(names) == len(dtypes) == len(shapes):
-        raise WeightUpdateError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must have "
-                                "the same length; nothing was received, so the sender's broadcast is left waiting "
-                                "until the group times out: destroy the group and init a new one")
+        raise WeightUpdateError(
+            f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must have "
+            "the same length; nothing was received, so the sender's broadcast is left waiting "
+            "until the group times out: destroy the group and init a new one"
+        )
     specs = []
     for name, dtype, shape in zip(names, dtypes, shapes):
         try:
             dtype = dtype_from_name(dtype)
         except ValueError as exc:
-            raise WeightUpdateError(f"{name}: {exc}; nothing was received, so the sender's broadcast is left "
-                                    "waiting until the group times out: destroy the group and init a new one") from exc
+            raise WeightUpdateError(
+                f"{name}: {exc}; nothing was received, so the sender's broadcast is left "
+                "waiting until the group times out: destroy the group and init a new one"
+            ) from exc
         if any(d < 0 for d in shape):
-            raise WeightUpdateError(f"{name}: shape {shape} has a negative size; nothing was received, so the sender's "
-                                    "broadcast is left waiting until the group times out")
+            raise WeightUpdateError(
+                f"{name}: shape {shape} has a negative size; nothing was received, so the sender's "
+                "broadcast is left waiting until the group times out"
+            )
         specs.append((name, dtype, tuple(shape)))
     return specs
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, *, tp_size: int = 1, ep_size: int = 1, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, dummy: bool = False, group=None, seed: int = 0,
-                 lora: LoraLimits | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tp_size: int = 1,
+        ep_size: int = 1,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        dummy: bool = False,
+        group=None,
+        seed: int = 0,
+        lora: LoraLimits | None = None,
+    ):
         self.tp_size, self.ep_size, self.device = tp_size, ep_size, torch.device(device)
         self.group = group  # gloo group of this engine's ranks (None when tp_size == 1)
         self.model = self._load(model_path, dtype, dummy, seed).eval().requires_grad_(False)
@@ -221,8 +242,9 @@ class ModelRunner:
         distributed = self._distributed_config()
         if distributed is None:
             return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, disable_mmap=True).to(self.device)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=distributed,
-                                                    disable_mmap=True)
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, distributed_config=distributed, disable_mmap=True
+        )
 
     def _build_checkpoint_schema(self) -> None:
         """Checkpoint name -> (in-memory parameter, full shape), computed on meta tensors."""
@@ -271,8 +293,8 @@ class ModelRunner:
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         self.mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            self.mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            self.mask[row, width - len(prompt) :] = 1
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         self.next_position = positions[:, -1] + 1
         self.cache = DynamicCache(config=self.model.config)
@@ -287,9 +309,14 @@ class ModelRunner:
         return logits
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids.to(self.device), attention_mask=self.mask.to(self.device),
-                         position_ids=positions.to(self.device), cache=self.cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=self.mask.to(self.device),
+            position_ids=positions.to(self.device),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1, :].float().cpu()
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -304,29 +331,40 @@ class ModelRunner:
     # ---- weights (lockstep; all or nothing across ranks) --------------------------------
     def update_weights_from_disk(self, model_path: str) -> None:
         self._restore_base_weights()
+
         def read():
             return read_hf_checkpoint(model_path), True
+
         self._update(read)
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None) -> None:
         """Every rank decodes its own entry, `serialized_named_tensors[tp_rank]` (SGLang's rule)."""
         self._restore_base_weights()
+
         def decode():
             entry = serialized_named_tensors[self.tp_rank]
             try:
                 payload = safe_loads(entry)
                 self._held_payloads.append(payload)
             except Exception as exc:  # untrusted bytes: every failure to rebuild them is the sender's, reported
-                raise WeightUpdateError(f"serialized_named_tensors[{self.tp_rank}] cannot be read: "
-                                        f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                raise WeightUpdateError(
+                    f"serialized_named_tensors[{self.tp_rank}] cannot be read: {type(exc).__name__}: {_first_line(exc)}"
+                ) from exc
             return _named_tensors(payload, load_format), False
+
         self._update(decode)
         # The sender's buffers are read here through CUDA IPC / shared memory: finish reading them
         # before answering, since the sender reuses or frees them once every engine has answered.
         self._synchronize()
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str, load_format: str | None = None) -> None:
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        load_format: str | None = None,
+    ) -> None:
         """Receive full tensors broadcast by rank 0 of a weight-update group, then load them all or nothing.
 
         Wire contract (SGLang's, python/sglang/srt/model_executor/model_runner.py):
@@ -347,21 +385,27 @@ class ModelRunner:
         must be destroyed and made again.
         """
         self._restore_base_weights()
+
         def receive():
             group = self.weight_groups.get(group_name)
             if group is None:
-                raise WeightUpdateError(f"no weight update group {group_name!r} on this engine (have "
-                                        f"{sorted(self.weight_groups)}): call /init_weights_update_group first")
+                raise WeightUpdateError(
+                    f"no weight update group {group_name!r} on this engine (have "
+                    f"{sorted(self.weight_groups)}): call /init_weights_update_group first"
+                )
             specs = _parse_specs(names, dtypes, shapes)
             if load_format == "flattened_bucket" and not specs:
                 raise WeightUpdateError("load_format='flattened_bucket' with no tensors: nothing was received")
             try:
-                self._check({name: torch.empty(shape, dtype=dtype, device="meta") for name, dtype, shape in specs},
-                            complete=False)
+                self._check(
+                    {name: torch.empty(shape, dtype=dtype, device="meta") for name, dtype, shape in specs},
+                    complete=False,
+                )
                 duplicates = sorted(name for name, count in Counter(names).items() if count > 1)
                 if duplicates:
-                    raise WeightUpdateError(f"weight update refused, nothing changed: names sent twice: "
-                                            f"{', '.join(duplicates[:10])}")
+                    raise WeightUpdateError(
+                        f"weight update refused, nothing changed: names sent twice: {', '.join(duplicates[:10])}"
+                    )
                 refusal = None
             except WeightUpdateError as exc:
                 refusal = exc
@@ -369,6 +413,7 @@ class ModelRunner:
             if refusal is not None:
                 raise WeightUpdateError(f"{refusal} (the broadcast was received and dropped)")
             return tensors, False
+
         self._update(receive)
 
     def _receive(self, group: WeightGroup, group_name: str, specs, load_format: str | None) -> dict[str, torch.Tensor]:
@@ -386,7 +431,7 @@ class ModelRunner:
                     return {name: piece.view(shape) for (name, _, shape), piece in zip(specs, pieces)}
                 tensors, offset = {}, 0
                 for (name, dtype, shape), size in zip(specs, sizes):
-                    tensors[name] = view_bytes_as(flat[offset:offset + size], dtype).view(shape)
+                    tensors[name] = view_bytes_as(flat[offset : offset + size], dtype).view(shape)
                     offset += size
                 return tensors
             tensors = {}
@@ -395,9 +440,11 @@ class ModelRunner:
                 dist.broadcast(tensors[name], group=group.group, group_src=0)
             return tensors
         except RuntimeError as exc:  # a broadcast that timed out or lost a peer (DistBackendError)
-            raise WeightUpdateError(f"receiving from weight update group {group_name!r} failed, nothing changed: "
-                                    f"{_first_line(exc)}; the group may be unusable now: destroy it and init a new "
-                                    "one") from exc
+            raise WeightUpdateError(
+                f"receiving from weight update group {group_name!r} failed, nothing changed: "
+                f"{_first_line(exc)}; the group may be unusable now: destroy it and init a new "
+                "one"
+            ) from exc
 
     def _update(self, produce) -> None:
         clock = [time.perf_counter()]
@@ -424,8 +471,11 @@ class ModelRunner:
         if SYNC_TIMING:
             clock.append(time.perf_counter())
             phases = zip(("receive", "stage", "gather", "copy"), (b - a for a, b in zip(clock, clock[1:])))
-            log.warning("weight update of %d tensors: %s", len(tensors),
-                        " ".join(f"{name}={seconds * 1e3:.2f}ms" for name, seconds in phases))
+            log.warning(
+                "weight update of %d tensors: %s",
+                len(tensors),
+                " ".join(f"{name}={seconds * 1e3:.2f}ms" for name, seconds in phases),
+            )
 
     def _take_load_prints(self, names) -> None:
         for name in names:
@@ -457,17 +507,27 @@ class ModelRunner:
     def _check(self, tensors: dict[str, torch.Tensor], complete: bool) -> dict[str, torch.Tensor]:
         """Check every name, shape and dtype and fuse into in-memory names; works on meta tensors too."""
         if any(storage.nbytes() == 0 for storage, _ in self._storages):
-            raise WeightUpdateError("weights are released: call /resume_memory_occupation with tags "
-                                    "['weights'] before pushing weights")
+            raise WeightUpdateError(
+                "weights are released: call /resume_memory_occupation with tags ['weights'] before pushing weights"
+            )
         unknown = sorted(set(tensors) - set(self.checkpoint_shapes))
-        shapes = sorted(f"{n}: got {tuple(t.shape)}, expected {self.checkpoint_shapes[n]}"
-                        for n, t in tensors.items() if n in self.checkpoint_shapes
-                        and tuple(t.shape) != self.checkpoint_shapes[n])
+        shapes = sorted(
+            f"{n}: got {tuple(t.shape)}, expected {self.checkpoint_shapes[n]}"
+            for n, t in tensors.items()
+            if n in self.checkpoint_shapes and tuple(t.shape) != self.checkpoint_shapes[n]
+        )
         dtypes = sorted(f"{n}: {t.dtype}" for n, t in tensors.items() if not t.is_floating_point())
         missing = sorted(self.required_names - set(tensors)) if complete else []
-        problems = [f"{label} ({len(names)}): {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}"
-                    for label, names in [("unknown tensor names", unknown), ("wrong shapes", shapes),
-                                         ("non-floating dtypes", dtypes), ("missing tensors", missing)] if names]
+        problems = [
+            f"{label} ({len(names)}): {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}"
+            for label, names in [
+                ("unknown tensor names", unknown),
+                ("wrong shapes", shapes),
+                ("non-floating dtypes", dtypes),
+                ("missing tensors", missing),
+            ]
+            if names
+        ]
         if problems:
             raise WeightUpdateError("weight update refused, nothing changed: " + "; ".join(problems))
         converted = {self.plain_to_param[n]: t for n, t in tensors.items() if n in self.plain_to_param}
@@ -480,8 +540,10 @@ class ModelRunner:
             param = self.params.get(name)
             if param is None or tuple(full.shape) != tuple(param.shape):
                 expected = None if param is None else tuple(param.shape)
-                raise WeightUpdateError(f"weight update refused, nothing changed: {name} built with shape "
-                                        f"{tuple(full.shape)}, the model holds {expected} (incomplete expert group?)")
+                raise WeightUpdateError(
+                    f"weight update refused, nothing changed: {name} built with shape "
+                    f"{tuple(full.shape)}, the model holds {expected} (incomplete expert group?)"
+                )
         return {**converted, **built}
 
     def _stage(self, tensors: dict[str, torch.Tensor], complete: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -498,29 +560,45 @@ class ModelRunner:
         return staged
 
     # ---- weight-update groups (lockstep) ----------------------------------------------------
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str, timeout_s: float) -> None:
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
         """Join group `group_name` as rank `rank_offset + tp_rank`, on every rank or on none."""
         ranks = list(range(rank_offset, rank_offset + self.tp_size))
-        where = (f"weight update group {group_name!r} at tcp://{master_address}:{master_port} "
-                 f"(world_size={world_size}, this engine's ranks {ranks})")
+        where = (
+            f"weight update group {group_name!r} at tcp://{master_address}:{master_port} "
+            f"(world_size={world_size}, this engine's ranks {ranks})"
+        )
         error, joined = None, None
         if group_name in self.weight_groups:
             error = f"{where} is already initialized: call /destroy_weights_update_group first"
         elif rank_offset < 1 or rank_offset + self.tp_size > world_size:
-            error = (f"{where}: the engine's ranks must lie in 1..world_size-1 (rank 0 is the sender): "
-                     f"give rank_offset >= 1 and world_size >= rank_offset + tp_size ({self.tp_size})")
+            error = (
+                f"{where}: the engine's ranks must lie in 1..world_size-1 (rank 0 is the sender): "
+                f"give rank_offset >= 1 and world_size >= rank_offset + tp_size ({self.tp_size})"
+            )
         elif backend not in WEIGHT_GROUP_BACKENDS:
             error = f"{where}: backend={backend!r}: use one of {list(WEIGHT_GROUP_BACKENDS)}"
         else:
             if backend == "nccl" and self.device.type == "cpu":
-                log.warning("weight update group %r: backend 'nccl' on a CPU engine, using 'gloo' (the sender "
-                            "must use gloo too)", group_name)
+                log.warning(
+                    "weight update group %r: backend 'nccl' on a CPU engine, using 'gloo' (the sender "
+                    "must use gloo too)",
+                    group_name,
+                )
                 backend = "gloo"
             rank = rank_offset + self.tp_rank
             try:
-                joined = join_weight_update_group(master_address, master_port, rank, world_size, group_name,
-                                                  backend, timedelta(seconds=timeout_s))
+                joined = join_weight_update_group(
+                    master_address, master_port, rank, world_size, group_name, backend, timedelta(seconds=timeout_s)
+                )
             except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError on timeout
                 error = f"rank {rank}: {_first_line(exc)}"
             else:
@@ -534,15 +612,18 @@ class ModelRunner:
                 dist.destroy_process_group(joined)
             reasons = "; ".join(sorted({e for e in errors if e}))
             if all(e is None or e.startswith("rank ") for e in errors):
-                raise WeightUpdateError(f"could not join {where} within {timeout_s:g} s; group rank 0 (the sender) "
-                                        f"must join at the same time: {reasons}")
+                raise WeightUpdateError(
+                    f"could not join {where} within {timeout_s:g} s; group rank 0 (the sender) "
+                    f"must join at the same time: {reasons}"
+                )
             raise WeightUpdateError(reasons)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         group = self.weight_groups.pop(group_name, None)
         if group is None:
-            raise WeightUpdateError(f"no weight update group {group_name!r} on this engine (have "
-                                    f"{sorted(self.weight_groups)})")
+            raise WeightUpdateError(
+                f"no weight update group {group_name!r} on this engine (have {sorted(self.weight_groups)})"
+            )
         dist.destroy_process_group(group.group)
 
     def _gather(self, value):
@@ -594,8 +675,12 @@ class ModelRunner:
                     collector.add(name, tensor)
         digests = {**known, **collector.digests()}
         if SYNC_TIMING:
-            log.warning("fingerprints of %d tensors (%d taken at load): %.2fms", len(digests), len(known),
-                        (time.perf_counter() - start) * 1e3)
+            log.warning(
+                "fingerprints of %d tensors (%d taken at load): %.2fms",
+                len(digests),
+                len(known),
+                (time.perf_counter() - start) * 1e3,
+            )
         return digests
 
     @property
@@ -611,8 +696,14 @@ class ModelRunner:
     # as `_stage` slices weight updates, so tp and ep engines need nothing else and no rank talks
     # to another. Paths that read or replace base weights call `_restore_base_weights` first; the
     # adapter merges again on the next forward that asks for it.
-    def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, config_dict: dict | None = None,
-                          serialized_named_tensors: list[str] | None = None, load_format: str | None = None) -> None:
+    def load_lora_adapter(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        config_dict: dict | None = None,
+        serialized_named_tensors: list[str] | None = None,
+        load_format: str | None = None,
+    ) -> None:
         """Store an adapter read from a directory (`lora_path`) or from this rank's entry of
         `serialized_named_tensors`; on every rank or, after any rank's refusal, on none."""
         adapter, error = None, None
@@ -628,27 +719,33 @@ class ModelRunner:
     def _read_adapter(self, lora_name, lora_path, config_dict, serialized_named_tensors, load_format) -> LoraAdapter:
         limits = self._lora_limits()
         if lora_name in self.lora_adapters:
-            raise LoraError(f"lora_name={lora_name!r} is already loaded: unload it first (/unload_lora_adapter), "
-                            "or load under another name")
+            raise LoraError(
+                f"lora_name={lora_name!r} is already loaded: unload it first (/unload_lora_adapter), "
+                "or load under another name"
+            )
         if limits.max_loaded is not None and len(self.lora_adapters) >= limits.max_loaded:
-            raise LoraError(f"{len(self.lora_adapters)} adapters are loaded, --max-loaded-loras is "
-                            f"{limits.max_loaded}: unload one of {sorted(self.lora_adapters)} first")
+            raise LoraError(
+                f"{len(self.lora_adapters)} adapters are loaded, --max-loaded-loras is "
+                f"{limits.max_loaded}: unload one of {sorted(self.lora_adapters)} first"
+            )
         if lora_path is not None:
             config, tensors = read_adapter_dir(lora_path)
         else:
             try:
                 payload = safe_loads(serialized_named_tensors[self.tp_rank])
             except Exception as exc:  # untrusted bytes: every failure to rebuild them is the sender's, reported
-                raise LoraError(f"serialized_named_tensors[{self.tp_rank}] cannot be read: "
-                                f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                raise LoraError(
+                    f"serialized_named_tensors[{self.tp_rank}] cannot be read: {type(exc).__name__}: {_first_line(exc)}"
+                ) from exc
             try:
                 tensors = _named_tensors(payload, load_format)
             except WeightUpdateError as exc:
                 reason = str(exc).removeprefix("weight update refused, nothing changed: ")
                 raise LoraError(f"adapter {lora_name!r} refused, nothing changed: {reason}") from exc
             config = config_dict
-        return parse_adapter(lora_name, lora_path or TENSORS_PATH, config, tensors, self.model,
-                             self.lora_targetable, limits)
+        return parse_adapter(
+            lora_name, lora_path or TENSORS_PATH, config, tensors, self.model, self.lora_targetable, limits
+        )
 
     def unload_lora_adapter(self, lora_name: str) -> None:
         self._lora_limits()
@@ -667,13 +764,17 @@ class ModelRunner:
             raise LoraError(f"lora_name={lora_name!r} is not loaded (loaded: {sorted(self.lora_adapters)})")
         mine = adapter.fingerprints(names, samples)
         ranks = self._gather(mine)
-        return {name: value if all(r.get(name) == value for r in ranks) else f"ranks differ: {value}"
-                for name, value in mine.items()}
+        return {
+            name: value if all(r.get(name) == value for r in ranks) else f"ranks differ: {value}"
+            for name, value in mine.items()
+        }
 
     def _lora_limits(self) -> LoraLimits:
         if self.lora_limits is None:
-            raise LoraError("LoRA is off on this engine: start it with --enable-lora (and --max-lora-rank, "
-                            "--lora-target-modules as needed)")
+            raise LoraError(
+                "LoRA is off on this engine: start it with --enable-lora (and --max-lora-rank, "
+                "--lora-target-modules as needed)"
+            )
         return self.lora_limits
 
     @torch.no_grad()
@@ -737,9 +838,11 @@ class ModelRunner:
         weight_bytes = sum(storage.nbytes() for storage, _ in self._storages)
         stats = {"weight_bytes": weight_bytes}
         if self.device.type == "cuda":
-            stats.update(allocated=torch.cuda.memory_allocated(self.device),
-                         reserved=torch.cuda.memory_reserved(self.device),
-                         device_used=torch.cuda.mem_get_info(self.device)[1] - torch.cuda.mem_get_info(self.device)[0])
+            stats.update(
+                allocated=torch.cuda.memory_allocated(self.device),
+                reserved=torch.cuda.memory_reserved(self.device),
+                device_used=torch.cuda.mem_get_info(self.device)[1] - torch.cuda.mem_get_info(self.device)[0],
+            )
         return stats
 
     def drop_held_payloads(self) -> None:

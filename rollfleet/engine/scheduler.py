@@ -19,9 +19,10 @@ import itertools
 import threading
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -56,9 +57,17 @@ class ControlAction:
 
 
 class Scheduler:
-    def __init__(self, run_action: Callable[..., Any], tokenizer, *, eos_token_ids: set[int],
-                 context_length: int, max_running_requests: int, weight_version: str,
-                 thread_setup: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        run_action: Callable[..., Any],
+        tokenizer,
+        *,
+        eos_token_ids: set[int],
+        context_length: int,
+        max_running_requests: int,
+        weight_version: str,
+        thread_setup: Callable[[], None] = lambda: None,
+    ):
         self.run_action = run_action
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -82,11 +91,27 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, *, rid: str | None,
-               return_logprob: bool, lora_name: str | None = None) -> list[Sequence]:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        rid: str | None,
+        return_logprob: bool,
+        lora_name: str | None = None,
+    ) -> list[Sequence]:
         rid = rid or uuid.uuid4().hex
-        seqs = [Sequence(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params,
-                         make_generator(params, i), return_logprob, lora_name=lora_name) for i in range(params.n)]
+        seqs = [
+            Sequence(
+                rid if params.n == 1 else f"{rid}-{i}",
+                prompt_ids,
+                params,
+                make_generator(params, i),
+                return_logprob,
+                lora_name=lora_name,
+            )
+            for i in range(params.n)
+        ]
         with self._wakeup:
             self._raise_if_dead()
             for seq in seqs:
@@ -97,8 +122,14 @@ class Scheduler:
             self._wakeup.notify()
         return seqs
 
-    def control(self, fn: Callable[[], Any], *, needs_idle: bool = True, abort_first: bool = False,
-                waits_for: Callable[[Sequence], bool] | None = None) -> Future:
+    def control(
+        self,
+        fn: Callable[[], Any],
+        *,
+        needs_idle: bool = True,
+        abort_first: bool = False,
+        waits_for: Callable[[Sequence], bool] | None = None,
+    ) -> Future:
         action = ControlAction(fn, needs_idle, waits_for)
         with self._wakeup:
             self._raise_if_dead()
@@ -111,6 +142,7 @@ class Scheduler:
     def abort(self, rid: str = "", abort_all: bool = False, message: str = "aborted by request") -> int:
         def matches(seq: Sequence) -> bool:
             return abort_all or seq.rid == rid or seq.rid.startswith(f"{rid}-")
+
         with self._wakeup:
             count = self._abort_matching(matches, message)
             self._wakeup.notify()
@@ -168,7 +200,9 @@ class Scheduler:
             return self._step
         if self.waiting and not self.paused:
             self.batch_lora = self.waiting[0].lora_name
-            self.running = [seq for seq in self.waiting if seq.lora_name == self.batch_lora][:self.max_running_requests]
+            self.running = [seq for seq in self.waiting if seq.lora_name == self.batch_lora][
+                : self.max_running_requests
+            ]
             taken = {id(seq) for seq in self.running}
             self.waiting = deque(seq for seq in self.waiting if id(seq) not in taken)
             self.needs_prefill = True
@@ -180,8 +214,7 @@ class Scheduler:
     def _can_run(self, action: ControlAction) -> bool:
         if action.needs_idle and self.running and not self.paused:
             return False
-        return action.waits_for is None or not any(map(action.waits_for, itertools.chain(self.waiting,
-                                                                                          self.running)))
+        return action.waits_for is None or not any(map(action.waits_for, itertools.chain(self.waiting, self.running)))
 
     def _run_control(self, action: ControlAction) -> None:
         try:
@@ -194,12 +227,12 @@ class Scheduler:
         if not self.running:
             return
         if self.needs_prefill:
-            logits = self.run_action("prefill", prompts=[s.prompt_ids for s in self.running],
-                                     lora_name=self.batch_lora)
+            logits = self.run_action("prefill", prompts=[s.prompt_ids for s in self.running], lora_name=self.batch_lora)
             self.needs_prefill = False
         else:
-            logits = self.run_action("decode", tokens=[s.output_ids[-1] for s in self.running],
-                                     lora_name=self.batch_lora)
+            logits = self.run_action(
+                "decode", tokens=[s.output_ids[-1] for s in self.running], lora_name=self.batch_lora
+            )
         logprobs = torch.log_softmax(logits, dim=-1)
         for seq, row, row_logprobs in zip(self.running, logits, logprobs):
             self._advance(seq, row, row_logprobs)
@@ -277,8 +310,14 @@ class Scheduler:
             seq.future.set_result(self._result(seq))
 
     def _result(self, seq: Sequence) -> dict[str, Any]:
-        meta = {"id": seq.rid, "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
-                "cached_tokens": 0, "weight_version": self.weight_version, "finish_reason": seq.finish.to_wire()}
+        meta = {
+            "id": seq.rid,
+            "prompt_tokens": len(seq.prompt_ids),
+            "completion_tokens": len(seq.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "finish_reason": seq.finish.to_wire(),
+        }
         if seq.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
         return {"text": seq.text, "output_ids": list(seq.output_ids), "meta_info": meta}
@@ -295,4 +334,3 @@ class Scheduler:
         for action in self.controls:
             action.future.set_exception(error)
         self.waiting.clear(), self.running.clear(), self.controls.clear()
-

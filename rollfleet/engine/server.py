@@ -32,8 +32,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rollfleet serve", description="Embedded rollout engine with "
-                                "SGLang's HTTP protocol (flags named as python -m sglang.launch_server).")
+    p = argparse.ArgumentParser(
+        prog="rollfleet serve",
+        description="Embedded rollout engine with "
+        "SGLang's HTTP protocol (flags named as python -m sglang.launch_server).",
+    )
     p.add_argument("--model-path", required=True, help="HF causal LM directory (config, tokenizer, weights)")
     p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -43,20 +46,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp-size", type=int, default=1, help="pipeline parallel: not available here (SGLang has it)")
     p.add_argument("--dp-size", type=int, default=1, help="data parallel: run one server per replica instead")
     p.add_argument("--base-gpu-id", type=int, default=0, help="first GPU of this engine (rank r uses base+r)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                   help="dummy = random weights; not ready until weights are pushed")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="auto = float32 on CPU, the checkpoint's dtype on GPU")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "dummy"],
+        help="dummy = random weights; not ready until weights are pushed",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="auto = float32 on CPU, the checkpoint's dtype on GPU",
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--max-running-requests", type=int, default=64, help="largest batch")
     p.add_argument("--random-seed", type=int, default=0, help="seed of dummy weights")
-    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (merged into the weights "
-                   "for the batches that use them; nn.Linear targets only)")
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (merged into the weights for the batches that use them; nn.Linear targets only)",
+    )
     p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted (default: any)")
-    p.add_argument("--lora-target-modules", nargs="+", default=None,
-                   help="module names adapters may target (q_proj v_proj ...; 'all' or unset: any nn.Linear)")
+    p.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        help="module names adapters may target (q_proj v_proj ...; 'all' or unset: any nn.Linear)",
+    )
     p.add_argument("--max-loaded-loras", type=int, default=None, help="most adapters loaded at once (default: any)")
     p.add_argument("--enable-memory-saver", action="store_true", help="accepted; release/resume always works here")
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted; the embedded engine has no warmup")
@@ -67,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse what the embedded engine cannot do, with the fix, before any process starts."""
     if args.pp_size != 1:
-        parser.error(f"--pp-size {args.pp_size}: the embedded engine has no pipeline parallel; "
-                     "SGLang does (rollout.backend=sglang), or use --pp-size 1 with --tp-size")
+        parser.error(
+            f"--pp-size {args.pp_size}: the embedded engine has no pipeline parallel; "
+            "SGLang does (rollout.backend=sglang), or use --pp-size 1 with --tp-size"
+        )
     if args.dp_size != 1:
         parser.error(f"--dp-size {args.dp_size}: run one server per data-parallel replica (rollout.num_engines)")
     if args.tp_size < 1:
@@ -76,10 +96,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.ep_size < 1 or args.tp_size % args.ep_size:
         parser.error(f"--ep-size {args.ep_size}: must divide --tp-size {args.tp_size}")
     if args.ep_size not in (1, args.tp_size):
-        parser.error(f"--ep-size {args.ep_size}: the embedded engine (transformers' EP plan) needs "
-                     f"--ep-size 1 or equal to --tp-size {args.tp_size}; SGLang supports other splits")
-    lora_flags = {"--max-lora-rank": args.max_lora_rank, "--lora-target-modules": args.lora_target_modules,
-                  "--max-loaded-loras": args.max_loaded_loras}
+        parser.error(
+            f"--ep-size {args.ep_size}: the embedded engine (transformers' EP plan) needs "
+            f"--ep-size 1 or equal to --tp-size {args.tp_size}; SGLang supports other splits"
+        )
+    lora_flags = {
+        "--max-lora-rank": args.max_lora_rank,
+        "--lora-target-modules": args.lora_target_modules,
+        "--max-loaded-loras": args.max_loaded_loras,
+    }
     given = [flag for flag, value in lora_flags.items() if value is not None]
     if given and not args.enable_lora:
         parser.error(f"{', '.join(given)} without --enable-lora: add --enable-lora, or drop them")
@@ -132,8 +157,13 @@ def follow(runner: ModelRunner, group) -> None:
 def _init_distributed(args, rank: int, store) -> tuple[str, object]:
     device = local_device(args.device, args.base_gpu_id, rank)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=args.tp_size,
-                            device_id=torch.device(device) if backend == "nccl" else None)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=args.tp_size,
+        device_id=torch.device(device) if backend == "nccl" else None,
+    )
     group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
     return device, group
 
@@ -147,9 +177,17 @@ def lora_limits(args: argparse.Namespace) -> LoraLimits | None:
 
 
 def _make_runner(args, device: str, group) -> ModelRunner:
-    return ModelRunner(args.model_path, tp_size=args.tp_size, ep_size=args.ep_size, device=device,
-                       dtype=resolve_dtype(args), dummy=args.load_format == "dummy", group=group,
-                       seed=args.random_seed, lora=lora_limits(args))
+    return ModelRunner(
+        args.model_path,
+        tp_size=args.tp_size,
+        ep_size=args.ep_size,
+        device=device,
+        dtype=resolve_dtype(args),
+        dummy=args.load_format == "dummy",
+        group=group,
+        seed=args.random_seed,
+        lora=lora_limits(args),
+    )
 
 
 def _follower_main(args, rank: int, store_port: int) -> None:
@@ -169,6 +207,7 @@ def dump_stacks_if_hung() -> None:
     seconds = float(os.environ.get("ROLLFLEET_HANG_DUMP_S", "0"))
     if seconds > 0:
         import faulthandler
+
         faulthandler.dump_traceback_later(seconds, repeat=True)
 
 
@@ -179,6 +218,7 @@ def _exit_when_parent_dies() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(1)
+
     threading.Thread(target=watch, daemon=True).start()
 
 
@@ -188,6 +228,7 @@ def _exit_when_a_follower_dies(procs) -> None:
             time.sleep(0.5)
         log.error("a tensor-parallel rank exited; stopping the engine")
         os._exit(1)
+
     threading.Thread(target=watch, daemon=True).start()
 
 
@@ -204,8 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.tp_size > 1:
         store = dist.TCPStore("127.0.0.1", 0, args.tp_size, is_master=True, wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
-        procs = [context.Process(target=_follower_main, args=(args, rank, store.port), daemon=True)
-                 for rank in range(1, args.tp_size)]
+        procs = [
+            context.Process(target=_follower_main, args=(args, rank, store.port), daemon=True)
+            for rank in range(1, args.tp_size)
+        ]
         for proc in procs:
             proc.start()
         _exit_when_a_follower_dies(procs)
@@ -223,9 +266,15 @@ def serve(args, runner: ModelRunner, run_action: ActionBroadcaster) -> None:
     from rollfleet.engine.scheduler import Scheduler
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
-    scheduler = Scheduler(run_action, tokenizer, eos_token_ids=_eos_token_ids(args.model_path, tokenizer),
-                          context_length=_context_length(runner), max_running_requests=args.max_running_requests,
-                          weight_version=args.weight_version, thread_setup=lambda: _bind_thread(runner))
+    scheduler = Scheduler(
+        run_action,
+        tokenizer,
+        eos_token_ids=_eos_token_ids(args.model_path, tokenizer),
+        context_length=_context_length(runner),
+        max_running_requests=args.max_running_requests,
+        weight_version=args.weight_version,
+        thread_setup=lambda: _bind_thread(runner),
+    )
     scheduler.start()
     app = create_app(args, runner, scheduler, run_action, tokenizer)
     try:

@@ -1,9 +1,9 @@
 """Fleet: lays rollout engines out over GPUs with Ray, starts them, and routes generate requests.
 
-    fleet = Fleet.from_config(cfg)
-    samples = fleet.generate(prompts, n=8)
-    fleet.sleep(); ...train...; fleet.wake()
-    fleet.shutdown()
+fleet = Fleet.from_config(cfg)
+samples = fleet.generate(prompts, n=8)
+fleet.sleep(); ...train...; fleet.wake()
+fleet.shutdown()
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import asyncio
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -50,8 +50,14 @@ class WeightSyncError(RuntimeError):
 def ensure_ray(cfg: RunConfig) -> None:
     if ray.is_initialized():
         return
-    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus,
-             _temp_dir=cfg.ray.temp_dir, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address=cfg.ray.address,
+        num_cpus=cfg.ray.num_cpus,
+        num_gpus=cfg.ray.num_gpus,
+        _temp_dir=cfg.ray.temp_dir,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
 
 
 class Fleet:
@@ -71,35 +77,44 @@ class Fleet:
         self._restart_lock = threading.Lock()
         self._restarts_allowed = threading.Event()
         self._restarts_allowed.set()
-        self._restarter = threading.Thread(target=self._restart_in_background, name="rollfleet-restarter",
-                                           daemon=True)
+        self._restarter = threading.Thread(target=self._restart_in_background, name="rollfleet-restarter", daemon=True)
         self._restarter.start()
 
     # ---- building -----------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: RunConfig, *, load_format: str = "auto") -> Fleet:
         rollout = cfg.rollout
-        validate_layout(rollout.world_size, rollout.tp_size, rollout.pp_size, rollout.ep_size,
-                        model_config=AutoConfig.from_pretrained(rollout.model_path),
-                        train_sequence_parallel_size=cfg.trainer.sequence_parallel_size,
-                        colocated=rollout.placement == "colocated",
-                        allow_kv_head_replication=rollout.backend == "sglang")
+        validate_layout(
+            rollout.world_size,
+            rollout.tp_size,
+            rollout.pp_size,
+            rollout.ep_size,
+            model_config=AutoConfig.from_pretrained(rollout.model_path),
+            train_sequence_parallel_size=cfg.trainer.sequence_parallel_size,
+            colocated=rollout.placement == "colocated",
+            allow_kv_head_replication=rollout.backend == "sglang",
+        )
         ensure_ray(cfg)
         ranks = build_rank_infos(rollout.num_engines, rollout.pp_size, rollout.tp_size, rollout.ep_size)
         group = create_placement_group(rollout)
         log_dir = str(Path(rollout.log_dir).resolve())
         # engines of a LoRA run serve the adapter the trainer sends (--enable-lora ...)
-        rollout = rollout.model_copy(update={"server_extras": [*lora_server_args(cfg.weight_sync),
-                                                               *rollout.server_extras]})
-        workers = [RemoteRolloutWorker.options(**worker_options(group, r.rank, rollout)).remote(r, rollout, log_dir)
-                   for r in ranks]
+        rollout = rollout.model_copy(
+            update={"server_extras": [*lora_server_args(cfg.weight_sync), *rollout.server_extras]}
+        )
+        workers = [
+            RemoteRolloutWorker.options(**worker_options(group, r.rank, rollout)).remote(r, rollout, log_dir)
+            for r in ranks
+        ]
         try:
             placements = ray.get([w.placement.remote() for w in workers])
             check_engines_on_one_node(ranks, {p["rank"]: p["node_id"] for p in placements})
             slots = cls._start_engines(ranks, workers, placements, load_format)
             for slot in slots:
-                slot.lifecycle.to(EngineState.AWAITING_WEIGHTS if load_format == "dummy" else EngineState.ACTIVE,
-                                  f"started ({load_format} weights)")
+                slot.lifecycle.to(
+                    EngineState.AWAITING_WEIGHTS if load_format == "dummy" else EngineState.ACTIVE,
+                    f"started ({load_format} weights)",
+                )
         except BaseException:
             cls._teardown(workers, group)
             raise
@@ -165,8 +180,12 @@ class Fleet:
             for slot in [s for s in self.slots if s.state == EngineState.ACTIVE]:
                 headers = {"Authorization": f"Bearer {self.rollout.api_key}"} if self.rollout.api_key else {}
                 try:
-                    ok = httpx.get(f"{slot.url}/health", headers=headers,
-                                   timeout=self.rollout.probe_timeout_s).status_code == 200
+                    ok = (
+                        httpx.get(
+                            f"{slot.url}/health", headers=headers, timeout=self.rollout.probe_timeout_s
+                        ).status_code
+                        == 200
+                    )
                 except httpx.HTTPError:
                     ok = False
                 failures[slot.engine_id] = 0 if ok else failures.get(slot.engine_id, 0) + 1
@@ -177,8 +196,11 @@ class Fleet:
 
     def _restart_in_background(self) -> None:
         while not self._closing.wait(self.rollout.probe_interval_s):
-            if (self.rollout.auto_restart and self._restarts_allowed.is_set()
-                    and any(s.state == EngineState.INACTIVE for s in self.slots)):
+            if (
+                self.rollout.auto_restart
+                and self._restarts_allowed.is_set()
+                and any(s.state == EngineState.INACTIVE for s in self.slots)
+            ):
                 try:
                     self.restart_inactive()
                 except Exception:  # noqa: BLE001 - logged; the next round (or the caller) tries again
@@ -230,8 +252,9 @@ class Fleet:
         read once here and the tensors fanned out over the tensor transport (shared memory on CPU,
         CUDA IPC on GPU; same node), instead of each engine reading the disk."""
         if fan_out if fan_out is not None else len(engine_ids) > 1:
-            self.sync_weights(CheckpointSource(directory), version, engine_ids=engine_ids, transport=TensorSync(),
-                              advance=False)
+            self.sync_weights(
+                CheckpointSource(directory), version, engine_ids=engine_ids, transport=TensorSync(), advance=False
+            )
         else:
             self.update_weights_from_disk(directory, version, engine_ids=engine_ids, advance=False)
 
@@ -262,14 +285,22 @@ class Fleet:
         return str(directory.resolve()) if directory.is_dir() else None
 
     # ---- generation ---------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[str] | Sequence[list[int]], *, n: int | None = None,
-                 sampling: dict | None = None, progress: bool = False, on_group=None) -> list[Sample]:
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[list[int]],
+        *,
+        n: int | None = None,
+        sampling: dict | None = None,
+        progress: bool = False,
+        on_group=None,
+    ) -> list[Sample]:
         """n samples per prompt, in input order (prompt 0's samples, then prompt 1's, ...).
         `on_group(samples)` is called as each prompt's samples arrive (e.g. to start its rewards)."""
         return asyncio.run(self.agenerate(prompts, n=n, sampling=sampling, progress=progress, on_group=on_group))
 
-    async def agenerate(self, prompts, *, n: int | None = None, sampling: dict | None = None,
-                        progress: bool = False, on_group=None) -> list[Sample]:
+    async def agenerate(
+        self, prompts, *, n: int | None = None, sampling: dict | None = None, progress: bool = False, on_group=None
+    ) -> list[Sample]:
         params = {**self.rollout.sampling.model_dump(), **(sampling or {})}
         if n is not None:
             params["n"] = n
@@ -277,8 +308,13 @@ class Fleet:
         request = {"sampling_params": params, "return_logprob": True}
         if self.lora_name is not None:  # a LoRA run: the adapter the last verified sync loaded
             request["lora_path"] = self.lora_name
-        router = Router(self.slots, self.version, api_key=self.rollout.api_key,
-                        timeout=self.rollout.request_timeout_s, wait_s=self.rollout.recovery_wait_s)
+        router = Router(
+            self.slots,
+            self.version,
+            api_key=self.rollout.api_key,
+            timeout=self.rollout.request_timeout_s,
+            wait_s=self.rollout.recovery_wait_s,
+        )
         try:
             with Progress(disable=not progress, transient=True) as bar:
                 task = bar.add_task("generate", total=len(prompt_ids))
@@ -290,6 +326,7 @@ class Fleet:
                     if on_group is not None:
                         on_group(group)
                     return group
+
                 groups = await asyncio.gather(*(one(i) for i in range(len(prompt_ids))))
         finally:
             await router.close()
@@ -312,17 +349,20 @@ class Fleet:
         for slot in self.slots:
             if slot.state == EngineState.SLEEPING:
                 holds_weights = slot.version == self.version
-                slot.lifecycle.to(EngineState.ACTIVE if holds_weights else EngineState.AWAITING_WEIGHTS,
-                                  f"resumed {tags or 'all'}")
+                slot.lifecycle.to(
+                    EngineState.ACTIVE if holds_weights else EngineState.AWAITING_WEIGHTS, f"resumed {tags or 'all'}"
+                )
 
-    def update_weights_from_disk(self, path: str, weight_version: str, engine_ids: list[int] | None = None, *,
-                                 advance: bool = True) -> None:
+    def update_weights_from_disk(
+        self, path: str, weight_version: str, engine_ids: list[int] | None = None, *, advance: bool = True
+    ) -> None:
         """Load a HF directory into engines, then verify them against the files' own fingerprints."""
         self._on_all("update_weights_from_disk", path, weight_version=weight_version, engine_ids=engine_ids)
         self.verify_checkpoint(path, weight_version, engine_ids, advance=advance)
 
-    def verify_checkpoint(self, path: str, weight_version: str, engine_ids: list[int] | None = None, *,
-                          advance: bool = True) -> None:
+    def verify_checkpoint(
+        self, path: str, weight_version: str, engine_ids: list[int] | None = None, *, advance: bool = True
+    ) -> None:
         """Verify engines against fingerprints computed here from the checkpoint's files."""
         targets = self.weight_targets(engine_ids)
         tensors = read_hf_checkpoint(path) if self.cfg.verify_mode == "fingerprint" else {}  # version mode: no reads
@@ -337,10 +377,13 @@ class Fleet:
 
         async def go():
             async def call(slot):
-                async with EngineClient(slot.url, api_key=self.rollout.api_key,
-                                        timeout=self.rollout.request_timeout_s) as client:
+                async with EngineClient(
+                    slot.url, api_key=self.rollout.api_key, timeout=self.rollout.request_timeout_s
+                ) as client:
                     return await getattr(client, verb)(*args, **kwargs)
+
             return await asyncio.gather(*(call(s) for s in targets))
+
         return asyncio.run(go())
 
     # ---- weight sync ----------------------------------------------------------------------------
@@ -352,16 +395,36 @@ class Fleet:
         for slot, info in zip(unknown, self._on_all("get_model_info", engine_ids=[s.engine_id for s in unknown])):
             slot.dtype = info.get("dtype", "")  # SGLang does not report one: fingerprints in the sent dtype
         ranks = self.rollout.gpus_per_engine
-        return [EngineTarget(engine_id=s.engine_id, url=s.url, num_ranks=ranks, rank_offset=1 + k * ranks,
-                             dtype=dtype_from_name(s.dtype) if s.dtype else None, api_key=self.rollout.api_key)
-                for k, s in enumerate(slots)]
+        return [
+            EngineTarget(
+                engine_id=s.engine_id,
+                url=s.url,
+                num_ranks=ranks,
+                rank_offset=1 + k * ranks,
+                dtype=dtype_from_name(s.dtype) if s.dtype else None,
+                api_key=self.rollout.api_key,
+            )
+            for k, s in enumerate(slots)
+        ]
 
-    def sync_weights(self, source: WeightSource, version: str, *, engine_ids: list[int] | None = None,
-                     transport=None, advance: bool = True, **transport_options) -> SyncReport:
+    def sync_weights(
+        self,
+        source: WeightSource,
+        version: str,
+        *,
+        engine_ids: list[int] | None = None,
+        transport=None,
+        advance: bool = True,
+        **transport_options,
+    ) -> SyncReport:
         """Push `source` to the engines over `transport` (default: the configured weight_sync), then
         verify every engine. Runs where the tensors are (the trainer's sending rank, or a test)."""
-        transport = make_transport(transport or self.cfg.weight_sync, self.weight_targets(engine_ids),
-                                   timeout_s=self.rollout.request_timeout_s, **transport_options)
+        transport = make_transport(
+            transport or self.cfg.weight_sync,
+            self.weight_targets(engine_ids),
+            timeout_s=self.rollout.request_timeout_s,
+            **transport_options,
+        )
         transport.connect()
         try:
             report = transport.send(source, version)
@@ -379,12 +442,15 @@ class Fleet:
         slots = {s.engine_id: s for s in self.slots}
 
         async def go():
-            clients = {e: EngineClient(slots[e].url, api_key=self.rollout.api_key,
-                                       timeout=self.rollout.request_timeout_s) for e in report.engine_ids}
+            clients = {
+                e: EngineClient(slots[e].url, api_key=self.rollout.api_key, timeout=self.rollout.request_timeout_s)
+                for e in report.engine_ids
+            }
             try:
                 return await find_unverified(report, clients, self.cfg.verify_mode)
             finally:
                 await asyncio.gather(*(c.close() for c in clients.values()))
+
         failed = asyncio.run(go())
         for engine_id in report.engine_ids:
             slot = slots[engine_id]
@@ -399,17 +465,34 @@ class Fleet:
                 self.lora_name = report.lora_name
         if failed:
             detail = "; ".join(f"engine {e}: {problem}" for e, problem in sorted(failed.items()))
-            raise WeightSyncError(f"weight sync to version {report.version!r} not verified, engines marked "
-                                  f"failed: {detail}")
+            raise WeightSyncError(
+                f"weight sync to version {report.version!r} not verified, engines marked failed: {detail}"
+            )
 
     def status(self) -> list[dict]:
-        return [{"engine_id": s.engine_id, "state": s.state.value, "version": s.version, "url": s.url,
-                 "outstanding": s.outstanding, "transitions": len(s.lifecycle.history)} for s in self.slots]
+        return [
+            {
+                "engine_id": s.engine_id,
+                "state": s.state.value,
+                "version": s.version,
+                "url": s.url,
+                "outstanding": s.outstanding,
+                "transitions": len(s.lifecycle.history),
+            }
+            for s in self.slots
+        ]
 
 
 def _sample(prompt_index: int, sample_index: int, prompt_ids: list[int], out: dict, engine_id: int) -> Sample:
     meta = out["meta_info"]
-    return Sample(prompt_index=prompt_index, sample_index=sample_index, prompt_ids=prompt_ids,
-                  output_ids=list(out["output_ids"]), logprobs=[e[0] for e in meta.get("output_token_logprobs", [])],
-                  text=out.get("text", ""), finish_reason=meta["finish_reason"],
-                  weight_version=str(meta.get("weight_version", "")), engine_id=engine_id)
+    return Sample(
+        prompt_index=prompt_index,
+        sample_index=sample_index,
+        prompt_ids=prompt_ids,
+        output_ids=list(out["output_ids"]),
+        logprobs=[e[0] for e in meta.get("output_token_logprobs", [])],
+        text=out.get("text", ""),
+        finish_reason=meta["finish_reason"],
+        weight_version=str(meta.get("weight_version", "")),
+        engine_id=engine_id,
+    )

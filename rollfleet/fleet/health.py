@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 log = logging.getLogger("rollfleet.health")
 
 
-class EngineState(str, Enum):
+class EngineState(StrEnum):
     STARTING = "STARTING"
     AWAITING_WEIGHTS = "AWAITING_WEIGHTS"
     ACTIVE = "ACTIVE"
@@ -56,14 +56,16 @@ class Lifecycle:
         if new == self.state:
             return
         if new not in ALLOWED[self.state]:
-            raise IllegalTransition(f"engine {self.engine_id}: {self.state.value} -> {new.value} is not a "
-                                    f"lifecycle transition ({reason})")
+            raise IllegalTransition(
+                f"engine {self.engine_id}: {self.state.value} -> {new.value} is not a lifecycle transition ({reason})"
+            )
         if new == EngineState.ACTIVE and self.restarted_since_active:
             reason = f"recovered: {reason}"
         self.history.append((time.time(), self.state.value, new.value, reason))
         routine = new in (EngineState.ACTIVE, EngineState.SLEEPING, EngineState.AWAITING_WEIGHTS)
-        (log.info if routine else log.warning)("engine %d: %s -> %s (%s)", self.engine_id, self.state.value,
-                                               new.value, reason)
+        (log.info if routine else log.warning)(
+            "engine %d: %s -> %s (%s)", self.engine_id, self.state.value, new.value, reason
+        )
         self.state = new
 
     @property

@@ -32,7 +32,8 @@ def create_placement_group(rollout: RolloutConfig, timeout_s: float = 60.0) -> P
             f"Ray could not place {len(bundles)} rollout bundles of {bundles[0]} in {timeout_s:.0f} s: the fleet "
             f"needs {needed} (num_engines={rollout.num_engines} x tp_size={rollout.tp_size} x "
             f"pp_size={rollout.pp_size}), the cluster has {ray.cluster_resources()}; add nodes or GPUs, or lower "
-            "rollout.num_engines") from None
+            "rollout.num_engines"
+        ) from None
     return group
 
 
@@ -53,5 +54,7 @@ def check_engines_on_one_node(ranks: list[RankInfo], node_of_rank: dict[int, str
     bad = {engine: nodes for engine, nodes in split.items() if len(nodes) > 1}
     if bad:
         detail = "; ".join(f"engine {e} on nodes {sorted(n)}" for e, n in sorted(bad.items()))
-        raise ValueError(f"an engine's GPUs must be on one node, but Ray placed {detail}: give each node a "
-                         "multiple of tp_size*pp_size GPUs, or lower rollout.tp_size")
+        raise ValueError(
+            f"an engine's GPUs must be on one node, but Ray placed {detail}: give each node a "
+            "multiple of tp_size*pp_size GPUs, or lower rollout.tp_size"
+        )

@@ -53,8 +53,15 @@ class EngineSlot:
 
 
 class Router:
-    def __init__(self, slots: list[EngineSlot], version: str, *, api_key: str | None = None,
-                 timeout: float = 600.0, wait_s: float = 0.0):
+    def __init__(
+        self,
+        slots: list[EngineSlot],
+        version: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        wait_s: float = 0.0,
+    ):
         self.slots, self.version, self.wait_s = slots, version, wait_s
         self.api_key, self.timeout = api_key, timeout
         self.clients: dict[int, EngineClient] = {}
@@ -65,8 +72,11 @@ class Router:
 
     def serving(self, exclude: set[int]) -> list[EngineSlot]:
         """ACTIVE engines at the fleet's weight version: the only ones that get generate traffic."""
-        return [s for s in self.slots if s.state == EngineState.ACTIVE and s.version == self.version
-                and s.engine_id not in exclude]
+        return [
+            s
+            for s in self.slots
+            if s.state == EngineState.ACTIVE and s.version == self.version and s.engine_id not in exclude
+        ]
 
     async def choose(self, exclude: set[int]) -> EngineSlot:
         """The least busy serving engine; with none, wait up to `wait_s` for one (recovery)."""
@@ -74,12 +84,15 @@ class Router:
         while not self.serving(exclude):
             if time.monotonic() >= deadline:
                 states = {s.engine_id: s.state.value for s in self.slots}
-                raise NoEngineAvailable(f"no ACTIVE engine at weight version {self.version!r} within "
-                                        f"{self.wait_s:.0f} s (states: {states}, already tried: {sorted(exclude)}); "
-                                        "restart engines (Fleet.restart_inactive) or raise rollout.recovery_wait_s")
+                raise NoEngineAvailable(
+                    f"no ACTIVE engine at weight version {self.version!r} within "
+                    f"{self.wait_s:.0f} s (states: {states}, already tried: {sorted(exclude)}); "
+                    "restart engines (Fleet.restart_inactive) or raise rollout.recovery_wait_s"
+                )
             await asyncio.sleep(0.1)
-            exclude = {e for e in exclude if any(s.engine_id == e and s.state == EngineState.INACTIVE
-                                                 for s in self.slots)}  # a recovered engine may be retried
+            exclude = {
+                e for e in exclude if any(s.engine_id == e and s.state == EngineState.INACTIVE for s in self.slots)
+            }  # a recovered engine may be retried
         return min(self.serving(exclude), key=lambda s: (s.outstanding, s.engine_id))
 
     async def generate(self, payload: dict[str, Any]) -> tuple[list[dict], int]:
@@ -103,8 +116,7 @@ class Router:
     def _client(self, slot: EngineSlot) -> EngineClient:
         client = self.clients.get(slot.engine_id)
         if client is None or client.base_url != slot.url.rstrip("/"):  # a restarted engine has a new port
-            client = self.clients[slot.engine_id] = EngineClient(slot.url, api_key=self.api_key,
-                                                                 timeout=self.timeout)
+            client = self.clients[slot.engine_id] = EngineClient(slot.url, api_key=self.api_key, timeout=self.timeout)
         return client
 
     async def _on_engine_failure(self, slot: EngineSlot, exc: Exception) -> None:

@@ -28,9 +28,13 @@ class RolloutWorker:
 
     def placement(self) -> dict:
         """Where Ray put this worker: node and GPU ids (as the worker sees them)."""
-        return {"rank": self.rank.rank, "node_id": ray.get_runtime_context().get_node_id(),
-                "node_ip": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        return {
+            "rank": self.rank.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
 
     def start_engine(self, engine_gpu_ids: list[str], load_format: str = "auto") -> dict | None:
         """Start this engine's server (heads only) and wait until it answers /health."""
@@ -40,8 +44,9 @@ class RolloutWorker:
             port = free_port()
             log_path = self.log_dir / f"engine-{self.rank.engine_id}.log"
             argv = engine_argv(self.rollout, EngineLaunch(port=port, host=self.rollout.host, load_format=load_format))
-            self.engine = EngineProcess(argv, port=port, log_path=log_path, env=engine_env(engine_gpu_ids),
-                                        host=self.rollout.host)
+            self.engine = EngineProcess(
+                argv, port=port, log_path=log_path, env=engine_env(engine_gpu_ids), host=self.rollout.host
+            )
             try:
                 self.engine.wait_until_up(self.rollout.startup_timeout_s)
                 break

@@ -1,6 +1,6 @@
 """Verifiable reward functions, `reward(sample_text: str, answer: str) -> float`, named by path.
 
-    reward = load_reward("rollfleet.rewards.basic:exact_match")
+reward = load_reward("rollfleet.rewards.basic:exact_match")
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ def load_reward(path: str) -> RewardFn:
     """Import `package.module:function`; errors say which part is wrong."""
     module_name, sep, attribute = path.partition(":")
     if not sep or not module_name or not attribute:
-        raise ValueError(f"reward {path!r}: write it as 'package.module:function', "
-                         "e.g. 'rollfleet.rewards.basic:exact_match'")
+        raise ValueError(
+            f"reward {path!r}: write it as 'package.module:function', e.g. 'rollfleet.rewards.basic:exact_match'"
+        )
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

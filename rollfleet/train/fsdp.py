@@ -52,39 +52,46 @@ _NOT_COPIED = ("config.json", "model.safetensors.index.json", "pytorch_model.bin
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
-                     backend: str | None = None) -> None:
+def init_distributed(
+    rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500, backend: str | None = None
+) -> None:
     """Join the default process group (gloo on CPU, NCCL when a GPU is visible); the trainer needs one."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":  # one GPU per rank: LOCAL_RANK under torchrun, else the rank (one node)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size)
 
 
 class PolicyTrainer:
     """A HF causal LM sharded with FSDP2, trained with the clipped GRPO loss (see the module docstring)."""
 
-    def __init__(self, model_path: str | Path, config: TrainConfig | None = None, *,
-                 device: str | torch.device | None = None):
+    def __init__(
+        self, model_path: str | Path, config: TrainConfig | None = None, *, device: str | torch.device | None = None
+    ):
         self.config = config or TrainConfig()
         self.model_path = Path(model_path)
         self.device = torch.device(device) if device is not None else _default_device()
         self.compute_dtype = _compute_dtype(self.config.mixed_precision, self.device)
         if not dist.is_initialized():
-            raise RuntimeError("PolicyTrainer needs torch.distributed initialised first "
-                               "(fix: call rollfleet.train.fsdp.init_distributed(rank, world_size, ...) on every rank)")
+            raise RuntimeError(
+                "PolicyTrainer needs torch.distributed initialised first "
+                "(fix: call rollfleet.train.fsdp.init_distributed(rank, world_size, ...) on every rank)"
+            )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.config.offload and self.device.type == "cpu":
-            warnings.warn("train.offload=true is ignored on CPU: parameters and optimizer state already live there "
-                          "(CPUOffloadPolicy needs an accelerator); offload()/onload() do nothing", stacklevel=2)
+            warnings.warn(
+                "train.offload=true is ignored on CPU: parameters and optimizer state already live there "
+                "(CPUOffloadPolicy needs an accelerator); offload()/onload() do nothing",
+                stacklevel=2,
+            )
         torch.manual_seed(self.config.seed)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("fsdp",))
         self.model = self._load_sharded(trainable=True)
         self.ref_model = self._load_sharded(trainable=False) if self.config.kl_coef > 0 else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, betas=self.config.betas,
-                                           weight_decay=self.config.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
+        )
         self.step = 0
         self.pad_token_id = self.model.config.pad_token_id or 0
         self._offloaded = False
@@ -97,8 +104,10 @@ class PolicyTrainer:
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
         layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
         if not layers:
-            raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
-                             "cannot shard it layer by layer")
+            raise ValueError(
+                f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
+                "cannot shard it layer by layer"
+            )
         policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         for layer in layers:
             fully_shard(layer, mesh=self.mesh, mp_policy=policy)
@@ -123,7 +132,7 @@ class PolicyTrainer:
         self._require_onloaded("train_step")
         cfg = self.config
         per_rank = math.ceil(len(batch) / self.world_size)
-        local: list[Mapping[str, Any] | None] = list(batch[self.rank::self.world_size])
+        local: list[Mapping[str, Any] | None] = list(batch[self.rank :: self.world_size])
         local += [None] * (per_rank - len(local))  # zero-weight padding: every rank runs as many passes
         if cfg.token_level_loss:
             normalizer = sum(len(item["output_ids"]) for item in batch)
@@ -132,21 +141,35 @@ class PolicyTrainer:
         sums = [0.0] * 6  # loss, clipped tokens, ratio, kl, mismatch (token-weighted), tokens
         mismatch_max = 0.0
         for start in range(0, per_rank, cfg.micro_batch_size):
-            micro = self._collate(local[start:start + cfg.micro_batch_size])
+            micro = self._collate(local[start : start + cfg.micro_batch_size])
             logprobs = self._logprobs(self.model, micro)
             ref_logprobs = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logprobs = self._logprobs(self.ref_model, micro)
-            loss, stats = policy_loss(logprobs, micro["old_logprobs"], micro["advantages"], micro["mask"],
-                                      clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                      token_level=cfg.token_level_loss, ref_logprobs=ref_logprobs,
-                                      kl_coef=cfg.kl_coef, normalizer=normalizer)
+            loss, stats = policy_loss(
+                logprobs,
+                micro["old_logprobs"],
+                micro["advantages"],
+                micro["mask"],
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                token_level=cfg.token_level_loss,
+                ref_logprobs=ref_logprobs,
+                kl_coef=cfg.kl_coef,
+                normalizer=normalizer,
+            )
             (loss * self.world_size).backward()  # FSDP averages gradients over ranks; the loss is already global
             mismatch = logprob_mismatch(micro["old_logprobs"], logprobs, micro["mask"])
             tokens = stats["tokens"]
-            values = (float(loss.detach()), stats["clip_frac"] * tokens, stats["ratio_mean"] * tokens,
-                      stats["kl"] * tokens, mismatch["mean"] * tokens, tokens)
+            values = (
+                float(loss.detach()),
+                stats["clip_frac"] * tokens,
+                stats["ratio_mean"] * tokens,
+                stats["kl"] * tokens,
+                mismatch["mean"] * tokens,
+                tokens,
+            )
             sums = [total + value for total, value in zip(sums, values, strict=True)]
             mismatch_max = max(mismatch_max, mismatch["max"])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)
@@ -162,17 +185,27 @@ class PolicyTrainer:
         loss_sum, clipped, ratio, kl, mismatch_sum, tokens = totals.tolist()
         per_token = max(tokens, 1.0)
         return {
-            "loss": loss_sum, "grad_norm": float(grad_norm), "clip_frac": clipped / per_token,
-            "ratio_mean": ratio / per_token, "kl": kl / per_token,
-            "logprob_mismatch_mean": mismatch_sum / per_token, "logprob_mismatch_max": float(worst),
-            "tokens": int(tokens), "samples": len(batch), "step": self.step,
+            "loss": loss_sum,
+            "grad_norm": float(grad_norm),
+            "clip_frac": clipped / per_token,
+            "ratio_mean": ratio / per_token,
+            "kl": kl / per_token,
+            "logprob_mismatch_mean": mismatch_sum / per_token,
+            "logprob_mismatch_max": float(worst),
+            "tokens": int(tokens),
+            "samples": len(batch),
+            "step": self.step,
         }
 
     def _collate(self, items: Sequence[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:
         """Right-padded prompt+output ids; per-position tensors are aligned with logits[:, :-1]
         (position p predicts token p+1), masked to the output tokens."""
-        rows = [(list(it["prompt_ids"]), list(it["output_ids"]), list(it["logprobs"]), float(it["advantage"]))
-                if it is not None else ([self.pad_token_id], [self.pad_token_id], [0.0], 0.0) for it in items]
+        rows = [
+            (list(it["prompt_ids"]), list(it["output_ids"]), list(it["logprobs"]), float(it["advantage"]))
+            if it is not None
+            else ([self.pad_token_id], [self.pad_token_id], [0.0], 0.0)
+            for it in items
+        ]
         width = max(len(p) + len(o) for p, o, _, _ in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -187,8 +220,13 @@ class PolicyTrainer:
                 mask[row, span] = 1
                 old[row, span] = torch.tensor(logprobs, dtype=torch.float32)
         advantages = torch.tensor([adv for _, _, _, adv in rows])
-        out = {"input_ids": input_ids, "attention_mask": attention, "mask": mask, "old_logprobs": old,
-               "advantages": advantages}
+        out = {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "mask": mask,
+            "old_logprobs": old,
+            "advantages": advantages,
+        }
         return {key: value.to(self.device) for key, value in out.items()}
 
     def _logprobs(self, model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -205,8 +243,7 @@ class PolicyTrainer:
         self._require_onloaded("weight_source")
         return ModuleSource(self.model, keep=self.rank == 0)
 
-    def save_hf(self, path: str | Path, *, dtype: torch.dtype | None = None,
-                max_shard_bytes: int = 5 * 2**30) -> None:
+    def save_hf(self, path: str | Path, *, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
         """Write an HF model directory (rank 0 writes; every rank must call).
 
         Weights come from `weight_source()` (checkpoint names), in `dtype` (default: the fp32 master
@@ -217,8 +254,10 @@ class PolicyTrainer:
         self._require_onloaded("save_hf")
         path = Path(path)
         with torch.no_grad():
-            tensors = ((name, tensor.to(device="cpu", dtype=dtype or tensor.dtype))
-                       for name, tensor in self.weight_source().named_tensors())
+            tensors = (
+                (name, tensor.to(device="cpu", dtype=dtype or tensor.dtype))
+                for name, tensor in self.weight_source().named_tensors()
+            )
             if self.rank != 0:
                 for _ in tensors:  # the gathers are collective: every rank walks the source
                     pass
@@ -228,7 +267,11 @@ class PolicyTrainer:
                 config.dtype = dtype or torch.float32
                 config.save_pretrained(path)
                 for source in sorted(self.model_path.iterdir()):
-                    if source.is_file() and source.name not in _NOT_COPIED and not source.name.endswith(_WEIGHT_SUFFIXES):
+                    if (
+                        source.is_file()
+                        and source.name not in _NOT_COPIED
+                        and not source.name.endswith(_WEIGHT_SUFFIXES)
+                    ):
                         shutil.copy2(source, path / source.name)
         dist.barrier()
 
@@ -251,8 +294,10 @@ class PolicyTrainer:
         self._require_onloaded("load_state")
         path = Path(path)
         if not (path / STATE_META).is_file():
-            raise FileNotFoundError(f"{path} holds no trainer state ({STATE_META} is missing); "
-                                    "pass a directory written by PolicyTrainer.save_state")
+            raise FileNotFoundError(
+                f"{path} holds no trainer state ({STATE_META} is missing); "
+                "pass a directory written by PolicyTrainer.save_state"
+            )
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=str(path))
@@ -302,8 +347,10 @@ def _default_device() -> torch.device:
 
 def _compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
     if mixed_precision == "bf16" and device.type != "cuda":
-        raise ValueError(f"mixed_precision='bf16' needs a GPU; this trainer runs on {device} "
-                         "(fix: set mixed_precision to 'auto' or 'fp32')")
+        raise ValueError(
+            f"mixed_precision='bf16' needs a GPU; this trainer runs on {device} "
+            "(fix: set mixed_precision to 'auto' or 'fp32')"
+        )
     if mixed_precision == "bf16" or (mixed_precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32
@@ -320,7 +367,9 @@ def _check_batch(batch: Sequence[Mapping[str, Any]]) -> None:
         if missing:
             raise ValueError(f"batch[{index}] lacks {missing} (each item needs {list(_REQUIRED)})")
         if len(item["logprobs"]) != len(item["output_ids"]):
-            raise ValueError(f"batch[{index}] has {len(item['logprobs'])} logprobs for "
-                             f"{len(item['output_ids'])} output tokens (one engine logprob per output token)")
+            raise ValueError(
+                f"batch[{index}] has {len(item['logprobs'])} logprobs for "
+                f"{len(item['output_ids'])} output tokens (one engine logprob per output token)"
+            )
         if not item["prompt_ids"]:
             raise ValueError(f"batch[{index}] has no prompt tokens (the first output token needs a prompt)")

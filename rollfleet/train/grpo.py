@@ -19,8 +19,9 @@ import torch
 from torch import Tensor
 
 
-def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, scale_by_std: bool = True,
-                     eps: float = 1e-6) -> Tensor:
+def group_advantages(
+    rewards: Tensor | Sequence[float], group_size: int, *, scale_by_std: bool = True, eps: float = 1e-6
+) -> Tensor:
     """(r - mean of its group) [/ (std of its group + eps)] for rewards laid out group by group.
 
     `rewards` has B*G entries: the G samples of prompt i sit at [i*G, (i+1)*G). The std is the
@@ -34,8 +35,10 @@ def group_advantages(rewards: Tensor | Sequence[float], group_size: int, *, scal
     if group_size < 2:
         raise ValueError(f"group_size={group_size}: a group of one has no baseline (fix: sample n >= 2 per prompt)")
     if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size} "
-                         "(fix: pass all n samples of every prompt, group by group)")
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of {group_size} "
+            "(fix: pass all n samples of every prompt, group by group)"
+        )
     groups = rewards.view(-1, group_size)
     advantages = groups - groups.mean(dim=1, keepdim=True)
     if scale_by_std:
@@ -75,10 +78,19 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
     return (torch.exp(delta) - delta - 1) * mask.to(logprobs.dtype)
 
 
-def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-                clip_low: float = 0.2, clip_high: float = 0.2, token_level: bool = True,
-                ref_logprobs: Tensor | None = None, kl_coef: float = 0.0,
-                normalizer: float | None = None) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    token_level: bool = True,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    normalizer: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss on ratio = exp(logprobs - old_logprobs).
 
     Per token: max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high)), plus

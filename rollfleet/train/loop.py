@@ -52,14 +52,16 @@ class StepClock:
 
 def load_dataset(cfg: RunConfig) -> PromptDataset:
     if cfg.grpo.dataset == "synthetic":
-        return PromptDataset.from_records(make_records(cfg.grpo.synthetic_prompts,
-                                                       num_digits=cfg.grpo.synthetic_digits, seed=cfg.grpo.seed))
+        return PromptDataset.from_records(
+            make_records(cfg.grpo.synthetic_prompts, num_digits=cfg.grpo.synthetic_digits, seed=cfg.grpo.seed)
+        )
     return PromptDataset.from_jsonl(cfg.grpo.dataset)
 
 
 class MetricsLog:
     def __init__(self, output_dir: Path, resume: bool):
         from torch.utils.tensorboard import SummaryWriter
+
         self.path = output_dir / "metrics.jsonl"
         if not resume:
             self.path.unlink(missing_ok=True)
@@ -86,9 +88,11 @@ def latest_state(output_dir: Path) -> Path | None:
 
 def train(cfg: RunConfig, *, resume: bool = False, console: Console | None = None) -> Path:
     if cfg.weight_sync.transport == "lora":
-        raise ValueError("weight_sync.transport='lora': the GRPO trainer trains full weights, it has no LoRA "
-                         "adapter to send; use tensor, nccl or disk (a LoRA run pushes with "
-                         "Fleet.sync_weights(LoraSource(peft_model), version))")
+        raise ValueError(
+            "weight_sync.transport='lora': the GRPO trainer trains full weights, it has no LoRA "
+            "adapter to send; use tensor, nccl or disk (a LoRA run pushes with "
+            "Fleet.sync_weights(LoraSource(peft_model), version))"
+        )
     console = console or Console()
     output_dir = Path(cfg.grpo.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -131,8 +135,16 @@ def train(cfg: RunConfig, *, resume: bool = False, console: Console | None = Non
     return output_dir
 
 
-def _step(cfg, fleet: Fleet, trainers: TrainerGroup, dataset: PromptDataset, reward_fn, step: int,
-          clock: StepClock, colocated: bool) -> dict:
+def _step(
+    cfg,
+    fleet: Fleet,
+    trainers: TrainerGroup,
+    dataset: PromptDataset,
+    reward_fn,
+    step: int,
+    clock: StepClock,
+    colocated: bool,
+) -> dict:
     # Engines that died are restarted here, at the step boundary, where a colocated trainer has
     # already released the GPU; they restore from the disk checkpoint of the current version, or
     # take the trainer's push at the end of this step (AWAITING_WEIGHTS until then, no traffic).
@@ -146,6 +158,7 @@ def _step(cfg, fleet: Fleet, trainers: TrainerGroup, dataset: PromptDataset, rew
         def score(group: list[Sample]) -> None:
             for s in group:
                 pending[s.prompt_index, s.sample_index] = pool.submit(reward_fn, s.text, items[s.prompt_index].answer)
+
         with clock.phase("generate"):
             samples = fleet.generate([item.prompt for item in items], on_group=score)
         with clock.phase("reward"):  # only what generation did not already hide
@@ -180,13 +193,18 @@ def _step(cfg, fleet: Fleet, trainers: TrainerGroup, dataset: PromptDataset, rew
     n = cfg.rollout.sampling.n
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, k) for p in range(len(items)) for k in range(n)]
     events = fleet.take_events()
-    return {"reward_mean": sum(rewards) / len(rewards), "reward_max": max(rewards),
-            "exact": sum(r == 1.0 for r in rewards) / len(rewards),
-            "response_tokens": sum(len(s.output_ids) for s in samples) / len(samples),
-            "train": train_metrics, "sync_gb_per_s": report.gb_per_s, "sync_seconds": report.seconds,
-            "engine_failures": sum(e["to"] == "INACTIVE" for e in events),
-            "engine_recoveries": sum(e["to"] == "ACTIVE" and e["why"].startswith("recovered") for e in events),
-            "engine_events": events}
+    return {
+        "reward_mean": sum(rewards) / len(rewards),
+        "reward_max": max(rewards),
+        "exact": sum(r == 1.0 for r in rewards) / len(rewards),
+        "response_tokens": sum(len(s.output_ids) for s in samples) / len(samples),
+        "train": train_metrics,
+        "sync_gb_per_s": report.gb_per_s,
+        "sync_seconds": report.seconds,
+        "engine_failures": sum(e["to"] == "INACTIVE" for e in events),
+        "engine_recoveries": sum(e["to"] == "ACTIVE" and e["why"].startswith("recovered") for e in events),
+        "engine_events": events,
+    }
 
 
 def _sync(cfg, fleet: Fleet, trainers: TrainerGroup, version: str, attempts: int = 3):
@@ -212,8 +230,10 @@ def _engine_died(fleet: Fleet, marks: dict[int, int], grace_s: float = 2.0) -> b
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         for slot in fleet.slots:
-            if any(new in (EngineState.INACTIVE, EngineState.RECOVERING)
-                   for _, _, new, _ in slot.lifecycle.history[marks.get(slot.engine_id, 0):]):
+            if any(
+                new in (EngineState.INACTIVE, EngineState.RECOVERING)
+                for _, _, new, _ in slot.lifecycle.history[marks.get(slot.engine_id, 0) :]
+            ):
                 return True
         time.sleep(0.05)
     return False
@@ -229,8 +249,12 @@ def _save_recovery_checkpoint(fleet: Fleet, trainers: TrainerGroup, output_dir: 
 
 
 def _train_item(sample: Sample, advantage: float) -> dict:
-    return {"prompt_ids": sample.prompt_ids, "output_ids": sample.output_ids, "logprobs": sample.logprobs,
-            "advantage": advantage}
+    return {
+        "prompt_ids": sample.prompt_ids,
+        "output_ids": sample.output_ids,
+        "logprobs": sample.logprobs,
+        "advantage": advantage,
+    }
 
 
 def _checkpoint(trainers: TrainerGroup, output_dir: Path, step: int, colocated: bool) -> None:
@@ -259,18 +283,25 @@ def _flatten(metrics: dict, prefix: str = "") -> dict:
 
 def _line(step: int, steps: int, m: dict) -> str:
     t = m["time"]
-    return (f"step {step:>4}/{steps}  reward {m['reward_mean']:.3f}  exact {m['exact']:.2f}  "
-            f"loss {m['train']['loss']:+.4f}  mismatch {m['train']['logprob_mismatch_mean']:.1e}  "
-            f"[gen {t['generate']:.2f}s train {t['train']:.2f}s sync {t['sync']:.2f}s "
-            f"sleep/wake {t['sleep_wake']:.2f}s other {t['other']:.2f}s]"
-            + (f"  engines failed {m['engine_failures']}, recovered {m['engine_recoveries']}"
-               if m["engine_failures"] or m["engine_recoveries"] else ""))
+    return (
+        f"step {step:>4}/{steps}  reward {m['reward_mean']:.3f}  exact {m['exact']:.2f}  "
+        f"loss {m['train']['loss']:+.4f}  mismatch {m['train']['logprob_mismatch_mean']:.1e}  "
+        f"[gen {t['generate']:.2f}s train {t['train']:.2f}s sync {t['sync']:.2f}s "
+        f"sleep/wake {t['sleep_wake']:.2f}s other {t['other']:.2f}s]"
+        + (
+            f"  engines failed {m['engine_failures']}, recovered {m['engine_recoveries']}"
+            if m["engine_failures"] or m["engine_recoveries"]
+            else ""
+        )
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     steps = [r["step"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
     left.plot(steps, [r["reward_mean"] for r in rows], label="mean reward")

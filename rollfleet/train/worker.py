@@ -15,6 +15,7 @@ from rollfleet.weights.transports import EngineTarget, SyncReport, make_transpor
 class TrainWorker:
     def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, train_config: dict):
         from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+
         init_distributed(rank, world_size, "127.0.0.1", master_port)
         self.rank = rank
         self.trainer = PolicyTrainer(model_path, TrainConfig(**train_config))
@@ -23,7 +24,9 @@ class TrainWorker:
     def train_step(self, batch: list[dict]) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
-    def push_weights(self, spec, targets: list[EngineTarget], version: str, options: dict[str, Any]) -> SyncReport | None:
+    def push_weights(
+        self, spec, targets: list[EngineTarget], version: str, options: dict[str, Any]
+    ) -> SyncReport | None:
         """Rank 0 sends over the transport; the others take part in the gathers only."""
         source = self.trainer.weight_source()
         if self.rank != 0:
@@ -80,10 +83,15 @@ class TrainerGroup:
                 options["num_gpus"] = 1.0 - rollout.gpus_per_worker if placement_group is not None else 1.0
             if placement_group is not None:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group, placement_group_bundle_index=rank)
-            self.workers.append(RemoteTrainWorker.options(**options).remote(
-                rank, world, port, rollout.model_path, cfg.train.model_dump()))
+                    placement_group, placement_group_bundle_index=rank
+                )
+            self.workers.append(
+                RemoteTrainWorker.options(**options).remote(
+                    rank, world, port, rollout.model_path, cfg.train.model_dump()
+                )
+            )
         ray.get([w.__ray_ready__.remote() for w in self.workers])
 
     def _all(self, verb: str, *args) -> Any:

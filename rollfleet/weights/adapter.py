@@ -26,8 +26,10 @@ class LoraSource:
 
     def __init__(self, model, adapter_name: str = "default", *, keep: bool = True):
         if adapter_name not in getattr(model, "peft_config", {}):
-            raise ValueError(f"adapter_name={adapter_name!r} is not an adapter of this model (has "
-                             f"{sorted(getattr(model, 'peft_config', {}))}): give a peft model and one of its adapters")
+            raise ValueError(
+                f"adapter_name={adapter_name!r} is not an adapter of this model (has "
+                f"{sorted(getattr(model, 'peft_config', {}))}): give a peft model and one of its adapters"
+            )
         self.model, self.adapter_name, self.keep = model, adapter_name, keep
 
     def config_dict(self) -> dict:
@@ -36,6 +38,7 @@ class LoraSource:
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from peft import get_peft_model_state_dict  # imported here: peft takes seconds to import
+
         state = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)
         for name, tensor in state.items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -45,10 +48,12 @@ class LoraSource:
 
 def adapter_config_dict(config) -> dict:
     """A peft config -> plain JSON data, as save_pretrained writes it (sets become sorted lists)."""
+
     def plain(value):
         if isinstance(value, (set, frozenset)):
             return sorted(value)
         raise TypeError(f"adapter config value {value!r} ({type(value).__name__}) has no JSON form")
+
     return json.loads(json.dumps(config.to_dict(), default=plain))
 
 

@@ -27,9 +27,17 @@ import torch
 
 # The dtype names SGLang's HTTP requests carry (`getattr(torch, name)` on its side).
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
     "bool": torch.bool,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
@@ -70,15 +78,22 @@ class FlattenedTensorMetadata:
     @classmethod
     def from_wire(cls, record: Any) -> FlattenedTensorMetadata:
         """A record as SGLang senders pickle it (attributes) or as a dict with the same keys."""
+
         def field(key: str):
             value = record.get(key) if isinstance(record, dict) else getattr(record, key, None)
             if value is None:
                 raise ValueError(f"bucket metadata record {record!r} has no {key!r}")
             return value
+
         try:
-            return cls(name=str(field("name")), shape=tuple(int(d) for d in field("shape")),
-                       dtype=dtype_from_name(field("dtype")), start_idx=int(field("start_idx")),
-                       end_idx=int(field("end_idx")), numel=int(field("numel")))
+            return cls(
+                name=str(field("name")),
+                shape=tuple(int(d) for d in field("shape")),
+                dtype=dtype_from_name(field("dtype")),
+                start_idx=int(field("start_idx")),
+                end_idx=int(field("end_idx")),
+                numel=int(field("numel")),
+            )
         except TypeError as exc:
             raise ValueError(f"bucket metadata record {record!r} is malformed: {exc}") from exc
 
@@ -112,8 +127,9 @@ class Bucket:
         metadata, start = [], 0
         for name, tensor in named_tensors:
             numel = tensor.numel()
-            metadata.append(FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, start, start + numel,
-                                                    numel))
+            metadata.append(
+                FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, start, start + numel, numel)
+            )
             start += numel
         pieces = [t.detach().to(out.device if out is not None else t.device).reshape(-1) for _, t in named_tensors]
         flat = torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
@@ -131,18 +147,25 @@ class Bucket:
         for meta in self.metadata:
             by_bytes = flat.dtype == torch.uint8 and meta.dtype != torch.uint8
             if not by_bytes and flat.dtype != meta.dtype:
-                raise ValueError(f"{meta.name}: recorded dtype {meta.dtype} in a {flat.dtype} bucket; "
-                                 "a bucket holds one dtype (or is uint8 bytes)")
+                raise ValueError(
+                    f"{meta.name}: recorded dtype {meta.dtype} in a {flat.dtype} bucket; "
+                    "a bucket holds one dtype (or is uint8 bytes)"
+                )
             unit = meta.dtype.itemsize if by_bytes else 1
             expected = math.prod(meta.shape) * unit
-            if meta.numel != meta.end_idx - meta.start_idx or meta.numel != expected \
-                    or not 0 <= meta.start_idx <= meta.end_idx <= flat.numel():
-                raise ValueError(f"{meta.name}: start_idx={meta.start_idx}, end_idx={meta.end_idx}, "
-                                 f"numel={meta.numel} do not fit shape {meta.shape} ({expected} "
-                                 f"{'bytes' if by_bytes else 'elements'}) in a bucket of {flat.numel()}")
+            if (
+                meta.numel != meta.end_idx - meta.start_idx
+                or meta.numel != expected
+                or not 0 <= meta.start_idx <= meta.end_idx <= flat.numel()
+            ):
+                raise ValueError(
+                    f"{meta.name}: start_idx={meta.start_idx}, end_idx={meta.end_idx}, "
+                    f"numel={meta.numel} do not fit shape {meta.shape} ({expected} "
+                    f"{'bytes' if by_bytes else 'elements'}) in a bucket of {flat.numel()}"
+                )
             if meta.name in out:
                 raise ValueError(f"{meta.name} appears twice in one bucket")
-            piece = flat[meta.start_idx:meta.end_idx]
+            piece = flat[meta.start_idx : meta.end_idx]
             if by_bytes:
                 piece = view_bytes_as(piece, meta.dtype)
             out[meta.name] = piece.view(meta.shape)
@@ -155,8 +178,10 @@ class Bucket:
     @classmethod
     def from_payload(cls, payload: Any) -> Bucket:
         if not isinstance(payload, dict) or not {"flattened_tensor", "metadata"} <= payload.keys():
-            raise ValueError("a flattened_bucket payload is a dict with 'flattened_tensor' and 'metadata', "
-                             f"got {type(payload).__name__}")
+            raise ValueError(
+                "a flattened_bucket payload is a dict with 'flattened_tensor' and 'metadata', "
+                f"got {type(payload).__name__}"
+            )
         flat, records = payload["flattened_tensor"], payload["metadata"]
         if not isinstance(flat, torch.Tensor) or not isinstance(records, (list, tuple)):
             raise ValueError("flattened_bucket: 'flattened_tensor' must be a tensor and 'metadata' a list")

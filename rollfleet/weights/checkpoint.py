@@ -12,8 +12,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 # Files of a HF model directory that are not weights; copied from the model's own directory.
-CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 @contextmanager
@@ -37,8 +45,12 @@ def prune_versions(root: str | Path, keep: int = 2) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str | Path,
-                    config_dir: str | Path | None = None, shard_bytes: int = 2 << 30) -> int:
+def save_checkpoint(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    directory: str | Path,
+    config_dir: str | Path | None = None,
+    shard_bytes: int = 2 << 30,
+) -> int:
     """Stream tensors into shards of at most `shard_bytes`; returns the bytes written.
 
     The directory is written under a temporary name and renamed at the end, so a reader never
@@ -58,6 +70,7 @@ def _write_checkpoint(named_tensors, partial: Path, config_dir, shard_bytes: int
             files.append(shard)
             save_file(shard, partial / f"shard-{len(files):05d}.safetensors", metadata={"format": "pt"})
             shard, shard_size = {}, 0
+
     weight_map = {}
     for name, tensor in named_tensors:
         size = tensor.numel() * tensor.element_size()
@@ -73,11 +86,13 @@ def _write_checkpoint(named_tensors, partial: Path, config_dir, shard_bytes: int
         (partial / "shard-00001.safetensors").rename(partial / "model.safetensors")
     for index in range(count if count > 1 else 0):  # shard-00001-of-0000N naming, as save_pretrained writes
         (partial / f"shard-{index + 1:05d}.safetensors").rename(
-            partial / f"model-{index + 1:05d}-of-{count:05d}.safetensors")
+            partial / f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+        )
     if count > 1:
         weight_map = {k: f"model-{int(v[6:11]):05d}-of-{count:05d}.safetensors" for k, v in weight_map.items()}
         (partial / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+        )
     if config_dir is not None:
         for name in CONFIG_FILES:
             if (Path(config_dir) / name).exists():

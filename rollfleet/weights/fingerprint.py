@@ -28,7 +28,7 @@ def sample_view(tensor: torch.Tensor, samples: int = DEFAULT_SAMPLES) -> torch.T
     if flat.numel() <= samples:
         return flat
     step = flat.numel() // samples
-    return flat[: step * samples: step]
+    return flat[: step * samples : step]
 
 
 def _digest(data, shape: tuple[int, ...]) -> str:
@@ -53,8 +53,9 @@ def fingerprint(tensor: torch.Tensor, dtype: torch.dtype | None = None, samples:
 class Fingerprints:
     """Collect fingerprints of many tensors; one host copy per device at `digests()`."""
 
-    def __init__(self, dtype: torch.dtype | None = None, samples: int = DEFAULT_SAMPLES,
-                 hold_bytes: float = HOLD_BYTES):
+    def __init__(
+        self, dtype: torch.dtype | None = None, samples: int = DEFAULT_SAMPLES, hold_bytes: float = HOLD_BYTES
+    ):
         self.dtype, self.samples, self.hold_bytes = dtype, samples, hold_bytes
         self._views: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
         self._held = 0
@@ -99,7 +100,7 @@ class Fingerprints:
             data, start = memoryview(host.numpy()).cast("B"), 0  # float32: 4 bytes per value
             for records, _ in batches:
                 for name, shape, count in records:
-                    out[name] = _digest(data[4 * start:4 * (start + count)], shape)
+                    out[name] = _digest(data[4 * start : 4 * (start + count)], shape)
                     start += count
         self._gathered = []
         return out

@@ -20,8 +20,9 @@ from torch.distributed.distributed_c10d import (
 )
 
 
-def join_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                             backend: str, timeout: timedelta) -> dist.ProcessGroup:
+def join_weight_update_group(
+    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str, timeout: timedelta
+) -> dist.ProcessGroup:
     """Join (rank > 0) or host (rank 0) a process group unrelated to any default group.
 
     This is the recipe SGLang and the trainers written for it use (`init_custom_process_group`):
@@ -32,8 +33,9 @@ def join_weight_update_group(master_address: str, master_port: int, rank: int, w
     default group is needed (a tp=1 engine has none). `timeout` bounds the join and every later
     collective.
     """
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
     store.set_timeout(timeout)
     default_group = _get_default_group() if dist.is_initialized() else None
     bound_device = getattr(default_group, "bound_device_id", None)
@@ -42,8 +44,15 @@ def join_weight_update_group(master_address: str, master_port: int, rank: int, w
         # build a communicator of this engine's ranks only, without the sender.
         default_group.bound_device_id = None
     try:
-        group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                             group_name=group_name, timeout=timeout)
+        group, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            PrefixStore(group_name, store),
+            group_name=group_name,
+            timeout=timeout,
+        )
     finally:
         if default_group is not None:
             default_group.bound_device_id = bound_device

@@ -65,7 +65,7 @@ def model_to_checkpoint(model, tensors: dict[str, torch.Tensor]) -> dict[str, to
     return revert_weight_conversion(model, tensors)
 
 
-_plain_cache: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.WeakKeyDictionary()
+_plain_cache: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
 def plain_names(model) -> dict[str, str]:
@@ -86,7 +86,7 @@ def plain_names(model) -> dict[str, str]:
         converted = model_to_checkpoint(model, {name: meta})
         if len(converted) != 1:
             continue
-        (checkpoint_name, tensor), = converted.items()
+        ((checkpoint_name, tensor),) = converted.items()
         target, pattern = rename_source_key(checkpoint_name, renamings, converters)
         if pattern is None and target == name and tuple(tensor.shape) == tuple(param.shape):
             out[name] = checkpoint_name

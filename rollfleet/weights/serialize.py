@@ -36,8 +36,13 @@ from torch.multiprocessing import reductions  # importing it registers torch's r
 
 SHARING_STRATEGY = "file_system"
 
-_REBUILDERS = ("rebuild_tensor", "rebuild_cuda_tensor", "rebuild_storage_filename", "rebuild_storage_empty",
-               "rebuild_typed_storage")
+_REBUILDERS = (
+    "rebuild_tensor",
+    "rebuild_cuda_tensor",
+    "rebuild_storage_filename",
+    "rebuild_storage_empty",
+    "rebuild_typed_storage",
+)
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     **{("torch.multiprocessing.reductions", name): getattr(reductions, name) for name in _REBUILDERS},
     ("torch", "Tensor"): torch.Tensor,
@@ -86,8 +91,10 @@ class AllowlistUnpickler(pickle._Unpickler):
         if allowed is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             allowed = getattr(torch, name)
         if allowed is None:
-            raise pickle.UnpicklingError(f"refused global '{module}.{name}': a weight payload may only name torch's "
-                                         "tensor-rebuild functions, tensor classes and dtypes")
+            raise pickle.UnpicklingError(
+                f"refused global '{module}.{name}': a weight payload may only name torch's "
+                "tensor-rebuild functions, tensor classes and dtypes"
+            )
         return allowed
 
 

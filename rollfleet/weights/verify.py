@@ -11,8 +11,9 @@ from rollfleet.weights.transports.base import SyncReport
 from rollfleet.weights.transports.lora import LoraSyncReport
 
 
-async def find_unverified(report: SyncReport, clients: dict[int, EngineClient],
-                          mode: str = "fingerprint") -> dict[int, str]:
+async def find_unverified(
+    report: SyncReport, clients: dict[int, EngineClient], mode: str = "fingerprint"
+) -> dict[int, str]:
     """Engine id -> what is wrong, for every engine of the report that does not match it.
 
     mode "fingerprint": the tensors' fingerprints and the version; "version": the version only
@@ -41,6 +42,7 @@ async def find_unverified(report: SyncReport, clients: dict[int, EngineClient],
         if wrong or version != report.version:
             return f"version {version!r} (sent {report.version!r}), {len(wrong)} differing tensors {wrong[:5]}"
         return None
+
     engine_ids = list(report.fingerprints) or report.engine_ids
     problems = await asyncio.gather(*(check(e) for e in engine_ids))
     return {e: p for e, p in zip(engine_ids, problems) if p is not None}

@@ -76,17 +76,26 @@ class EngineCalls:
         The arguments are made here, in the caller's thread, before this returns: a `make_args`
         closing over a loop variable would otherwise read it after the caller's next iteration
         rebound it (engines got the next call's payload)."""
-        arguments = {engine_id: make_args(target) for engine_id, target in self.targets.items()
-                     if engine_ids is None or engine_id in engine_ids}
+        arguments = {
+            engine_id: make_args(target)
+            for engine_id, target in self.targets.items()
+            if engine_ids is None or engine_id in engine_ids
+        }
 
         async def go():
-            return await asyncio.gather(*(getattr(self.clients[engine_id], verb)(*args, **kwargs)
-                                          for engine_id, (args, kwargs) in arguments.items()))
+            return await asyncio.gather(
+                *(
+                    getattr(self.clients[engine_id], verb)(*args, **kwargs)
+                    for engine_id, (args, kwargs) in arguments.items()
+                )
+            )
+
         return self._run(go())
 
     def close(self) -> None:
         async def close_all():
             await asyncio.gather(*(c.close() for c in self.clients.values()))
+
         self._run(close_all()).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
@@ -99,7 +108,7 @@ class Transport(ABC):
         self.spec, self.targets = spec, targets
         self.calls = EngineCalls(targets, timeout_s)
 
-    def connect(self) -> None:
+    def connect(self) -> None:  # noqa: B027 (optional hook: most transports need no set-up)
         """Set up what the transport needs before its first send (a process group, a directory)."""
 
     @abstractmethod
@@ -176,8 +185,9 @@ def make_transport(spec, targets: list[EngineTarget], **kwargs: Any) -> Transpor
     try:
         cls = TRANSPORTS[spec.transport]
     except KeyError:
-        raise ValueError(f"weight_sync.transport={spec.transport!r} has no sender here: use one of "
-                         f"{sorted(TRANSPORTS)}") from None
+        raise ValueError(
+            f"weight_sync.transport={spec.transport!r} has no sender here: use one of {sorted(TRANSPORTS)}"
+        ) from None
     return cls(spec, targets, **kwargs)
 
 

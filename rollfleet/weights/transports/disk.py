@@ -31,7 +31,8 @@ class DiskTransport(Transport):
         with timed(report):
             save_checkpoint(self._recorded(source, report, collectors), directory, self.config_dir)
             self._finish_fingerprints(report, collectors)
-            self.calls.each("update_weights_from_disk",
-                            lambda t: ((str(directory.resolve()),), {"weight_version": version})).result()
+            self.calls.each(
+                "update_weights_from_disk", lambda t: ((str(directory.resolve()),), {"weight_version": version})
+            ).result()
         prune_versions(directory.parent, KEEP_LAST)
         return report

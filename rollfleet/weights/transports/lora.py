@@ -40,11 +40,14 @@ class LoraTransport(Transport):
 
     def send(self, source: LoraSource, version: str) -> LoraSyncReport:
         if not isinstance(source, LoraSource):
-            raise TypeError(f"weight_sync.transport='lora' sends a LoRA adapter: give a LoraSource (a peft model), "
-                            f"got {type(source).__name__}; full weights go over tensor, nccl or disk")
+            raise TypeError(
+                f"weight_sync.transport='lora' sends a LoRA adapter: give a LoraSource (a peft model), "
+                f"got {type(source).__name__}; full weights go over tensor, nccl or disk"
+            )
         name = self.spec.adapter_name
-        report = LoraSyncReport(version=version, transport=self.name, engine_ids=[t.engine_id for t in self.targets],
-                                lora_name=name)
+        report = LoraSyncReport(
+            version=version, transport=self.name, engine_ids=[t.engine_id for t in self.targets], lora_name=name
+        )
         directory = None
         with timed(report):
             tensors = list(source.named_tensors())
@@ -60,9 +63,13 @@ class LoraTransport(Transport):
                 buckets = pack_buckets(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8, device=device))
                 payload = [b.to_payload() for b in buckets]
                 report.buckets = len(buckets)
-                self.calls.each("load_lora_adapter_from_tensors", lambda t: (
-                    (name, config, [serialize(payload) for _ in range(t.num_ranks)]),
-                    {"load_format": "flattened_bucket"})).result()
+                self.calls.each(
+                    "load_lora_adapter_from_tensors",
+                    lambda t: (
+                        (name, config, [serialize(payload) for _ in range(t.num_ranks)]),
+                        {"load_format": "flattened_bucket"},
+                    ),
+                ).result()
             else:
                 directory = save_adapter(tensors, config, version_dir(self.spec.path, version))
                 self.calls.each("load_lora_adapter", lambda t: ((name, str(directory.resolve())), {})).result()

@@ -53,12 +53,23 @@ class NcclTransport(Transport):
     def connect(self) -> None:
         port = self.spec.master_port or free_port()
         where = f"{self.spec.master_address}:{port}"
-        joins = self.calls.each("init_weights_update_group", lambda t: (
-            (self.spec.master_address, port, t.rank_offset, self.world_size),
-            {"group_name": GROUP_NAME, "backend": self.backend, "timeout_s": self.spec.join_timeout_s}))
+        joins = self.calls.each(
+            "init_weights_update_group",
+            lambda t: (
+                (self.spec.master_address, port, t.rank_offset, self.world_size),
+                {"group_name": GROUP_NAME, "backend": self.backend, "timeout_s": self.spec.join_timeout_s},
+            ),
+        )
         try:
-            self.group = join_weight_update_group(self.spec.master_address, port, 0, self.world_size, GROUP_NAME,
-                                                  self.backend, timedelta(seconds=self.spec.join_timeout_s))
+            self.group = join_weight_update_group(
+                self.spec.master_address,
+                port,
+                0,
+                self.world_size,
+                GROUP_NAME,
+                self.backend,
+                timedelta(seconds=self.spec.join_timeout_s),
+            )
             joins.result(timeout=self.spec.join_timeout_s + 30)
             infos = self.calls.each("get_server_info", lambda t: ((), {})).result()
         except Exception as exc:
@@ -66,7 +77,8 @@ class NcclTransport(Transport):
             raise RuntimeError(
                 f"weight update group {GROUP_NAME!r} at {where} did not form within {self.spec.join_timeout_s:.0f} s "
                 f"(world_size={self.world_size}; sender rank 0; engine ranks {ranks}): {exc}; check that every "
-                "engine can reach the address and that nothing else uses the port") from exc
+                "engine can reach the address and that nothing else uses the port"
+            ) from exc
         # Engines that run numbered calls in order (rollfleet.engine.call_order) take the next
         # calls' announcements while a call is on the wire; others (SGLang) get one call at a time.
         ordered = all(info.get("rollfleet_ordered_weight_calls") for info in infos)
@@ -95,9 +107,20 @@ class NcclTransport(Transport):
                     dtypes = [dtype_name(tensor.dtype) for _, tensor in call]
                     shapes = [list(tensor.shape) for _, tensor in call]
                     order = (sync_id, index) if self.calls_ahead > 1 else None
-                    answers.append(self.calls.each("update_weights_from_distributed", lambda t: (
-                        (names, dtypes, shapes), {"group_name": GROUP_NAME, "load_format": "flattened_bucket",
-                                                  "flush_cache": False, "order": order})))
+                    answers.append(
+                        self.calls.each(
+                            "update_weights_from_distributed",
+                            lambda t: (
+                                (names, dtypes, shapes),
+                                {
+                                    "group_name": GROUP_NAME,
+                                    "load_format": "flattened_bucket",
+                                    "flush_cache": False,
+                                    "order": order,
+                                },
+                            ),
+                        )
+                    )
                     # one broadcast of every tensor's bytes back to back (mixed dtypes are allowed);
                     # it runs while the next call is packed and announced
                     broadcasts[slot] = dist.broadcast(flat, group=self.group, group_src=0, async_op=True)
@@ -124,4 +147,3 @@ class NcclTransport(Transport):
             self.group = None
         self.buffers = DoubleBuffer(self.spec.bucket_bytes)  # drop the staging buffers
         super().disconnect()
-

@@ -110,7 +110,7 @@ def pack_buckets(call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> 
     buckets, offset = [], 0
     for dtype, members in by_dtype.items():
         numel = sum(t.numel() for _, t in members)
-        flat = buffer[offset:offset + numel * dtype.itemsize].view(dtype)
+        flat = buffer[offset : offset + numel * dtype.itemsize].view(dtype)
         buckets.append(Bucket.pack(members, out=flat))
         offset += _aligned(numel * dtype.itemsize)
     return buckets

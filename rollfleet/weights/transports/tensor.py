@@ -41,9 +41,16 @@ class TensorTransport(Transport):
                         entries = {t.engine_id: [serialize(payload) for _ in range(t.num_ranks)] for t in self.targets}
                     # the buckets stay referenced until the engines answered: a call larger than a
                     # bucket has a buffer of its own, which nothing else holds
-                    in_flight.add(self.calls.each("update_weights_from_tensor", lambda t: (
-                        (entries[t.engine_id],), {"load_format": "flattened_bucket", "flush_cache": False})),
-                        keep=buckets)
+                    in_flight.add(
+                        self.calls.each(
+                            "update_weights_from_tensor",
+                            lambda t: (
+                                (entries[t.engine_id],),
+                                {"load_format": "flattened_bucket", "flush_cache": False},
+                            ),
+                        ),
+                        keep=buckets,
+                    )
                     report.buckets += len(buckets)
             finally:
                 with timed(report, "wait_engines"):
