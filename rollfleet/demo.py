@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from rollfleet.config import load_config
-from rollfleet.tiny import make_tiny_model
+from rollfleet.tiny_models import make_tiny_model
 from rollfleet.train.loop import train
 
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "cpu-demo.yaml"

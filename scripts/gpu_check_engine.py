@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from rollfleet.engine.client import EngineClient
-from rollfleet.engine.launch import EngineProcess, embedded_argv, free_port
-from rollfleet.tiny import make_tokenizer, tiny_config
+from rollfleet.engine.launch import EngineProcess, embedded_argv
+from rollfleet.tiny_models import make_tokenizer, tiny_config
+from rollfleet.wire.client import EngineClient
+from rollfleet.wire.net import free_port
 
 
 def write_model(directory: Path, seed: int, hidden: int, layers: int) -> None:

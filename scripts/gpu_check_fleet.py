@@ -17,7 +17,7 @@ import torch
 
 from rollfleet.config import load_config
 from rollfleet.fleet.fleet import Fleet
-from rollfleet.tiny import make_tiny_model
+from rollfleet.tiny_models import make_tiny_model
 
 
 def run_fleet(model_dir: str, log_dir: str, *overrides: str) -> dict:

@@ -4,7 +4,7 @@
 # Writes each run's metrics.jsonl under $OUT (or ./runs).
 set -u
 out=${OUT:-runs}
-python3 -c "from rollfleet.tiny import make_tiny_model as m; m('/tmp/gpu-small', hidden_size=512, num_hidden_layers=4, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4, head_dim=64)" >/dev/null 2>&1
+python3 -c "from rollfleet.tiny_models import make_tiny_model as m; m('/tmp/gpu-small', hidden_size=512, num_hidden_layers=4, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4, head_dim=64)" >/dev/null 2>&1
 common="rollout.model_path=/tmp/gpu-small rollout.use_gpu=true grpo.steps=4 grpo.prompts_per_step=16 rollout.sampling.n=8 rollout.sampling.max_new_tokens=16"
 timeout 140 python3 -m rollfleet train examples/cpu-demo.yaml $common rollout.num_engines=2 \
   rollout.placement=colocated rollout.gpus_per_worker=0.5 trainer.world_size=2 weight_sync.transport=tensor \

@@ -23,13 +23,14 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import LoraSync, TensorSync
-from rollfleet.engine.client import EngineClient
-from rollfleet.engine.launch import EngineProcess, embedded_argv, free_port
-from rollfleet.tiny import make_tiny_model
+from rollfleet.engine.launch import EngineProcess, embedded_argv
+from rollfleet.tiny_models import make_tiny_model
 from rollfleet.weights.adapter import LoraSource
 from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import EngineTarget, make_transport
 from rollfleet.weights.verify import find_unverified
+from rollfleet.wire.client import EngineClient
+from rollfleet.wire.net import free_port
 
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7, 9]]
 NEW_TOKENS = 12

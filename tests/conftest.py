@@ -13,9 +13,10 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollfleet.engine.client import EngineClient
-from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv, free_port
-from rollfleet.tiny import make_tiny_model
+from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
+from rollfleet.tiny_models import make_tiny_model
+from rollfleet.wire.client import EngineClient
+from rollfleet.wire.net import free_port
 
 
 def run(coro):

@@ -17,14 +17,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollfleet.weights.buckets import (
+from rollfleet.wire.buckets import (
     Bucket,
     FlattenedTensorMetadata,
     dtype_from_name,
     dtype_name,
     iter_buckets,
 )
-from rollfleet.weights.serialize import safe_loads, serialize
+from rollfleet.wire.serialize import safe_loads, serialize
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 
@@ -125,8 +125,8 @@ def test_dtype_names():
 # ---- serialize ---------------------------------------------------------------------------------
 READ_IN_OTHER_PROCESS = """
 import sys
-from rollfleet.weights.buckets import Bucket
-from rollfleet.weights.serialize import safe_loads
+from rollfleet.wire.buckets import Bucket
+from rollfleet.wire.serialize import safe_loads
 payload = safe_loads(sys.stdin.read())
 tensors = Bucket.from_payload(payload).unpack()
 tensors["w"][0, 0] = -1.0  # shared memory: the sender sees this write

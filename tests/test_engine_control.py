@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from conftest import client_for, engine_server, run
 
-from rollfleet.engine.client import EngineError
+from rollfleet.wire.client import EngineError
 
 LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
 
@@ -123,7 +123,7 @@ def test_retract_mode_is_refused_with_a_message(server):
 
 
 def test_client_timeout_raises_engine_timeout(server):
-    from rollfleet.engine.client import EngineClient, EngineTimeout
+    from rollfleet.wire.client import EngineClient, EngineTimeout
 
     async def go():
         async with EngineClient(server.url, timeout=0.05) as client:

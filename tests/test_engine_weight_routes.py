@@ -24,10 +24,10 @@ from conftest import call, engine_servers, reference_greedy
 from safetensors.torch import load_file
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-from rollfleet.engine.client import EngineError
-from rollfleet.engine.launch import free_port
-from rollfleet.weights.buckets import dtype_name, iter_buckets
-from rollfleet.weights.serialize import serialize
+from rollfleet.wire.buckets import dtype_name, iter_buckets
+from rollfleet.wire.client import EngineError
+from rollfleet.wire.net import free_port
+from rollfleet.wire.serialize import serialize
 
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7]]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

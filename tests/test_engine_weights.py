@@ -10,7 +10,7 @@ import torch
 from conftest import call, engine_server, reference_greedy
 from safetensors.torch import load_file, save_file
 
-from rollfleet.engine.client import EngineError
+from rollfleet.wire.client import EngineError
 
 PROMPT = [4, 8, 15, 16, 23, 42]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from safetensors.torch import load_file
 
 from rollfleet.engine.runner import ModelRunner
-from rollfleet.weights.fingerprint import fingerprints
+from rollfleet.wire.fingerprint import fingerprints
 
 
 def expected(model_dir, dtype):

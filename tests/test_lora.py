@@ -22,17 +22,17 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import LoraSync, load_config
-from rollfleet.engine.client import EngineClient, EngineError
 from rollfleet.engine.launch import EngineProcess, lora_server_args
 from rollfleet.engine.lora import LoraError, LoraLimits, linear_targets, parse_adapter
 from rollfleet.engine.server import build_parser, check_args
 from rollfleet.fleet.fleet import Fleet
-from rollfleet.tiny import tiny_config
+from rollfleet.tiny_models import tiny_config
 from rollfleet.weights.adapter import LoraSource, save_adapter
-from rollfleet.weights.fingerprint import fingerprint
-from rollfleet.weights.serialize import serialize
 from rollfleet.weights.transports import EngineTarget, make_transport
 from rollfleet.weights.verify import find_unverified
+from rollfleet.wire.client import EngineClient, EngineError
+from rollfleet.wire.fingerprint import fingerprint
+from rollfleet.wire.serialize import serialize
 
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7]]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

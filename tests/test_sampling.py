@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollfleet.engine.protocol import SamplingParams
 from rollfleet.engine.sampling import filtered_probs, make_generator, sample_token
+from rollfleet.wire.protocol import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
 

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollfleet.weights.fingerprint import Fingerprints, fingerprint, fingerprints, sample_view
-from rollfleet.weights.naming import plain_names
 from rollfleet.weights.transports.staging import ALIGN, DoubleBuffer, InFlight, call_bytes, pack_buckets, pack_bytes
+from rollfleet.wire.fingerprint import Fingerprints, fingerprint, fingerprints, sample_view
+from rollfleet.wire.naming import plain_names
 
 
 def _call(shapes_and_dtypes):
@@ -116,7 +116,7 @@ def test_fingerprint_of_a_bucket_slice_equals_the_original_tensor():
 def test_plain_names_leave_out_fused_experts_only():
     from transformers import AutoModelForCausalLM
 
-    from rollfleet.tiny import make_tokenizer, tiny_config
+    from rollfleet.tiny_models import make_tokenizer, tiny_config
 
     moe = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", vocab_size=len(make_tokenizer())))
     plain = plain_names(moe)

@@ -19,12 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollfleet.data.prompts import PromptDataset
 from rollfleet.data.synthetic import REWARD, make_records, write_jsonl
-from rollfleet.engine.launch import free_port
 from rollfleet.rewards import load_reward
 from rollfleet.rewards.basic import copy_digits, exact_match
-from rollfleet.tiny import make_tiny_model
+from rollfleet.tiny_models import make_tiny_model
 from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
 from rollfleet.train.grpo import group_advantages
+from rollfleet.wire.net import free_port
 
 
 @dataclass

@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollfleet.engine.launch import free_port
-from rollfleet.tiny import make_tiny_model
+from rollfleet.tiny_models import make_tiny_model
 from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+from rollfleet.wire.net import free_port
 
 
 def make_batch(seed: int = 0, count: int = 7) -> list[dict]:

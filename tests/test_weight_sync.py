@@ -160,8 +160,8 @@ def test_version_mode_checks_versions_only(dense_fleet, qwen3_dir):
     """verify=version (SGLang engines) catches a wrong version but, unlike fingerprints, not wrong tensors."""
     import asyncio
 
-    from rollfleet.engine.client import EngineClient
     from rollfleet.weights.verify import find_unverified
+    from rollfleet.wire.client import EngineClient
 
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
     report = dense_fleet.sync_weights(ModuleSource(model), "checked", transport=TRANSPORTS["tensor"])

@@ -13,9 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollfleet.engine.client import EngineClient
-from rollfleet.engine.launch import EngineProcess, embedded_argv, free_port
-from rollfleet.tiny import make_tiny_model
+from rollfleet.engine.launch import EngineProcess, embedded_argv
+from rollfleet.tiny_models import make_tiny_model
+from rollfleet.wire.client import EngineClient
+from rollfleet.wire.net import free_port
 
 
 async def _measure(url: str, requests: int, max_new_tokens: int) -> tuple[float, float]:

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from rollfleet.config import TensorSync, load_config
 from rollfleet.fleet.fleet import Fleet
-from rollfleet.tiny import make_tiny_model
+from rollfleet.tiny_models import make_tiny_model
 from rollfleet.weights.source import ModuleSource
 
 

@@ -28,16 +28,17 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import DiskSync, NcclSync, TensorSync
-from rollfleet.engine.client import EngineClient
-from rollfleet.engine.launch import EngineProcess, embedded_argv, free_port
+from rollfleet.engine.launch import EngineProcess, embedded_argv
 from rollfleet.engine.server import dump_stacks_if_hung
-from rollfleet.tiny import make_tokenizer, tiny_config
-from rollfleet.weights.buckets import iter_buckets
+from rollfleet.tiny_models import make_tokenizer, tiny_config
 from rollfleet.weights.checkpoint import save_checkpoint
-from rollfleet.weights.group import join_weight_update_group
 from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import EngineTarget, make_transport
 from rollfleet.weights.verify import find_unverified
+from rollfleet.wire.buckets import iter_buckets
+from rollfleet.wire.client import EngineClient
+from rollfleet.wire.group import join_weight_update_group
+from rollfleet.wire.net import free_port
 
 
 def model_for(size_gb: float, dtype: torch.dtype, device: str):

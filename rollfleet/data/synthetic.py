@@ -2,7 +2,7 @@
 
     "copy:381=" -> "381"          reward: rollfleet.rewards.basic:copy_digits
 
-Why this task: a randomly initialised tiny model (rollfleet.tiny: hidden 64, 2 layers, a 320-token
+Why this task: a randomly initialised tiny model (rollfleet.tiny_models: hidden 64, 2 layers, a 320-token
 byte-level vocabulary in which every digit is one token) learns it from scratch with GRPO in a
 few CPU minutes. The reward is verifiable (a function of the text and the answer) and dense: any
 digit earns a little, a digit of the answer more, the right digit in the right place full credit,

@@ -16,7 +16,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
 from rollfleet.engine.call_order import CallOrder, CallOrderError
-from rollfleet.engine.protocol import (
+from rollfleet.engine.runner import WeightUpdateError
+from rollfleet.wire.buckets import dtype_name
+from rollfleet.wire.protocol import (
     AbortRequest,
     DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
@@ -34,8 +36,6 @@ from rollfleet.engine.protocol import (
     UpdateWeightVersionRequest,
     WeightsFingerprintRequest,
 )
-from rollfleet.engine.runner import WeightUpdateError
-from rollfleet.weights.buckets import dtype_name
 
 VERSION = "0.1.0"
 ALL_MEMORY_TAGS = ["weights", "kv_cache"]

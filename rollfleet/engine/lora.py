@@ -24,10 +24,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from rollfleet.weights.fingerprint import fingerprints
+from rollfleet.wire.fingerprint import fingerprints
+from rollfleet.wire.hf_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
+from rollfleet.wire.hf_files import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
 
 KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 TENSORS_PATH = "<tensors>"  # the `path` of an adapter loaded from tensors
 # peft features that change the arithmetic W + scale * B @ A, refused rather than served wrong
 UNSUPPORTED = {
@@ -76,7 +77,7 @@ class LoraAdapter:
     targets: list[LoraTarget] = field(default_factory=list)
 
     def fingerprints(self, names: list[str] | None, samples: int) -> dict[str, str]:
-        """peft key -> rollfleet.weights.fingerprint of the stored tensor (all keys when None), in the
+        """peft key -> rollfleet.wire.fingerprint of the stored tensor (all keys when None), in the
         dtype it arrived in: the sender fingerprints what it sent the same way."""
         unknown = sorted(set(names or []) - set(self.tensors))
         if unknown:

@@ -18,13 +18,10 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.distributed import DistributedConfig
@@ -38,11 +35,12 @@ from rollfleet.engine.lora import (
     parse_adapter,
     read_adapter_dir,
 )
-from rollfleet.weights.buckets import Bucket, dtype_from_name, view_bytes_as
-from rollfleet.weights.fingerprint import Fingerprints, sample_view
-from rollfleet.weights.group import join_weight_update_group
-from rollfleet.weights.naming import checkpoint_to_model, model_to_checkpoint, plain_names
-from rollfleet.weights.serialize import safe_loads
+from rollfleet.wire.buckets import Bucket, dtype_from_name, view_bytes_as
+from rollfleet.wire.fingerprint import Fingerprints, sample_view
+from rollfleet.wire.group import join_weight_update_group
+from rollfleet.wire.hf_files import CheckpointReadError, read_checkpoint
+from rollfleet.wire.naming import checkpoint_to_model, model_to_checkpoint, plain_names
+from rollfleet.wire.serialize import safe_loads
 
 log = logging.getLogger("rollfleet.engine")
 WEIGHT_TAG, KV_CACHE_TAG = "weights", "kv_cache"
@@ -52,26 +50,6 @@ SYNC_TIMING = os.environ.get("ROLLFLEET_SYNC_TIMING") == "1"  # log each weight 
 
 class WeightUpdateError(ValueError):
     """A weight update was refused before any parameter changed."""
-
-
-def read_hf_checkpoint(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of a HF model directory's safetensors files, or WeightUpdateError naming the problem."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise WeightUpdateError(f"model_path={path!r} is not a directory: give a HF model directory")
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise WeightUpdateError(
-            f"model_path={path!r} holds no *.safetensors file: save the model with "
-            "save_pretrained(safe_serialization=True)"
-        )
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(file))
-        except (SafetensorError, OSError) as exc:
-            raise WeightUpdateError(f"cannot read {file.name} in {path!r}: {exc}") from exc
-    return tensors
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -333,7 +311,10 @@ class ModelRunner:
         self._restore_base_weights()
 
         def read():
-            return read_hf_checkpoint(model_path), True
+            try:
+                return read_checkpoint(model_path), True
+            except CheckpointReadError as exc:
+                raise WeightUpdateError(str(exc)) from exc
 
         self._update(read)
 
@@ -652,7 +633,7 @@ class ModelRunner:
         return self._gather(mine)
 
     def weights_fingerprint(self, names: list[str] | None, samples: int) -> dict[str, str]:
-        """Checkpoint name -> fingerprint of the full tensor (rollfleet.weights.fingerprint), for the
+        """Checkpoint name -> fingerprint of the full tensor (rollfleet.wire.fingerprint), for the
         given names (all when None); the sender computes the same over what it sent."""
         self._restore_base_weights()
         wanted = set(self.checkpoint_to_param) if names is None else set(names)
@@ -756,7 +737,7 @@ class ModelRunner:
         del self.lora_adapters[lora_name]
 
     def lora_fingerprints(self, lora_name: str, names: list[str] | None, samples: int) -> dict[str, str]:
-        """peft key -> fingerprint of the adapter's stored tensor (rollfleet.weights.fingerprint). Every
+        """peft key -> fingerprint of the adapter's stored tensor (rollfleet.wire.fingerprint). Every
         rank decoded its own copy: a key whose ranks disagree gets a value that matches nothing."""
         self._lora_limits()
         adapter = self.lora_adapters.get(lora_name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rollfleet.engine.protocol import SamplingParams
+from rollfleet.wire.protocol import SamplingParams
 
 
 def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator:

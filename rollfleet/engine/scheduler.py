@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from rollfleet.engine.protocol import FinishReason, SamplingParams
 from rollfleet.engine.sampling import make_generator, sample_token
+from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 
 @dataclass

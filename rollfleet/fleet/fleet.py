@@ -22,23 +22,23 @@ from rich.progress import Progress
 from transformers import AutoConfig, AutoTokenizer
 
 from rollfleet.config import RunConfig, TensorSync
-from rollfleet.engine.client import EngineClient
 from rollfleet.engine.launch import lora_server_args
-from rollfleet.engine.runner import read_hf_checkpoint
 from rollfleet.fleet.health import EngineState
 from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, worker_options
 from rollfleet.fleet.router import EngineSlot, Router
 from rollfleet.fleet.workers import RemoteRolloutWorker
 from rollfleet.layout import build_rank_infos, engine_rank_groups, validate_layout
 from rollfleet.sample import Sample
-from rollfleet.weights.buckets import dtype_from_name
 from rollfleet.weights.checkpoint import CheckpointSource
-from rollfleet.weights.fingerprint import fingerprints
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
 from rollfleet.weights.transports.disk import version_dir
 from rollfleet.weights.transports.lora import LoraSyncReport
 from rollfleet.weights.verify import find_unverified
+from rollfleet.wire.buckets import dtype_from_name
+from rollfleet.wire.client import EngineClient
+from rollfleet.wire.fingerprint import fingerprints
+from rollfleet.wire.hf_files import read_checkpoint
 
 log = logging.getLogger("rollfleet.fleet")
 
@@ -365,7 +365,7 @@ class Fleet:
     ) -> None:
         """Verify engines against fingerprints computed here from the checkpoint's files."""
         targets = self.weight_targets(engine_ids)
-        tensors = read_hf_checkpoint(path) if self.cfg.verify_mode == "fingerprint" else {}  # version mode: no reads
+        tensors = read_checkpoint(path) if self.cfg.verify_mode == "fingerprint" else {}  # version mode: no reads
         report = SyncReport(version=weight_version, transport="disk", engine_ids=[t.engine_id for t in targets])
         for target in targets:
             report.fingerprints[target.engine_id] = fingerprints(tensors.items(), target.dtype)

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from rollfleet.engine.client import EngineClient, EngineError
 from rollfleet.fleet.health import EngineState, Lifecycle
+from rollfleet.wire.client import EngineClient, EngineError
 
 log = logging.getLogger("rollfleet.router")
 

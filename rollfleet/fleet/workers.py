@@ -15,8 +15,9 @@ from pathlib import Path
 import ray
 
 from rollfleet.config import RolloutConfig
-from rollfleet.engine.launch import EngineLaunch, EngineProcess, PortInUse, engine_argv, engine_env, free_port
+from rollfleet.engine.launch import EngineLaunch, EngineProcess, PortInUse, engine_argv, engine_env
 from rollfleet.layout import RankInfo
+from rollfleet.wire.net import free_port
 
 PORT_ATTEMPTS = 3
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import ray
 
-from rollfleet.engine.launch import free_port
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
+from rollfleet.wire.net import free_port
 
 
 class TrainWorker:

@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from rollfleet.engine.lora import CONFIG_FILE, WEIGHTS_FILE
 from rollfleet.weights.checkpoint import atomic_directory
+from rollfleet.wire.hf_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
+from rollfleet.wire.hf_files import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
 
 
 class LoraSource:

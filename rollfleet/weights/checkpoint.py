@@ -9,7 +9,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from rollfleet.wire.hf_files import iter_checkpoint
 
 # Files of a HF model directory that are not weights; copied from the model's own directory.
 CONFIG_FILES = (
@@ -108,8 +110,4 @@ class CheckpointSource:
         self.directory = Path(directory)
 
     def named_tensors(self):
-        files = sorted(self.directory.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{self.directory} holds no *.safetensors file")
-        for file in files:
-            yield from load_file(file).items()
+        yield from iter_checkpoint(self.directory)

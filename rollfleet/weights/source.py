@@ -3,7 +3,7 @@
 The trainer is one (an FSDP2 model: parameters are DTensors, `full_tensor()` is collective, so
 every rank iterates in the same order and only the sending rank keeps the results); a plain
 `nn.Module` is another. Names leave in HF checkpoint naming: MoE experts one by one, converted by
-transformers' own mapping (rollfleet.weights.naming), one decoder layer at a time so every expert
+transformers' own mapping (rollfleet.wire.naming), one decoder layer at a time so every expert
 of a fused parameter is converted together and memory stays bounded by about one layer.
 """
 
@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
-from rollfleet.weights.naming import model_to_checkpoint, plain_names
+from rollfleet.wire.naming import model_to_checkpoint, plain_names
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from rollfleet.engine.client import EngineClient, EngineError
-from rollfleet.weights.fingerprint import mismatches
 from rollfleet.weights.transports.base import SyncReport
 from rollfleet.weights.transports.lora import LoraSyncReport
+from rollfleet.wire.client import EngineClient, EngineError
+from rollfleet.wire.fingerprint import mismatches
 
 
 async def find_unverified(

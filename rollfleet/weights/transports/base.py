@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from rollfleet.engine.client import EngineClient
-from rollfleet.weights.fingerprint import Fingerprints
 from rollfleet.weights.source import WeightSource, layer_key
+from rollfleet.wire.client import EngineClient
+from rollfleet.wire.fingerprint import Fingerprints
 
 
 @dataclass(frozen=True)

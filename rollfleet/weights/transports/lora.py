@@ -20,11 +20,11 @@ import torch
 
 from rollfleet.weights.adapter import LoraSource, save_adapter
 from rollfleet.weights.checkpoint import prune_versions
-from rollfleet.weights.fingerprint import fingerprints
-from rollfleet.weights.serialize import serialize
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
 from rollfleet.weights.transports.disk import version_dir
 from rollfleet.weights.transports.staging import call_bytes, pack_buckets
+from rollfleet.wire.fingerprint import fingerprints
+from rollfleet.wire.serialize import serialize
 
 KEEP_LAST = 2
 

@@ -24,12 +24,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rollfleet.engine.launch import free_port
-from rollfleet.weights.buckets import dtype_name
-from rollfleet.weights.group import join_weight_update_group
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
 from rollfleet.weights.transports.staging import DoubleBuffer, call_bytes, pack_bytes, wait_all
+from rollfleet.wire.buckets import dtype_name
+from rollfleet.wire.group import join_weight_update_group
+from rollfleet.wire.net import free_port
 
 GROUP_NAME = "rollfleet_weight_update"
 CALLS_AHEAD = 2  # announced calls an ordered engine may hold (each may allocate a receive buffer)

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 import torch
 
-from rollfleet.weights.buckets import Bucket
+from rollfleet.wire.buckets import Bucket
 
 ALIGN = 64  # bytes: every dtype view of a slice starts aligned
 

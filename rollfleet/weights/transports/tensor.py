@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from rollfleet.weights.serialize import serialize
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
 from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, call_bytes, pack_buckets
+from rollfleet.wire.serialize import serialize
 
 
 @register

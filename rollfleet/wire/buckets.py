@@ -172,7 +172,7 @@ class Bucket:
         return out
 
     def to_payload(self) -> dict[str, Any]:
-        """SGLang's "flattened_bucket" payload (pickle it with rollfleet.weights.serialize)."""
+        """SGLang's "flattened_bucket" payload (pickle it with rollfleet.wire.serialize)."""
         return {"flattened_tensor": self.flattened_tensor, "metadata": [m.to_wire() for m in self.metadata]}
 
     @classmethod

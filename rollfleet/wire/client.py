@@ -152,7 +152,7 @@ class EngineClient:
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> dict:
-        """One payload per tp rank, each from its own `rollfleet.weights.serialize.serialize` call (never
+        """One payload per tp rank, each from its own `rollfleet.wire.serialize.serialize` call (never
         the same string for several ranks); load_format None, "direct" or "flattened_bucket". The sender
         keeps its tensors alive until this returns."""
         payload = {
@@ -209,7 +209,7 @@ class EngineClient:
         order: tuple[str, int] | None = None,
     ) -> dict:
         """Announce the broadcasts the sender makes now (dtypes by name: "bfloat16"; see
-        rollfleet.weights.buckets.dtype_name). load_format None: one broadcast per tensor;
+        rollfleet.wire.buckets.dtype_name). load_format None: one broadcast per tensor;
         "flattened_bucket": one uint8 broadcast of all their bytes, in order. `order`: (sync id,
         call number) for engines with `rollfleet_ordered_weight_calls` (rollfleet.engine.call_order)."""
         payload = {
@@ -241,7 +241,7 @@ class EngineClient:
     async def weights_fingerprint(
         self, names: list[str] | None = None, samples: int = 4096, *, lora_name: str | None = None
     ) -> dict[str, str]:
-        """rollfleet extension (embedded engine): checkpoint name -> rollfleet.weights.fingerprint; with
+        """rollfleet extension (embedded engine): checkpoint name -> rollfleet.wire.fingerprint; with
         `lora_name`, peft key -> fingerprint of that loaded adapter's tensors."""
         payload = {"names": names, "samples": samples}
         if lora_name is not None:
@@ -264,7 +264,7 @@ class EngineClient:
         load_format: str | None = None,
         pinned: bool = False,
     ) -> dict:
-        """One payload per tp rank (its own `rollfleet.weights.serialize.serialize` call) of (peft key,
+        """One payload per tp rank (its own `rollfleet.wire.serialize.serialize` call) of (peft key,
         tensor) pairs, or flattened buckets with load_format="flattened_bucket"; `config_dict` is the
         peft config as adapter_config.json holds it. The sender keeps its tensors alive until this returns."""
         return await self._call(

@@ -80,7 +80,7 @@ class UpdateWeightsFromDiskRequest(_Lenient):
 
 
 class UpdateWeightsFromTensorRequest(_Lenient):
-    serialized_named_tensors: list[str]  # one base64 payload per tp rank (rollfleet.weights.serialize)
+    serialized_named_tensors: list[str]  # one base64 payload per tp rank (rollfleet.wire.serialize)
     load_format: Literal["direct", "flattened_bucket"] | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False

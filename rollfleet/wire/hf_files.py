@@ -1,0 +1,46 @@
+"""HF directories on disk: the one reader of a model directory's safetensors files, and the file
+names of a peft adapter directory. Engines, transports, restores and benchmarks all read here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+class CheckpointReadError(ValueError):
+    """A HF model directory cannot be read; the message names the path and the fix."""
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The directory's `*.safetensors` files in name order, or CheckpointReadError saying what is wrong."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointReadError(f"model_path={str(path)!r} is not a directory: give a HF model directory")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointReadError(
+            f"model_path={str(path)!r} holds no *.safetensors file: save the model with "
+            "save_pretrained(safe_serialization=True)"
+        )
+    return files
+
+
+def iter_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every file, one file in memory at a time."""
+    for file in safetensors_files(path):
+        try:
+            tensors = load_file(file, device=str(device))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointReadError(f"cannot read {file.name} in {str(path)!r}: {exc}") from exc
+        yield from tensors.items()
+
+
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF model directory."""
+    return dict(iter_checkpoint(path))

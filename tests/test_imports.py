@@ -1,0 +1,67 @@
+"""Imports run one way: cli -> train -> fleet -> (engine, weights) -> wire -> leaves.
+
+A module may import its own subpackage and any layer below its own; never a layer above, and
+never the other package of its own layer (engine and weights do not know each other)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import rollfleet
+
+PACKAGE = Path(rollfleet.__file__).parent
+
+LAYERS = {
+    "__main__": 7, "cli": 6, "demo": 5, "bench": 5,
+    "train": 4,
+    "fleet": 3,
+    "engine": 2, "weights": 2,
+    "wire": 1,
+    "config": 0, "layout": 0, "sample": 0, "data": 0, "rewards": 0, "tiny_models": 0, "__init__": 0,
+}  # fmt: skip
+
+
+def _unit(module: str) -> str:
+    """The subpackage or top-level module of a dotted rollfleet module name."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):  # function-level imports count too
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return [(line, name) for line, name in found if name == "rollfleet" or name.startswith("rollfleet.")]
+
+
+def _violations() -> list[str]:
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE.parent).with_suffix("")
+        source = _unit(".".join(relative.parts))
+        assert source in LAYERS, f"{relative}: put {source!r} in a layer of LAYERS in tests/test_imports.py"
+        for line, module in _imports(path):
+            target = _unit(module)
+            if target == source:
+                continue
+            if target not in LAYERS:
+                bad.append(f"{relative}:{line} imports {module}: unknown unit {target!r}")
+            elif LAYERS[target] >= LAYERS[source]:
+                way = "sideways" if LAYERS[target] == LAYERS[source] else "up"
+                bad.append(f"{relative}:{line} imports {module} ({way}: {source} -> {target})")
+    return bad
+
+
+def test_imports_run_one_way():
+    bad = _violations()
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_the_check_sees_function_level_imports(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from rollfleet.fleet.fleet import Fleet\n")
+    assert _imports(module) == [(2, "rollfleet.fleet.fleet")]
