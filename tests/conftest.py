@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import shutil
 import tempfile
+import time
 
 import pytest
 import ray
@@ -120,3 +121,15 @@ def reference_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
             ids.append(token)
     return out, logprobs
+
+
+async def scheduler_stats_when(client: EngineClient, condition, timeout: float = 30) -> dict:
+    """The scheduler stats a server reports (`/get_server_info`) once `condition` holds of them:
+    waits on the server's own state, not on time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = (await client.get_server_info())["scheduler_stats"]
+        if condition(stats):
+            return stats
+        assert time.monotonic() < deadline, f"not reached within {timeout} s: {stats}"
+        await asyncio.sleep(0.005)

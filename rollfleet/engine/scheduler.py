@@ -9,8 +9,13 @@ One engine thread owns the model. It runs, in this order of priority:
   3. a new batch made of the waiting requests that use the same LoRA adapter (or none) as the
      oldest waiting one (up to `max_running_requests`): a batch runs with one adapter.
 Requests that arrive while a batch runs wait for the next batch. Every model call goes
-through `run_action`, which broadcasts it to the other tp ranks first, so all ranks execute
-the same actions in the same order.
+through `lockstep` (lockstep.py), which broadcasts it to the other tp ranks first, so all ranks
+execute the same actions in the same order.
+
+Two gates serve weight-update sessions (weight_session.py): `hold(reason)` keeps every request
+waiting (no batch starts or steps, as if paused in place) while a session's sync is in
+progress; `refuse(reason)` ends every unfinished request and refuses new ones while the weights
+are mixed.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 import torch
 
+from rollfleet.engine.lockstep import Action
 from rollfleet.engine.sampling import make_generator, sample_token
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
@@ -59,7 +65,7 @@ class ControlAction:
 class Scheduler:
     def __init__(
         self,
-        run_action: Callable[..., Any],
+        lockstep: Callable[..., Any],
         tokenizer,
         *,
         eos_token_ids: set[int],
@@ -68,7 +74,7 @@ class Scheduler:
         weight_version: str,
         thread_setup: Callable[[], None] = lambda: None,
     ):
-        self.run_action = run_action
+        self.lockstep = lockstep
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
@@ -81,6 +87,8 @@ class Scheduler:
         self.batch_lora: str | None = None  # the LoRA adapter of the running batch
         self.controls: deque[ControlAction] = deque()
         self.paused = False
+        self.held: str | None = None  # why no batch may run now (a sync in progress)
+        self.refusing: str | None = None  # why requests are refused now (mixed weights)
         self.stopped = False
         self.failure: BaseException | None = None
         self.stats = {"batches": 0, "largest_batch": 0, "generated_tokens": 0}
@@ -114,6 +122,8 @@ class Scheduler:
         ]
         with self._wakeup:
             self._raise_if_dead()
+            if self.refusing is not None:
+                raise RuntimeError(self.refusing)
             for seq in seqs:
                 if params.max_new_tokens == 0:
                     self._finish(seq, FinishReason(type="length", length=0))
@@ -160,6 +170,35 @@ class Scheduler:
             self.paused = False
             self._wakeup.notify()
 
+    def hold(self, reason: str | None) -> None:
+        """Keep every request waiting (None: let them run again)."""
+        with self._wakeup:
+            self.held = reason
+            self._wakeup.notify()
+
+    def refuse(self, reason: str | None) -> None:
+        """End every unfinished request and refuse new ones, naming `reason` (None: accept again)."""
+        with self._wakeup:
+            self.refusing = reason
+            if reason is not None:
+                self._abort_matching(lambda seq: True, reason)
+            self._wakeup.notify()
+
+    @property
+    def live_stats(self) -> dict[str, int]:
+        """The cumulative stats, and the requests and control actions there are now."""
+        with self._wakeup:
+            return {
+                **self.stats,
+                "running_requests": len(self.running),
+                "waiting_requests": len(self.waiting),
+                "queued_controls": len(self.controls),
+            }
+
+    @property
+    def halted(self) -> bool:
+        return self.paused or self.held is not None
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -196,9 +235,9 @@ class Scheduler:
             return lambda: self._run_control(action)
         if any(seq.abort_message is not None for seq in self.running):
             return self._drop_aborted_running  # aborts take effect at once, paused or not
-        if self.running and not self.paused:
+        if self.running and not self.halted:
             return self._step
-        if self.waiting and not self.paused:
+        if self.waiting and not self.halted:
             self.batch_lora = self.waiting[0].lora_name
             self.running = [seq for seq in self.waiting if seq.lora_name == self.batch_lora][
                 : self.max_running_requests
@@ -212,7 +251,7 @@ class Scheduler:
         return None
 
     def _can_run(self, action: ControlAction) -> bool:
-        if action.needs_idle and self.running and not self.paused:
+        if action.needs_idle and self.running and not self.halted:
             return False
         return action.waits_for is None or not any(map(action.waits_for, itertools.chain(self.waiting, self.running)))
 
@@ -227,12 +266,12 @@ class Scheduler:
         if not self.running:
             return
         if self.needs_prefill:
-            logits = self.run_action("prefill", prompts=[s.prompt_ids for s in self.running], lora_name=self.batch_lora)
+            prompts = [s.prompt_ids for s in self.running]
+            logits = self.lockstep(Action.PREFILL, prompts=prompts, lora_name=self.batch_lora)
             self.needs_prefill = False
         else:
-            logits = self.run_action(
-                "decode", tokens=[s.output_ids[-1] for s in self.running], lora_name=self.batch_lora
-            )
+            tokens = [s.output_ids[-1] for s in self.running]
+            logits = self.lockstep(Action.DECODE, tokens=tokens, lora_name=self.batch_lora)
         logprobs = torch.log_softmax(logits, dim=-1)
         for seq, row, row_logprobs in zip(self.running, logits, logprobs):
             self._advance(seq, row, row_logprobs)
@@ -275,10 +314,10 @@ class Scheduler:
                 self._finish(seq, seq.finish)
         if not keep:
             self.running = []
-            self.run_action("end_batch")
+            self.lockstep(Action.END_BATCH)
         elif len(keep) < len(self.running):
             self.running = [self.running[row] for row in keep]
-            self.run_action("keep_rows", rows=keep)
+            self.lockstep(Action.KEEP_ROWS, rows=keep)
 
     def _drop_aborted_running(self) -> None:
         with self._wakeup:
