@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rollfleet.layout import Layout, LayoutError, divisors
 
 
 class ConfigError(ValueError):
@@ -103,23 +105,27 @@ class RolloutConfig(_Section):
     log_dir: str = Field("logs/engines", description="Directory for engine server logs.")
 
     @property
+    def layout(self) -> Layout:
+        """The fleet's shape (engines, tp, pp, ep); valid once this config validated."""
+        return Layout(self.num_engines, self.tp_size, self.pp_size, self.ep_size)
+
+    @property
     def gpus_per_engine(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.layout.gpus_per_engine
 
     @property
     def world_size(self) -> int:
         """All rollout ranks (one per GPU): num_engines * tp_size * pp_size."""
-        return self.num_engines * self.gpus_per_engine
+        return self.layout.world_size
 
     @model_validator(mode="after")
     def _check_parallel_sizes(self) -> RolloutConfig:
-        if self.tp_size % self.ep_size:
-            raise FieldProblem(
-                f"must divide tp_size={self.tp_size} (expert groups split the engine's TP group)",
-                f"set rollout.ep_size to one of {_divisors(self.tp_size)}",
-                field="ep_size",
-                value=self.ep_size,
-            )
+        try:
+            _ = self.layout  # validates the shape
+        except LayoutError as err:
+            first = err.problems[0]
+            fix = f"set rollout.{first.fix.removeprefix('set ')}"
+            raise FieldProblem(first.problem, fix, first.field, first.value) from None
         if self.pp_size > 1 and self.backend == "embedded":
             raise FieldProblem(
                 "the embedded engine has no pipeline parallel; use backend=sglang",
@@ -143,7 +149,7 @@ class TrainerConfig(_Section):
         if self.world_size % self.sequence_parallel_size:
             raise FieldProblem(
                 f"must divide trainer.world_size={self.world_size}",
-                f"set trainer.sequence_parallel_size to one of {_divisors(self.world_size)}",
+                f"set trainer.sequence_parallel_size to one of {divisors(self.world_size)}",
                 field="sequence_parallel_size",
                 value=self.sequence_parallel_size,
             )
@@ -225,7 +231,10 @@ class RayConfig(_Section):
 
 
 class _WeightSync(_Section):
-    """What every transport's settings share."""
+    """What every transport's settings share. `pipeline_parallel_problem`: why the transport cannot
+    feed an SGLang engine with pp_size > 1 (None: it can)."""
+
+    pipeline_parallel_problem: ClassVar[str | None] = None
 
     verify: Literal["auto", "fingerprint", "version"] = Field(
         "auto",
@@ -252,12 +261,18 @@ class TensorSync(_Bucketed):
     """Colocated: CUDA IPC (GPU) or shared-memory (CPU) handles through /update_weights_from_tensor."""
 
     transport: Literal["tensor"] = "tensor"
+    pipeline_parallel_problem: ClassVar[str | None] = (
+        "every pipeline stage of a tp rank reads the same payload (serialized_named_tensors is indexed "
+        "by tp_rank only), and a CUDA IPC or shared-memory handle unpickled by several processes is "
+        "released once too often; rollfleet has no per-stage routing for it yet"
+    )
 
 
 class NcclSync(_Bucketed):
     """Disaggregated: broadcast from trainer rank 0 to every engine rank (gloo on CPU)."""
 
     transport: Literal["nccl"] = "nccl"
+    pipeline_parallel_problem: ClassVar[str | None] = "its weight-update group ignores the pipeline rank"
     master_address: str = Field("127.0.0.1", description="Address of trainer rank 0, reachable from every engine.")
     master_port: int | None = Field(None, ge=1, le=65535, description="Port of the group's store; None: a free one.")
     join_timeout_s: float = Field(120.0, gt=0.0, description="Seconds the group join may take before it fails.")
@@ -267,6 +282,7 @@ class DiskSync(_WeightSync):
     """An HF checkpoint directory and /update_weights_from_disk."""
 
     transport: Literal["disk"] = "disk"
+    pipeline_parallel_problem: ClassVar[str | None] = None  # each stage reads its own layers from the directory
     path: str = Field("runs/weight-sync", description="Directory the trainer saves the synced weights into.")
 
 
@@ -274,6 +290,9 @@ class LoraSync(_WeightSync):
     """Only the LoRA adapter moves, as tensors or as a saved adapter directory; engines keep their base weights."""
 
     transport: Literal["lora"] = "lora"
+    pipeline_parallel_problem: ClassVar[str | None] = (
+        "LoRA serving with pipeline parallel has not been built or tested here"
+    )
     source: Literal["tensors", "directory"] = Field("tensors", description="How the adapter reaches the engines.")
     path: str = Field("checkpoints/adapter", description="Adapter directory when source=directory.")
     adapter_name: str = Field(
@@ -290,15 +309,6 @@ class LoraSync(_WeightSync):
 
 
 WeightSyncConfig = Annotated[TensorSync | NcclSync | DiskSync | LoraSync, Field(discriminator="transport")]
-TRANSPORTS_WITH_PIPELINE_PARALLEL = ("disk",)
-# why the others cannot feed an SGLang engine with pp_size > 1
-PIPELINE_PARALLEL_PROBLEMS = {
-    "nccl": "its weight-update group ignores the pipeline rank",
-    "tensor": "every pipeline stage of a tp rank reads the same payload (serialized_named_tensors is indexed "
-    "by tp_rank only), and a CUDA IPC or shared-memory handle unpickled by several processes is "
-    "released once too often; rollfleet has no per-stage routing for it yet",
-    "lora": "LoRA serving with pipeline parallel has not been built or tested here",
-}
 
 
 class RunConfig(_Section):
@@ -313,12 +323,13 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_pipeline_weight_path(self) -> RunConfig:
-        transport = self.weight_sync.transport
-        if self.rollout.pp_size > 1 and transport not in TRANSPORTS_WITH_PIPELINE_PARALLEL:
+        problem, transport = self.weight_sync.pipeline_parallel_problem, self.weight_sync.transport
+        if self.rollout.pp_size > 1 and problem is not None:
+            members = get_args(get_args(WeightSyncConfig)[0])
+            able = [m.model_fields["transport"].default for m in members if m.pipeline_parallel_problem is None]
             raise FieldProblem(
-                f"SGLang cannot take weights over '{transport}' with pp_size={self.rollout.pp_size} "
-                f"({PIPELINE_PARALLEL_PROBLEMS[transport]})",
-                f"set weight_sync.transport to one of {list(TRANSPORTS_WITH_PIPELINE_PARALLEL)}, or rollout.pp_size=1",
+                f"SGLang cannot take weights over '{transport}' with pp_size={self.rollout.pp_size} ({problem})",
+                f"set weight_sync.transport to one of {able}, or rollout.pp_size=1",
                 field="weight_sync.transport",
                 value=transport,
             )
@@ -527,7 +538,3 @@ def _show(value: Any) -> str:
 
 def _lower_first(text: str) -> str:
     return text[:1].lower() + text[1:]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
