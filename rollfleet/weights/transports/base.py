@@ -88,7 +88,7 @@ class Transport(ABC):
         self.pool = pool or EnginePool.for_urls(
             {t.engine_id: t.url for t in targets}, api_key=api_key, timeout=timeout_s
         )
-        self.session_engines: set[int] = set()  # engines that take weight-update sessions (found at connect)
+        self.session_engines: set[int] | None = None  # engines that take weight-update sessions (asked once)
 
     def connect(self) -> None:  # noqa: B027 (optional hook: most transports need no set-up)
         """Set up what the transport needs before its first send (a process group, a directory)."""
@@ -155,6 +155,8 @@ class Transport(ABC):
     # ---- one update, all or nothing per engine (engines with sessions) ----------------------------
     def _begin(self) -> None:
         """Open a weight-update session on the engines that take them, before the first call."""
+        if self.session_engines is None:
+            self._server_infos()
         self._each("begin_weight_update", lambda t: ((), {}), self.session_engines).result()
 
     def _version_argument(self, target: EngineTarget, version: str) -> dict[str, str]:

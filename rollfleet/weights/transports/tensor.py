@@ -21,9 +21,6 @@ from rollfleet.wire.serialize import serialize
 class TensorTransport(Transport):
     name = "tensor"
 
-    def connect(self) -> None:
-        self._server_infos()
-
     def send(self, source: WeightSource, version: str) -> SyncReport:
         report, collectors = self._new_report(version), self._collectors()
         with timed(report):
