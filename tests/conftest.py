@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import shutil
 import tempfile
@@ -108,9 +109,19 @@ def call(proc: EngineProcess, method: str, *args, **kwargs):
     return run(go())
 
 
+def every_engine(fleet, verb: str, *args, **kwargs) -> list:
+    """One client call on every engine of a fleet, through its engine pool; answers by engine id."""
+    return fleet.pool.on_all(verb, [s.engine_id for s in fleet.slots], *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def _reference_model(model_path: str):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
 def reference_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy tokens and their logprobs from a plain transformers forward pass (no engine involved)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = _reference_model(model_path)
     ids = list(prompt_ids)
     out, logprobs = [], []
     with torch.no_grad():
