@@ -7,6 +7,8 @@ import httpx
 import pytest
 from conftest import engine_server
 
+from rollfleet.config import TensorSync
+from rollfleet.weights.transports import EngineTarget, make_transport
 from rollfleet.wire.client import EngineError, uses_weight_update_sessions
 from rollfleet.wire.net import free_port
 from rollfleet.wire.pool import EnginePool
@@ -42,7 +44,7 @@ def test_one_client_per_engine_calls_each_and_replaced_urls(server):
     try:
         client = pool.client(0)
         assert pool.call(0, "get_model_info")["weight_version"] == "default"
-        assert not uses_weight_update_sessions(pool.call(0, "get_server_info"))  # today's embedded engine
+        assert uses_weight_update_sessions(pool.call(0, "get_server_info"))  # the embedded engine has sessions
         answers = pool.each("health", {0: ((), {}), 1: ((2.0,), {})}).result()
         assert answers == [True, True]
         pool.set_url(0, server.url + "/")  # the same place: the same client
@@ -63,3 +65,20 @@ def test_one_client_per_engine_calls_each_and_replaced_urls(server):
             pool.run(nested())
     finally:
         pool.close()
+
+
+def test_a_begin_that_fails_on_one_engine_closes_the_sessions_it_opened(server):
+    """A push retried after an engine died must not find the survivor's session still open."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    targets = [EngineTarget(0, server.url, 1, 1), EngineTarget(1, dead, 1, 2)]
+    transport = make_transport(TensorSync(), targets, timeout_s=10)
+    try:
+        transport.session_engines = {0, 1}  # as if both had answered /get_server_info
+        with pytest.raises(httpx.TransportError):
+            transport._begin()
+        transport.pool.call(0, "begin_weight_update")  # refused if the failed begin had left one open
+        with pytest.raises(EngineError, match="did not arrive"):
+            transport.pool.call(0, "end_weight_update")  # nothing sent: refused, nothing changed
+        assert transport.pool.call(0, "get_model_info")["weight_version"] == "default"
+    finally:
+        transport.disconnect()

@@ -170,6 +170,9 @@ def test_version_mode_checks_versions_only(dense_fleet, qwen3_dir):
         report, fingerprints={e: {**f, name: "0" * 24} for e, f in report.fingerprints.items()}
     )
     stale = dataclasses.replace(report, version="not-sent")
+    left_out = dataclasses.replace(  # as if the push had not sent `name`: the engine holds a tensor not sent
+        report, fingerprints={e: {n: v for n, v in f.items() if n != name} for e, f in report.fingerprints.items()}
+    )
 
     async def problems(checked, mode):
         clients = {s.engine_id: EngineClient(s.url) for s in dense_fleet.slots}
@@ -180,6 +183,8 @@ def test_version_mode_checks_versions_only(dense_fleet, qwen3_dir):
 
     assert asyncio.run(problems(report, "fingerprint")) == {} == asyncio.run(problems(report, "version"))
     assert set(asyncio.run(problems(tampered, "fingerprint"))) == {0, 1}
+    left_out_problems = asyncio.run(problems(left_out, "fingerprint"))
+    assert set(left_out_problems) == {0, 1} and all("not sent" in p and name in p for p in left_out_problems.values())
     assert asyncio.run(problems(tampered, "version")) == {}  # the weaker check
     assert set(asyncio.run(problems(stale, "version"))) == {0, 1}
 

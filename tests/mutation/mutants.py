@@ -18,4 +18,95 @@ class Mutant:
     tests: tuple[str, ...]  # pytest node ids that must fail on the mutant
 
 
-MUTANTS: list[Mutant] = []
+FLEET_SYNC = "tests/test_fleet_sync.py"
+
+MUTANTS: list[Mutant] = [
+    Mutant(
+        id="fingerprint-values-ignored",
+        claim="verification compares every tensor's fingerprint with the sender's",
+        file="rollfleet/weights/verify.py",
+        old='("differing", sorted(n for n in set(sent) & set(held) if sent[n] != held[n])),',
+        new='("differing", []),',
+        tests=("tests/test_weight_sync.py::test_version_mode_checks_versions_only",),
+    ),
+    Mutant(
+        id="verify-only-names-sent",
+        claim="a push that leaves a tensor out fails verification (whole-model fingerprints)",
+        file="rollfleet/weights/verify.py",
+        old='("not sent", sorted(set(held) - set(sent))),',
+        new='("not sent", []),',
+        tests=("tests/test_weight_sync.py::test_version_mode_checks_versions_only",),
+    ),
+    Mutant(
+        id="session-commits-a-partial-sync",
+        claim="an engine commits a sync's version only when every tensor arrived in the session",
+        file="rollfleet/engine/weight_session.py",
+        old="missing = sorted(self._required - session.arrived)",
+        new="missing = []",
+        tests=("tests/test_engine_sessions.py::test_a_session_missing_one_tensor_is_not_served_until_a_complete_one",),
+    ),
+    Mutant(
+        id="ranks-apply-without-agreeing",
+        claim="a weight update applies on every tp rank or on none",
+        file="rollfleet/engine/ranks.py",
+        old="refusals = sorted({r for r in self.gather(refusal) if r})",
+        new="refusals = sorted({r for r in [self.gather(refusal)[self.rank]] if r})",
+        tests=("tests/test_engine_weight_routes.py::test_bad_tensor_updates_change_nothing",),
+    ),
+    Mutant(
+        id="update-does-not-wait-for-batch",
+        claim="a weight update waits for the running batch",
+        file="rollfleet/engine/scheduler.py",
+        old="if action.needs_idle and self.running and not self.halted:",
+        new="if False:",
+        tests=("tests/test_engine_sessions.py::test_a_weight_update_waits_for_the_running_batch",),
+    ),
+    Mutant(
+        id="failed-verify-stays-active",
+        claim="an engine that fails verification takes no more traffic",
+        file="rollfleet/fleet/fleet.py",
+        old="            if engine_id in failed:\n",
+        new="            if False:\n",
+        tests=(f"{FLEET_SYNC}::test_a_push_missing_a_tensor_is_not_verified_and_not_served",),
+    ),
+    Mutant(
+        id="push-not-verified",
+        claim="every push is verified before the fleet serves its version",
+        file="rollfleet/fleet/fleet.py",
+        old="failed = self.pool.run(find_unverified(report, clients, self.cfg.verify_mode))",
+        new="failed = {}",
+        tests=(f"{FLEET_SYNC}::test_a_push_missing_a_tensor_is_not_verified_and_not_served",),
+    ),
+    Mutant(
+        id="failed-push-keeps-serving",
+        claim="a push that fails part-way takes every target out of rotation",
+        file="rollfleet/fleet/fleet.py",
+        old='                if slot.is_running:\n                    slot.version = ""\n',
+        new='                if False:\n                    slot.version = ""\n',
+        tests=(f"{FLEET_SYNC}::test_a_push_that_fails_part_way_leaves_no_engine_serving",),
+    ),
+    Mutant(
+        id="router-one-answer-for-all",
+        claim="each prompt gets its own answer",
+        file="rollfleet/fleet/fleet.py",
+        old='{"input_ids": prompt_ids[index], **request}',
+        new='{"input_ids": prompt_ids[0], **request}',
+        tests=("tests/test_fleet.py::test_generate_spreads_over_engines_in_input_order",),
+    ),
+    Mutant(
+        id="loop-accepts-stale-samples",
+        claim="a step trains only on samples of the version it pushed",
+        file="rollfleet/train/loop.py",
+        old="for s in samples if s.weight_version != version]",
+        new="for s in samples if False]",
+        tests=("tests/test_loop_checks.py",),
+    ),
+    Mutant(
+        id="loop-accepts-lost-samples",
+        claim="no prompt is lost or duplicated in a step",
+        file="rollfleet/train/loop.py",
+        old="    if missing or extra:\n",
+        new="    if False:\n",
+        tests=("tests/test_loop_checks.py",),
+    ),
+]

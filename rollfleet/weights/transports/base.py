@@ -157,7 +157,11 @@ class Transport(ABC):
         """Open a weight-update session on the engines that take them, before the first call."""
         if self.session_engines is None:
             self._server_infos()
-        self._each("begin_weight_update", lambda t: ((), {}), self.session_engines).result()
+        try:
+            self._each("begin_weight_update", lambda t: ((), {}), self.session_engines).result()
+        except BaseException:  # some engines may have opened theirs: a retry must find them closed
+            self._abandon()
+            raise
 
     def _version_argument(self, target: EngineTarget, version: str) -> dict[str, str]:
         """Inside a session a call carries the version (applied only when the session ends well)."""
