@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import socket
 import subprocess
@@ -33,10 +34,19 @@ def _git(*args: str) -> str | None:
 
 
 def code_revision() -> dict[str, Any]:
-    """The commit checked out and whether tracked files (outside docs/results) differ from it."""
+    """The commit checked out and whether tracked files (outside docs/results) differ from it. A copy
+    without git history (e.g. a working tree shipped to a GPU machine) takes both from the environment:
+    ROLLFLEET_GIT_REVISION and ROLLFLEET_GIT_DIRTY (0 or 1), set by whoever shipped it."""
     revision = _git("rev-parse", "HEAD")
+    if revision is None:
+        dirty = os.environ.get("ROLLFLEET_GIT_DIRTY")
+        return {
+            "revision": os.environ.get("ROLLFLEET_GIT_REVISION"),
+            "dirty": None if dirty is None else dirty == "1",
+            "from": "environment",
+        }
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", f":!{RESULTS_DIR}")
-    return {"revision": revision, "dirty": None if status is None else bool(status)}
+    return {"revision": revision, "dirty": None if status is None else bool(status), "from": "git"}
 
 
 def _cpu_model() -> str:
@@ -51,8 +61,6 @@ def _cpu_model() -> str:
 
 def machine() -> dict[str, Any]:
     """The machine, without naming it: hostname hashed, CPU model, GPUs, library versions."""
-    import os
-
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
