@@ -135,12 +135,15 @@ def demo_summary(records: list[tuple[str, dict]]) -> str:
     s = r["summary"]
     first, last, steps = s["reward_first"], s["reward_last"], s["seconds_of_steps"]
     seeds = ", ".join(str(x) for x in r["config"]["seeds"])
+    other = [100 * run["other_share_of_step_time"] for run in r["repeats"]]
     return (
         f"Mean reward goes from {first['min']:.3f}-{first['max']:.3f} (first {s['window_steps']} steps) to "
         f"{last['min']:.2f}-{last['max']:.2f} (last {s['window_steps']}; median {last['median']:.2f}) over "
         f"{r['repeats'][0]['steps']} steps in {last['n']} runs (grpo.seed {seeds}"
         f"; the engine's sampling is not seeded), {steps['min']:.0f}-{steps['max']:.0f} s of steps each on "
-        f"a {_machine(r)} shared with other work (`docs/results/{name}`, made by `scripts/demo_seeds.py`).\n"
+        f'a {_machine(r)} shared with other work. "other" (framework overhead outside generate, reward, '
+        f"train, sync, sleep/wake and the recovery checkpoint) is {min(other):.1f}-{max(other):.1f}% of step time. "
+        f"Record: `docs/results/{name}`, made by `python scripts/demo_seeds.py`.\n"
     )
 
 
