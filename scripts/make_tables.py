@@ -83,7 +83,7 @@ def recovery(records: list[tuple[str, dict]]) -> str:
         s = r["summary"]
         out.append(
             f"{s['device']}, checkpoint {s['checkpoint_mb']:.1f} MB, median (min-max) of "
-            f"{r['config']['repeats']} rounds, seconds; record {_source(name, r)}:\n"
+            f"{r['config']['repeats']} rounds, seconds; record {_source(name, r)}:\n\n"
         )
         out.append("| path | " + " | ".join(phases) + " |\n|---|" + "---|" * len(phases) + "\n")
         for path, figures in s["paths"].items():
