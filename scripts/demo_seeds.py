@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollfleet.bench.record import command_line, make_record, spread, write_record
+from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 
 WINDOW = 10  # steps averaged at each end
 
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("overrides", nargs="*", help="extra key.path=value overrides of examples/cpu-demo.yaml")
     args = parser.parse_args(argv)
+    started = start()
     runs = []
     for seed in args.seeds:
         runs.append(run_one(seed, args.overrides))
@@ -69,7 +70,9 @@ def main(argv: list[str] | None = None) -> None:
         "seconds_end_to_end": spread([r["seconds_end_to_end"] for r in runs]),
     }
     config = {"config_file": "examples/cpu-demo.yaml", "seeds": args.seeds, "overrides": args.overrides}
-    record = make_record("demo", command_line(["python", "scripts/demo_seeds.py"], argv), config, runs, summary, True)
+    record = make_record(
+        "demo", command_line(["python", "scripts/demo_seeds.py"], argv), config, runs, summary, True, started=started
+    )
     write_record(args.json, record)
 
 

@@ -47,7 +47,9 @@ def _range(d: dict, fmt: str = ".2f", scale: float = 1.0) -> str:
 
 
 def _source(name: str, record: dict) -> str:
-    return f"`{name}` ({record['date_utc'][:10]}, code {_code(record)}, {_machine(record)})"
+    loads = [record["machine"].get(k) for k in ("load_avg_at_start", "load_avg_at_end")]
+    load = f", 1-min load {loads[0][0]:.1f} -> {loads[1][0]:.1f}" if all(loads) else ""
+    return f"`{name}` ({record['date_utc'][:10]}, code {_code(record)}, {_machine(record)}{load})"
 
 
 def weight_sync(records: list[tuple[str, dict]]) -> str:
@@ -142,7 +144,7 @@ def demo_summary(records: list[tuple[str, dict]]) -> str:
         f"{r['repeats'][0]['steps']} steps in {last['n']} runs (grpo.seed {seeds}"
         f"; the engine's sampling is not seeded), {steps['min']:.0f}-{steps['max']:.0f} s of steps each on "
         f'a {_machine(r)} shared with other work. "other" (framework overhead outside generate, reward, '
-        f"train, sync, sleep/wake and the recovery checkpoint) is {min(other):.1f}-{max(other):.1f}% of step time. "
+        f"train, sync, sleep/wake and the recovery checkpoint) is {min(other):.2f}-{max(other):.2f}% of step time. "
         f"Record: `docs/results/{name}`, made by `python scripts/demo_seeds.py`.\n"
     )
 

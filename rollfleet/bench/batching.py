@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollfleet.bench.record import command_line, make_record, spread, write_record
+from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.engine.launch import EngineProcess, embedded_argv
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.wire.client import EngineClient
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
     args = parser.parse_args(argv)
-    command = command_line(["rollfleet", "bench", "batching"], argv)
+    command, started = command_line(["rollfleet", "bench", "batching"], argv), start()
     with tempfile.TemporaryDirectory() as scratch:
         model_path = args.model_path or str(make_tiny_model(Path(scratch) / "model"))
         port = free_port()
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  speed-up     : {batched / sequential:10.2f}x  (target >= 5x)")
     config = {k: v for k, v in vars(args).items() if k not in ("json", "model_path")}
     config["model"] = "given" if args.model_path else "tiny test model (hidden 64, 2 layers)"
-    write_record(args.json, make_record("batching", command, config, rows, summary, True))
+    write_record(args.json, make_record("batching", command, config, rows, summary, True, started=started))
 
 
 if __name__ == "__main__":

@@ -59,8 +59,25 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def start() -> dict[str, Any]:
+    """What a record must capture before the benchmark runs: the code it runs and the machine's load."""
+    return {"code": code_revision(), "load_avg_at_start": _load(), "started_utc": _now()}
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def machine() -> dict[str, Any]:
-    """The machine, without naming it: hostname hashed, CPU model, GPUs, library versions."""
+    """The machine, without naming it: hostname hashed, CPU model, GPUs, library versions, and the
+    load average (1, 5, 15 min) when the record is written (a shared machine's figures depend on it)."""
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -74,6 +91,7 @@ def machine() -> dict[str, Any]:
         "cuda": torch.version.cuda if gpus else None,
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "load_avg_at_end": _load(),
     }
 
 
@@ -104,16 +122,20 @@ def make_record(
     summary: dict[str, Any],
     ok: bool,
     failure: str | None = None,
+    started: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`started`: start()'s answer, taken before the benchmark ran (else the code is read now)."""
+    started = started or {"code": code_revision(), "load_avg_at_start": None, "started_utc": None}
     return _clean(
         {
             "schema": SCHEMA,
             "benchmark": name,
-            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "date_utc": _now(),
+            "started_utc": started["started_utc"],
             "ok": ok,
             "failure": failure,
-            "code": code_revision(),
-            "machine": machine(),
+            "code": started["code"],
+            "machine": {**machine(), "load_avg_at_start": started["load_avg_at_start"]},
             "command": command,
             "config": config,
             "repeats": repeats,

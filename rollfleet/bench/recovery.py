@@ -26,7 +26,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollfleet.bench.record import command_line, make_record, spread, write_record
+from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.config import TensorSync, load_config
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.tiny_models import make_tiny_model
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the four paths")
     parser.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
     args = parser.parse_args(argv)
-    command = command_line(["rollfleet", "bench", "recovery"], argv)
+    command, started = command_line(["rollfleet", "bench", "recovery"], argv), start()
     rows, size_mb, gpu = _run(args)
     summary = _summary(rows, size_mb, gpu)
     print(
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {path:40}" + "".join(f"{figures[k]['median']:9.3f}" for k in (*PHASES, "total")))
     print("  targets on CPU: detect < 2 s, total < 20 s")
     config = {k: v for k, v in vars(args).items() if k != "json"}
-    write_record(args.json, make_record("recovery", command, config, rows, summary, True))
+    write_record(args.json, make_record("recovery", command, config, rows, summary, True, started=started))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from rollfleet.bench.raw_ceiling import measure_raw, model_for
-from rollfleet.bench.record import command_line, make_record, spread, write_record
+from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.config import DiskSync, NcclSync, TensorSync
 from rollfleet.engine.launch import EngineProcess, embedded_argv
 from rollfleet.engine.server import dump_stacks_if_hung
@@ -214,7 +214,7 @@ def _print(args, s: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    command = command_line(["rollfleet", "bench", "weight-sync"], argv)
+    command, started = command_line(["rollfleet", "bench", "weight-sync"], argv), start()
     dump_stacks_if_hung()
     gpu = args.device == "cuda"
     sender_device = "cuda:0" if gpu else "cpu"
@@ -240,12 +240,14 @@ def main(argv: list[str] | None = None) -> None:
     if synced["problems"]:
         failure = f"the engine does not hold what was sent: {synced['problems']}"
         summary = {"verified": False, "raw_first_pass_s": raw["first_pass"], "first_sync_s": synced["cold_s"]}
-        write_record(args.json, make_record("weight-sync", command, config, rows, summary, False, failure))
+        write_record(
+            args.json, make_record("weight-sync", command, config, rows, summary, False, failure, started=started)
+        )
         raise SystemExit(f"verification FAILED, no figures reported: {failure}")
     summary = _summary(args, model_bytes, raw, synced, sender_extra)
     summary["raw_first_pass_s"] = raw["first_pass"]
     _print(args, summary)
-    write_record(args.json, make_record("weight-sync", command, config, rows, summary, True))
+    write_record(args.json, make_record("weight-sync", command, config, rows, summary, True, started=started))
 
 
 if __name__ == "__main__":
