@@ -73,6 +73,7 @@ def _raw_receiver(port: int, sizes: list[int], repeats: int, device: str, backen
             dist.broadcast(buffers[i % len(buffers)][:size], group=group, group_src=0)
         dist.all_reduce(line, group=group)  # "all received", for the sender's clock
     _sync(device)
+    dist.destroy_process_group(group)  # exiting with a live gloo group can abort the process
 
 
 def _broadcast_pass(buckets: list[torch.Tensor], group, device: str) -> float:
