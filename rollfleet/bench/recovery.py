@@ -1,11 +1,16 @@
 """Time from an engine's death to ACTIVE again, split into detect, restart, restore and verify.
 
-    rollfleet bench recovery [--hidden 256 --layers 8]
+    rollfleet bench recovery [--hidden 256 --layers 8 --repeats 3 --json F]
 
 A local Ray fleet of two embedded engines (CPU, or GPUs when present) holds weights of version v1
-(pushed over disk, so a checkpoint exists). Three ways back: one engine restored from the disk
+(pushed over disk, so a checkpoint exists). Four ways back: one engine restored from the disk
 checkpoint; one engine restored by a trainer push (tensor transport); two engines restored from the
-same checkpoint, reading the files once and fanning out vs each engine reading them.
+same checkpoint, each reading the files vs reading them once and fanning out (tensor transport).
+
+The phases are the fleet's own steps, timed apart: `restore` is the load (or the send), `verify`
+the fleet's fingerprint check (fleet.verify), `expected` computing the fingerprints expected from the
+checkpoint's files, and `setup` building, connecting and tearing down a transport (push and fan-out
+only). `total` (kill to ACTIVE) is the sum of all of them.
 """
 
 from __future__ import annotations
@@ -21,10 +26,21 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
+from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.config import TensorSync, load_config
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.tiny_models import make_tiny_model
+from rollfleet.weights.checkpoint import CheckpointSource
 from rollfleet.weights.source import ModuleSource
+from rollfleet.weights.transports import make_transport
+
+PHASES = ("detect", "restart", "setup", "restore", "expected", "verify")
+PATHS = (
+    "1 engine, disk checkpoint",
+    "1 engine, trainer push (tensor)",
+    "2 engines, each reads the files",
+    "2 engines, read once + fan-out (tensor)",
+)
 
 
 def _kill_and_restart(fleet: Fleet, engine_ids: list[int]) -> dict[str, float]:
@@ -38,46 +54,80 @@ def _kill_and_restart(fleet: Fleet, engine_ids: list[int]) -> dict[str, float]:
     return {"detect": detected - start, "restart": time.perf_counter() - detected}
 
 
-def _timed(fn) -> float:
+def _timed(fn) -> tuple[float, object]:
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    out = fn()
+    return time.perf_counter() - start, out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="rollfleet bench recovery")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    args = parser.parse_args(argv)
+def _push(fleet: Fleet, source, version: str, engine_ids: list[int]) -> dict[str, float]:
+    """fleet.sync_weights over tensor, its steps timed apart: set-up and teardown, send, verify."""
+    setup, transport = _timed(lambda: make_transport(TensorSync(), fleet.weight_targets(engine_ids)))
+    connect, _ = _timed(transport.connect)
+    try:
+        restore, report = _timed(lambda: transport.send(source, version))
+    finally:
+        teardown, _ = _timed(transport.disconnect)
+    verify, _ = _timed(lambda: fleet.verify(report, advance=False))
+    return {"setup": setup + connect + teardown, "restore": restore, "verify": verify}
+
+
+def _from_disk(fleet: Fleet, checkpoint: str, version: str, engine_ids: list[int]) -> dict[str, float]:
+    """fleet.update_weights_from_disk, its steps timed apart: load, expected fingerprints, verify."""
+    restore, _ = _timed(
+        lambda: fleet.pool.on_all("update_weights_from_disk", engine_ids, checkpoint, weight_version=version)
+    )
+    seconds, report = _timed(lambda: fleet.expected_from_checkpoint(checkpoint, version, engine_ids))
+    verify, _ = _timed(lambda: fleet.verify(report, advance=False))
+    return {"restore": restore, "expected": seconds, "verify": verify}
+
+
+def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
+    rows = []
+    for path in PATHS:
+        engines = [1] if path.startswith("1 engine") else [0, 1]
+        times = _kill_and_restart(fleet, engines)
+        if path == PATHS[0] or path == PATHS[2]:
+            times |= _from_disk(fleet, checkpoint, "v1", engines)
+        elif path == PATHS[1]:
+            times |= _push(fleet, ModuleSource(model), "v1", engines)
+        else:
+            times |= _push(fleet, CheckpointSource(checkpoint), "v1", engines)
+        states = [s.state.value for s in fleet.slots]
+        assert states == ["ACTIVE", "ACTIVE"], f"{path}: engines {states} after recovery"
+        rows.append({"path": path, **{k: times.get(k, 0.0) for k in PHASES}, "total": sum(times.values())})
+    return rows
+
+
+def _fleet(args, scratch: Path):
+    model_dir = make_tiny_model(
+        scratch / "model",
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        intermediate_size=4 * args.hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 4,
+    )
+    gpus = torch.cuda.device_count()
+    ray.init(
+        num_cpus=8, num_gpus=gpus or 2, _temp_dir=str(scratch / "ray"), include_dashboard=False, log_to_driver=False
+    )
+    overrides = [
+        f"rollout.model_path={model_dir}",
+        "rollout.use_gpu=true",
+        "rollout.num_engines=2",
+        "rollout.auto_restart=false",  # the benchmark times each restart itself
+        f"rollout.log_dir={scratch}/logs",
+        "weight_sync.transport=disk",
+        f"weight_sync.path={scratch}/sync",
+    ]
+    return model_dir, Fleet.from_config(load_config(None, overrides))
+
+
+def _run(args) -> tuple[list[dict], float, bool]:
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as scratch:
-        scratch = Path(scratch)
-        model_dir = make_tiny_model(
-            scratch / "model",
-            hidden_size=args.hidden,
-            num_hidden_layers=args.layers,
-            intermediate_size=4 * args.hidden,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=args.hidden // 4,
-        )
-        gpus = torch.cuda.device_count()
-        ray.init(
-            num_cpus=8, num_gpus=gpus or 2, _temp_dir=str(scratch / "ray"), include_dashboard=False, log_to_driver=False
-        )
-        cfg = load_config(
-            None,
-            [
-                f"rollout.model_path={model_dir}",
-                "rollout.use_gpu=true",
-                "rollout.num_engines=2",
-                "rollout.auto_restart=false",  # the benchmark times each restart itself
-                f"rollout.log_dir={scratch}/logs",
-                "weight_sync.transport=disk",
-                f"weight_sync.path={scratch}/sync",
-            ],
-        )
-        fleet = Fleet.from_config(cfg)
-        rows = []
+        model_dir, fleet = _fleet(args, Path(scratch))
         try:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             with torch.no_grad():
@@ -86,53 +136,43 @@ def main(argv: list[str] | None = None) -> None:
             fleet.sync_weights(ModuleSource(model), "v1", config_dir=str(model_dir))
             checkpoint = fleet.checkpoint_for("v1")
             size_mb = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors")) / 1e6
-
-            times = _kill_and_restart(fleet, [1])
-            times["restore"] = _timed(
-                lambda: fleet._on_all("update_weights_from_disk", checkpoint, weight_version="v1", engine_ids=[1])
-            )
-            times["verify"] = _timed(lambda: fleet.verify_checkpoint(checkpoint, "v1", [1]))
-            rows.append(("1 engine, disk checkpoint", times))
-
-            times = _kill_and_restart(fleet, [1])
-            report_holder = {}
-            total = _timed(
-                lambda: report_holder.setdefault(
-                    "r", fleet.sync_weights(ModuleSource(model), "v1", engine_ids=[1], transport=TensorSync())
-                )
-            )
-            times["restore"] = report_holder["r"].seconds
-            times["verify"] = total - times["restore"]
-            rows.append(("1 engine, trainer push (tensor)", times))
-
-            for label, fan_out in (
-                ("2 engines, each reads the files", False),
-                ("2 engines, read once + fan-out", True),
-            ):
-                times = _kill_and_restart(fleet, [0, 1])
-                if fan_out:
-                    times["restore+verify"] = _timed(lambda: fleet.restore(checkpoint, "v1", [0, 1], fan_out=True))
-                else:
-                    times["restore+verify"] = _timed(
-                        lambda: fleet.update_weights_from_disk(checkpoint, "v1", engine_ids=[0, 1])
-                    )
-                rows.append((label, times))
-            assert [s.state.value for s in fleet.slots] == ["ACTIVE", "ACTIVE"]
+            rows = []
+            for repeat in range(args.repeats):
+                rows += [{"repeat": repeat + 1, **row} for row in _one_round(fleet, model, checkpoint)]
         finally:
             fleet.shutdown()
             ray.shutdown()
+    return rows, size_mb, torch.cuda.device_count() > 0
+
+
+def _summary(rows: list[dict], size_mb: float, gpu: bool) -> dict:
+    per_path = {}
+    for path in PATHS:
+        mine = [r for r in rows if r["path"] == path]
+        per_path[path] = {k: spread([r[k] for r in mine]) for k in (*PHASES, "total")}
+    return {"device": "GPU" if gpu else "CPU", "checkpoint_mb": size_mb, "paths": per_path}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rollfleet bench recovery")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the four paths")
+    parser.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
+    args = parser.parse_args(argv)
+    command, started = command_line(["rollfleet", "bench", "recovery"], argv), start()
+    rows, size_mb, gpu = _run(args)
+    summary = _summary(rows, size_mb, gpu)
     print(
-        f"recovery, embedded engines on {'GPU' if gpus else 'CPU'}, checkpoint {size_mb:.1f} MB "
-        "(seconds; total = kill to ACTIVE)"
+        f"recovery, embedded engines on {summary['device']}, checkpoint {size_mb:.1f} MB, median of {args.repeats} "
+        "(seconds; total = kill to ACTIVE, the sum of the phases)"
     )
-    print(f"  {'path':36} {'detect':>7} {'restart':>8} {'restore':>8} {'verify':>7} {'total':>7}")
-    for label, t in rows:
-        restore = t.get("restore", t.get("restore+verify"))
-        verify = t.get("verify")
-        total = t["detect"] + t["restart"] + restore + (verify or 0.0)
-        verify_text = f"{verify:7.3f}" if verify is not None else "   (in)"
-        print(f"  {label:36} {t['detect']:7.3f} {t['restart']:8.3f} {restore:8.3f} {verify_text} {total:7.3f}")
+    print(f"  {'path':40}" + "".join(f"{k:>9}" for k in (*PHASES, "total")))
+    for path, figures in summary["paths"].items():
+        print(f"  {path:40}" + "".join(f"{figures[k]['median']:9.3f}" for k in (*PHASES, "total")))
     print("  targets on CPU: detect < 2 s, total < 20 s")
+    config = {k: v for k, v in vars(args).items() if k != "json"}
+    write_record(args.json, make_record("recovery", command, config, rows, summary, True, started=started))
 
 
 if __name__ == "__main__":

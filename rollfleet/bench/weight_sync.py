@@ -1,254 +1,253 @@
 """Weight-sync bandwidth against the raw ceiling of the same path, measured in the same run.
 
-    rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X [--device cuda|cpu]
+    rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X [--repeats 5] [--json F]
 
 A Qwen3-shaped model of about X GB lives in this process (the "trainer", GPU 0 or CPU); one
 embedded engine is started (tensor: on the same GPU; nccl and disk: on GPU 1 when there is one).
-Raw ceiling: nccl = plain broadcasts of the same buckets to a bare receiver process on the
-engine's device; tensor = a device-to-device copy of the same bytes; disk = reading the saved
-files into the engine's device. Full sync = gather + pack + send + engine load, then the
-fingerprint check, timed end to end.
+Raw ceiling (rollfleet/bench/raw_ceiling.py): nccl = plain broadcasts of the same buckets to a
+bare receiver process on the engine's device; tensor = a device-to-device copy of the same bytes;
+disk = reading the saved files onto the engine's device. Both the ceiling and the sync are measured
+warm (one untimed pass first, the ceiling's buffers allocated before timing) and repeated the same
+number of times; the ratio is median raw seconds / median sync seconds, with min/median/max of each.
+
+Sync = gather + pack + send + engine load, on a transport connected once (as a run keeps it).
+Verify = the fleet's fingerprint check (a fresh client, as the fleet does), timed after each sync.
+A run whose verification fails prints no figures, writes a record marked not ok, and exits non-zero.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
+from rollfleet.bench.raw_ceiling import measure_raw, model_for
+from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.config import DiskSync, NcclSync, TensorSync
 from rollfleet.engine.launch import EngineProcess, embedded_argv
 from rollfleet.engine.server import dump_stacks_if_hung
-from rollfleet.tiny_models import make_tokenizer, tiny_config
+from rollfleet.tiny_models import make_tokenizer
 from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import EngineTarget, make_transport
 from rollfleet.weights.verify import find_unverified
 from rollfleet.wire.buckets import iter_buckets
 from rollfleet.wire.client import EngineClient
-from rollfleet.wire.group import join_weight_update_group
 from rollfleet.wire.net import free_port
 
 
-def model_for(size_gb: float, dtype: torch.dtype, device: str):
-    """A Qwen3-shaped model of about size_gb, built directly on `device`."""
-    bytes_per = torch.finfo(dtype).bits // 8
-    hidden = 4096 if size_gb >= 12 else 2048 if size_gb >= 1 else 256  # 8B-class models have hidden 4096
-    per_layer = 12 * hidden * hidden * bytes_per  # attention 4h^2 (GQA ~3h^2) + MLP 3*h*4h
-    layers = max(1, round(size_gb * 1e9 / per_layer))
-    config = tiny_config(
-        "qwen3",
-        vocab_size=len(make_tokenizer()),
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=4 * hidden,
-        num_attention_heads=hidden // 128 if hidden >= 1024 else 4,
-        num_key_value_heads=max(2, hidden // 512),
-        head_dim=128 if hidden >= 1024 else 64,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
-def _raw_receiver(rank, port, total_bytes_per_bucket, device, backend):
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    group = join_weight_update_group("127.0.0.1", port, 1, 2, "raw", backend, timedelta(seconds=60))
-    dist.broadcast(torch.empty(1, device=device), group=group, group_src=0)  # warm-up: connections, communicator
-    for size in total_bytes_per_bucket:
-        dist.broadcast(torch.empty(size, dtype=torch.uint8, device=device), group=group, group_src=0)
-    dist.all_reduce(torch.zeros(1, device=device), group=group)  # "all received", for the sender's clock
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def raw_broadcast(buckets: list[torch.Tensor], device: str, receiver_device: str, backend: str) -> float:
-    port = free_port()
-    context = mp.get_context("spawn")
-    proc = context.Process(target=_raw_receiver, args=(1, port, [b.numel() for b in buckets], receiver_device, backend))
-    proc.start()
-    group = join_weight_update_group("127.0.0.1", port, 0, 2, "raw", backend, timedelta(seconds=60))
-    dist.broadcast(torch.zeros(1, device=device), group=group, group_src=0)
-    start = time.perf_counter()
-    for bucket in buckets:
-        dist.broadcast(bucket, group=group, group_src=0)
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    proc.join()
-    dist.destroy_process_group(group)
-    return seconds
-
-
-def raw_copy(buckets: list[torch.Tensor]) -> float:
-    largest = max(b.numel() for b in buckets)
-    targets = [torch.empty(largest, dtype=torch.uint8, device=buckets[0].device) for _ in range(2)]
-    for _ in range(2):  # warm-up, then timed
-        start = time.perf_counter()
-        for i, bucket in enumerate(buckets):
-            targets[i % 2][: bucket.numel()].copy_(bucket)
-        if bucket.is_cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return seconds
-
-
-def raw_read(directory: Path, device: str) -> float:
-    start = time.perf_counter()
-    for file in sorted(directory.glob("*.safetensors")):
-        load_file(file, device=device)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-async def _verify(url, report):
-    async with EngineClient(url, timeout=600) as client:
-        return await find_unverified(report, {0: client})
-
-
-async def _memory(url):
-    async with EngineClient(url, timeout=600) as client:
-        return await client.memory()
-
-
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rollfleet bench weight-sync")
     parser.add_argument("--transport", choices=["tensor", "nccl", "disk"], required=True)
     parser.add_argument("--size-gb", type=float, default=0.05)
     parser.add_argument("--bucket-mb", type=float, default=512)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeat", type=int, default=3, help="timed syncs after the cold one (median reported)")
-    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument(
+        "--repeats", "--repeat", type=int, default=5, help="timed passes of the ceiling and timed syncs (after warm-up)"
+    )
+    parser.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
     parser.add_argument("--log-dir", default=None, help="keep the engine's log here")
+    parser.add_argument(
+        "--tamper-for-test",
+        action="store_true",
+        help="test knob: after each send, reload the engine's original checkpoint under the same version, so the "
+        "engine does not hold what was sent and verification must fail",
+    )
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
+
+
+def _say(what: str) -> None:
+    print(f"[bench {time.strftime('%X')}] {what}", flush=True)
+
+
+def _prepare(args, scratch: Path, dtype: torch.dtype, device: str):
+    """The sender's model (saved first, as the engine's starting weights, then perturbed) and its buckets."""
+    model = model_for(args.size_gb, dtype, device)
+    save_checkpoint(ModuleSource(model).named_tensors(), scratch / "model", None)
+    make_tokenizer().save_pretrained(scratch / "model")
+    model.config.save_pretrained(scratch / "model")
+    with torch.no_grad():  # the trainer's "new" weights differ from the engine's
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 1e-3)
+    buckets = [
+        b.flattened_tensor.view(torch.uint8)
+        for b in iter_buckets(ModuleSource(model).named_tensors(), int(args.bucket_mb * (1 << 20)))
+    ]
+    return model, buckets
+
+
+async def _verify(url: str, report) -> dict:
+    async with EngineClient(url, timeout=600) as client:
+        return await find_unverified(report, {0: client})
+
+
+async def _memory(url: str) -> dict:
+    async with EngineClient(url, timeout=600) as client:
+        return await client.memory()
+
+
+async def _tamper(url: str, checkpoint: Path, version: str) -> None:
+    async with EngineClient(url, timeout=600) as client:
+        await client.update_weights_from_disk(str(checkpoint), weight_version=version)
+
+
+def _timed_syncs(args, transport, model, url: str, checkpoint: Path) -> tuple[float, list[dict], dict]:
+    """One cold send, then `repeats` timed sends each followed by a timed verification."""
+    start = time.perf_counter()
+    transport.send(ModuleSource(model), "cold")  # first send: lazy communicator set-up, allocations
+    cold = time.perf_counter() - start
+    rows, problems = [], {}
+    for repeat in range(args.repeats):
+        version = str(repeat + 1)
+        start = time.perf_counter()
+        report = transport.send(ModuleSource(model), version)
+        sent = time.perf_counter()
+        if args.tamper_for_test:
+            asyncio.run(_tamper(url, checkpoint, version))
+        verify_start = time.perf_counter()
+        problems = asyncio.run(_verify(url, report))
+        verify = time.perf_counter() - verify_start
+        rows.append(
+            {
+                "sync_s": sent - start,
+                "verify_s": verify,
+                "sync_plus_verify_s": sent - start + verify,
+                "verified": not problems,
+                "phases": dict(report.phases),
+            }
+        )
+        _say("phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in report.phases.items()))
+        if problems:
+            break
+    return cold, rows, problems
+
+
+def _engine(args, scratch: Path, engine_gpu: int, gpu: bool) -> EngineProcess:
+    port = free_port()
+    extra = ["--device", args.device, "--base-gpu-id", str(engine_gpu), "--dtype", "bfloat16" if gpu else "float32"]
+    return EngineProcess(
+        embedded_argv(str(scratch / "model"), port, extra=extra),
+        port=port,
+        log_path=Path(args.log_dir or scratch) / f"engine-{args.transport}.log",
+    )
+
+
+def _sync_phase(args, scratch: Path, model, dtype, engine_gpu: int, gpu: bool) -> dict:
+    engine = _engine(args, scratch, engine_gpu, gpu)
+    try:
+        _say("starting the engine")
+        engine.wait_until_up(timeout=600)
+        spec = {
+            "tensor": TensorSync(bucket_mb=args.bucket_mb),
+            "nccl": NcclSync(bucket_mb=args.bucket_mb, join_timeout_s=60),
+            "disk": DiskSync(path=str(scratch / "sync")),
+        }[args.transport]
+        target = EngineTarget(engine_id=0, url=engine.url, num_ranks=1, rank_offset=1, dtype=dtype)
+        options = {"config_dir": str(scratch / "model")} if args.transport == "disk" else {}
+        transport = make_transport(spec, [target], **options)
+        transport.connect()
+        try:
+            _say("sending (cold, then timed)")
+            cold, rows, problems = _timed_syncs(args, transport, model, engine.url, scratch / "model")
+            memory = asyncio.run(_memory(engine.url))
+        finally:
+            transport.disconnect()
+    finally:
+        engine.stop()
+    return {"cold_s": cold, "rows": rows, "problems": problems, "engine_memory": memory}
+
+
+def _summary(args, model_bytes: int, raw: dict, synced: dict, sender_extra: float | None) -> dict:
+    rows, gb = synced["rows"], model_bytes / 1e9
+    raw_med = statistics.median(raw["timed"])
+    sync_med = statistics.median(r["sync_s"] for r in rows)
+    full_med = statistics.median(r["sync_plus_verify_s"] for r in rows)
+    old_raw = raw["timed"][0] if args.transport == "tensor" else raw["first_pass"]
+    return {
+        "model_gb": gb,
+        "raw_path": raw["path"],
+        "raw_s": spread(raw["timed"]),
+        "raw_gb_per_s": spread([gb / s for s in raw["timed"]]),
+        "sync_s": spread([r["sync_s"] for r in rows]),
+        "sync_gb_per_s": spread([gb / r["sync_s"] for r in rows]),
+        "verify_s": spread([r["verify_s"] for r in rows]),
+        "sync_plus_verify_gb_per_s": spread([gb / r["sync_plus_verify_s"] for r in rows]),
+        "first_sync_s": synced["cold_s"],
+        "ratio_sync_to_raw": raw_med / sync_med,
+        "ratio_sync_plus_verify_to_raw": raw_med / full_med,
+        "old_method": {
+            "what": "this benchmark's ceiling before: one pass (nccl, disk: the first, cold, receiver allocating in "
+            "the loop; tensor: one warm pass), divided by the median sync",
+            "raw_s": old_raw,
+            "ratio_sync_to_raw": old_raw / sync_med,
+        },
+        "verified": True,
+        "sender_peak_extra_gb": sender_extra,
+        "engine_memory": synced["engine_memory"],
+    }
+
+
+def _print(args, s: dict) -> None:
+    def line(label: str, d: dict, fmt: str = "8.2f") -> str:
+        return f"  {label:44} {d['median']:{fmt}}  (min {d['min']:{fmt}}, max {d['max']:{fmt}}, n {d['n']})"
+
+    print(f"weight sync over {args.transport} ({args.device}), {s['model_gb']:.3f} GB in {args.bucket_mb} MB buckets")
+    print(line(f"raw ceiling GB/s ({args.transport}, warm)", s["raw_gb_per_s"]))
+    print(line("sync GB/s (gather, pack, send, load)", s["sync_gb_per_s"]))
+    print(line("sync + fingerprint verification GB/s", s["sync_plus_verify_gb_per_s"]))
+    print(line("verification s", s["verify_s"], "8.4f"))
+    print(f"  {'first sync of the run (cold) s':44} {s['first_sync_s']:8.4f}")
+    print(f"  {'ratio sync / raw (medians)':44} {s['ratio_sync_to_raw']:8.3f}")
+    print(f"  {'ratio sync + verification / raw (medians)':44} {s['ratio_sync_plus_verify_to_raw']:8.3f}")
+    print(f"  {'old method ratio (single-pass ceiling)':44} {s['old_method']['ratio_sync_to_raw']:8.3f}")
+    if s["sender_peak_extra_gb"] is not None:
+        print(f"  sender peak extra GPU memory {s['sender_peak_extra_gb']:.2f} GB; engine {s['engine_memory']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    command, started = command_line(["rollfleet", "bench", "weight-sync"], argv), start()
     dump_stacks_if_hung()
     gpu = args.device == "cuda"
     sender_device = "cuda:0" if gpu else "cpu"
     engine_gpu = 0 if args.transport == "tensor" or torch.cuda.device_count() < 2 else 1
-    engine_device = f"cuda:{engine_gpu}" if gpu else "cpu"
     dtype = torch.bfloat16 if gpu else torch.float32
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        say = lambda what: print(f"[bench {time.strftime('%X')}] {what}", flush=True)  # noqa: E731
-        say("building the model")
-        model = model_for(args.size_gb, dtype, sender_device)
+        _say("building the model")
+        model, buckets = _prepare(args, scratch, dtype, sender_device)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        save_checkpoint(ModuleSource(model).named_tensors(), scratch / "model", None)
-        make_tokenizer().save_pretrained(scratch / "model")
-        model.config.save_pretrained(scratch / "model")
-        with torch.no_grad():  # the trainer's "new" weights differ from the engine's
-            for param in model.parameters():
-                param.add_(torch.randn_like(param) * 1e-3)
-        buckets = [
-            b.flattened_tensor.view(torch.uint8)
-            for b in iter_buckets(ModuleSource(model).named_tensors(), int(args.bucket_mb * (1 << 20)))
-        ]
-        say("measuring the raw ceiling")
-        if args.transport == "nccl":
-            raw_seconds = raw_broadcast(buckets, sender_device, engine_device, "nccl" if gpu else "gloo")
-            raw_name = "plain broadcast of the same buckets"
-        elif args.transport == "tensor":
-            raw_seconds = raw_copy(buckets)
-            raw_name = "device copy of the same bytes"
-        else:
-            raw_seconds = raw_read(scratch / "model", engine_device)
-            raw_name = "reading the checkpoint files"
+        _say("measuring the raw ceiling")
+        engine_device = f"cuda:{engine_gpu}" if gpu else "cpu"
+        raw = measure_raw(args.transport, buckets, scratch / "model", args.repeats, gpu, sender_device, engine_device)
         del buckets
         if gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(0)
         sender_before = torch.cuda.memory_allocated(0) if gpu else 0
-        port = free_port()
-        extra = ["--device", args.device, "--base-gpu-id", str(engine_gpu), "--dtype", "bfloat16" if gpu else "float32"]
-        engine = EngineProcess(
-            embedded_argv(str(scratch / "model"), port, extra=extra),
-            port=port,
-            log_path=Path(args.log_dir or scratch) / f"engine-{args.transport}.log",
+        synced = _sync_phase(args, scratch, model, dtype, engine_gpu, gpu)
+    sender_extra = (torch.cuda.max_memory_allocated(0) - sender_before) / 1e9 if gpu else None
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "log_dir")}
+    rows = [{"repeat": i + 1, "raw_s": raw["timed"][i], **row} for i, row in enumerate(synced["rows"])]
+    if synced["problems"]:
+        failure = f"the engine does not hold what was sent: {synced['problems']}"
+        summary = {"verified": False, "raw_first_pass_s": raw["first_pass"], "first_sync_s": synced["cold_s"]}
+        write_record(
+            args.json, make_record("weight-sync", command, config, rows, summary, False, failure, started=started)
         )
-        try:
-            say("starting the engine")
-            engine.wait_until_up(timeout=600)
-            say("engine up; connecting")
-            spec = {
-                "tensor": TensorSync(bucket_mb=args.bucket_mb),
-                "nccl": NcclSync(bucket_mb=args.bucket_mb, join_timeout_s=60),
-                "disk": DiskSync(path=str(scratch / "sync")),
-            }[args.transport]
-            target = EngineTarget(engine_id=0, url=engine.url, num_ranks=1, rank_offset=1, dtype=dtype)
-            options = {"config_dir": str(scratch / "model")} if args.transport == "disk" else {}
-            transport = make_transport(spec, [target], **options)
-            transport.connect()
-            say("sending (cold, then timed)")
-            cold = time.perf_counter()
-            transport.send(ModuleSource(model), "cold")  # first send: lazy communicator set-up, allocations
-            cold_seconds = time.perf_counter() - cold
-            sends, fulls = [], []
-            for repeat in range(args.repeat):  # steady state: a run keeps its transport connected across steps
-                start = time.perf_counter()
-                report = transport.send(ModuleSource(model), str(repeat + 1))
-                sends.append(time.perf_counter() - start)
-                problems = asyncio.run(_verify(engine.url, report))
-                fulls.append(time.perf_counter() - start)
-                say("phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in report.phases.items()))
-                if problems:
-                    break
-            engine_memory = asyncio.run(_memory(engine.url))
-            send_seconds, full_seconds = statistics.median(sends), statistics.median(fulls)
-            say(f"sent and verified in {full_seconds:.3f} s (cold send {cold_seconds:.3f} s); disconnecting")
-            transport.disconnect()
-        finally:
-            engine.stop()
-    figures = {
-        "transport": args.transport,
-        "device": args.device,
-        "model_gb": round(model_bytes / 1e9, 3),
-        "bucket_mb": args.bucket_mb,
-        "raw_path": raw_name,
-        "raw_gb_per_s": round(model_bytes / raw_seconds / 1e9, 2),
-        "sync_gb_per_s": round(model_bytes / send_seconds / 1e9, 2),
-        "first_sync_gb_per_s": round(model_bytes / cold_seconds / 1e9, 2),
-        "sync_plus_verify_gb_per_s": round(model_bytes / full_seconds / 1e9, 2),
-        "ratio_sync_to_raw": round(raw_seconds / send_seconds, 3),
-        "ratio_sync_plus_verify_to_raw": round(raw_seconds / full_seconds, 3),
-        "verified": not problems,
-        "sync_seconds": [round(x, 4) for x in sends],
-        "raw_seconds": round(raw_seconds, 4),
-        "verify_seconds": [round(full - send, 4) for send, full in zip(sends, fulls)],
-        "phases_last_sync": {k: round(v, 4) for k, v in report.phases.items()},
-        "sender_peak_extra_gb": round((torch.cuda.max_memory_allocated(0) - sender_before) / 1e9, 2) if gpu else None,
-        "engine_memory": engine_memory,
-    }
-    print(f"weight sync over {args.transport} ({args.device}), {figures['model_gb']} GB in {args.bucket_mb} MB buckets")
-    print(f"  raw ceiling ({raw_name}): {figures['raw_gb_per_s']:8.2f} GB/s")
-    print(f"  full sync (gather, pack, send, load):      {figures['sync_gb_per_s']:8.2f} GB/s")
-    print(f"  full sync + fingerprint verification:      {figures['sync_plus_verify_gb_per_s']:8.2f} GB/s")
-    print(f"  first sync of the run (cold):              {figures['first_sync_gb_per_s']:8.2f} GB/s")
-    print(f"  ratio full sync / raw:                     {figures['ratio_sync_to_raw']:8.3f}")
-    print(f"  ratio full sync + verification / raw:      {figures['ratio_sync_plus_verify_to_raw']:8.3f}")
-    print(f"  timed syncs (s): {figures['sync_seconds']} (median of {len(sends)}); raw {figures['raw_seconds']} s")
-    print(f"  verification (s): {figures['verify_seconds']}")
-    print(f"  verified by fingerprint:                   {figures['verified']}  {problems or ''}")
-    if gpu:
-        print(f"  sender peak extra GPU memory:              {figures['sender_peak_extra_gb']} GB")
-        print(f"  engine memory:                             {engine_memory}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1))
-    if problems:
-        raise SystemExit(f"the engine does not hold what was sent: {problems}")
+        raise SystemExit(f"verification FAILED, no figures reported: {failure}")
+    summary = _summary(args, model_bytes, raw, synced, sender_extra)
+    summary["raw_first_pass_s"] = raw["first_pass"]
+    _print(args, summary)
+    write_record(args.json, make_record("weight-sync", command, config, rows, summary, True, started=started))
 
 
 if __name__ == "__main__":

@@ -352,13 +352,18 @@ class Fleet:
         self, path: str, weight_version: str, engine_ids: list[int] | None = None, *, advance: bool = True
     ) -> None:
         """Verify engines against fingerprints computed here from the checkpoint's files."""
+        self.verify(self.expected_from_checkpoint(path, weight_version, engine_ids), advance=advance)
+
+    def expected_from_checkpoint(self, path: str, weight_version: str, engine_ids: list[int] | None = None):
+        """What engines holding checkpoint `path` at `weight_version` must report (fingerprints in
+        each engine's dtype; none in version mode, which reads no files)."""
         targets = self.weight_targets(engine_ids)
-        tensors = read_checkpoint(path) if self.cfg.verify_mode == "fingerprint" else {}  # version mode: no reads
+        tensors = read_checkpoint(path) if self.cfg.verify_mode == "fingerprint" else {}
         report = SyncReport(version=weight_version, transport="disk", engine_ids=[t.engine_id for t in targets])
         if tensors:
             for target in targets:
                 report.fingerprints[target.engine_id] = fingerprints(tensors.items(), target.dtype)
-        self.verify(report, advance=advance)
+        return report
 
     def verify(self, report: SyncReport, *, advance: bool = True) -> None:
         """Compare each engine's fingerprints and version with what was sent; an engine that differs

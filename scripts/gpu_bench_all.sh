@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every GPU benchmark behind docs/benchmarks.md, on a 2-GPU machine, records written to $OUT:
+#   OUT=/some/dir bash scripts/gpu_bench_all.sh [sync|recovery|all]     (default all)
+# Weight sync: nccl on the 8B-class (--size-gb 16 -> 19.5 GB) and 5 GB (--size-gb 4.2) models and
+# tensor on the 8B-class one, 2048 MB buckets (override with SYNC_RUNS="nccl 16 2048;tensor 16 2048").
+# Recovery: two embedded engines, one per GPU, REPEATS rounds (default 3).
+# Each part fits in one 10-minute call; run them as separate calls if needed.
+# The record names the code by `git rev-parse HEAD`; a copy without .git must be given
+# ROLLFLEET_GIT_REVISION=<commit> ROLLFLEET_GIT_DIRTY=0|1 in the environment.
+# Then: copy $OUT/*.json into docs/results/, run `python scripts/make_tables.py`, commit both.
+set -u
+out=${OUT:-runs}
+mkdir -p "$out/logs"
+what=${1:-all}
+here=$(cd "$(dirname "$0")" && pwd)
+status=0
+if [ "$what" = all ] || [ "$what" = sync ]; then
+  IFS=';' read -r -a runs <<< "${SYNC_RUNS:-nccl 16 2048;nccl 4.2 2048;tensor 16 2048}"
+  OUT="$out" bash "$here/gpu_bench_sync.sh" "${runs[@]}" || status=1
+fi
+if [ "$what" = all ] || [ "$what" = recovery ]; then
+  echo "=== recovery-gpu"
+  timeout 500 python3 -m rollfleet bench recovery --repeats "${REPEATS:-3}" --json "$out/recovery-gpu.json" \
+    > "$out/logs/recovery-gpu.out" 2>&1 || { echo "=== recovery-gpu failed"; status=1; }
+  grep -v "^engine [0-9]*:" "$out/logs/recovery-gpu.out" | tail -8
+fi
+exit $status
