@@ -99,11 +99,12 @@ def raw_broadcast(buckets: list[torch.Tensor], repeats: int, device: str, receiv
         first = _broadcast_pass(buckets, group, device)
         _broadcast_pass(buckets, group, device)  # warm-up, untimed
         timed = [_broadcast_pass(buckets, group, device) for _ in range(repeats)]
-        proc.join(timeout=120)
     finally:
-        dist.destroy_process_group(group)
+        dist.destroy_process_group(group)  # first: NCCL's teardown on the receiver waits for this side
+        proc.join(timeout=120)
         if proc.is_alive():
             proc.kill()
+            proc.join()
     if proc.exitcode != 0:
         raise RuntimeError(f"the raw receiver exited with {proc.exitcode}")
     return {"first_pass": first, "timed": timed}
