@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from rollfleet.engine.call_order import CallOrder, CallOrderError
 from rollfleet.engine.runner import WeightUpdateError
+from rollfleet.engine.scheduler import EngineStopped
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.protocol import (
     AbortRequest,
@@ -86,12 +87,14 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
 
     async def control(fn, *, needs_idle: bool = True, abort_first: bool = False, waits_for=None, queued=None) -> Any:
         """Run `fn` on the engine thread; `queued`: an async context held while it is queued (a turn)."""
-        async with queued or contextlib.nullcontext():
-            future = scheduler.control(fn, needs_idle=needs_idle, abort_first=abort_first, waits_for=waits_for)
         try:
+            async with queued or contextlib.nullcontext():
+                future = scheduler.control(fn, needs_idle=needs_idle, abort_first=abort_first, waits_for=waits_for)
             return await asyncio.wrap_future(future)
         except (WeightUpdateError, ValueError) as exc:
             raise BadRequest(str(exc)) from exc
+        except EngineStopped as exc:
+            raise BadRequest(str(exc), 503) from exc
 
     def not_ready_reason() -> str | None:
         if scheduler.failure is not None:
@@ -148,9 +151,13 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
             raise BadRequest(reason)
         if req.return_logprob and req.logprob_start_len >= 0:
             raise BadRequest("logprob_start_len >= 0 (input logprobs) is not supported: send -1")
-        prompts, is_batch = prompts_of(req)
+        prompts, is_batch = await asyncio.to_thread(prompts_of, req)  # long texts tokenize off the event loop
         params = sampling_of(req, len(prompts))
         lora_names = lora_names_of(req, len(prompts))
+        try:
+            scheduler.check_request(prompts, params, "text" if req.text is not None else "input_ids")
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
         for index, prompt in enumerate(prompts):
             if not prompt:
                 raise BadRequest(f"prompt {index} is empty: give at least one token")
@@ -177,6 +184,8 @@ def create_app(args, runner, scheduler, run_action, tokenizer) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if reason := scheduler.dead_reason:  # a dead engine loop is not "up"
+            return _fail(reason, 503)
         return Response(status_code=200)
 
     @app.get("/health_generate")

@@ -11,11 +11,18 @@ One engine thread owns the model. It runs, in this order of priority:
 Requests that arrive while a batch runs wait for the next batch. Every model call goes
 through `run_action`, which broadcasts it to the other tp ranks first, so all ranks execute
 the same actions in the same order.
+
+The loop outlives any one request: requests are checked before they are queued
+(`check_request`), and an exception while a batch runs finishes that batch's requests with
+`finish_reason.type == "abort"` and the reason, then the loop takes the next work. Only a
+failure of the loop itself stops it; then every pending caller fails at once and
+`dead_reason` says why (the server's `/health` answers 503 with it).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import uuid
 from collections import deque
@@ -28,6 +35,12 @@ import torch
 
 from rollfleet.engine.sampling import make_generator, sample_token
 from rollfleet.wire.protocol import FinishReason, SamplingParams
+
+log = logging.getLogger("rollfleet.engine")
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop has stopped: nothing more can run on this engine."""
 
 
 @dataclass
@@ -66,6 +79,8 @@ class Scheduler:
         context_length: int,
         max_running_requests: int,
         weight_version: str,
+        vocab_size: int,
+        max_samples_per_request: int = 1024,
         thread_setup: Callable[[], None] = lambda: None,
     ):
         self.run_action = run_action
@@ -73,6 +88,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
         self.max_running_requests = max_running_requests
+        self.vocab_size = vocab_size
+        self.max_samples_per_request = max_samples_per_request
         self.weight_version = weight_version
         self.thread_setup = thread_setup  # per-thread state the model needs (the current CUDA device)
         self.waiting: deque[Sequence] = deque()
@@ -90,6 +107,30 @@ class Scheduler:
     # ---- called from the HTTP side (any thread) ------------------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    def check_request(self, prompts: list[list[int]], params: list[SamplingParams], field: str = "input_ids") -> None:
+        """ValueError naming the field, the value and the fix for what the model cannot take: token
+        ids outside the vocabulary (they would fail inside the model), more samples than
+        `max_samples_per_request`. `params` holds one entry per prompt; `field` names the prompts."""
+        total = sum(p.n for p in params)
+        if total > self.max_samples_per_request:
+            counts = sorted({p.n for p in params})
+            raise ValueError(
+                f"sampling_params.n={counts[0] if len(counts) == 1 else counts} for {len(prompts)} prompts asks for "
+                f"{total} samples; this server takes at most {self.max_samples_per_request} per request "
+                "(--max-samples-per-request): split the request or lower n"
+            )
+        vocab = f"outside this model's vocabulary [0, {self.vocab_size})"
+        for index, prompt in enumerate(prompts):
+            if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
+                position, token = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size)
+                where = f"{field}[{index}][{position}]" if len(prompts) > 1 else f"{field}[{position}]"
+                raise ValueError(f"{where}={token} is {vocab}: send token ids of this model's tokenizer")
+        for index, p in enumerate(params):
+            bad = [t for t in p.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+            if bad:
+                where = "sampling_params" if len(params) == 1 else f"sampling_params[{index}]"
+                raise ValueError(f"{where}.stop_token_ids holds {bad[:5]}, {vocab}: drop them")
 
     def submit(
         self,
@@ -161,6 +202,15 @@ class Scheduler:
             self._wakeup.notify()
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why this engine cannot generate any more (None while the loop runs or was stopped on purpose)."""
+        if self.failure is not None:
+            return f"the engine loop has stopped: {self.failure!r}"
+        if self._thread.ident is not None and not self._thread.is_alive() and not self.stopped:
+            return "the engine loop thread has exited"
+        return None
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
@@ -226,6 +276,12 @@ class Scheduler:
         self._drop_aborted_running()
         if not self.running:
             return
+        try:
+            self._advance_batch()
+        except Exception as exc:  # the batch's requests fail with the reason; the engine goes on
+            self._fail_batch(exc)
+
+    def _advance_batch(self) -> None:
         if self.needs_prefill:
             logits = self.run_action("prefill", prompts=[s.prompt_ids for s in self.running], lora_name=self.batch_lora)
             self.needs_prefill = False
@@ -280,6 +336,18 @@ class Scheduler:
             self.running = [self.running[row] for row in keep]
             self.run_action("keep_rows", rows=keep)
 
+    def _fail_batch(self, exc: Exception) -> None:
+        log.exception("a batch of %d requests failed; they finish as aborted, the engine goes on", len(self.running))
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+        with self._wakeup:
+            for seq in self.running:
+                if seq.finish is None:  # a request that finished before the failure keeps its own reason
+                    seq.finish = FinishReason(type="abort", message=f"the engine failed this batch: {reason}")
+                self._finish(seq, seq.finish)
+            self.running = []
+        self.run_action("end_batch")  # a failure here is the loop's own: it stops and says why
+
     def _drop_aborted_running(self) -> None:
         with self._wakeup:
             for seq in self.running:
@@ -324,13 +392,12 @@ class Scheduler:
 
     def _raise_if_dead(self) -> None:
         if self.failure is not None:
-            raise RuntimeError(f"the engine loop has stopped: {self.failure!r}")
+            raise EngineStopped(f"the engine loop has stopped: {self.failure!r}")
 
     def _fail_everything(self, exc: BaseException) -> None:
-        error = RuntimeError(f"the engine loop has stopped: {exc!r}")
+        error = EngineStopped(f"the engine loop has stopped: {exc!r}")
         for seq in itertools.chain(self.waiting, self.running):
-            if not seq.future.done():
-                seq.future.set_exception(error)
+            self._finish(seq, FinishReason(type="abort", message=str(error)))
         for action in self.controls:
             action.future.set_exception(error)
         self.waiting.clear(), self.running.clear(), self.controls.clear()
