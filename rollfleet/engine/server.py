@@ -283,6 +283,10 @@ def serve(args, runner: ModelRunner, run_action: ActionBroadcaster) -> None:
     from rollfleet.engine.app import create_app
     from rollfleet.engine.scheduler import Scheduler
 
+    # The engine thread holds the GIL between short torch calls; the HTTP thread waits up to this long for
+    # it after every socket call. 5 ms (the default) times the dozens of such calls a reply makes let a
+    # busy engine delay /health by a second on a loaded host; 1 ms keeps it fast.
+    sys.setswitchinterval(0.001)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     scheduler = Scheduler(
         run_action,
