@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint bench-batching clean
+.PHONY: demo test lint mutants bench-batching clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ test: $(VENV)/.installed lint
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check rollfleet tests scripts examples
 	$(VENV)/bin/ruff format --check rollfleet tests scripts examples
+
+# each claimed invariant broken on purpose in a copy of the tree; its tests must fail (slow: minutes)
+mutants: $(VENV)/.installed
+	$(PY) tests/mutation/check.py
 
 demo: $(VENV)/.installed
 	$(PY) -m rollfleet.demo

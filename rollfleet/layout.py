@@ -1,4 +1,4 @@
-"""Where each rollout GPU sits: rank coordinates, engine groups, and layout validation.
+"""Where each rollout GPU sits: one `Layout` (engines, tp, pp, ep), validated once, and what derives from it.
 
 The rollout world is dp x pp x tp GPUs, tp fastest, then pp, then dp:
 
@@ -12,15 +12,41 @@ the TP group splits into m expert groups of ep ranks each, taking every m-th tp 
 (tp=4, ep=2: expert groups {0, 2} and {1, 3}). A rank's place in its expert group,
 `ep_rank = tp_rank // m`, says which 1/ep of the experts it holds. ep == tp gives
 ep_rank == tp_rank; ep == 1 gives ep_rank == 0.
+
+Weight-update group (nccl sync): the sender is rank 0, the k-th targeted engine's ranks start at
+1 + the ranks of the engines before it (`weight_update_group`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 _EXPERT_COUNT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class LayoutProblem:
+    """One reason a layout cannot run: the field, its value, what is wrong and the fix."""
+
+    field: str
+    value: int
+    problem: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.field}={self.value}: {self.problem} (fix: {self.fix})"
+
+
+class LayoutError(ValueError):
+    def __init__(self, problems: list[LayoutProblem]):
+        self.problems = problems
+        lines = [str(p) for p in problems]
+        title = "invalid rollout layout"
+        super().__init__(
+            f"{title}: {lines[0]}" if len(lines) == 1 else title + ":\n" + "\n".join(f"  {x}" for x in lines)
+        )
 
 
 @dataclass(frozen=True)
@@ -52,32 +78,88 @@ class RankInfo:
         return self.pp_rank * self.tp_size + self.tp_rank
 
 
-def build_rank_infos(dp_size: int, pp_size: int, tp_size: int, ep_size: int = 1) -> list[RankInfo]:
-    """RankInfo for every rank of the rollout world, ordered by rank."""
-    world_size = dp_size * pp_size * tp_size
-    problems = _size_problems(world_size, tp_size, pp_size, ep_size, dp_size=dp_size)
-    if problems:
-        raise ValueError(_join("invalid rollout layout", problems))
-    return [_rank_info(rank, dp_size, pp_size, tp_size, ep_size) for rank in range(world_size)]
+@dataclass(frozen=True)
+class Layout:
+    """The rollout fleet's shape; constructing one validates it (LayoutError names field, value, fix)."""
+
+    num_engines: int
+    tp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+
+    def __post_init__(self):
+        sizes = {"num_engines": self.num_engines, "tp_size": self.tp_size, "pp_size": self.pp_size}
+        problems = [
+            LayoutProblem(name, value, "must be >= 1", f"set {name} >= 1") for name, value in sizes.items() if value < 1
+        ]
+        if self.ep_size < 1 or (self.tp_size >= 1 and self.tp_size % self.ep_size):
+            problems.append(
+                LayoutProblem(
+                    "ep_size",
+                    self.ep_size,
+                    f"must divide tp_size={self.tp_size} (expert groups split the engine's TP group)",
+                    f"set ep_size to one of {divisors(max(self.tp_size, 1))}",
+                )
+            )
+        if problems:
+            raise LayoutError(problems)
+
+    @property
+    def gpus_per_engine(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def world_size(self) -> int:
+        """All rollout ranks (one per GPU)."""
+        return self.num_engines * self.gpus_per_engine
+
+    def ranks(self) -> list[RankInfo]:
+        """RankInfo for every rank of the rollout world, ordered by rank."""
+        return [self._rank_info(rank) for rank in range(self.world_size)]
+
+    def _rank_info(self, rank: int) -> RankInfo:
+        tp, pp = self.tp_size, self.pp_size
+        return RankInfo(
+            rank=rank,
+            world_size=self.world_size,
+            dp_rank=rank // (tp * pp),
+            dp_size=self.num_engines,
+            pp_rank=(rank // tp) % pp,
+            pp_size=pp,
+            tp_rank=rank % tp,
+            tp_size=tp,
+            ep_rank=(rank % tp) // (tp // self.ep_size),
+            ep_size=self.ep_size,
+        )
+
+    def check_model(self, model_config: Any, *, allow_kv_head_replication: bool = False) -> None:
+        """Raise LayoutError if the model cannot split this way: heads by tp, experts by ep, layers over
+        pp. SGLang replicates KV heads when tp is a multiple of their count (`allow_kv_head_replication`).
+        `model_config` is a transformers PretrainedConfig or its dict."""
+        config = _text_config(model_config)
+        problems = _head_problems(config, self.tp_size, allow_kv_head_replication)
+        experts = _expert_count(config)
+        if self.ep_size > 1 and not experts:
+            problems.append(
+                LayoutProblem("ep_size", self.ep_size, "the model has no experts", "set ep_size=1 for a dense model")
+            )
+        elif experts and experts % self.ep_size:
+            problems.append(_split_problem("number of experts", experts, "ep_size", self.ep_size))
+        layers = _get(config, "num_hidden_layers")
+        if layers and layers < self.pp_size:
+            problems.append(
+                LayoutProblem(
+                    "pp_size",
+                    self.pp_size,
+                    f"more pipeline stages than the model's num_hidden_layers={layers}",
+                    f"set pp_size <= {layers}",
+                )
+            )
+        if problems:
+            raise LayoutError(problems)
 
 
-def _rank_info(rank: int, dp_size: int, pp_size: int, tp_size: int, ep_size: int) -> RankInfo:
-    tp_rank = rank % tp_size
-    return RankInfo(
-        rank=rank,
-        world_size=dp_size * pp_size * tp_size,
-        dp_rank=rank // (tp_size * pp_size),
-        dp_size=dp_size,
-        pp_rank=(rank // tp_size) % pp_size,
-        pp_size=pp_size,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        ep_rank=tp_rank // (tp_size // ep_size),
-        ep_size=ep_size,
-    )
-
-
-def engine_rank_groups(rank_infos: list[RankInfo]) -> dict[int, list[RankInfo]]:
+def engine_rank_groups(rank_infos: Sequence[RankInfo]) -> dict[int, list[RankInfo]]:
     """Engine id -> that engine's ranks ordered by rank_in_engine (the head first)."""
     groups: dict[int, list[RankInfo]] = {}
     for info in sorted(rank_infos, key=lambda i: (i.engine_id, i.rank_in_engine)):
@@ -85,83 +167,21 @@ def engine_rank_groups(rank_infos: list[RankInfo]) -> dict[int, list[RankInfo]]:
     return groups
 
 
-def weight_update_rank_offset(engine_id: int, tp_size: int, pp_size: int) -> int:
-    """Rank of an engine's first GPU in the weight-update group (trainer rank 0 is rank 0)."""
-    return 1 + engine_id * tp_size * pp_size
+def weight_update_group(ranks_per_engine: Sequence[int]) -> tuple[list[int], int]:
+    """(each engine's first rank, world size) of a weight-update group of the sender (rank 0) and the
+    given engines in order, each with its tp*pp ranks: engine k starts at 1 + the ranks before it."""
+    offsets, next_rank = [], 1
+    for ranks in ranks_per_engine:
+        offsets.append(next_rank)
+        next_rank += ranks
+    return offsets, next_rank
 
 
-def weight_update_world_size(num_engines: int, tp_size: int, pp_size: int) -> int:
-    """Size of the weight-update group: trainer rank 0 plus every engine rank."""
-    return 1 + num_engines * tp_size * pp_size
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate_layout(
-    world_size: int,
-    tp_size: int,
-    pp_size: int,
-    ep_size: int,
-    model_config: Any = None,
-    train_sequence_parallel_size: int = 1,
-    colocated: bool = False,
-    *,
-    allow_kv_head_replication: bool = False,
-) -> None:
-    """Raise ValueError, naming each field, its value and the fix, if this layout cannot run.
-
-    `model_config` is a transformers PretrainedConfig or its dict; when given, the model
-    must split: heads by tp, experts by ep, layers over pp. SGLang replicates KV heads
-    when tp is a multiple of their count; pass `allow_kv_head_replication=True` to accept that.
-    """
-    problems = _size_problems(world_size, tp_size, pp_size, ep_size)
-    if not problems and model_config is not None:
-        problems += _model_problems(_text_config(model_config), tp_size, pp_size, ep_size, allow_kv_head_replication)
-    if colocated and train_sequence_parallel_size > 1 and tp_size * pp_size > 1:
-        problems.append(
-            f"train sequence_parallel_size={train_sequence_parallel_size} cannot combine with rollout "
-            f"tp_size*pp_size={tp_size * pp_size} on the same (colocated) workers "
-            "(fix: set sequence_parallel_size=1, or tp_size=pp_size=1, or use disaggregated placement)"
-        )
-    if problems:
-        raise ValueError(_join("invalid rollout layout", problems))
-
-
-def _size_problems(world_size: int, tp_size: int, pp_size: int, ep_size: int, **extra: int) -> list[str]:
-    sizes = {"world_size": world_size, "tp_size": tp_size, "pp_size": pp_size, "ep_size": ep_size, **extra}
-    problems = [f"{name}={value}: must be >= 1 (fix: set {name} >= 1)" for name, value in sizes.items() if value < 1]
-    if problems:
-        return problems
-    engine_size = tp_size * pp_size
-    if world_size % engine_size:
-        problems.append(
-            f"world_size={world_size}: not divisible by tp_size*pp_size={engine_size} "
-            f"(fix: use a multiple of {engine_size} GPUs, or tp_size*pp_size among {_divisors(world_size)})"
-        )
-    if tp_size % ep_size:
-        problems.append(
-            f"ep_size={ep_size}: must divide tp_size={tp_size} (fix: set ep_size to one of {_divisors(tp_size)})"
-        )
-    return problems
-
-
-def _model_problems(
-    config: Any, tp_size: int, pp_size: int, ep_size: int, allow_kv_head_replication: bool
-) -> list[str]:
-    problems = _head_problems(config, tp_size, allow_kv_head_replication)
-    experts = _expert_count(config)
-    if ep_size > 1 and not experts:
-        problems.append(f"ep_size={ep_size}: the model has no experts (fix: set ep_size=1 for a dense model)")
-    elif experts and experts % ep_size:
-        problems.append(_split_problem("number of experts", experts, "ep_size", ep_size))
-    layers = _get(config, "num_hidden_layers")
-    if layers and layers < pp_size:
-        problems.append(
-            f"pp_size={pp_size}: more pipeline stages than the model's num_hidden_layers={layers} "
-            f"(fix: set pp_size <= {layers})"
-        )
-    return problems
-
-
-def _head_problems(config: Any, tp_size: int, allow_kv_head_replication: bool) -> list[str]:
+def _head_problems(config: Any, tp_size: int, allow_kv_head_replication: bool) -> list[LayoutProblem]:
     problems = []
     heads = _get(config, "num_attention_heads")
     kv_heads = _get(config, "num_key_value_heads") or heads
@@ -179,10 +199,12 @@ def _expert_count(config: Any) -> int | None:
     return next((count for count in counts if count), None)
 
 
-def _split_problem(model_field: str, count: int, size_name: str, size: int) -> str:
-    return (
-        f"{size_name}={size}: the model's {model_field}={count} is not divisible by it "
-        f"(fix: set {size_name} to one of {_divisors(count)})"
+def _split_problem(model_field: str, count: int, size_name: str, size: int) -> LayoutProblem:
+    return LayoutProblem(
+        size_name,
+        size,
+        f"the model's {model_field}={count} is not divisible by it",
+        f"set {size_name} to one of {divisors(count)}",
     )
 
 
@@ -195,11 +217,3 @@ def _text_config(config: Any) -> Any:
 
 def _get(config: Any, name: str) -> Any:
     return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _join(title: str, problems: list[str]) -> str:
-    return f"{title}: {problems[0]}" if len(problems) == 1 else title + ":\n" + "\n".join(f"  {p}" for p in problems)

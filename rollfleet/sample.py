@@ -17,3 +17,19 @@ class Sample:
     weight_version: str = ""
     engine_id: int = -1
     reward: float | None = None
+
+    @classmethod
+    def from_answer(cls, prompt_index: int, sample_index: int, prompt_ids: list[int], out: dict, engine_id: int):
+        """A sample from one result of an engine's /generate answer (SGLang's fields)."""
+        meta = out["meta_info"]
+        return cls(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            prompt_ids=prompt_ids,
+            output_ids=list(out["output_ids"]),
+            logprobs=[e[0] for e in meta.get("output_token_logprobs", [])],
+            text=out.get("text", ""),
+            finish_reason=meta["finish_reason"],
+            weight_version=str(meta.get("weight_version", "")),
+            engine_id=engine_id,
+        )

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import shutil
 import tempfile
+import time
 
 import pytest
 import ray
@@ -107,9 +109,19 @@ def call(proc: EngineProcess, method: str, *args, **kwargs):
     return run(go())
 
 
+def every_engine(fleet, verb: str, *args, **kwargs) -> list:
+    """One client call on every engine of a fleet, through its engine pool; answers by engine id."""
+    return fleet.pool.on_all(verb, [s.engine_id for s in fleet.slots], *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def _reference_model(model_path: str):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
 def reference_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy tokens and their logprobs from a plain transformers forward pass (no engine involved)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = _reference_model(model_path)
     ids = list(prompt_ids)
     out, logprobs = [], []
     with torch.no_grad():
@@ -120,3 +132,15 @@ def reference_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int
             logprobs.append(float(torch.log_softmax(logits, -1)[token]))
             ids.append(token)
     return out, logprobs
+
+
+async def scheduler_stats_when(client: EngineClient, condition, timeout: float = 30) -> dict:
+    """The scheduler stats a server reports (`/get_server_info`) once `condition` holds of them:
+    waits on the server's own state, not on time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = (await client.get_server_info())["scheduler_stats"]
+        if condition(stats):
+            return stats
+        assert time.monotonic() < deadline, f"not reached within {timeout} s: {stats}"
+        await asyncio.sleep(0.005)

@@ -9,18 +9,29 @@ import pytest
 from rollfleet.engine.call_order import CallOrder, CallOrderError
 
 
-async def arrive(order: CallOrder, queued: list, sync_id, call, delay=0.0, fail=False):
-    await asyncio.sleep(delay)
+async def arrive(order: CallOrder, queued: list, sync_id, call, fail=False):
     async with order.turn(sync_id, call):
         if fail:
             raise ValueError("bad request")
         queued.append((sync_id, call))
 
 
+async def waiting(order: CallOrder, count: int) -> None:
+    """Until `count` calls wait for their turn (the order's own state, not time)."""
+    async with asyncio.timeout(5):
+        while order.waiting != count:
+            await asyncio.sleep(0)
+
+
 def test_calls_arriving_in_reverse_are_queued_in_order():
     async def go():
-        order, queued = CallOrder(wait_s=5), []
-        await asyncio.gather(*(arrive(order, queued, "s", call, delay=0.01 * (4 - call)) for call in range(5)))
+        order, queued, calls = CallOrder(wait_s=5), [], []
+        for call in reversed(range(1, 5)):  # 4 arrives first and waits, then 3 ...
+            calls.append(asyncio.ensure_future(arrive(order, queued, "s", call)))
+            await waiting(order, len(calls))
+        assert queued == []
+        await arrive(order, queued, "s", 0)
+        await asyncio.gather(*calls)
         return queued
 
     assert asyncio.run(go()) == [("s", call) for call in range(5)]
@@ -51,11 +62,11 @@ def test_a_new_sync_ends_the_waits_of_the_old_one():
     async def go():
         order, queued = CallOrder(wait_s=5), []
         await arrive(order, queued, "old", 0)
-        waiting = asyncio.ensure_future(arrive(order, queued, "old", 2))  # call 1 never comes
-        await asyncio.sleep(0.05)
+        stranded = asyncio.ensure_future(arrive(order, queued, "old", 2))  # call 1 never comes
+        await waiting(order, 1)
         await arrive(order, queued, "new", 0)
         with pytest.raises(CallOrderError, match="that sync is over"):
-            await waiting
+            await stranded
         await arrive(order, queued, "new", 1)
         return queued
 

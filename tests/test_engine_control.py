@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import client_for, engine_server, run
+from conftest import client_for, engine_server, run, scheduler_stats_when
 
 from rollfleet.wire.client import EngineError
 
@@ -19,11 +19,11 @@ def server(qwen3_dir, tmp_path_factory):
 
 
 async def _started(client, rid):
-    """A long request that has begun generating, then held in place so it cannot finish on its own."""
+    """A long request in the running batch (not queued), then held in place so it cannot finish on its own."""
     task = asyncio.create_task(client.generate(input_ids=[1, 2, 3], sampling_params=LONG, rid=rid))
-    while (await client.get_server_info())["scheduler_stats"]["generated_tokens"] == 0 and not task.done():
-        await asyncio.sleep(0.01)
+    await scheduler_stats_when(client, lambda s: s["running_requests"] == 1 or task.done())
     await client.pause_generation("in_place")
+    assert not task.done()
     return task
 
 
@@ -48,7 +48,7 @@ def test_abort_all(server):
         async with client_for(server) as client:
             tasks = [await _started(client, "r0")]
             tasks.append(asyncio.create_task(client.generate(input_ids=[7], sampling_params=LONG, rid="r1")))
-            await asyncio.sleep(0.2)  # r1 waits in the queue while r0 runs (paused)
+            await scheduler_stats_when(client, lambda s: s["waiting_requests"] == 1)  # r1 queued, r0 paused
             await client.abort_request(abort_all=True)
             outs = await asyncio.gather(*tasks)
             await client.continue_generation()
@@ -66,8 +66,10 @@ def test_pause_abort_mode_aborts_in_flight_and_holds_new_requests(server):
             later = asyncio.create_task(
                 client.generate(input_ids=[5], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
             )
-            await asyncio.sleep(0.5)
-            held = not later.done()
+            await scheduler_stats_when(client, lambda s: s["waiting_requests"] == 1)
+            await asyncio.sleep(0.5)  # the claim: held, not merely slow to start
+            stats = (await client.get_server_info())["scheduler_stats"]
+            held = not later.done() and stats["waiting_requests"] == 1 and stats["running_requests"] == 0
             await client.continue_generation()
             return aborted, held, await later
 
@@ -80,11 +82,12 @@ def test_pause_in_place_keeps_requests_and_continue_finishes_them(server):
     async def go():
         async with client_for(server) as client:
             task = await _started(client, "kept")
-            await asyncio.sleep(0.5)
-            stalled = not task.done()
+            await asyncio.sleep(0.2)  # margin for the one decode step that may have been under way
             progress = (await client.get_server_info())["scheduler_stats"]["generated_tokens"]
-            await asyncio.sleep(0.5)
-            still = (await client.get_server_info())["scheduler_stats"]["generated_tokens"]
+            await asyncio.sleep(0.5)  # the claim: no token in half a second while paused
+            stats = (await client.get_server_info())["scheduler_stats"]
+            still = stats["generated_tokens"]
+            stalled = not task.done() and stats["running_requests"] == 1
             await client.continue_generation()
             return stalled, progress == still, await task
 

@@ -22,9 +22,11 @@ from torch.multiprocessing import reductions
 from transformers import AutoTokenizer
 
 from rollfleet.engine.app import create_app
-from rollfleet.engine.runner import ModelRunner
+from rollfleet.engine.lockstep import Lockstep
+from rollfleet.engine.model import ModelRunner
 from rollfleet.engine.scheduler import Scheduler
-from rollfleet.engine.server import ActionBroadcaster, build_parser, check_args
+from rollfleet.engine.server import build_parser, check_args
+from rollfleet.engine.service import EngineService
 from rollfleet.wire.buckets import iter_buckets
 from rollfleet.wire.hf_files import read_checkpoint
 from rollfleet.wire.protocol import SamplingParams
@@ -274,7 +276,7 @@ def engine_parts(qwen3_dir):
 def _scheduler(engine_parts, **kwargs) -> Scheduler:
     runner, tokenizer = engine_parts
     return Scheduler(
-        ActionBroadcaster(runner, None),
+        Lockstep(runner, None),
         tokenizer,
         eos_token_ids=set(),
         context_length=512,
@@ -320,7 +322,7 @@ def test_health_is_503_with_the_reason_when_the_engine_loop_has_died(engine_part
     args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu"])
     check_args(parser, args)
     runner, tokenizer = engine_parts
-    app = create_app(args, runner, scheduler, ActionBroadcaster(runner, None), tokenizer)
+    app = create_app(EngineService(args, runner, Lockstep(runner, None), scheduler, tokenizer))
 
     async def probe():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine") as client:

@@ -30,6 +30,8 @@ ROUTES = [
     ),
     ("POST", "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []}),
     ("POST", "/destroy_weights_update_group", {}),
+    ("POST", "/begin_weight_update", {"selector": "all"}),
+    ("POST", "/end_weight_update", {}),
     ("POST", "/get_weights_by_name", {"name": "model.norm.weight"}),
     ("GET", "/rollfleet/shard_fingerprints", None),
     ("GET", "/rollfleet/memory", None),

@@ -269,7 +269,7 @@ def test_numbered_calls_run_in_number_order_whatever_order_they_arrive_in(server
     assert len(buckets) >= 3
     with ThreadPoolExecutor(len(buckets)) as pool:
         answers = []
-        for index in reversed(range(len(buckets))):
+        for count, index in enumerate(reversed(range(len(buckets))), start=1):
             named = list(buckets[index].unpack().items())
             answers.append(
                 pool.submit(
@@ -284,7 +284,8 @@ def test_numbered_calls_run_in_number_order_whatever_order_they_arrive_in(server
                     order=("s1", index),
                 )
             )
-            time.sleep(0.05)
+            if index > 0:  # it waits for its turn before the next (lower) number is sent
+                calls_waiting_reach(engine, count)
         for bucket in buckets:
             dist.broadcast(bucket.flattened_tensor.view(torch.uint8), src=0, group=sender.group)
         assert all(answer.result(timeout=60)["success"] for answer in answers)
@@ -292,6 +293,14 @@ def test_numbered_calls_run_in_number_order_whatever_order_they_arrive_in(server
     assert greedy(engine) == expected(qwen3_dir_b)
     assert call(engine, "shard_fingerprints") == call(servers["ref2"], "shard_fingerprints")
     sender.close()
+
+
+def calls_waiting_reach(engine, count: int, timeout: float = 30) -> None:
+    """Until `count` numbered calls wait for their turn on the engine (its own state, not time)."""
+    deadline = time.monotonic() + timeout
+    while call(engine, "get_server_info")["rollfleet_weight_calls_waiting"] != count:
+        assert time.monotonic() < deadline, f"{count} numbered calls not waiting within {timeout} s"
+        time.sleep(0.005)
 
 
 def test_refused_distributed_updates_drain_the_broadcast_and_change_nothing(servers, qwen3_dir, qwen3_dir_b):

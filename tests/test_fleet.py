@@ -1,5 +1,6 @@
 """The fleet on a real local Ray with 4 fake GPUs: layout, device exposure, routing, sleep/wake,
-and an engine killed mid-batch (every result still arrives exactly once)."""
+the colocated trainer group sharing each GPU, and an engine killed mid-batch (every result still
+arrives exactly once)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import time
 
 import pytest
 import ray
+from conftest import reference_greedy
 
 from rollfleet.config import load_config
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.fleet.placement import create_placement_group, worker_options
 from rollfleet.fleet.workers import RemoteRolloutWorker
-from rollfleet.layout import build_rank_infos
+from rollfleet.layout import Layout
+from rollfleet.train.worker import TrainerGroup
 
 
 def config(model_dir, log_dir, *overrides):
@@ -46,12 +49,9 @@ def test_moe_fleet_tp2_ep2_generates(local_ray, moe_dir, tmp_path):
         fleet.shutdown()
 
 
-def test_colocated_workers_share_a_gpu_with_a_trainer_actor(local_ray, qwen3_dir, tmp_path):
-    @ray.remote(num_gpus=0.5, num_cpus=0.5)
-    class TrainerStandIn:  # a co-tenant of the bundle; colocated trainers are placed the same way
-        def gpu_ids(self):
-            return [str(g) for g in ray.get_gpu_ids()]
-
+def test_colocated_trainer_group_shares_each_gpu_with_its_rollout_worker(local_ray, qwen3_dir, tmp_path):
+    """The real TrainerGroup (FSDP2 ranks on gloo) in the fleet's placement group: each rank takes the
+    GPU fraction the rollout worker of its bundle left, so both see the same GPU id."""
     cfg = config(
         qwen3_dir,
         tmp_path,
@@ -59,24 +59,25 @@ def test_colocated_workers_share_a_gpu_with_a_trainer_actor(local_ray, qwen3_dir
         "rollout.placement=colocated",
         "rollout.gpus_per_worker=0.5",
         "trainer.world_size=2",
-    ).rollout
-    group = create_placement_group(cfg)
+    )
+    group = create_placement_group(cfg.rollout)
+    trainers = None
     try:
-        ranks = build_rank_infos(2, 1, 1, 1)
+        ranks = Layout(num_engines=2).ranks()
         workers = [
-            RemoteRolloutWorker.options(**worker_options(group, r.rank, cfg)).remote(r, cfg, str(tmp_path))
+            RemoteRolloutWorker.options(**worker_options(group, r.rank, cfg.rollout)).remote(
+                r, cfg.rollout, str(tmp_path)
+            )
             for r in ranks
         ]
-        trainers = [
-            TrainerStandIn.options(
-                **{k: v for k, v in worker_options(group, i, cfg).items() if k == "scheduling_strategy"}
-            ).remote()
-            for i in range(2)
-        ]
+        trainers = TrainerGroup(cfg, group)
         rollout_gpus = [p["gpu_ids"] for p in ray.get([w.placement.remote() for w in workers])]
-        assert rollout_gpus == ray.get([t.gpu_ids.remote() for t in trainers])
-        assert rollout_gpus[0] != rollout_gpus[1]
+        assert rollout_gpus == trainers.gpu_ids()
+        assert rollout_gpus[0] != rollout_gpus[1] and all(len(ids) == 1 for ids in rollout_gpus)
+        assert ray.available_resources().get("GPU", 0) == 2  # two bundles of 1 GPU, each split 0.5 + 0.5
     finally:
+        if trainers is not None:
+            trainers.shutdown()
         ray.util.remove_placement_group(group)
 
 
@@ -115,12 +116,18 @@ def test_layout_and_gpu_exposure(fleet):
     assert ray.get([w.engine_alive.remote() for w in shells]) == [False, False]
 
 
-def test_generate_spreads_over_engines_in_input_order(fleet):
-    prompts = ["what is 12 plus 7?", [5, 6, 7], "the quick brown fox"] * 2
-    samples = fleet.generate(prompts, n=4, sampling={"max_new_tokens": 6, "ignore_eos": True}, progress=True)
+def test_generate_spreads_over_engines_in_input_order(fleet, qwen3_dir):
+    prompts = ["what is 12 plus 7?", [5, 6, 7], "the quick brown fox", [9], [40, 41], "seven"]
+    greedy = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
+    samples = fleet.generate(prompts, n=4, sampling=greedy, progress=True)
     assert len(samples) == 24
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, k) for p in range(6) for k in range(4)]
-    assert samples[4].prompt_ids == [5, 6, 7]
+    prompt_ids = [fleet.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    assert [s.prompt_ids for s in samples] == [ids for ids in prompt_ids for _ in range(4)]
+    # each sample answers its own prompt: the greedy continuation a plain forward pass gives for it
+    assert [s.output_ids for s in samples] == [
+        reference_greedy(qwen3_dir, ids, 6)[0] for ids in prompt_ids for _ in range(4)
+    ]
     assert {s.engine_id for s in samples} == {0, 1}
     assert all(s.weight_version == "default" and len(s.logprobs) == 6 for s in samples)
 
@@ -136,21 +143,30 @@ def test_sleep_and_wake_across_the_fleet(fleet, qwen3_dir):
     assert {s.weight_version for s in samples} == {"after-wake"}
 
 
-def test_engine_killed_mid_batch_loses_no_result(fleet):
+def test_engine_killed_mid_batch_loses_no_result(fleet, qwen3_dir):
     victim = fleet.slots[1]
     pid = ray.get(victim.head.engine_pid.remote())
+    busy = threading.Event()
 
-    def kill_soon():
-        time.sleep(1.5)
+    def kill_mid_batch():  # once engine 1 holds requests in flight (its batch runs 200 tokens)
+        deadline = time.monotonic() + 60
+        while victim.outstanding < 5 and time.monotonic() < deadline:
+            busy.wait(0.01)
+        busy.set()
         os.killpg(pid, signal.SIGKILL)
 
-    killer = threading.Thread(target=kill_soon)
+    killer = threading.Thread(target=kill_mid_batch)
     killer.start()
-    prompts = [[i % 50 + 1, 2, 3] for i in range(40)]
-    samples = fleet.generate(prompts, n=2, sampling={"max_new_tokens": 200, "ignore_eos": True})
+    prompts = [[i + 1, 2, 3] for i in range(40)]
+    retries = fleet.router.retries
+    samples = fleet.generate(prompts, n=2, sampling={"max_new_tokens": 200, "ignore_eos": True, "temperature": 0})
     killer.join()
+    assert busy.is_set() and fleet.router.retries > retries  # the kill hit requests in flight
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, k) for p in range(40) for k in range(2)]
     assert all(len(s.output_ids) == 200 for s in samples)
-    assert fleet.last_retries > 0
-    assert [s["state"] for s in fleet.status()] == ["ACTIVE", "INACTIVE"]
+    # every prompt's answer, recorded here, is that prompt's own greedy continuation
+    assert [s.output_ids[:4] for s in samples] == [
+        reference_greedy(qwen3_dir, p, 4)[0] for p in prompts for _ in range(2)
+    ]
+    assert [s.state.value for s in fleet.slots] == ["ACTIVE", "INACTIVE"]
     assert {s.engine_id for s in samples} <= {0, 1}

@@ -16,7 +16,7 @@ from rollfleet.config import load_config
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, worker_options
 from rollfleet.fleet.workers import RemoteRolloutWorker
-from rollfleet.layout import build_rank_infos
+from rollfleet.layout import Layout
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_a_tp2_engine_is_packed_on_one_node(cluster, qwen3_dir, tmp_path):
     cfg = rollout_config(qwen3_dir, tmp_path).rollout
     group = create_placement_group(cfg)
     try:
-        ranks = build_rank_infos(1, 1, 2, 1)
+        ranks = Layout(num_engines=1, tp_size=2).ranks()
         workers = [
             RemoteRolloutWorker.options(**worker_options(group, r.rank, cfg)).remote(r, cfg, str(tmp_path))
             for r in ranks

@@ -1,18 +1,50 @@
 """A tiny GRPO run end to end (real Ray, engine, FSDP2 trainer on gloo): rewards computed, weights
-synced and verified every step, checkpoints reload with transformers, resume continues."""
+synced and verified every step, checkpoints reload with transformers, resume continues from the saved
+weights. The tests record every step's prompts and samples themselves (train's `observe`)."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollfleet.config import load_config
-from rollfleet.train.loop import PHASES, train
+from rollfleet.rewards.basic import copy_digits
+from rollfleet.train.loop import train
+from rollfleet.train.metrics import PHASES
+
+
+class Recorder:
+    """Every step's prompts and samples, as the loop trained on them."""
+
+    def __init__(self, model_dir):
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.steps: dict[int, tuple[list, list]] = {}
+
+    def __call__(self, step, items, samples):
+        self.steps[step] = (list(items), list(samples))
+
+    def check(self, step: int, n: int, version: str, engines: set[int]) -> list:
+        """Each prompt of the step answered exactly n times, by a fleet engine, from `version`."""
+        items, samples = self.steps[step]
+        asked = [item.prompt for item in items]
+        answered = [self.tokenizer.decode(s.prompt_ids) for s in samples]
+        assert answered == [p for p in asked for _ in range(n)], (step, asked, answered)
+        assert {s.weight_version for s in samples} == {version}, step
+        assert {s.engine_id for s in samples} <= engines
+        for s in samples:  # the reward the loop trained on is the task's reward of that sample's own text
+            assert s.reward == copy_digits(s.text, items[s.prompt_index].answer)
+        return samples
+
+
+def tensors(directory) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(Path(directory).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def run_config(model_dir, out, *overrides):
@@ -46,13 +78,22 @@ def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, t
         "grpo.steps=3",
         "grpo.checkpoint_every=2",
     )
+    recorder = Recorder(qwen3_dir)
     try:
-        train(cfg)
+        train(cfg, observe=recorder)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(0.0 <= r["reward_mean"] <= 1.0 and r["sync_seconds"] > 0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3] and sorted(recorder.steps) == [0, 1, 2]
+    num_params = len(dict(AutoModelForCausalLM.from_pretrained(qwen3_dir).named_parameters()))
+    for step, row in enumerate(rows):
+        # colocated runs push before step 0 (the engines gave their memory to the trainer); a
+        # disaggregated run serves the loaded model at step 0
+        first = "0" if placement == "colocated" else "default"
+        samples = recorder.check(step, 4, str(step) if step else first, engines={0})
+        assert row["reward_mean"] == pytest.approx(sum(s.reward for s in samples) / len(samples))
+        # every step's push carried the whole model and was verified on the engine
+        assert row["sync_tensors"] == num_params and row["sync_verified_engines"] == 1
     assert all(abs(sum(r[f"time/{p}"] for p in (*PHASES, "other")) - r["time/total"]) < 1e-6 for r in rows)
     assert all(r["train/logprob_mismatch_mean"] < 1e-3 for r in rows)  # engine and trainer agree (fp32)
     assert (tmp_path / "curves.png").stat().st_size > 0
@@ -63,26 +104,39 @@ def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, t
     assert (tmp_path / "checkpoints" / "state-step-2").is_dir()
 
 
-def test_resume_continues_from_the_last_state(qwen3_dir, tmp_path):
-    cfg, temp = run_config(qwen3_dir, tmp_path, "grpo.steps=2")
+def test_resume_over_disk_sync_continues_from_the_saved_weights(qwen3_dir, tmp_path):
+    """The disk transport drives the loop (each push a HF directory the engines load), and a resumed
+    run pushes the weights of the state it resumed from, not the model it was started with."""
+    sync = tmp_path / "sync"
+    options = ("weight_sync.transport=disk", f"weight_sync.path={sync}")
+    cfg, temp = run_config(qwen3_dir, tmp_path, "grpo.steps=2", *options)
     train(cfg)
-    cfg, temp2 = run_config(qwen3_dir, tmp_path, "grpo.steps=4")
+    saved = tensors(tmp_path / "checkpoints" / "hf-step-2")
+    assert tensors(sync / "version-2").keys() == saved.keys()
+    shutil.rmtree(sync / "version-2")  # the resumed run must write it again, from the state it loads
+    recorder = Recorder(qwen3_dir)
+    cfg, temp2 = run_config(qwen3_dir, tmp_path, "grpo.steps=3", *options)
     try:
-        train(cfg, resume=True)
+        train(cfg, resume=True, observe=recorder)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
         shutil.rmtree(temp2, ignore_errors=True)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert (tmp_path / "checkpoints" / "hf-step-4").is_dir()
+    assert [r["step"] for r in rows] == [1, 2, 3] and sorted(recorder.steps) == [2]
+    pushed = tensors(sync / "version-2")  # what the resumed run sent before its first step
+    assert pushed.keys() == saved.keys() and all(torch.equal(pushed[k], saved[k]) for k in saved)
+    initial = tensors(qwen3_dir)
+    assert any(not torch.equal(saved[k], initial[k]) for k in saved)  # so the check above could fail
+    recorder.check(2, 4, "2", engines={0})  # step 3 generated from the resumed weights
+    assert (tmp_path / "checkpoints" / "hf-step-3").is_dir()
 
 
 def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     """During a GRPO run over the tensor transport, an engine hangs (SIGSTOP) at a random moment, and
     once it is back an engine dies (SIGKILL) at a random moment: every step finishes, no prompt is
-    lost or duplicated and every sample comes from its step's weight version (both checked inside the
-    loop on every step), restarted engines restore from the recovery checkpoint, and the metrics
-    record each failure and recovery."""
+    lost or duplicated and every sample comes from its step's weight version (checked here on what the
+    test recorded, and inside the loop), restarted engines restore from the recovery checkpoint, and
+    the metrics record each failure and recovery."""
     import os
     import random
     import signal
@@ -132,14 +186,17 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
 
     thread = threading.Thread(target=chaos)
     thread.start()
+    recorder = Recorder(model_dir)
     try:
-        train(cfg)
+        train(cfg, observe=recorder)
     finally:
         stop.set()
         thread.join()
         shutil.rmtree(temp, ignore_errors=True)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)) and sorted(recorder.steps) == list(range(steps))
+    for step in range(steps):
+        recorder.check(step, 4, str(step) if step else "default", engines={0, 1})
     assert faults == [signal.SIGSTOP, signal.SIGKILL]
     events = [e for r in rows for e in r["engine_events"]]
     assert any("health probes failed" in e["why"] for e in events)  # the hung one was caught

@@ -1,4 +1,4 @@
-"""Rank layout: coordinates, engine groups, weight-update ranks, validation against a model."""
+"""Rank layout: one Layout validated once; coordinates, engine groups, weight-update ranks, model checks."""
 
 import random
 
@@ -7,13 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Qwen3Config, Qwen3MoeConfig
 
-from rollfleet.layout import (
-    build_rank_infos,
-    engine_rank_groups,
-    validate_layout,
-    weight_update_rank_offset,
-    weight_update_world_size,
-)
+from rollfleet.layout import Layout, LayoutError, engine_rank_groups, weight_update_group
 
 settings.register_profile("layout", deadline=None, max_examples=150)
 settings.load_profile("layout")
@@ -54,11 +48,22 @@ def tiny_moe():
     )
 
 
-# --- build_rank_infos -------------------------------------------------------------------
+def build_rank_infos(dp, pp, tp, ep=1):
+    return Layout(dp, tp, pp, ep).ranks()
+
+
+def validate_layout(world, tp_size, pp_size, ep_size, model_config=None, *, allow_kv_head_replication=False):
+    """A layout of `world` GPUs, checked against a model when one is given."""
+    layout = Layout(world // (tp_size * pp_size), tp_size, pp_size, ep_size)
+    if model_config is not None:
+        layout.check_model(model_config, allow_kv_head_replication=allow_kv_head_replication)
+
+
+# --- ranks ------------------------------------------------------------------------------
 
 
 def test_concrete_layout_tp_fastest_then_pp_then_dp():
-    infos = build_rank_infos(dp_size=2, pp_size=2, tp_size=2, ep_size=1)
+    infos = Layout(num_engines=2, tp_size=2, pp_size=2, ep_size=1).ranks()
     coords = [(i.dp_rank, i.pp_rank, i.tp_rank) for i in infos]
     assert coords == [
         (0, 0, 0),
@@ -132,15 +137,17 @@ def test_coordinates_round_trip_to_rank(grid):
 def test_weight_update_group_ranks_are_one_plus_rollout_rank(grid):
     dp, pp, tp, ep = grid
     infos = build_rank_infos(dp, pp, tp, ep)
-    group_ranks = [weight_update_rank_offset(i.engine_id, tp, pp) + i.rank_in_engine for i in infos]
+    offsets, world_size = weight_update_group([tp * pp] * dp)
+    group_ranks = [offsets[i.engine_id] + i.rank_in_engine for i in infos]
     assert group_ranks == [i.rank + 1 for i in infos]
     # Trainer rank 0 plus every engine rank fills the group exactly.
-    assert sorted([0, *group_ranks]) == list(range(weight_update_world_size(dp, tp, pp)))
+    assert sorted([0, *group_ranks]) == list(range(world_size))
 
 
 def test_weight_update_numbers():
-    assert weight_update_world_size(num_engines=3, tp_size=2, pp_size=2) == 13
-    assert [weight_update_rank_offset(e, 2, 2) for e in range(3)] == [1, 5, 9]
+    assert weight_update_group([4, 4, 4]) == ([1, 5, 9], 13)
+    assert weight_update_group([2, 4]) == ([1, 3], 7)  # a subset of engines numbers only them
+    assert weight_update_group([]) == ([], 1)
 
 
 def test_engine_rank_groups_orders_shuffled_input():
@@ -153,28 +160,31 @@ def test_engine_rank_groups_orders_shuffled_input():
 @pytest.mark.parametrize(
     "sizes, named",
     [
-        ((0, 1, 1, 1), "dp_size=0"),
-        ((1, 1, 0, 1), "tp_size=0"),
-        ((1, 1, 4, 3), "ep_size=3"),
-        ((1, 0, 1, 1), "pp_size=0"),
+        ((0, 1, 1, 1), "num_engines=0"),
+        ((1, 0, 1, 1), "tp_size=0"),
+        ((1, 4, 1, 3), "ep_size=3: must divide tp_size=4"),
+        ((1, 1, 0, 1), "pp_size=0"),
+        ((1, 2, 1, 0), "ep_size=0"),
     ],
 )
-def test_build_rank_infos_rejects_bad_sizes(sizes, named):
-    with pytest.raises(ValueError, match=named):
-        build_rank_infos(*sizes)
+def test_layout_rejects_bad_sizes_naming_field_value_and_fix(sizes, named):
+    with pytest.raises(LayoutError, match=named) as err:
+        Layout(*sizes)
+    assert "fix:" in str(err.value) and err.value.problems[0].value in sizes
 
 
-# --- validate_layout ----------------------------------------------------------------------
-
-
-@given(st.integers(0, 16), st.integers(0, 6), st.integers(0, 4), st.integers(0, 6))
-def test_validate_layout_accepts_iff_sizes_divide(world, tp, pp, ep):
-    valid = min(world, tp, pp, ep) >= 1 and world % (tp * pp) == 0 and tp % ep == 0
+@given(st.integers(0, 4), st.integers(0, 6), st.integers(0, 4), st.integers(0, 6))
+def test_layout_accepts_iff_sizes_are_positive_and_ep_divides_tp(engines, tp, pp, ep):
+    valid = min(engines, tp, pp, ep) >= 1 and tp % ep == 0
     if valid:
-        validate_layout(world, tp, pp, ep)
+        layout = Layout(engines, tp, pp, ep)
+        assert layout.world_size == engines * tp * pp and layout.gpus_per_engine == tp * pp
     else:
-        with pytest.raises(ValueError, match="invalid rollout layout"):
-            validate_layout(world, tp, pp, ep)
+        with pytest.raises(LayoutError, match="invalid rollout layout"):
+            Layout(engines, tp, pp, ep)
+
+
+# --- model checks ---------------------------------------------------------------------------
 
 
 @given(
@@ -248,12 +258,3 @@ def test_nested_text_config_is_used():
     model = {"text_config": {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}}
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         validate_layout(4, 4, 1, 1, model_config=model)
-
-
-def test_sequence_parallel_rejected_with_colocated_rollout_tp():
-    validate_layout(2, 2, 1, 1, train_sequence_parallel_size=2, colocated=False)
-    validate_layout(2, 1, 1, 1, train_sequence_parallel_size=2, colocated=True)
-    with pytest.raises(ValueError, match="sequence_parallel_size=2"):
-        validate_layout(2, 2, 1, 1, train_sequence_parallel_size=2, colocated=True)
-    with pytest.raises(ValueError, match="sequence_parallel_size=2"):
-        validate_layout(2, 1, 2, 1, train_sequence_parallel_size=2, colocated=True)

@@ -16,22 +16,23 @@ import httpx
 import pytest
 import ray
 import torch
-from conftest import call, engine_servers, reference_greedy
+from conftest import call, engine_servers, every_engine, reference_greedy
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rollfleet.config import LoraSync, load_config
-from rollfleet.engine.launch import EngineProcess, lora_server_args
+from rollfleet.config import LoraSync, TensorSync, load_config
+from rollfleet.engine.launch import EngineProcess
 from rollfleet.engine.lora import LoraError, LoraLimits, linear_targets, parse_adapter
 from rollfleet.engine.server import build_parser, check_args
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.tiny_models import tiny_config
 from rollfleet.weights.adapter import LoraSource, save_adapter
 from rollfleet.weights.transports import EngineTarget, make_transport
+from rollfleet.weights.transports.base import transport_class
 from rollfleet.weights.verify import find_unverified
 from rollfleet.wire.client import EngineClient, EngineError
-from rollfleet.wire.fingerprint import fingerprint
+from rollfleet.wire.fingerprint import fingerprints
 from rollfleet.wire.serialize import serialize
 
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7]]
@@ -203,7 +204,7 @@ def test_base_update_while_an_adapter_is_loaded(servers, adapter, qwen3_dir, qwe
     sync(LoraSync(), LoraSource(peft_model), "a", {0: proc}, ranks={0: 2})
     assert_matches(generate(proc, "policy"), want)  # the adapter is merged now
     # fingerprints read the base weights, not the merged ones
-    base_prints = {n: fingerprint(t) for n, t in load_file(f"{qwen3_dir}/model.safetensors").items()}
+    base_prints = fingerprints(load_file(f"{qwen3_dir}/model.safetensors").items())
     assert call(proc, "weights_fingerprint", sorted(base_prints)) == base_prints
     call(proc, "update_weights_from_disk", qwen3_dir_b, weight_version="b")
     assert_matches(generate(proc), expected(qwen3_dir_b))
@@ -356,9 +357,9 @@ def test_adapter_fingerprints_cover_every_rank(servers, adapter):
     try:
         prints = call(proc, "weights_fingerprint", None, lora_name="split")
         assert prints[key].startswith("ranks differ")
-        assert {k: v for k, v in prints.items() if k != key} == {
-            k: fingerprint(t) for k, t in tensors.items() if k != key
-        }
+        assert {k: v for k, v in prints.items() if k != key} == fingerprints(
+            (k, t) for k, t in tensors.items() if k != key
+        )
     finally:
         call(proc, "unload_lora_adapter", "split")
 
@@ -428,7 +429,7 @@ def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, ada
     )
     fleet = Fleet.from_config(cfg)
     try:
-        info = fleet._on_all("get_server_info")[0]
+        info = every_engine(fleet, "get_server_info")[0]
         assert info["enable_lora"] is True and info["max_lora_rank"] == 8
         assert [s.output_ids for s in fleet.generate(PROMPTS, sampling=GREEDY)] == [t for t, _ in base_expected]
         report = fleet.sync_weights(LoraSource(peft_model), "1")  # verified inside
@@ -442,7 +443,7 @@ def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, ada
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert fleet.restart_inactive() == [0] and fleet.slots[0].state.value == "AWAITING_WEIGHTS"
-        (base,) = fleet._on_all("generate", input_ids=PROMPTS, sampling_params=GREEDY)
+        (base,) = every_engine(fleet, "generate", input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o["output_ids"] for o in base] == [t for t, _ in base_expected]
         fleet.sync_weights(LoraSource(peft_model), "2")
         assert [s.output_ids for s in fleet.generate(PROMPTS, sampling=GREEDY)] == [t for t, _ in want]
@@ -501,11 +502,12 @@ def test_lora_flags_and_config(tmp_path):
         check_args(parser, parser.parse_args(["--model-path", "m", "--max-lora-rank", "8"]))
     args = parser.parse_args(["--model-path", "m", "--enable-lora", "--lora-target-modules", "q_proj", "v_proj"])
     check_args(parser, args)
-    assert lora_server_args(LoraSync(lora_target_modules=["q_proj"])) == [
+    assert transport_class(LoraSync()).server_args(LoraSync(lora_target_modules=["q_proj"])) == [
         "--enable-lora",
         "--max-lora-rank",
         "64",
         "--lora-target-modules",
         "q_proj",
     ]
+    assert transport_class(TensorSync()).server_args(TensorSync()) == []  # full-weight transports need none
     assert json.dumps(LoraSync().model_dump())

@@ -90,7 +90,7 @@ def test_death_is_noticed_at_once_and_restore_waits_for_verified_weights(fleet, 
     assert {s.engine_id for s in samples} == {0, 1}
     assert [s.output_ids for s in samples[:4]] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]
     assert {s.weight_version for s in samples} == {"v1"}
-    history = [(h[1], h[2]) for h in fleet.slots[1].lifecycle.history]
+    history = [(t.old.value, t.new.value) for t in fleet.slots[1].lifecycle.history]
     assert history[-4:] == [
         ("ACTIVE", "INACTIVE"),
         ("INACTIVE", "RECOVERING"),
@@ -110,7 +110,7 @@ def test_generate_waits_for_recovery_when_no_engine_is_active(fleet, qwen3_dir_b
 
     waiting = threading.Thread(target=generate)
     waiting.start()
-    time.sleep(1.0)
+    waiting.join(timeout=1.0)
     assert waiting.is_alive()  # nothing ACTIVE: it waits instead of failing
     assert sorted(fleet.restart_inactive()) == [0, 1]  # restores v1 from the disk checkpoint and verifies
     waiting.join(timeout=60)
@@ -124,7 +124,7 @@ def test_a_hung_engine_is_caught_by_probes_and_both_restore_by_read_once_fan_out
     pid = ray.get(fleet.slots[0].head.engine_pid.remote())
     os.killpg(pid, signal.SIGSTOP)  # hung: the process lives but answers nothing
     assert wait_state(fleet, 0, "INACTIVE", timeout=10) == "INACTIVE"
-    assert "health probes failed" in fleet.slots[0].lifecycle.history[-1][3]
+    assert "health probes failed" in fleet.slots[0].lifecycle.history[-1].why
     kill(fleet, 1)
     assert wait_state(fleet, 1, "INACTIVE") == "INACTIVE"
     assert sorted(fleet.restart_inactive()) == [0, 1]  # two engines: files read once, fanned out, verified

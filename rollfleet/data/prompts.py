@@ -8,7 +8,7 @@ resumed run therefore gets the same batches by passing the step it stopped at.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,10 +89,3 @@ class PromptDataset:
                 permutations[epoch] = torch.randperm(size, generator=generator).tolist()
             out.append(self.items[permutations[epoch][offset]])
         return out
-
-    def batches(self, batch_size: int, *, seed: int = 0, start_step: int = 0) -> Iterator[list[PromptItem]]:
-        """Endless batches from `start_step` on (epochs wrap)."""
-        step = start_step
-        while True:
-            yield self.batch(step, batch_size, seed=seed)
-            step += 1

@@ -22,9 +22,7 @@ counts extra characters against the sample, and stopping is not what this task t
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 REWARD = "rollfleet.rewards.basic:copy_digits"
 
@@ -39,12 +37,3 @@ def make_records(count: int, *, num_digits: int = 3, seed: int = 0) -> list[dict
         digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
         records.append({"prompt": f"copy:{digits}=", "answer": digits})
     return records
-
-
-def write_jsonl(path: str | Path, count: int, *, num_digits: int = 3, seed: int = 0) -> Path:
-    """Write the task as a prompt JSONL file (readable by PromptDataset.from_jsonl)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps(record) for record in make_records(count, num_digits=num_digits, seed=seed)]
-    path.write_text("\n".join(lines) + "\n")
-    return path

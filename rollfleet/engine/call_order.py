@@ -32,6 +32,7 @@ class CallOrder:
         self.next_call = 0
         self.broken: str | None = None  # why the current sync's later calls are refused
         self.ended: deque[str | None] = deque(maxlen=64)  # syncs a newer one replaced
+        self.waiting = 0  # numbered calls waiting for their turn now
         self._changed = asyncio.Condition()
 
     @asynccontextmanager
@@ -50,6 +51,7 @@ class CallOrder:
                 self.ended.append(self.sync_id)
                 self.sync_id, self.next_call, self.broken = sync_id, 0, None
                 self._changed.notify_all()  # waiters of an older sync learn that it is over
+            self.waiting += 1
             try:  # a call may also arrive before its sync's call 0
                 await asyncio.wait_for(
                     self._changed.wait_for(
@@ -63,6 +65,8 @@ class CallOrder:
                     f"sync did not arrive within {self.wait_s:g} s; the sender must send every "
                     "call, numbered from 0"
                 ) from None
+            finally:
+                self.waiting -= 1
             if sync_id in self.ended:
                 raise CallOrderError(
                     f"rollfleet_call={call} of sync {sync_id!r}: that sync is over (sync "

@@ -117,17 +117,6 @@ def embedded_fleet_argv(rollout, launch: EngineLaunch) -> list[str]:
     )
 
 
-def lora_server_args(weight_sync) -> list[str]:
-    """Server flags (same names on both backends) for engines that serve the adapters a
-    `weight_sync.transport == "lora"` run sends; none for other transports."""
-    if weight_sync.transport != "lora":
-        return []
-    args = ["--enable-lora", "--max-lora-rank", str(weight_sync.max_lora_rank)]
-    if weight_sync.lora_target_modules:
-        args += ["--lora-target-modules", *weight_sync.lora_target_modules]
-    return args
-
-
 # The only place the two backends differ: how their server is started.
 BACKEND_ARGV = {"embedded": embedded_fleet_argv, "sglang": sglang_argv}
 

@@ -9,8 +9,13 @@ One engine thread owns the model. It runs, in this order of priority:
   3. a new batch made of the waiting requests that use the same LoRA adapter (or none) as the
      oldest waiting one (up to `max_running_requests`): a batch runs with one adapter.
 Requests that arrive while a batch runs wait for the next batch. Every model call goes
-through `run_action`, which broadcasts it to the other tp ranks first, so all ranks execute
-the same actions in the same order.
+through `lockstep` (lockstep.py), which broadcasts it to the other tp ranks first, so all ranks
+execute the same actions in the same order.
+
+Two gates serve weight-update sessions (weight_session.py): `hold(reason)` keeps every request
+waiting (no batch starts or steps, as if paused in place) while a session's sync is in
+progress; `refuse(reason)` ends every unfinished request and refuses new ones while the weights
+are mixed.
 
 The loop outlives any one request: requests are checked before they are queued
 (`check_request`), and an exception while a batch runs finishes that batch's requests with
@@ -28,12 +33,14 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from rollfleet.engine.admission import check_request
+from rollfleet.engine.lockstep import Action
 from rollfleet.engine.sampling import make_generator, sample_token
+from rollfleet.engine.sequence import ControlAction, Sequence, wire_result
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 log = logging.getLogger("rollfleet.engine")
@@ -43,36 +50,10 @@ class EngineStopped(RuntimeError):
     """The engine loop has stopped: nothing more can run on this engine."""
 
 
-@dataclass
-class Sequence:
-    """One sample being generated: a prompt, its sampling state and its output so far."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    return_logprob: bool
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: str = ""
-    finish: FinishReason | None = None
-    abort_message: str | None = None
-    lora_name: str | None = None
-    future: Future = field(default_factory=Future)
-
-
-@dataclass
-class ControlAction:
-    fn: Callable[[], Any]
-    needs_idle: bool
-    waits_for: Callable[[Sequence], bool] | None = None  # runs only when no unfinished request matches
-    future: Future = field(default_factory=Future)
-
-
 class Scheduler:
     def __init__(
         self,
-        run_action: Callable[..., Any],
+        lockstep: Callable[..., Any],
         tokenizer,
         *,
         eos_token_ids: set[int],
@@ -83,7 +64,7 @@ class Scheduler:
         max_samples_per_request: int = 1024,
         thread_setup: Callable[[], None] = lambda: None,
     ):
-        self.run_action = run_action
+        self.lockstep = lockstep
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
@@ -98,6 +79,8 @@ class Scheduler:
         self.batch_lora: str | None = None  # the LoRA adapter of the running batch
         self.controls: deque[ControlAction] = deque()
         self.paused = False
+        self.held: str | None = None  # why no batch may run now (a sync in progress)
+        self.refusing: str | None = None  # why requests are refused now (mixed weights)
         self.stopped = False
         self.failure: BaseException | None = None
         self.stats = {"batches": 0, "largest_batch": 0, "generated_tokens": 0}
@@ -109,28 +92,8 @@ class Scheduler:
         self._thread.start()
 
     def check_request(self, prompts: list[list[int]], params: list[SamplingParams], field: str = "input_ids") -> None:
-        """ValueError naming the field, the value and the fix for what the model cannot take: token
-        ids outside the vocabulary (they would fail inside the model), more samples than
-        `max_samples_per_request`. `params` holds one entry per prompt; `field` names the prompts."""
-        total = sum(p.n for p in params)
-        if total > self.max_samples_per_request:
-            counts = sorted({p.n for p in params})
-            raise ValueError(
-                f"sampling_params.n={counts[0] if len(counts) == 1 else counts} for {len(prompts)} prompts asks for "
-                f"{total} samples; this server takes at most {self.max_samples_per_request} per request "
-                "(--max-samples-per-request): split the request or lower n"
-            )
-        vocab = f"outside this model's vocabulary [0, {self.vocab_size})"
-        for index, prompt in enumerate(prompts):
-            if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
-                position, token = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size)
-                where = f"{field}[{index}][{position}]" if len(prompts) > 1 else f"{field}[{position}]"
-                raise ValueError(f"{where}={token} is {vocab}: send token ids of this model's tokenizer")
-        for index, p in enumerate(params):
-            bad = [t for t in p.stop_token_ids or [] if not 0 <= t < self.vocab_size]
-            if bad:
-                where = "sampling_params" if len(params) == 1 else f"sampling_params[{index}]"
-                raise ValueError(f"{where}.stop_token_ids holds {bad[:5]}, {vocab}: drop them")
+        """ValueError naming the field, the value and the fix for what the model cannot take (admission.py)."""
+        check_request(prompts, params, field, vocab_size=self.vocab_size, max_samples=self.max_samples_per_request)
 
     def submit(
         self,
@@ -155,6 +118,8 @@ class Scheduler:
         ]
         with self._wakeup:
             self._raise_if_dead()
+            if self.refusing is not None:
+                raise RuntimeError(self.refusing)
             for seq in seqs:
                 if params.max_new_tokens == 0:
                     self._finish(seq, FinishReason(type="length", length=0))
@@ -201,6 +166,35 @@ class Scheduler:
             self.paused = False
             self._wakeup.notify()
 
+    def hold(self, reason: str | None) -> None:
+        """Keep every request waiting (None: let them run again)."""
+        with self._wakeup:
+            self.held = reason
+            self._wakeup.notify()
+
+    def refuse(self, reason: str | None) -> None:
+        """End every unfinished request and refuse new ones, naming `reason` (None: accept again)."""
+        with self._wakeup:
+            self.refusing = reason
+            if reason is not None:
+                self._abort_matching(lambda seq: True, reason)
+            self._wakeup.notify()
+
+    @property
+    def live_stats(self) -> dict[str, int]:
+        """The cumulative stats, and the requests and control actions there are now."""
+        with self._wakeup:
+            return {
+                **self.stats,
+                "running_requests": len(self.running),
+                "waiting_requests": len(self.waiting),
+                "queued_controls": len(self.controls),
+            }
+
+    @property
+    def halted(self) -> bool:
+        return self.paused or self.held is not None
+
     @property
     def dead_reason(self) -> str | None:
         """Why this engine cannot generate any more (None while the loop runs or was stopped on purpose)."""
@@ -246,9 +240,9 @@ class Scheduler:
             return lambda: self._run_control(action)
         if any(seq.abort_message is not None for seq in self.running):
             return self._drop_aborted_running  # aborts take effect at once, paused or not
-        if self.running and not self.paused:
+        if self.running and not self.halted:
             return self._step
-        if self.waiting and not self.paused:
+        if self.waiting and not self.halted:
             self.batch_lora = self.waiting[0].lora_name
             self.running = [seq for seq in self.waiting if seq.lora_name == self.batch_lora][
                 : self.max_running_requests
@@ -262,7 +256,7 @@ class Scheduler:
         return None
 
     def _can_run(self, action: ControlAction) -> bool:
-        if action.needs_idle and self.running and not self.paused:
+        if action.needs_idle and self.running and not self.halted:
             return False
         return action.waits_for is None or not any(map(action.waits_for, itertools.chain(self.waiting, self.running)))
 
@@ -283,12 +277,12 @@ class Scheduler:
 
     def _advance_batch(self) -> None:
         if self.needs_prefill:
-            logits = self.run_action("prefill", prompts=[s.prompt_ids for s in self.running], lora_name=self.batch_lora)
+            prompts = [s.prompt_ids for s in self.running]
+            logits = self.lockstep(Action.PREFILL, prompts=prompts, lora_name=self.batch_lora)
             self.needs_prefill = False
         else:
-            logits = self.run_action(
-                "decode", tokens=[s.output_ids[-1] for s in self.running], lora_name=self.batch_lora
-            )
+            tokens = [s.output_ids[-1] for s in self.running]
+            logits = self.lockstep(Action.DECODE, tokens=tokens, lora_name=self.batch_lora)
         logprobs = torch.log_softmax(logits, dim=-1)
         for seq, row, row_logprobs in zip(self.running, logits, logprobs):
             self._advance(seq, row, row_logprobs)
@@ -331,10 +325,10 @@ class Scheduler:
                 self._finish(seq, seq.finish)
         if not keep:
             self.running = []
-            self.run_action("end_batch")
+            self.lockstep(Action.END_BATCH)
         elif len(keep) < len(self.running):
             self.running = [self.running[row] for row in keep]
-            self.run_action("keep_rows", rows=keep)
+            self.lockstep(Action.KEEP_ROWS, rows=keep)
 
     def _fail_batch(self, exc: Exception) -> None:
         log.exception("a batch of %d requests failed; they finish as aborted, the engine goes on", len(self.running))
@@ -346,7 +340,7 @@ class Scheduler:
                     seq.finish = FinishReason(type="abort", message=f"the engine failed this batch: {reason}")
                 self._finish(seq, seq.finish)
             self.running = []
-        self.run_action("end_batch")  # a failure here is the loop's own: it stops and says why
+        self.lockstep(Action.END_BATCH)  # a failure here is the loop's own: it stops and says why
 
     def _drop_aborted_running(self) -> None:
         with self._wakeup:
@@ -375,20 +369,7 @@ class Scheduler:
         if not (reason.type == "stop" and isinstance(reason.matched, str)):
             seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
         if not seq.future.done():
-            seq.future.set_result(self._result(seq))
-
-    def _result(self, seq: Sequence) -> dict[str, Any]:
-        meta = {
-            "id": seq.rid,
-            "prompt_tokens": len(seq.prompt_ids),
-            "completion_tokens": len(seq.output_ids),
-            "cached_tokens": 0,
-            "weight_version": self.weight_version,
-            "finish_reason": seq.finish.to_wire(),
-        }
-        if seq.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
-        return {"text": seq.text, "output_ids": list(seq.output_ids), "meta_info": meta}
+            seq.future.set_result(wire_result(seq, self.weight_version))
 
     def _raise_if_dead(self) -> None:
         if self.failure is not None:

@@ -3,8 +3,8 @@
 Process tree: the process you start is tp rank 0. With `--tp-size N` it spawns N-1 follower
 processes; together they form one torch.distributed group (gloo on CPU, NCCL on GPU, plus a
 gloo group for control messages). Rank 0 serves HTTP and runs the scheduler; every model
-action it takes is broadcast first (`ActionBroadcaster`), and followers execute the same
-actions in the same order. If any rank dies, the others exit, so a half-dead engine never
+action it takes is broadcast first (lockstep.py: `Lockstep`, `Action`), and followers execute
+the same actions in the same order (`follow`). If any rank dies, the others exit, so a half-dead engine never
 keeps serving.
 """
 
@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from rollfleet.engine.lockstep import Action, Lockstep, follow
 from rollfleet.engine.lora import LoraLimits
-from rollfleet.engine.runner import ModelRunner, local_device
+from rollfleet.engine.model import ModelRunner, local_device
 
 log = logging.getLogger("rollfleet.engine")
-SHUTDOWN = "shutdown"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -62,20 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
     p.add_argument("--weight-version", default="default")
-    p.add_argument("--max-running-requests", type=int, default=64, help="largest batch")
-    p.add_argument(
-        "--max-samples-per-request",
-        type=int,
-        default=1024,
-        help="most samples one /generate request may ask for (prompts x n); more is refused with 400",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=8 * 2**20,
-        help="largest request body in bytes (default 8 MiB, about a million prompt tokens as input_ids); "
-        "more is refused with 413. The HTTP thread parses bodies, so this bounds how long one request holds it",
-    )
+    _add_limit_flags(p)
     p.add_argument("--random-seed", type=int, default=0, help="seed of dummy weights")
     p.add_argument(
         "--enable-lora",
@@ -94,6 +81,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted; the embedded engine has no warmup")
     p.add_argument("--log-level", default="warning")
     return p
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """How much one batch and one request may ask of the engine."""
+    p.add_argument("--max-running-requests", type=int, default=64, help="largest batch")
+    p.add_argument(
+        "--max-samples-per-request",
+        type=int,
+        default=1024,
+        help="most samples one /generate request may ask for (prompts x n); more is refused with 400",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="largest request body in bytes (default 8 MiB, about a million prompt tokens as input_ids); "
+        "more is refused with 413. The HTTP thread parses bodies, so this bounds how long one request holds it",
+    )
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -140,36 +145,6 @@ def resolve_dtype(args: argparse.Namespace) -> torch.dtype:
         return torch.float32
     config_dtype = getattr(AutoConfig.from_pretrained(args.model_path), "dtype", None)
     return config_dtype if isinstance(config_dtype, torch.dtype) else torch.bfloat16
-
-
-class ActionBroadcaster:
-    """Rank 0's side of lockstep execution: announce an action to every rank, then run it here."""
-
-    def __init__(self, runner: ModelRunner, group):
-        self.runner, self.group = runner, group
-
-    def __call__(self, action: str, **kwargs):
-        if self.group is not None:
-            dist.broadcast_object_list([(action, kwargs)], src=0, group=self.group)
-        return None if action == SHUTDOWN else getattr(self.runner, action)(**kwargs)
-
-
-def follow(runner: ModelRunner, group) -> None:
-    """A follower rank: run whatever rank 0 announces, until it says shutdown."""
-    while True:
-        box = [None]
-        try:
-            dist.broadcast_object_list(box, src=0, group=group)
-        except RuntimeError as exc:  # rank 0 exited (stopped or crashed): nothing left to follow
-            log.warning("follower: rank 0 is gone (%s); exiting", str(exc).splitlines()[0][:200])
-            return
-        action, kwargs = box[0]
-        if action == SHUTDOWN:
-            return
-        try:
-            getattr(runner, action)(**kwargs)
-        except ValueError:  # refused updates are reported to the client by rank 0
-            pass
 
 
 def _init_distributed(args, rank: int, store) -> tuple[str, object]:
@@ -272,16 +247,17 @@ def main(argv: list[str] | None = None) -> None:
         _exit_when_a_follower_dies(procs)
         device, group = _init_distributed(args, 0, store)
     runner = _make_runner(args, device, group)
-    serve(args, runner, ActionBroadcaster(runner, group))
+    serve(args, runner, Lockstep(runner, group))
     for proc in procs:
         proc.join(timeout=10)
 
 
-def serve(args, runner: ModelRunner, run_action: ActionBroadcaster) -> None:
+def serve(args, runner: ModelRunner, lockstep: Lockstep) -> None:
     import uvicorn
 
     from rollfleet.engine.app import create_app
     from rollfleet.engine.scheduler import Scheduler
+    from rollfleet.engine.service import EngineService
 
     # The engine thread holds the GIL between short torch calls; the HTTP thread waits up to this long for
     # it after every socket call. 5 ms (the default) times the dozens of such calls a reply makes let a
@@ -289,7 +265,7 @@ def serve(args, runner: ModelRunner, run_action: ActionBroadcaster) -> None:
     sys.setswitchinterval(0.001)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     scheduler = Scheduler(
-        run_action,
+        lockstep,
         tokenizer,
         eos_token_ids=_eos_token_ids(args.model_path, tokenizer),
         context_length=_context_length(runner),
@@ -300,12 +276,14 @@ def serve(args, runner: ModelRunner, run_action: ActionBroadcaster) -> None:
         thread_setup=lambda: _bind_thread(runner),
     )
     scheduler.start()
-    app = RequestBodyLimit(create_app(args, runner, scheduler, run_action, tokenizer), args.max_request_bytes)
+    app = RequestBodyLimit(
+        create_app(EngineService(args, runner, lockstep, scheduler, tokenizer)), args.max_request_bytes
+    )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         scheduler.stop()
-        run_action(SHUTDOWN)
+        lockstep(Action.SHUTDOWN)
 
 
 class RequestBodyLimit:

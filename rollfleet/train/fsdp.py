@@ -141,43 +141,58 @@ class PolicyTrainer:
         sums = [0.0] * 6  # loss, clipped tokens, ratio, kl, mismatch (token-weighted), tokens
         mismatch_max = 0.0
         for start in range(0, per_rank, cfg.micro_batch_size):
-            micro = self._collate(local[start : start + cfg.micro_batch_size])
-            logprobs = self._logprobs(self.model, micro)
-            ref_logprobs = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logprobs = self._logprobs(self.ref_model, micro)
-            loss, stats = policy_loss(
-                logprobs,
-                micro["old_logprobs"],
-                micro["advantages"],
-                micro["mask"],
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                token_level=cfg.token_level_loss,
-                ref_logprobs=ref_logprobs,
-                kl_coef=cfg.kl_coef,
-                normalizer=normalizer,
-            )
-            (loss * self.world_size).backward()  # FSDP averages gradients over ranks; the loss is already global
-            mismatch = logprob_mismatch(micro["old_logprobs"], logprobs, micro["mask"])
-            tokens = stats["tokens"]
-            values = (
-                float(loss.detach()),
-                stats["clip_frac"] * tokens,
-                stats["ratio_mean"] * tokens,
-                stats["kl"] * tokens,
-                mismatch["mean"] * tokens,
-                tokens,
-            )
+            values, worst = self._micro_step(local[start : start + cfg.micro_batch_size], normalizer)
             sums = [total + value for total, value in zip(sums, values, strict=True)]
-            mismatch_max = max(mismatch_max, mismatch["max"])
+            mismatch_max = max(mismatch_max, worst)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        return {
+            **self._reduced(sums, mismatch_max),
+            "grad_norm": float(grad_norm),
+            "samples": len(batch),
+            "step": self.step,
+        }
+
+    def _micro_step(self, items: Sequence[Mapping[str, Any] | None], normalizer: float) -> tuple[tuple, float]:
+        """Forward and backward of one micro-batch; its token-weighted figures and worst mismatch."""
+        cfg = self.config
+        micro = self._collate(items)
+        logprobs = self._logprobs(self.model, micro)
+        ref_logprobs = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logprobs = self._logprobs(self.ref_model, micro)
+        loss, stats = policy_loss(
+            logprobs,
+            micro["old_logprobs"],
+            micro["advantages"],
+            micro["mask"],
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            token_level=cfg.token_level_loss,
+            ref_logprobs=ref_logprobs,
+            kl_coef=cfg.kl_coef,
+            normalizer=normalizer,
+        )
+        (loss * self.world_size).backward()  # FSDP averages gradients over ranks; the loss is already global
+        mismatch = logprob_mismatch(micro["old_logprobs"], logprobs, micro["mask"])
+        tokens = stats["tokens"]
+        values = (
+            float(loss.detach()),
+            stats["clip_frac"] * tokens,
+            stats["ratio_mean"] * tokens,
+            stats["kl"] * tokens,
+            mismatch["mean"] * tokens,
+            tokens,
+        )
+        return values, mismatch["max"]
+
+    def _reduced(self, sums: list[float], mismatch_max: float) -> dict[str, float]:
+        """The step's figures summed (worst mismatch: max) over ranks, per token."""
         totals = torch.tensor(sums, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         worst = torch.tensor([mismatch_max], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
@@ -186,15 +201,12 @@ class PolicyTrainer:
         per_token = max(tokens, 1.0)
         return {
             "loss": loss_sum,
-            "grad_norm": float(grad_norm),
             "clip_frac": clipped / per_token,
             "ratio_mean": ratio / per_token,
             "kl": kl / per_token,
             "logprob_mismatch_mean": mismatch_sum / per_token,
             "logprob_mismatch_max": float(worst),
             "tokens": int(tokens),
-            "samples": len(batch),
-            "step": self.step,
         }
 
     def _collate(self, items: Sequence[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:

@@ -24,6 +24,10 @@ class TrainWorker:
     def train_step(self, batch: list[dict]) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray gave this rank (colocated: the same as the rollout worker of its bundle)."""
+        return [str(g) for g in ray.get_gpu_ids()]
+
     def push_weights(
         self, spec, targets: list[EngineTarget], version: str, options: dict[str, Any]
     ) -> SyncReport | None:
@@ -99,6 +103,10 @@ class TrainerGroup:
 
     def train_step(self, batch: list[dict]) -> dict[str, float]:
         return self._all("train_step", batch)
+
+    def gpu_ids(self) -> list[list[str]]:
+        """Each rank's GPU ids, by rank."""
+        return ray.get([w.gpu_ids.remote() for w in self.workers])
 
     def push_weights(self, spec, targets, version: str, **options) -> SyncReport:
         return self._all("push_weights", spec, targets, version, options)

@@ -6,8 +6,7 @@ the server's own message; a slow answer raises `EngineTimeout` after `timeout` s
 
 from __future__ import annotations
 
-import asyncio
-import time
+import re
 from typing import Any
 
 import httpx
@@ -21,6 +20,26 @@ class EngineError(RuntimeError):
 
 class EngineTimeout(EngineError):
     pass
+
+
+SESSIONS_SINCE_SGLANG = (0, 5, 21)  # SGLang refuses tensor and distributed weight updates outside a session since
+
+
+def uses_weight_update_sessions(server_info: dict) -> bool:
+    """Whether an engine takes (and then needs) `/begin_weight_update` ... `/end_weight_update` around
+    tensor and distributed weight updates, from its `/get_server_info`: the embedded engine says so
+    (`rollfleet_weight_update_sessions`); SGLang has them from 0.5.21 on; older SGLang has no such routes."""
+    if "rollfleet_weight_update_sessions" in server_info:
+        return server_info["rollfleet_weight_update_sessions"] is True
+    if server_info.get("engine") == "rollfleet-embedded":
+        return False  # an embedded engine from before sessions: its `version` is rollfleet's, not SGLang's
+    return _release(str(server_info.get("version", ""))) >= SESSIONS_SINCE_SGLANG
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(0, 5, 21) of "0.5.21", "0.5.21.post1" or "0.5.21rc0"; () when it is not a release number."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    return tuple(int(part) for part in match.groups()) if match else ()
 
 
 def _message_of(response: httpx.Response) -> str:
@@ -98,9 +117,10 @@ class EngineClient:
             "POST", "/generate", {k: v for k, v in payload.items() if v is not None}, timeout=timeout
         )
 
-    async def health(self) -> bool:
+    async def health(self, timeout: float = 5) -> bool:
+        """Whether /health answers 200 within `timeout` seconds (the fleet's probes of hung engines)."""
         try:
-            await self._call("GET", "/health", timeout=5)
+            await self._call("GET", "/health", timeout=timeout)
             return True
         except (EngineError, httpx.TransportError):
             return False
@@ -111,14 +131,6 @@ class EngineClient:
             return True
         except (EngineError, httpx.TransportError):
             return False
-
-    async def wait_until_up(self, timeout: float, interval: float = 0.2) -> None:
-        """Wait until /health answers (the process serves; weights may still be missing)."""
-        deadline = time.monotonic() + timeout
-        while not await self.health():
-            if time.monotonic() > deadline:
-                raise EngineTimeout("/health", 0, f"{self.base_url} did not come up within {timeout:.0f} s")
-            await asyncio.sleep(interval)
 
     async def get_model_info(self) -> dict:
         return await self._call("GET", "/get_model_info")
@@ -229,6 +241,15 @@ class EngineClient:
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return await self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def begin_weight_update(self, selector: str = "all") -> dict:
+        """Open a weight-update session (SGLang >= 0.5.21; see `uses_weight_update_sessions`): inside it,
+        a call's weight_version is applied only when `end_weight_update` succeeds."""
+        return await self._call("POST", "/begin_weight_update", {"selector": selector})
+
+    async def end_weight_update(self) -> dict:
+        """Close the session: the engine commits the update (a 400 when it is incomplete)."""
+        return await self._call("POST", "/end_weight_update", {})
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
         return await self._call(

@@ -46,10 +46,6 @@ def _as_float32(values: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor
     return values.to(torch.float32)
 
 
-def fingerprint(tensor: torch.Tensor, dtype: torch.dtype | None = None, samples: int = DEFAULT_SAMPLES) -> str:
-    return _digest(_as_float32(sample_view(tensor, samples), dtype).cpu(), tuple(tensor.shape))
-
-
 class Fingerprints:
     """Collect fingerprints of many tensors; one host copy per device at `digests()`."""
 

@@ -8,8 +8,6 @@ version, so no sample starts on stale or partial weights.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
@@ -20,8 +18,10 @@ from typing import Any, ClassVar
 import torch
 
 from rollfleet.weights.source import WeightSource, layer_key
-from rollfleet.wire.client import EngineClient
+from rollfleet.weights.transports.staging import wait_all
+from rollfleet.wire.client import uses_weight_update_sessions
 from rollfleet.wire.fingerprint import Fingerprints
+from rollfleet.wire.pool import EnginePool
 
 
 @dataclass(frozen=True)
@@ -47,66 +47,48 @@ class SyncReport:
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # sender seconds per phase (pack, wait, ...)
     fingerprints: dict[int, dict[str, str]] = field(default_factory=dict)  # engine id -> name -> fingerprint
+    lora_name: str | None = None  # a LoRA sync: the adapter the fingerprints belong to (None: base weights)
+    verified: list[int] = field(default_factory=list)  # engines the fleet verified against this report
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-class EngineCalls:
-    """Concurrent HTTP calls to engines from synchronous sender code (a private event loop thread)."""
-
-    def __init__(self, targets: list[EngineTarget], timeout_s: float):
-        self.targets = {t.engine_id: t for t in targets}
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="rollfleet-sync-http", daemon=True)
-        self.thread.start()
-        self.clients = self._run(self._make_clients(timeout_s)).result()
-
-    async def _make_clients(self, timeout_s: float) -> dict[int, EngineClient]:
-        return {i: EngineClient(t.url, api_key=t.api_key, timeout=timeout_s) for i, t in self.targets.items()}
-
-    def _run(self, coro) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def each(self, verb: str, make_args, engine_ids: list[int] | None = None) -> Future:
-        """Call `verb` on every target (or those of `engine_ids`) with `make_args(target) -> (args,
-        kwargs)`; a future of all answers.
-
-        The arguments are made here, in the caller's thread, before this returns: a `make_args`
-        closing over a loop variable would otherwise read it after the caller's next iteration
-        rebound it (engines got the next call's payload)."""
-        arguments = {
-            engine_id: make_args(target)
-            for engine_id, target in self.targets.items()
-            if engine_ids is None or engine_id in engine_ids
-        }
-
-        async def go():
-            return await asyncio.gather(
-                *(
-                    getattr(self.clients[engine_id], verb)(*args, **kwargs)
-                    for engine_id, (args, kwargs) in arguments.items()
-                )
-            )
-
-        return self._run(go())
-
-    def close(self) -> None:
-        async def close_all():
-            await asyncio.gather(*(c.close() for c in self.clients.values()))
-
-        self._run(close_all()).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-
-
 class Transport(ABC):
-    name: ClassVar[str]
+    """A way to move weights into engines. Besides connect/send/disconnect, a transport says what is
+    specific to it, so callers ask it instead of branching on its name: the engines' server arguments,
+    what a restarted engine loads, which checkpoint a restore may use, what the sender needs."""
 
-    def __init__(self, spec, targets: list[EngineTarget], *, timeout_s: float = 600.0):
+    name: ClassVar[str]
+    sends_full_weights: ClassVar[bool] = True  # False: only an adapter moves (the GRPO trainer cannot use it)
+    restart_load_format: ClassVar[str] = "dummy"  # a restarted engine's load: its weights come by restore or push
+
+    @classmethod
+    def server_args(cls, spec) -> list[str]:
+        """Engine server flags this transport needs (same names on both backends)."""
+        return []
+
+    @classmethod
+    def restore_checkpoint(cls, spec, version: str) -> str | None:
+        """A directory this transport's own syncs left holding exactly `version`, or None."""
+        return None
+
+    @classmethod
+    def sender_options(cls, model_path: str) -> dict[str, Any]:
+        """Keyword arguments the sender needs from the run (beyond the spec and the targets)."""
+        return {}
+
+    def __init__(self, spec, targets: list[EngineTarget], *, timeout_s: float = 600.0, pool: EnginePool | None = None):
+        """`pool`: the caller's engine pool (a fleet's), holding every target's url; without one the
+        transport makes its own for the targets and closes it at disconnect."""
         self.spec, self.targets = spec, targets
-        self.calls = EngineCalls(targets, timeout_s)
+        self._own_pool = pool is None
+        api_key = next((t.api_key for t in targets if t.api_key), None)
+        self.pool = pool or EnginePool.for_urls(
+            {t.engine_id: t.url for t in targets}, api_key=api_key, timeout=timeout_s
+        )
+        self.session_engines: set[int] | None = None  # engines that take weight-update sessions (asked once)
 
     def connect(self) -> None:  # noqa: B027 (optional hook: most transports need no set-up)
         """Set up what the transport needs before its first send (a process group, a directory)."""
@@ -116,7 +98,26 @@ class Transport(ABC):
         """Deliver every tensor of `source` to every target; return after every engine loaded them."""
 
     def disconnect(self) -> None:
-        self.calls.close()
+        if self._own_pool:
+            self.pool.close()
+
+    def _each(self, verb: str, make_args, engine_ids=None) -> Future:
+        """`verb` on every target (or those of `engine_ids`) with `make_args(target) -> (args, kwargs)`;
+        a future of all answers.
+
+        The arguments are made here, in the caller's thread, before this returns: a `make_args`
+        closing over a loop variable would otherwise read it after the caller's next iteration
+        rebound it (engines got the next call's payload)."""
+        chosen = [t for t in self.targets if engine_ids is None or t.engine_id in engine_ids]
+        return self.pool.each(verb, {t.engine_id: make_args(t) for t in chosen})
+
+    def _server_infos(self) -> list[dict]:
+        """Every target's /get_server_info; notes which engines take weight-update sessions."""
+        infos = self._each("get_server_info", lambda t: ((), {})).result()
+        self.session_engines = {
+            t.engine_id for t, info in zip(self.targets, infos) if uses_weight_update_sessions(info)
+        }
+        return infos
 
     def _collectors(self) -> dict:
         """One fingerprint collector per target dtype, for `_recorded` and `_finish_fingerprints`."""
@@ -151,6 +152,31 @@ class Transport(ABC):
     def _new_report(self, version: str) -> SyncReport:
         return SyncReport(version=version, transport=self.name, engine_ids=[t.engine_id for t in self.targets])
 
+    # ---- one update, all or nothing per engine (engines with sessions) ----------------------------
+    def _begin(self) -> None:
+        """Open a weight-update session on the engines that take them, before the first call."""
+        if self.session_engines is None:
+            self._server_infos()
+        self._each("begin_weight_update", lambda t: ((), {}), self.session_engines).result()
+
+    def _version_argument(self, target: EngineTarget, version: str) -> dict[str, str]:
+        """Inside a session a call carries the version (applied only when the session ends well)."""
+        return {"weight_version": version} if target.engine_id in self.session_engines else {}
+
+    def _commit(self, version: str) -> list[Future]:
+        """After the last call: end the sessions (the engine commits only a complete update) and set
+        the version on engines without sessions. Futures of both."""
+        others = [t.engine_id for t in self.targets if t.engine_id not in self.session_engines]
+        return [
+            self._each("end_weight_update", lambda t: ((), {}), self.session_engines),
+            self._each("update_weight_version", lambda t: ((version,), {}), others),
+        ]
+
+    def _abandon(self) -> None:
+        """After a failed call: end the open sessions (an incomplete one is refused, and the engine
+        serves nothing until a complete update); their answers do not hide the error that ended the sync."""
+        wait_all(self._each("end_weight_update", lambda t: ((), {}), self.session_engines))
+
 
 def iter_calls(named_tensors, limit_bytes: int):
     """Group tensors into update calls of about `limit_bytes`, never splitting a decoder layer: the
@@ -181,14 +207,18 @@ def register(cls: type[Transport]) -> type[Transport]:
     return cls
 
 
-def make_transport(spec, targets: list[EngineTarget], **kwargs: Any) -> Transport:
+def transport_class(spec) -> type[Transport]:
+    """The transport a `weight_sync` spec names."""
     try:
-        cls = TRANSPORTS[spec.transport]
+        return TRANSPORTS[spec.transport]
     except KeyError:
         raise ValueError(
             f"weight_sync.transport={spec.transport!r} has no sender here: use one of {sorted(TRANSPORTS)}"
         ) from None
-    return cls(spec, targets, **kwargs)
+
+
+def make_transport(spec, targets: list[EngineTarget], **kwargs: Any) -> Transport:
+    return transport_class(spec)(spec, targets, **kwargs)
 
 
 @contextmanager

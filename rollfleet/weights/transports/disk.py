@@ -21,6 +21,16 @@ def version_dir(root: str | Path, version: str) -> Path:
 class DiskTransport(Transport):
     name = "disk"
 
+    @classmethod
+    def restore_checkpoint(cls, spec, version: str) -> str | None:
+        """The sync's own directory of `version`, while it is kept."""
+        directory = version_dir(spec.path, version)
+        return str(directory.resolve()) if directory.is_dir() else None
+
+    @classmethod
+    def sender_options(cls, model_path: str) -> dict:
+        return {"config_dir": model_path}  # the directory engines load needs the model's config and tokenizer
+
     def __init__(self, spec, targets, *, config_dir: str | None = None, **kwargs):
         super().__init__(spec, targets, **kwargs)
         self.config_dir = config_dir
@@ -31,7 +41,7 @@ class DiskTransport(Transport):
         with timed(report):
             save_checkpoint(self._recorded(source, report, collectors), directory, self.config_dir)
             self._finish_fingerprints(report, collectors)
-            self.calls.each(
+            self._each(
                 "update_weights_from_disk", lambda t: ((str(directory.resolve()),), {"weight_version": version})
             ).result()
         prune_versions(directory.parent, KEEP_LAST)

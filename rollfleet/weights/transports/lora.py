@@ -14,8 +14,6 @@ the dtype they arrive in); verification asks the engines for the adapter's finge
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from rollfleet.weights.adapter import LoraSource, save_adapter
@@ -29,23 +27,28 @@ from rollfleet.wire.serialize import serialize
 KEEP_LAST = 2
 
 
-@dataclass
-class LoraSyncReport(SyncReport):
-    lora_name: str = ""  # the adapter the fingerprints belong to
-
-
 @register
 class LoraTransport(Transport):
     name = "lora"
+    sends_full_weights = False
+    restart_load_format = "auto"  # a LoRA run never sends base weights: restarted engines load them from the model
 
-    def send(self, source: LoraSource, version: str) -> LoraSyncReport:
+    @classmethod
+    def server_args(cls, spec) -> list[str]:
+        """Engines serve the adapters this transport sends: --enable-lora and the adapter limits."""
+        args = ["--enable-lora", "--max-lora-rank", str(spec.max_lora_rank)]
+        if spec.lora_target_modules:
+            args += ["--lora-target-modules", *spec.lora_target_modules]
+        return args
+
+    def send(self, source: LoraSource, version: str) -> SyncReport:
         if not isinstance(source, LoraSource):
             raise TypeError(
                 f"weight_sync.transport='lora' sends a LoRA adapter: give a LoraSource (a peft model), "
                 f"got {type(source).__name__}; full weights go over tensor, nccl or disk"
             )
         name = self.spec.adapter_name
-        report = LoraSyncReport(
+        report = SyncReport(
             version=version, transport=self.name, engine_ids=[t.engine_id for t in self.targets], lora_name=name
         )
         directory = None
@@ -63,7 +66,7 @@ class LoraTransport(Transport):
                 buckets = pack_buckets(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8, device=device))
                 payload = [b.to_payload() for b in buckets]
                 report.buckets = len(buckets)
-                self.calls.each(
+                self._each(
                     "load_lora_adapter_from_tensors",
                     lambda t: (
                         (name, config, [serialize(payload) for _ in range(t.num_ranks)]),
@@ -72,13 +75,13 @@ class LoraTransport(Transport):
                 ).result()
             else:
                 directory = save_adapter(tensors, config, version_dir(self.spec.path, version))
-                self.calls.each("load_lora_adapter", lambda t: ((name, str(directory.resolve())), {})).result()
-            self.calls.each("update_weight_version", lambda t: ((version,), {})).result()
+                self._each("load_lora_adapter", lambda t: ((name, str(directory.resolve())), {})).result()
+            self._each("update_weight_version", lambda t: ((version,), {})).result()
         if directory is not None:
             prune_versions(directory.parent, KEEP_LAST)
         return report
 
     def _unload_where_loaded(self, name: str) -> None:
-        infos = self.calls.each("get_model_info", lambda t: ((), {})).result()
+        infos = self._each("get_model_info", lambda t: ((), {})).result()
         loaded = [t.engine_id for t, info in zip(self.targets, infos) if name in info.get("loaded_lora_adapters", {})]
-        self.calls.each("unload_lora_adapter", lambda t: ((name,), {}), engine_ids=loaded).result()
+        self._each("unload_lora_adapter", lambda t: ((name,), {}), engine_ids=loaded).result()

@@ -1,18 +1,19 @@
 """nccl (disaggregated): broadcast from the sender (group rank 0) to every engine rank.
 
-The group is the sender plus every engine rank: world_size = 1 + sum(tp*pp), engine i joins at
-rank_offset = 1 + i*tp*pp. NCCL on GPU, gloo on CPU (the same code runs in CPU tests). Per
-call (whole decoder layers, about bucket_mb): announce it to every engine
-(/update_weights_from_distributed, "flattened_bucket": the names, dtypes and shapes of its tensors,
-in order) and broadcast their bytes as one uint8 tensor without waiting for it: call k+1 is packed
-while call k is on the wire (two reusable buffers, kept while connected: the sender's extra memory
-is two buckets).
+The group is the sender plus every engine rank (rollfleet.layout.weight_update_group: world_size =
+1 + sum(tp*pp), the k-th target joins at rank_offset = 1 + the ranks of the targets before it).
+NCCL on GPU, gloo on CPU (the same code runs in CPU tests). Per call (whole decoder layers, about
+bucket_mb): announce it to every engine (/update_weights_from_distributed, "flattened_bucket": the
+names, dtypes and shapes of its tensors, in order) and broadcast their bytes as one uint8 tensor
+without waiting for it: call k+1 is packed while call k is on the wire (two reusable buffers, kept
+while connected: the sender's extra memory is two buckets).
 An engine must run the calls in broadcast order, and two requests in flight may reach it in either
 order. Engines that advertise `rollfleet_ordered_weight_calls` (the embedded one) take numbered
 calls and run them in number order (rollfleet.engine.call_order), so call k+1 is announced while
 call k is on the wire. Others (SGLang) get call k+1 once every engine has answered call k (an
 engine answers when its receive is posted). A join that does not complete in time fails with the
-group, the ranks and the address named, instead of hanging.
+group, the ranks and the address named, instead of hanging. Engines with weight-update sessions get
+one around the calls; its end commits the update and the version.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rollfleet.layout import weight_update_group
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
 from rollfleet.weights.transports.staging import DoubleBuffer, call_bytes, pack_bytes, wait_all
@@ -43,7 +45,13 @@ class NcclTransport(Transport):
         super().__init__(spec, targets, **kwargs)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.world_size = 1 + sum(t.num_ranks for t in targets)
+        offsets, self.world_size = weight_update_group([t.num_ranks for t in targets])
+        if offsets != [t.rank_offset for t in targets]:
+            raise ValueError(
+                f"targets' rank_offset={[t.rank_offset for t in targets]}: a weight-update group of these engines "
+                f"numbers them {offsets} (sender 0, then each engine's tp*pp ranks in order); build the targets "
+                "with rollfleet.layout.weight_update_group"
+            )
         self.group = None
         self.calls_ahead = 1  # set at connect(), from what the engines support
         # Kept for the transport's life: NCCL releases a finished broadcast's tensors from its own
@@ -53,7 +61,7 @@ class NcclTransport(Transport):
     def connect(self) -> None:
         port = self.spec.master_port or free_port()
         where = f"{self.spec.master_address}:{port}"
-        joins = self.calls.each(
+        joins = self._each(
             "init_weights_update_group",
             lambda t: (
                 (self.spec.master_address, port, t.rank_offset, self.world_size),
@@ -71,7 +79,7 @@ class NcclTransport(Transport):
                 timedelta(seconds=self.spec.join_timeout_s),
             )
             joins.result(timeout=self.spec.join_timeout_s + 30)
-            infos = self.calls.each("get_server_info", lambda t: ((), {})).result()
+            infos = self._server_infos()
         except Exception as exc:
             ranks = {t.engine_id: list(range(t.rank_offset, t.rank_offset + t.num_ranks)) for t in self.targets}
             raise RuntimeError(
@@ -85,63 +93,69 @@ class NcclTransport(Transport):
         self.calls_ahead = CALLS_AHEAD if ordered else 1
 
     def send(self, source: WeightSource, version: str) -> SyncReport:
-        assert self.group is not None, "connect() first"
+        if self.group is None:
+            raise RuntimeError("NcclTransport.send before connect(): connect() forms the weight-update group")
         report, collectors = self._new_report(version), self._collectors()
+        with timed(report):
+            self._begin()
+            try:
+                self._send_calls(source, version, report, collectors)
+            except BaseException:
+                self._abandon()
+                raise
+            committing = self._commit(version)
+            self._finish_fingerprints(report, collectors)
+            with timed(report, "set_version"):
+                error = wait_all(*committing)
+        if error is not None:
+            raise error
+        return report
+
+    def _send_calls(self, source: WeightSource, version: str, report: SyncReport, collectors: dict) -> None:
         broadcasts: list = [None, None]  # the broadcast that last used each buffer
         answers: deque = deque()  # the engines' answers to announced calls, oldest first
         sync_id = f"{version}:{secrets.token_hex(4)}"
-        with timed(report):
-            try:
-                calls = iter_calls(self._recorded(source, report, collectors), self.spec.bucket_bytes)
-                for index, call in enumerate(calls):
-                    slot = index % 2
-                    with timed(report, "pack"):
-                        if broadcasts[slot] is not None:  # reuse the buffer once its broadcast has left it
-                            broadcasts[slot].wait()
-                            broadcasts[slot] = None
-                        flat = pack_bytes(call, self.buffers.take(slot, call_bytes(call), self.device))
-                    with timed(report, "wait_engines"):
-                        while len(answers) >= self.calls_ahead:
-                            answers.popleft().result()
-                    names = [name for name, _ in call]
-                    dtypes = [dtype_name(tensor.dtype) for _, tensor in call]
-                    shapes = [list(tensor.shape) for _, tensor in call]
-                    order = (sync_id, index) if self.calls_ahead > 1 else None
-                    answers.append(
-                        self.calls.each(
-                            "update_weights_from_distributed",
-                            lambda t: (
-                                (names, dtypes, shapes),
-                                {
-                                    "group_name": GROUP_NAME,
-                                    "load_format": "flattened_bucket",
-                                    "flush_cache": False,
-                                    "order": order,
-                                },
-                            ),
-                        )
-                    )
-                    # one broadcast of every tensor's bytes back to back (mixed dtypes are allowed);
-                    # it runs while the next call is packed and announced
-                    broadcasts[slot] = dist.broadcast(flat, group=self.group, group_src=0, async_op=True)
-                    report.buckets += 1
+        try:
+            for index, call in enumerate(
+                iter_calls(self._recorded(source, report, collectors), self.spec.bucket_bytes)
+            ):
+                slot = index % 2
+                with timed(report, "pack"):
+                    if broadcasts[slot] is not None:  # reuse the buffer once its broadcast has left it
+                        broadcasts[slot].wait()
+                        broadcasts[slot] = None
+                    flat = pack_bytes(call, self.buffers.take(slot, call_bytes(call), self.device))
                 with timed(report, "wait_engines"):
-                    while answers:
+                    while len(answers) >= self.calls_ahead:
                         answers.popleft().result()
-            finally:
-                # every started announcement and broadcast completes, so the group is not left with a
-                # half-done transfer; after an error, theirs are its consequences
-                wait_all(*answers, *broadcasts)
-            setting = self.calls.each("update_weight_version", lambda t: ((version,), {}))
-            self._finish_fingerprints(report, collectors)
-            with timed(report, "set_version"):
-                setting.result()
-        return report
+                answers.append(self._announce(call, (sync_id, index) if self.calls_ahead > 1 else None, version))
+                # one broadcast of every tensor's bytes back to back (mixed dtypes are allowed);
+                # it runs while the next call is packed and announced
+                broadcasts[slot] = dist.broadcast(flat, group=self.group, group_src=0, async_op=True)
+                report.buckets += 1
+            with timed(report, "wait_engines"):
+                while answers:
+                    answers.popleft().result()
+        finally:
+            # every started announcement and broadcast completes, so the group is not left with a
+            # half-done transfer; after an error, theirs are its consequences
+            wait_all(*answers, *broadcasts)
+
+    def _announce(self, call, order: tuple[str, int] | None, version: str):
+        """/update_weights_from_distributed for one call: its tensors' names, dtypes and shapes, in order."""
+        names = [name for name, _ in call]
+        dtypes = [dtype_name(tensor.dtype) for _, tensor in call]
+        shapes = [list(tensor.shape) for _, tensor in call]
+        options = {"group_name": GROUP_NAME, "load_format": "flattened_bucket", "flush_cache": False, "order": order}
+        return self._each(
+            "update_weights_from_distributed",
+            lambda t: ((names, dtypes, shapes), {**options, **self._version_argument(t, version)}),
+        )
 
     def disconnect(self) -> None:
         if self.group is not None:
             # NCCL's destroy waits for every member: the engines and the sender leave together
-            leaving = self.calls.each("destroy_weights_update_group", lambda t: ((GROUP_NAME,), {}))
+            leaving = self._each("destroy_weights_update_group", lambda t: ((GROUP_NAME,), {}))
             dist.destroy_process_group(self.group)
             leaving.result()
             self.group = None

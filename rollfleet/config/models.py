@@ -1,44 +1,18 @@
-"""Pydantic models for a whole run, read from YAML plus dotted overrides.
+"""Pydantic models for a whole run: rollout fleet, trainer, loop, Ray, weight sync.
 
-    cfg = load_config("run.yaml", ["rollout.tp_size=2", "rollout.sampling.top_p=0.9"])
-
-Every model forbids unknown keys, so a typo is an error, not a silently ignored setting.
-A bad value raises `ConfigError`; its message has one line per problem, of the form
-`rollout.tp_size=0: must be >= 1 (fix: set rollout.tp_size to a value >= 1)`.
+Every model forbids unknown keys, so a typo is an error, not a silently ignored setting; a bad
+value raises FieldProblem in a validator, which rollfleet.config.loading turns into one line.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, ClassVar, Literal, get_args
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-
-class ConfigError(ValueError):
-    """A run config a user must fix; `problems` holds one line per failing field."""
-
-    def __init__(self, problems: str | list[str]):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        if len(self.problems) == 1:
-            super().__init__(f"invalid config: {self.problems[0]}")
-        else:
-            super().__init__("invalid config:\n" + "\n".join(f"  {line}" for line in self.problems))
-
-
-class FieldProblem(ValueError):
-    """Raised inside a validator; says which field is wrong, why, and what to do.
-
-    `field` is dotted and relative to the model that raises (None inside a field
-    validator, where pydantic already knows the field and its value).
-    """
-
-    def __init__(self, problem: str, fix: str, field: str | None = None, value: Any = None):
-        self.problem, self.fix, self.field, self.value = problem, fix, field, value
-        head = f"{field}={_show(value)}: " if field else ""
-        super().__init__(f"{head}{problem} (fix: {fix})")
+from rollfleet.config.errors import FieldProblem
+from rollfleet.layout import Layout, LayoutError, divisors
 
 
 class _Section(BaseModel):
@@ -103,23 +77,27 @@ class RolloutConfig(_Section):
     log_dir: str = Field("logs/engines", description="Directory for engine server logs.")
 
     @property
+    def layout(self) -> Layout:
+        """The fleet's shape (engines, tp, pp, ep); valid once this config validated."""
+        return Layout(self.num_engines, self.tp_size, self.pp_size, self.ep_size)
+
+    @property
     def gpus_per_engine(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.layout.gpus_per_engine
 
     @property
     def world_size(self) -> int:
         """All rollout ranks (one per GPU): num_engines * tp_size * pp_size."""
-        return self.num_engines * self.gpus_per_engine
+        return self.layout.world_size
 
     @model_validator(mode="after")
     def _check_parallel_sizes(self) -> RolloutConfig:
-        if self.tp_size % self.ep_size:
-            raise FieldProblem(
-                f"must divide tp_size={self.tp_size} (expert groups split the engine's TP group)",
-                f"set rollout.ep_size to one of {_divisors(self.tp_size)}",
-                field="ep_size",
-                value=self.ep_size,
-            )
+        try:
+            _ = self.layout  # validates the shape
+        except LayoutError as err:
+            first = err.problems[0]
+            fix = f"set rollout.{first.fix.removeprefix('set ')}"
+            raise FieldProblem(first.problem, fix, first.field, first.value) from None
         if self.pp_size > 1 and self.backend == "embedded":
             raise FieldProblem(
                 "the embedded engine has no pipeline parallel; use backend=sglang",
@@ -143,7 +121,7 @@ class TrainerConfig(_Section):
         if self.world_size % self.sequence_parallel_size:
             raise FieldProblem(
                 f"must divide trainer.world_size={self.world_size}",
-                f"set trainer.sequence_parallel_size to one of {_divisors(self.world_size)}",
+                f"set trainer.sequence_parallel_size to one of {divisors(self.world_size)}",
                 field="sequence_parallel_size",
                 value=self.sequence_parallel_size,
             )
@@ -225,7 +203,10 @@ class RayConfig(_Section):
 
 
 class _WeightSync(_Section):
-    """What every transport's settings share."""
+    """What every transport's settings share. `pipeline_parallel_problem`: why the transport cannot
+    feed an SGLang engine with pp_size > 1 (None: it can)."""
+
+    pipeline_parallel_problem: ClassVar[str | None] = None
 
     verify: Literal["auto", "fingerprint", "version"] = Field(
         "auto",
@@ -252,12 +233,18 @@ class TensorSync(_Bucketed):
     """Colocated: CUDA IPC (GPU) or shared-memory (CPU) handles through /update_weights_from_tensor."""
 
     transport: Literal["tensor"] = "tensor"
+    pipeline_parallel_problem: ClassVar[str | None] = (
+        "every pipeline stage of a tp rank reads the same payload (serialized_named_tensors is indexed "
+        "by tp_rank only), and a CUDA IPC or shared-memory handle unpickled by several processes is "
+        "released once too often; rollfleet has no per-stage routing for it yet"
+    )
 
 
 class NcclSync(_Bucketed):
     """Disaggregated: broadcast from trainer rank 0 to every engine rank (gloo on CPU)."""
 
     transport: Literal["nccl"] = "nccl"
+    pipeline_parallel_problem: ClassVar[str | None] = "its weight-update group ignores the pipeline rank"
     master_address: str = Field("127.0.0.1", description="Address of trainer rank 0, reachable from every engine.")
     master_port: int | None = Field(None, ge=1, le=65535, description="Port of the group's store; None: a free one.")
     join_timeout_s: float = Field(120.0, gt=0.0, description="Seconds the group join may take before it fails.")
@@ -267,6 +254,7 @@ class DiskSync(_WeightSync):
     """An HF checkpoint directory and /update_weights_from_disk."""
 
     transport: Literal["disk"] = "disk"
+    pipeline_parallel_problem: ClassVar[str | None] = None  # each stage reads its own layers from the directory
     path: str = Field("runs/weight-sync", description="Directory the trainer saves the synced weights into.")
 
 
@@ -274,6 +262,9 @@ class LoraSync(_WeightSync):
     """Only the LoRA adapter moves, as tensors or as a saved adapter directory; engines keep their base weights."""
 
     transport: Literal["lora"] = "lora"
+    pipeline_parallel_problem: ClassVar[str | None] = (
+        "LoRA serving with pipeline parallel has not been built or tested here"
+    )
     source: Literal["tensors", "directory"] = Field("tensors", description="How the adapter reaches the engines.")
     path: str = Field("checkpoints/adapter", description="Adapter directory when source=directory.")
     adapter_name: str = Field(
@@ -290,15 +281,6 @@ class LoraSync(_WeightSync):
 
 
 WeightSyncConfig = Annotated[TensorSync | NcclSync | DiskSync | LoraSync, Field(discriminator="transport")]
-TRANSPORTS_WITH_PIPELINE_PARALLEL = ("disk",)
-# why the others cannot feed an SGLang engine with pp_size > 1
-PIPELINE_PARALLEL_PROBLEMS = {
-    "nccl": "its weight-update group ignores the pipeline rank",
-    "tensor": "every pipeline stage of a tp rank reads the same payload (serialized_named_tensors is indexed "
-    "by tp_rank only), and a CUDA IPC or shared-memory handle unpickled by several processes is "
-    "released once too often; rollfleet has no per-stage routing for it yet",
-    "lora": "LoRA serving with pipeline parallel has not been built or tested here",
-}
 
 
 class RunConfig(_Section):
@@ -313,12 +295,13 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_pipeline_weight_path(self) -> RunConfig:
-        transport = self.weight_sync.transport
-        if self.rollout.pp_size > 1 and transport not in TRANSPORTS_WITH_PIPELINE_PARALLEL:
+        problem, transport = self.weight_sync.pipeline_parallel_problem, self.weight_sync.transport
+        if self.rollout.pp_size > 1 and problem is not None:
+            members = get_args(get_args(WeightSyncConfig)[0])
+            able = [m.model_fields["transport"].default for m in members if m.pipeline_parallel_problem is None]
             raise FieldProblem(
-                f"SGLang cannot take weights over '{transport}' with pp_size={self.rollout.pp_size} "
-                f"({PIPELINE_PARALLEL_PROBLEMS[transport]})",
-                f"set weight_sync.transport to one of {list(TRANSPORTS_WITH_PIPELINE_PARALLEL)}, or rollout.pp_size=1",
+                f"SGLang cannot take weights over '{transport}' with pp_size={self.rollout.pp_size} ({problem})",
+                f"set weight_sync.transport to one of {able}, or rollout.pp_size=1",
                 field="weight_sync.transport",
                 value=transport,
             )
@@ -368,166 +351,3 @@ class RunConfig(_Section):
                 value=trainer.world_size,
             )
         return self
-
-
-def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Read YAML at `path` (or start empty), apply `a.b.c=value` overrides, validate."""
-    data = _read_yaml(path) if path else {}
-    for override in overrides:
-        key, value = _parse_override(override)
-        _set_dotted(data, key, value)
-    return parse_config(data)
-
-
-def parse_config(data: dict[str, Any]) -> RunConfig:
-    """Validate a plain dict into a RunConfig, raising ConfigError on any problem."""
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError([_describe(e) for e in err.errors()]) from err
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    with open(path) as file:
-        try:
-            data = yaml.safe_load(file)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path} is not valid YAML: {err} (fix: correct the YAML syntax)") from err
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{path} holds a {type(data).__name__} at the top level "
-            f"(fix: make it a mapping with keys {', '.join(RunConfig.model_fields)})"
-        )
-    return data
-
-
-def _parse_override(override: str) -> tuple[str, Any]:
-    key, sep, raw = override.partition("=")
-    if not sep:
-        raise ConfigError(f"override {override!r} has no '=' (fix: write key=value, e.g. rollout.tp_size=2)")
-    try:
-        return key.strip(), yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{key}={raw}: not a YAML value (fix: quote it, e.g. {key}='{raw}')") from err
-
-
-def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """Set data[a][b][c] = value for key 'a.b.c', refusing keys the models do not have."""
-    parts = key.split(".")
-    model: type[BaseModel] = RunConfig
-    node = data
-    for depth, part in enumerate(parts):
-        here = ".".join(parts[:depth]) or "the top level"
-        if part not in model.model_fields:
-            raise ConfigError(
-                f"override {key}: unknown key {part!r} at {here} (fix: use one of {', '.join(model.model_fields)})"
-            )
-        if depth == len(parts) - 1:
-            node[part] = value
-            return
-        section = ".".join(parts[: depth + 1])
-        submodel = _submodel(model, part, node.get(part))
-        if submodel is None:
-            raise ConfigError(f"override {key}: {section} is a value, not a section (fix: write {section}=VALUE)")
-        child = node.setdefault(part, {})
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"{section}={_show(child)} is not a section (fix: make {section} a mapping of keys)")
-        node, model = child, submodel
-
-
-def _submodel(model: type[BaseModel], key: str, current: Any = None) -> type[BaseModel] | None:
-    """The section model of `key`; for a union of sections (weight_sync), the member its
-    `transport` names (in `current`, the data so far) or else the default's."""
-    field = model.model_fields[key]
-    annotation = field.annotation
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    members = [m for m in get_args(annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
-    if not members:
-        return None
-    chosen = current.get("transport") if isinstance(current, dict) else None
-    for member in members:
-        if member.model_fields["transport"].default == chosen:
-            return member
-    return type(field.get_default(call_default_factory=True))
-
-
-def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
-    """The section model at a location like ('rollout', 'sampling'), or None if it is not a section."""
-    model: type[BaseModel] | None = RunConfig
-    for part in loc:
-        if model is None or part not in model.model_fields:
-            return None
-        model = _submodel(model, part)
-    return model
-
-
-_BOUNDS = {
-    "greater_than_equal": (">=", "ge"),
-    "greater_than": (">", "gt"),
-    "less_than_equal": ("<=", "le"),
-    "less_than": ("<", "lt"),
-}
-
-
-def _describe(error: dict[str, Any]) -> str:
-    """One line for one pydantic error: `path=value: problem (fix: ...)`."""
-    loc, kind, ctx = tuple(error["loc"]), error["type"], error.get("ctx", {})
-    cause = ctx.get("error")
-    if isinstance(cause, FieldProblem):
-        field_loc = loc + tuple(cause.field.split(".")) if cause.field else loc
-        value = cause.value if cause.field else error["input"]
-        return f"{_path(field_loc)}={_show(value)}: {cause.problem} (fix: {cause.fix})"
-    path = _path(loc)
-    if kind == "missing":
-        return f"{path}: is required (fix: set {path} in the YAML file or pass {path}=VALUE)"
-    if kind in _BOUNDS:
-        op, bound = _BOUNDS[kind]
-        problem, fix = f"must be {op} {ctx[bound]}", f"set {path} to a value {op} {ctx[bound]}"
-    elif kind == "literal_error":
-        problem, fix = f"must be {ctx['expected']}", f"set {path} to {ctx['expected']}"
-    elif kind == "extra_forbidden":
-        section = _model_at(loc[:-1])
-        valid = ", ".join(section.model_fields) if section else "none"
-        problem, fix = "unknown key", f"check the spelling; valid keys here: {valid}"
-    else:
-        problem, fix = _lower_first(error["msg"]), _describe_field(loc)
-    return f"{path}={_show(error['input'])}: {problem} (fix: {fix})"
-
-
-def _describe_field(loc: tuple[str | int, ...]) -> str:
-    field_loc = tuple(p for p in loc if isinstance(p, str))
-    section = _model_at(field_loc[:-1])
-    if section is None or not field_loc or field_loc[-1] not in section.model_fields:
-        return f"correct {_path(loc)}"
-    info = section.model_fields[field_loc[-1]]
-    return f"{_path(field_loc)} takes {_type_name(info.annotation)} ({(info.description or '').rstrip('.')})"
-
-
-def _type_name(annotation: Any) -> str:
-    plain = isinstance(annotation, type) and get_origin(annotation) is None
-    return annotation.__name__ if plain else str(annotation).replace("typing.", "")
-
-
-def _path(loc: Sequence[str | int]) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text or "config"
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _lower_first(text: str) -> str:
-    return text[:1].lower() + text[1:]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -7,9 +7,11 @@
                       v
                   RECOVERING -> AWAITING_WEIGHTS -> ACTIVE   (restart with dummy weights, restore, verify)
 
+ACTIVE or SLEEPING -> AWAITING_WEIGHTS: its weights were released, or a push to it failed part-way.
 Only ACTIVE engines take generate traffic. AWAITING_WEIGHTS engines are up but hold no verified
 weights of the fleet's version; the embedded engine also refuses generate itself until weights
-arrive (a dummy start is not ready).
+arrive (a dummy start is not ready). `EngineSlot` is the fleet's record of one engine: where it
+answers, which version it holds (verified), and its lifecycle.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
-log = logging.getLogger("rollfleet.health")
+log = logging.getLogger("rollfleet.lifecycle")
 
 
 class EngineState(StrEnum):
@@ -42,15 +45,26 @@ ALLOWED: dict[EngineState, set[EngineState]] = {
 }
 
 
+FAILED = (EngineState.INACTIVE, EngineState.RECOVERING)
+
+
 class IllegalTransition(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Transition:
+    time: float
+    old: EngineState
+    new: EngineState
+    why: str
 
 
 @dataclass
 class Lifecycle:
     engine_id: int
     state: EngineState = EngineState.STARTING
-    history: list[tuple[float, str, str, str]] = field(default_factory=list)  # (time, from, to, why)
+    history: list[Transition] = field(default_factory=list)
 
     def to(self, new: EngineState, reason: str) -> None:
         if new == self.state:
@@ -61,7 +75,7 @@ class Lifecycle:
             )
         if new == EngineState.ACTIVE and self.restarted_since_active:
             reason = f"recovered: {reason}"
-        self.history.append((time.time(), self.state.value, new.value, reason))
+        self.history.append(Transition(time.time(), self.state, new, reason))
         routine = new in (EngineState.ACTIVE, EngineState.SLEEPING, EngineState.AWAITING_WEIGHTS)
         (log.info if routine else log.warning)(
             "engine %d: %s -> %s (%s)", self.engine_id, self.state.value, new.value, reason
@@ -71,9 +85,50 @@ class Lifecycle:
     @property
     def restarted_since_active(self) -> bool:
         """Whether the engine went through RECOVERING since it was last ACTIVE."""
-        for _, _, to, _ in reversed(self.history):
-            if to == EngineState.ACTIVE.value:
+        for transition in reversed(self.history):
+            if transition.new == EngineState.ACTIVE:
                 return False
-            if to == EngineState.RECOVERING.value:
+            if transition.new == EngineState.RECOVERING:
                 return True
         return False
+
+    def mark(self) -> int:
+        """A point in the history, for `since` and `failed_since`."""
+        return len(self.history)
+
+    def since(self, mark: int) -> list[Transition]:
+        return self.history[mark:]
+
+    def failed_since(self, mark: int) -> bool:
+        """Whether the engine went INACTIVE (or on to RECOVERING) since `mark`."""
+        return any(t.new in FAILED for t in self.since(mark))
+
+
+RUNNING = (EngineState.ACTIVE, EngineState.SLEEPING, EngineState.AWAITING_WEIGHTS)
+
+
+@dataclass
+class EngineSlot:
+    """The fleet's view of one engine."""
+
+    engine_id: int
+    url: str
+    head: Any  # the RolloutWorker actor that owns the engine process
+    gpu_ids: list[str] = field(default_factory=list)
+    version: str = "default"  # the weight version last verified on it ("" when it holds none)
+    dtype: str | None = None  # parameter dtype as the engine reports it (asked once)
+    outstanding: int = 0  # generate requests in flight
+    lifecycle: Lifecycle = None  # set in __post_init__
+
+    def __post_init__(self):
+        if self.lifecycle is None:
+            self.lifecycle = Lifecycle(self.engine_id)
+
+    @property
+    def state(self) -> EngineState:
+        return self.lifecycle.state
+
+    @property
+    def is_running(self) -> bool:
+        """The process is up and reachable (it may not serve generate)."""
+        return self.state in RUNNING

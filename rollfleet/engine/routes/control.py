@@ -1,0 +1,115 @@
+"""Status, memory, abort and pause routes."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse
+
+from rollfleet.engine.lockstep import Action
+from rollfleet.engine.service import VERSION, BadRequest, Engine, EngineService
+from rollfleet.wire.buckets import dtype_name
+from rollfleet.wire.protocol import AbortRequest, MemoryRequest, PauseGenerationRequest
+
+router = APIRouter()
+ALL_MEMORY_TAGS = ["weights", "kv_cache"]
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def model_info(engine: Engine):
+    args = engine.args
+    return {
+        "model_path": args.model_path,
+        "tokenizer_path": args.tokenizer_path or args.model_path,
+        "is_generation": True,
+        "weight_version": engine.scheduler.weight_version,
+        "weights_ready": engine.weights_ready,
+        "context_length": engine.context_length,
+        "dtype": dtype_name(engine.runner.dtype),
+        "loaded_lora_adapters": engine.loaded_adapters(),
+    }
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def server_info(engine: Engine):
+    args = engine.args
+    info = {k: v for k, v in vars(args).items() if k != "api_key"}
+    return {
+        **info,
+        "api_key_set": bool(args.api_key),
+        "version": VERSION,
+        "engine": "rollfleet-embedded",
+        "weight_version": engine.scheduler.weight_version,
+        "weights_ready": engine.weights_ready,
+        "scheduler_stats": engine.scheduler.live_stats,
+        "loaded_lora_adapters": engine.loaded_adapters(),
+        "rollfleet_ordered_weight_calls": True,
+        "rollfleet_weight_calls_waiting": engine.call_order.waiting,
+        "rollfleet_weight_update_sessions": True,
+    }
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(engine: Engine):
+    if engine.scheduler.num_unfinished:
+        return PlainTextResponse("Cache not flushed: requests are running.", status_code=400)
+    return PlainTextResponse("Cache flushed (the embedded engine keeps no prefix cache).")
+
+
+@router.get("/rollfleet/memory")
+async def memory(engine: Engine):
+    """rollfleet extension: memory per tp rank (weights; allocator and device figures on GPU)."""
+    return await engine.control(lambda: engine.lockstep(Action.MEMORY), needs_idle=False)
+
+
+async def move_memory(engine: EngineService, req: MemoryRequest, action: Action) -> dict:
+    tags = [t for t in (req.tags or ALL_MEMORY_TAGS) if t != "cuda_graph"]  # no CUDA graphs here
+
+    def act():
+        if engine.scheduler.num_unfinished:
+            raise ValueError(
+                f"{engine.scheduler.num_unfinished} requests are unfinished: pause or abort them "
+                "before releasing or resuming memory"
+            )
+        if action is Action.RELEASE_MEMORY:
+            engine.sessions.check_release(tags)
+        memory = engine.lockstep(action, tags=tags)
+        if action is Action.RELEASE_MEMORY:
+            engine.sessions.after_release(tags)
+        return memory
+
+    memory = await engine.control(act)
+    return {"success": True, "message": f"{action.value} {tags}", "memory": memory}
+
+
+@router.post("/release_memory_occupation")
+async def release_memory_occupation(req: MemoryRequest, engine: Engine):
+    return await move_memory(engine, req, Action.RELEASE_MEMORY)
+
+
+@router.post("/resume_memory_occupation")
+async def resume_memory_occupation(req: MemoryRequest, engine: Engine):
+    return await move_memory(engine, req, Action.RESUME_MEMORY)
+
+
+@router.post("/abort_request")
+async def abort_request(req: AbortRequest, engine: Engine):
+    if not req.rid and not req.abort_all:
+        raise BadRequest("give rid or abort_all=true")
+    count = engine.scheduler.abort(req.rid, req.abort_all)
+    return {"success": True, "message": f"aborted {count} requests"}
+
+
+@router.post("/pause_generation")
+async def pause_generation(req: PauseGenerationRequest, engine: Engine):
+    if req.mode == "retract":
+        raise BadRequest("mode='retract' is not supported by the embedded engine: use 'abort' or 'in_place'")
+    engine.scheduler.pause(req.mode)
+    return {"success": True, "message": f"generation paused ({req.mode})"}
+
+
+@router.post("/continue_generation")
+async def continue_generation(engine: Engine):
+    engine.scheduler.resume()
+    return {"success": True, "message": "generation continued"}

@@ -1,0 +1,132 @@
+"""The one object the HTTP routes drive: rank 0's engine (its launch args, model runner, lockstep
+broadcaster, scheduler, tokenizer, call order and weight-update sessions), and how routes run
+work on the engine thread and answer refusals.
+
+Errors are HTTP 4xx with a JSON body `{"success": false, "message": ...}`; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from rollfleet.engine.call_order import CallOrder
+from rollfleet.engine.lockstep import Lockstep
+from rollfleet.engine.model import ModelRunner
+from rollfleet.engine.scheduler import EngineStopped, Scheduler
+from rollfleet.engine.sequence import Sequence
+from rollfleet.engine.weight_groups import WeightUpdateError
+from rollfleet.engine.weight_session import SYNC_IN_PROGRESS, WeightSessions
+
+VERSION = "0.1.0"
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.message, self.status_code = message, status_code
+
+
+def fail(message: str, status_code: int = 400) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=status_code)
+
+
+def validation_message(exc: ValidationError | RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(x) for x in error.get("loc", ()) if x != "body")
+        parts.append(f"{where or 'body'}: {error.get('msg')} (got {error.get('input')!r})"[:300])
+    return "; ".join(parts)
+
+
+@dataclass
+class EngineService:
+    args: argparse.Namespace
+    runner: ModelRunner  # rank 0's; routes read its state (readiness, adapters, dtype), never call it
+    lockstep: Lockstep  # every model action goes through it, on the engine thread
+    scheduler: Scheduler
+    tokenizer: Any
+    call_order: CallOrder = field(default_factory=CallOrder)
+    unloading: set[str] = field(default_factory=set)  # adapters being unloaded: new requests refused
+    sessions: WeightSessions = field(init=False)
+
+    def __post_init__(self):
+        self.sessions = WeightSessions(self.scheduler, self.runner.schema.required_names)
+
+    @property
+    def context_length(self) -> int:
+        return self.scheduler.context_length
+
+    async def control(
+        self,
+        fn: Callable[[], Any],
+        *,
+        needs_idle: bool = True,
+        abort_first: bool = False,
+        waits_for: Callable[[Sequence], bool] | None = None,
+        queued=None,
+    ) -> Any:
+        """Run `fn` on the engine thread; `queued`: an async context held while it is queued (a turn).
+        A refusal (a ValueError) becomes a BadRequest (HTTP 400); a stopped engine loop, HTTP 503."""
+        try:
+            async with queued or contextlib.nullcontext():
+                future = self.scheduler.control(fn, needs_idle=needs_idle, abort_first=abort_first, waits_for=waits_for)
+            return await asyncio.wrap_future(future)
+        except (WeightUpdateError, ValueError) as exc:
+            raise BadRequest(str(exc)) from exc
+        except EngineStopped as exc:
+            raise BadRequest(str(exc), 503) from exc
+
+    def refusal(self) -> BadRequest | None:
+        """Why a generate request is refused now, if it is."""
+        if self.scheduler.failure is not None:
+            return BadRequest(f"the engine loop has stopped: {self.scheduler.failure!r}")
+        if not self.runner.weights_ready:
+            return BadRequest(
+                "weights are not loaded (started with --load-format dummy, or released): push weights with "
+                "/update_weights_from_disk (or another update route) first"
+            )
+        if self.sessions.mixed is not None:
+            return BadRequest(self.sessions.mixed, 503)
+        return None
+
+    def not_serving_reason(self) -> str | None:
+        """Why `/health_generate` answers 503, if it does."""
+        refusal = self.refusal()
+        if refusal is not None:
+            return refusal.message
+        if self.scheduler.held is not None:
+            return SYNC_IN_PROGRESS
+        return "generation is paused" if self.scheduler.paused else None
+
+    @property
+    def weights_ready(self) -> bool:
+        """The weights are complete and may be served (not mixed, no sync in progress)."""
+        return self.runner.weights_ready and self.sessions.mixed is None and self.scheduler.held is None
+
+    def loaded_adapters(self) -> dict[str, str]:
+        return {name: adapter.path for name, adapter in list(self.runner.lora.adapters.items())}
+
+    def not_one_per_rank(self, payloads: list[str]) -> str | None:
+        if len(payloads) == self.args.tp_size:
+            return None
+        return (
+            f"serialized_named_tensors has {len(payloads)} entries, this engine has tp_size={self.args.tp_size}: "
+            "give one payload per tp rank (rank i reads entry i)"
+        )
+
+
+def service_of(request: Request) -> EngineService:
+    return request.app.state.engine
+
+
+Engine = Annotated[EngineService, Depends(service_of)]

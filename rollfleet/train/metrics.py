@@ -1,0 +1,127 @@
+"""What a GRPO run records: seconds per phase of each step, one metrics line per step (metrics.jsonl
+and TensorBoard), the console line, and the reward and loss curves (curves.png)."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from rollfleet.sample import Sample
+from rollfleet.weights.transports import SyncReport
+
+PHASES = ("generate", "reward", "train", "sync", "sleep_wake", "recovery")
+
+
+class StepClock:
+    """Seconds per phase of one step; 'other' is whatever no phase covered."""
+
+    def __init__(self):
+        self.start, self.phases = time.perf_counter(), dict.fromkeys(PHASES, 0.0)
+
+    @contextmanager
+    def phase(self, name: str):
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] += time.perf_counter() - begin
+
+    def breakdown(self) -> dict[str, float]:
+        total = time.perf_counter() - self.start
+        return {**self.phases, "other": max(total - sum(self.phases.values()), 0.0), "total": total}
+
+
+def step_metrics(
+    samples: list[Sample], train: dict, report: SyncReport, events: list[dict], clock: StepClock, retries: int
+) -> dict:
+    """One step's metrics: rewards, lengths, the trainer's figures, the sync, engine events, time."""
+    rewards = [s.reward for s in samples]
+    return {
+        "reward_mean": sum(rewards) / len(rewards),
+        "reward_max": max(rewards),
+        "exact": sum(r == 1.0 for r in rewards) / len(rewards),
+        "response_tokens": sum(len(s.output_ids) for s in samples) / len(samples),
+        "train": train,
+        "sync_gb_per_s": report.gb_per_s,
+        "sync_seconds": report.seconds,
+        "sync_tensors": report.tensors,
+        "sync_bytes": report.bytes,
+        "sync_verified_engines": len(report.verified),
+        "generate_retries": retries,
+        "engine_failures": sum(e["to"] == "INACTIVE" for e in events),
+        "engine_recoveries": sum(e["to"] == "ACTIVE" and e["why"].startswith("recovered") for e in events),
+        "engine_events": events,
+        "time": clock.breakdown(),
+    }
+
+
+class MetricsLog:
+    def __init__(self, output_dir: Path, resume: bool):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = output_dir / "metrics.jsonl"
+        if not resume:
+            self.path.unlink(missing_ok=True)
+        self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict) -> None:
+        """One line per step: nested figures flattened (train/loss), lists kept (engine_events)."""
+        row = {**flatten(metrics), **{k: v for k, v in metrics.items() if isinstance(v, list)}}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({"step": step, **row}) + "\n")
+        for key, value in row.items():
+            if isinstance(value, (int, float)):
+                self.tensorboard.add_scalar(key, value, step)
+
+    def rows(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def close(self) -> None:
+        self.tensorboard.close()
+
+
+def flatten(metrics: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}/"))
+        elif not isinstance(value, list):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def console_line(step: int, steps: int, m: dict) -> str:
+    t = m["time"]
+    return (
+        f"step {step:>4}/{steps}  reward {m['reward_mean']:.3f}  exact {m['exact']:.2f}  "
+        f"loss {m['train']['loss']:+.4f}  mismatch {m['train']['logprob_mismatch_mean']:.1e}  "
+        f"[gen {t['generate']:.2f}s train {t['train']:.2f}s sync {t['sync']:.2f}s "
+        f"sleep/wake {t['sleep_wake']:.2f}s other {t['other']:.2f}s]"
+        + (
+            f"  engines failed {m['engine_failures']}, recovered {m['engine_recoveries']}"
+            if m["engine_failures"] or m["engine_recoveries"]
+            else ""
+        )
+    )
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    left.plot(steps, [r["reward_mean"] for r in rows], label="mean reward")
+    left.plot(steps, [r["exact"] for r in rows], label="exact copies")
+    left.set_xlabel("step")
+    left.legend()
+    right.plot(steps, [r["train/loss"] for r in rows], color="tab:red")
+    right.set_xlabel("step")
+    right.set_title("loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

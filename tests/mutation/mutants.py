@@ -1,0 +1,21 @@
+"""The mutants of the mutation check (tests/mutation/check.py): one per claimed invariant.
+
+Each replaces one exact snippet of the package with code that breaks the claim, and names the
+tests that must then fail. Keep the snippets short and unique; the check fails on a stale one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    claim: str  # the invariant the mutant breaks
+    file: str  # relative to the repository root
+    old: str  # exact snippet, occurring once
+    new: str
+    tests: tuple[str, ...]  # pytest node ids that must fail on the mutant
+
+
+MUTANTS: list[Mutant] = []

@@ -1,0 +1,65 @@
+"""The engine pool (one client per engine on one loop thread) against a real engine server, and the
+decision whether a sender opens weight-update sessions (the SGLang-version-aware recipe)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import engine_server
+
+from rollfleet.wire.client import EngineError, uses_weight_update_sessions
+from rollfleet.wire.net import free_port
+from rollfleet.wire.pool import EnginePool
+
+
+@pytest.mark.parametrize(
+    "info, uses",
+    [
+        ({"version": "0.5.21"}, True),  # SGLang refuses tensor/distributed updates outside a session from here on
+        ({"version": "0.5.23.post1"}, True),
+        ({"version": "0.6.0rc1"}, True),
+        ({"version": "0.5.20"}, False),  # no session routes yet
+        ({"version": "0.4.10.post2"}, False),
+        ({"version": "main"}, False),
+        ({}, False),
+        ({"engine": "rollfleet-embedded", "version": "0.1.0", "rollfleet_weight_update_sessions": True}, True),
+        ({"engine": "rollfleet-embedded", "version": "9.9.9"}, False),  # its version is rollfleet's, not SGLang's
+        ({"version": "0.5.22", "rollfleet_weight_update_sessions": False}, False),  # the engine's word wins
+    ],
+)
+def test_weight_update_sessions_where_the_engine_has_them(info, uses):
+    assert uses_weight_update_sessions(info) is uses
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs")) as proc:
+        yield proc
+
+
+def test_one_client_per_engine_calls_each_and_replaced_urls(server):
+    pool = EnginePool.for_urls({0: server.url, 1: server.url}, timeout=30)
+    try:
+        client = pool.client(0)
+        assert pool.call(0, "get_model_info")["weight_version"] == "default"
+        assert not uses_weight_update_sessions(pool.call(0, "get_server_info"))  # today's embedded engine
+        answers = pool.each("health", {0: ((), {}), 1: ((2.0,), {})}).result()
+        assert answers == [True, True]
+        pool.set_url(0, server.url + "/")  # the same place: the same client
+        assert pool.client(0) is client
+        pool.set_url(1, f"http://127.0.0.1:{free_port()}")  # a restart on another port: a new client
+        assert pool.on_all("health", [1], 1.0) == [False]  # nothing answers there: a failed probe, no error
+        with pytest.raises(httpx.TransportError):  # the first error fails the future after every call ended
+            pool.each("get_model_info", {0: ((), {}), 1: ((), {})}).result()
+        with pytest.raises(EngineError, match="top_k"):
+            pool.call(0, "generate", input_ids=[1, 2], sampling_params={"top_k": 0})
+        with pytest.raises(KeyError, match="engine_id=7"):
+            pool.client(7)
+
+        async def nested():
+            return pool.run(pool.client(0).get_model_info())  # would wait on its own loop forever
+
+        with pytest.raises(RuntimeError, match="own loop"):
+            pool.run(nested())
+    finally:
+        pool.close()

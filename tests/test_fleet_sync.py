@@ -1,0 +1,142 @@
+"""What a fleet promises when things go wrong, on a real Ray fleet of two engines that require an API
+key: a failed push takes every targeted engine out of rotation; a push that leaves a tensor out is not
+verified and its engine serves nothing; a restart that fails leaves the engine INACTIVE and a later one
+works; the router refuses cleanly (no engine: an error naming the states after the wait; a 4xx from
+an engine: raised at once, not retried)."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+import torch
+from conftest import reference_greedy
+from test_weight_sync import running_fleet
+from transformers import AutoModelForCausalLM
+
+from rollfleet.config import TensorSync
+from rollfleet.fleet.router import NoEngineAvailable
+from rollfleet.weights.source import ModuleSource
+from rollfleet.wire.client import EngineError
+
+KEY = "fleet-test-key"
+PROMPTS = [[4, 8, 15, 16], [7, 7], [1, 2, 3]]
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+SMALL_BUCKETS = TensorSync(bucket_mb=0.1)  # the tiny model takes several calls
+
+
+@pytest.fixture(scope="module")
+def model_dir(qwen3_dir, tmp_path_factory):
+    """A copy of the tiny model of this module's own (a test moves it away to make a start fail)."""
+    directory = tmp_path_factory.mktemp("model") / "qwen3"
+    shutil.copytree(qwen3_dir, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def fleet(local_ray, model_dir, tmp_path_factory):
+    yield from running_fleet(
+        model_dir,
+        tmp_path_factory.mktemp("logs"),
+        "rollout.num_engines=2",
+        f"rollout.api_key={KEY}",
+        "rollout.recovery_wait_s=1",
+        "rollout.auto_restart=false",
+    )
+
+
+def states(fleet) -> list[str]:
+    return [s.state.value for s in fleet.slots]
+
+
+def model(path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+class FailsAfter:
+    """A source that raises after yielding `count` tensors (a trainer rank dying mid-push)."""
+
+    def __init__(self, module, count: int):
+        self.inner, self.count = ModuleSource(module), count
+
+    def named_tensors(self):
+        for index, item in enumerate(self.inner.named_tensors()):
+            if index == self.count:
+                raise RuntimeError("source failed part-way")
+            yield item
+
+
+class LeavesOut:
+    """A source that never sends one tensor."""
+
+    def __init__(self, module, name: str):
+        self.inner, self.name = ModuleSource(module), name
+
+    def named_tensors(self):
+        return ((n, t) for n, t in self.inner.named_tensors() if n != self.name)
+
+
+def test_a_fleet_with_an_api_key_generates_syncs_and_refuses_keyless_calls(fleet, qwen3_dir_b):
+    assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0, 1}
+    report = fleet.sync_weights(ModuleSource(model(qwen3_dir_b)), "keyed", transport=SMALL_BUCKETS)
+    assert report.verified == [0, 1] and fleet.version == "keyed"
+    samples = fleet.generate(PROMPTS, sampling=GREEDY)
+    assert [s.output_ids for s in samples] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]
+    direct = httpx.post(f"{fleet.slots[0].url}/generate", json={"input_ids": [1, 2], "sampling_params": GREEDY})
+    assert direct.status_code == 401
+
+
+def test_a_4xx_from_an_engine_is_raised_not_retried(fleet):
+    retries = fleet.router.retries
+    with pytest.raises(EngineError) as err:
+        fleet.generate(PROMPTS, sampling={"max_new_tokens": 4, "top_k": 0})  # an invalid top_k reaches the engine
+    assert 400 <= err.value.status_code < 500
+    assert fleet.router.retries == retries and states(fleet) == ["ACTIVE", "ACTIVE"]
+
+
+def test_a_push_that_fails_part_way_leaves_no_engine_serving(fleet, model_dir, qwen3_dir_b):
+    before = fleet.version
+    with pytest.raises(RuntimeError, match="source failed part-way"):
+        fleet.sync_weights(FailsAfter(model(model_dir), 5), "partial", transport=SMALL_BUCKETS)
+    assert states(fleet) == ["AWAITING_WEIGHTS", "AWAITING_WEIGHTS"] and fleet.version == before
+    assert [s.version for s in fleet.slots] == ["", ""]
+    with pytest.raises(NoEngineAvailable) as err:  # nothing is served from half-replaced weights
+        fleet.generate(PROMPTS, sampling=GREEDY)
+    assert "no ACTIVE engine" in str(err.value) and "AWAITING_WEIGHTS" in str(err.value)
+    assert "rollout.recovery_wait_s" in str(err.value)
+    fleet.sync_weights(ModuleSource(model(qwen3_dir_b)), "whole", transport=SMALL_BUCKETS)  # a later push verifies
+    assert states(fleet) == ["ACTIVE", "ACTIVE"]
+    samples = fleet.generate(PROMPTS, sampling=GREEDY)
+    assert [s.output_ids for s in samples] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]
+    assert {s.weight_version for s in samples} == {"whole"}
+
+
+def test_a_push_missing_a_tensor_is_not_verified_and_not_served(fleet, model_dir):
+    left_out = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises((RuntimeError, EngineError)) as err:  # verification, or an engine's refused session end
+        fleet.sync_weights(LeavesOut(model(model_dir), left_out), "incomplete", engine_ids=[1], transport=SMALL_BUCKETS)
+    assert "engine 1" in str(err.value) or "end_weight_update" in str(err.value)
+    assert fleet.slots[1].state.value != "ACTIVE" and fleet.slots[0].state.value == "ACTIVE"
+    assert fleet.version == "whole"  # nothing verified: the fleet stays where it was
+    samples = fleet.generate(PROMPTS * 3, sampling=GREEDY)
+    assert {s.engine_id for s in samples} == {0} and {s.weight_version for s in samples} == {"whole"}
+
+
+def test_a_restart_that_fails_leaves_the_engine_inactive_and_a_later_one_works(fleet, model_dir, qwen3_dir_b):
+    if fleet.slots[1].state.value != "INACTIVE":
+        fleet.recovery.mark_dead(fleet.slots[1], "test: treat engine 1 as failed")
+    moved = model_dir.with_name("qwen3-moved")
+    model_dir.rename(moved)  # the engine's model directory is gone: its start fails
+    try:
+        assert fleet.restart_inactive() == []
+    finally:
+        moved.rename(model_dir)
+    assert fleet.slots[1].state.value == "INACTIVE"
+    assert fleet.slots[1].lifecycle.history[-1].why.startswith("restart failed")
+    assert fleet.restart_inactive(restore=False) == [1] and fleet.slots[1].state.value == "AWAITING_WEIGHTS"
+    fleet.sync_weights(ModuleSource(model(qwen3_dir_b)), "after-restart", transport=SMALL_BUCKETS)
+    assert states(fleet) == ["ACTIVE", "ACTIVE"]
+    samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
+    assert {s.engine_id for s in samples} == {0, 1}
+    assert [s.output_ids for s in samples[:3]] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]

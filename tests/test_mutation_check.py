@@ -1,0 +1,38 @@
+"""The mutation check itself: a stale mutant is refused, a live one is applied exactly once, and
+every mutant names tests that exist."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mutation"))
+from check import ROOT, apply, tracked_files  # noqa: E402
+from mutants import MUTANTS, Mutant  # noqa: E402
+
+
+def test_apply_replaces_the_one_occurrence(tmp_path):
+    (tmp_path / "m.py").write_text("a = 1\nb = 2\n")
+    apply(Mutant("m", "claim", "m.py", "b = 2", "b = 3", ("t",)), tmp_path)
+    assert (tmp_path / "m.py").read_text() == "a = 1\nb = 3\n"
+
+
+@pytest.mark.parametrize("text", ["a = 1\n", "b = 2\nb = 2\n"])
+def test_a_stale_mutant_is_refused(tmp_path, text):
+    (tmp_path / "m.py").write_text(text)
+    with pytest.raises(ValueError, match="occurs"):
+        apply(Mutant("m", "claim", "m.py", "b = 2", "b = 3", ("t",)), tmp_path)
+
+
+def test_every_mutant_matches_the_code_and_names_existing_tests():
+    files = set(tracked_files(ROOT))
+    assert len({m.id for m in MUTANTS}) == len(MUTANTS), "mutant ids must be unique"
+    for mutant in MUTANTS:
+        assert mutant.file in files, f"{mutant.id}: no file {mutant.file}"
+        assert (ROOT / mutant.file).read_text().count(mutant.old) == 1, f"{mutant.id}: stale snippet"
+        for test in mutant.tests:
+            path, _, name = test.partition("::")
+            assert path in files, f"{mutant.id}: no test file {path}"
+            assert not name or f"def {name.split('[')[0]}(" in (ROOT / path).read_text(), f"{mutant.id}: no {test}"
