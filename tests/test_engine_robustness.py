@@ -226,6 +226,36 @@ def test_a_fifo_named_safetensors_is_refused_without_freezing(server, tmp_path):
     assert_still_serving(server)
 
 
+# ---- released weights ----------------------------------------------------------------------------
+RELEASED = "weights are released: call /resume_memory_occupation with tags ['weights'] first"
+WEIGHT_READS = [
+    ("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 4}),
+    ("GET", "/rollfleet/shard_fingerprints", None),
+    ("POST", "/rollfleet/weights_fingerprint", {"names": ["model.norm.weight"]}),
+    ("POST", "/rollfleet/weights_fingerprint", {"names": None}),
+]
+
+
+def read_weights(server, method, route, body):
+    return httpx.request(method, server.url + route, json=body, timeout=60)
+
+
+def test_weight_reads_after_a_release_are_refused_and_touch_no_freed_memory(server, qwen3_dir):
+    """Reads of released weights once crashed the server (SIGSEGV on the fingerprints) or gave 500."""
+    before = [read_weights(server, *read).json() for read in WEIGHT_READS]
+    assert post(server, "/release_memory_occupation", {"tags": ["weights"]}).status_code == 200
+    for read in WEIGHT_READS:
+        refused = read_weights(server, *read)
+        assert refused.status_code == 400 and refused.json()["message"] == RELEASED, (read, refused.text[:300])
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200, read
+    assert post(server, "/resume_memory_occupation", {"tags": ["weights"]}).status_code == 200
+    assert post(server, "/update_weights_from_disk", {"model_path": qwen3_dir}).status_code == 200
+    after = [read_weights(server, *read) for read in WEIGHT_READS]
+    assert [reply.status_code for reply in after] == [200] * len(WEIGHT_READS)
+    assert [reply.json() for reply in after] == before
+    assert_still_serving(server)
+
+
 # ---- size and latency ----------------------------------------------------------------------------
 def test_a_body_over_the_limit_gets_413(server):
     raw = b'{"input_ids": [' + b"1," * (4 * 2**20) + b"1]}"  # 8 MiB + a little: the default limit

@@ -18,4 +18,15 @@ class Mutant:
     tests: tuple[str, ...]  # pytest node ids that must fail on the mutant
 
 
-MUTANTS: list[Mutant] = []
+MUTANTS: list[Mutant] = [
+    Mutant(
+        id="engine-reads-released-weights",
+        claim="weight reads after a weights release are refused with 400 and touch no freed memory",
+        file="rollfleet/engine/model.py",
+        old="        if self.weights_released():\n            raise WeightUpdateError(\n",
+        new="        if False:\n            raise WeightUpdateError(\n",
+        tests=(
+            "tests/test_engine_robustness.py::test_weight_reads_after_a_release_are_refused_and_touch_no_freed_memory",
+        ),
+    ),
+]
