@@ -4,11 +4,21 @@ Rank 0 decides: `Lockstep(Action.X, **kwargs)` broadcasts the action and its arg
 gloo control group, then runs it on rank 0's `ModelRunner` and returns rank 0's result. Every
 follower rank runs the same actions in the same order (`follow`), so collectives inside them
 line up. A refused action (a ValueError) is reported to the client by rank 0; followers go on.
+
+A batch action (prefill, decode, keep_rows) that fails on a follower fails there as on rank 0:
+the follower logs it and waits for rank 0's next action. When the batch failed on rank 0 too (the
+same inputs fail alike on every rank, e.g. before any collective), rank 0 finishes the batch's
+requests as aborted with its reason and announces end_batch; every rank drops the batch and the
+loop goes on. When rank 0 went on with the batch instead (it succeeded where this rank failed),
+or announces nothing within FAILED_BATCH_WAIT_S (it waits in a collective this rank left), the
+ranks' states differ: the follower exits, and rank 0 stops the engine (server.py) as before.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from enum import Enum
 from typing import Any
 
@@ -17,6 +27,7 @@ import torch.distributed as dist
 from rollfleet.engine.model import ModelRunner
 
 log = logging.getLogger("rollfleet.engine")
+FAILED_BATCH_WAIT_S = 60.0
 
 
 class Action(Enum):
@@ -62,20 +73,55 @@ class Lockstep:
         return None if action is Action.SHUTDOWN else action.run(self.runner, kwargs)
 
 
+BATCH_ACTIONS = frozenset({Action.PREFILL, Action.DECODE, Action.KEEP_ROWS})
+
+
+class LockstepBroken(RuntimeError):
+    """This follower's state no longer matches rank 0's: it cannot follow any more."""
+
+
 def follow(runner: ModelRunner, group: dist.ProcessGroup) -> None:
     """A follower rank: run whatever rank 0 announces, until it says shutdown."""
+    failed: str | None = None  # why this rank's part of the running batch failed
     while True:
         box = [None]
+        watchdog = _exit_unless_announced(failed) if failed is not None else None
         try:
             dist.broadcast_object_list(box, src=0, group=group)
         except RuntimeError as exc:  # rank 0 exited (stopped or crashed): nothing left to follow
             log.warning("follower: rank 0 is gone (%s); exiting", str(exc).splitlines()[0][:200])
             return
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
         name, kwargs = box[0]
         action = Action(name)
         if action is Action.SHUTDOWN:
             return
+        if failed is not None and action is not Action.END_BATCH:
+            raise LockstepBroken(f"this rank failed the running batch ({failed}), rank 0 went on with {name}")
+        failed = None
         try:
             action.run(runner, kwargs)
-        except ValueError:  # refused updates are reported to the client by rank 0
-            pass
+        except Exception as exc:
+            if action in BATCH_ACTIONS:  # as on rank 0: the batch fails, the loop goes on
+                log.exception("follower: %s failed; waiting for rank 0 to end the batch", name)
+                failed = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+            elif not isinstance(exc, ValueError):  # refused updates are reported to the client by rank 0
+                raise
+
+
+def _exit_unless_announced(failed: str) -> threading.Timer:
+    """After a failed batch action rank 0 announces its next action at once, unless it waits in a
+    collective this rank left: then exit (rank 0 stops the engine) instead of hanging both."""
+
+    def give_up():
+        log.error(
+            "follower: no action from rank 0 %.0f s after this rank failed (%s); exiting", FAILED_BATCH_WAIT_S, failed
+        )
+        os._exit(1)
+
+    timer = threading.Timer(FAILED_BATCH_WAIT_S, give_up)
+    timer.daemon = True
+    timer.start()
+    return timer

@@ -80,6 +80,14 @@ class ModelRunner:
     def weights_released(self) -> bool:
         return any(storage.nbytes() == 0 for storage, _ in self._storages)
 
+    def _refuse_if_released(self) -> None:
+        """Reads of released weights would touch freed memory (a SIGSEGV on CPU): refuse them. Every
+        rank released in lockstep, so every rank refuses alike, before any collective."""
+        if self.weights_released():
+            raise WeightUpdateError(
+                f"weights are released: call /resume_memory_occupation with tags {[WEIGHT_TAG]} first"
+            )
+
     # ---- loading -------------------------------------------------------------------------
     def _distributed_config(self) -> DistributedConfig | None:
         if self.tp_size == 1:
@@ -165,6 +173,7 @@ class ModelRunner:
     # ---- weight reads (lockstep) ----------------------------------------------------------
     def get_weights_by_name(self, name: str, truncate_size: int) -> list[float]:
         """First values of a parameter, by checkpoint name (per expert for MoE) or in-memory name."""
+        self._refuse_if_released()
         params = self.lora.base_params()
         if name in params:
             full = full_of(params[name])
@@ -177,12 +186,14 @@ class ModelRunner:
 
     def shard_fingerprints(self) -> list[dict[str, str]]:
         """Per rank: in-memory parameter name -> sha256 of this rank's local shard bytes."""
+        self._refuse_if_released()
         params = self.lora.base_params()
         return self.ranks.gather({name: tensor_sha256(local_of(p)) for name, p in params.items()})
 
     def weights_fingerprint(self, names: list[str] | None, samples: int) -> dict[str, str]:
         """Checkpoint name -> fingerprint of the full tensor (rollfleet.wire.fingerprint), for the
         given names (all when None); the sender computes the same over what it sent."""
+        self._refuse_if_released()
         params, schema = self.lora.base_params(), self.schema
         wanted = set(schema.checkpoint_to_param) if names is None else set(names)
         unknown = sorted(wanted - set(schema.checkpoint_to_param))

@@ -16,7 +16,8 @@ def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator
     if params.sampling_seed is None:
         generator.seed()
     else:
-        generator.manual_seed(params.sampling_seed * 1_000_003 + sample_index)
+        # manual_seed takes [-2**63, 2**64): fold the whole of SGLang's seed range (and the index) into it
+        generator.manual_seed((params.sampling_seed * 1_000_003 + sample_index) % 2**64)
     return generator
 
 

@@ -16,50 +16,38 @@ Two gates serve weight-update sessions (weight_session.py): `hold(reason)` keeps
 waiting (no batch starts or steps, as if paused in place) while a session's sync is in
 progress; `refuse(reason)` ends every unfinished request and refuses new ones while the weights
 are mixed.
+
+The loop outlives any one request: requests are checked before they are queued
+(`check_request`), and an exception while a batch runs finishes that batch's requests with
+`finish_reason.type == "abort"` and the reason, then the loop takes the next work. Only a
+failure of the loop itself stops it; then every pending caller fails at once and
+`dead_reason` says why (the server's `/health` answers 503 with it).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from rollfleet.engine.admission import check_request
 from rollfleet.engine.lockstep import Action
 from rollfleet.engine.sampling import make_generator, sample_token
+from rollfleet.engine.sequence import ControlAction, Sequence, wire_result
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
-
-@dataclass
-class Sequence:
-    """One sample being generated: a prompt, its sampling state and its output so far."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    return_logprob: bool
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: str = ""
-    finish: FinishReason | None = None
-    abort_message: str | None = None
-    lora_name: str | None = None
-    future: Future = field(default_factory=Future)
+log = logging.getLogger("rollfleet.engine")
 
 
-@dataclass
-class ControlAction:
-    fn: Callable[[], Any]
-    needs_idle: bool
-    waits_for: Callable[[Sequence], bool] | None = None  # runs only when no unfinished request matches
-    future: Future = field(default_factory=Future)
+class EngineStopped(RuntimeError):
+    """The engine loop has stopped: nothing more can run on this engine."""
 
 
 class Scheduler:
@@ -72,6 +60,8 @@ class Scheduler:
         context_length: int,
         max_running_requests: int,
         weight_version: str,
+        vocab_size: int,
+        max_samples_per_request: int = 1024,
         thread_setup: Callable[[], None] = lambda: None,
     ):
         self.lockstep = lockstep
@@ -79,6 +69,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
         self.max_running_requests = max_running_requests
+        self.vocab_size = vocab_size
+        self.max_samples_per_request = max_samples_per_request
         self.weight_version = weight_version
         self.thread_setup = thread_setup  # per-thread state the model needs (the current CUDA device)
         self.waiting: deque[Sequence] = deque()
@@ -98,6 +90,10 @@ class Scheduler:
     # ---- called from the HTTP side (any thread) ------------------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    def check_request(self, prompts: list[list[int]], params: list[SamplingParams], field: str = "input_ids") -> None:
+        """ValueError naming the field, the value and the fix for what the model cannot take (admission.py)."""
+        check_request(prompts, params, field, vocab_size=self.vocab_size, max_samples=self.max_samples_per_request)
 
     def submit(
         self,
@@ -200,6 +196,15 @@ class Scheduler:
         return self.paused or self.held is not None
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why this engine cannot generate any more (None while the loop runs or was stopped on purpose)."""
+        if self.failure is not None:
+            return f"the engine loop has stopped: {self.failure!r}"
+        if self._thread.ident is not None and not self._thread.is_alive() and not self.stopped:
+            return "the engine loop thread has exited"
+        return None
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
@@ -265,6 +270,12 @@ class Scheduler:
         self._drop_aborted_running()
         if not self.running:
             return
+        try:
+            self._advance_batch()
+        except Exception as exc:  # the batch's requests fail with the reason; the engine goes on
+            self._fail_batch(exc)
+
+    def _advance_batch(self) -> None:
         if self.needs_prefill:
             prompts = [s.prompt_ids for s in self.running]
             logits = self.lockstep(Action.PREFILL, prompts=prompts, lora_name=self.batch_lora)
@@ -319,6 +330,18 @@ class Scheduler:
             self.running = [self.running[row] for row in keep]
             self.lockstep(Action.KEEP_ROWS, rows=keep)
 
+    def _fail_batch(self, exc: Exception) -> None:
+        log.exception("a batch of %d requests failed; they finish as aborted, the engine goes on", len(self.running))
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+        with self._wakeup:
+            for seq in self.running:
+                if seq.finish is None:  # a request that finished before the failure keeps its own reason
+                    seq.finish = FinishReason(type="abort", message=f"the engine failed this batch: {reason}")
+                self._finish(seq, seq.finish)
+            self.running = []
+        self.lockstep(Action.END_BATCH)  # a failure here is the loop's own: it stops and says why
+
     def _drop_aborted_running(self) -> None:
         with self._wakeup:
             for seq in self.running:
@@ -346,30 +369,16 @@ class Scheduler:
         if not (reason.type == "stop" and isinstance(reason.matched, str)):
             seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
         if not seq.future.done():
-            seq.future.set_result(self._result(seq))
-
-    def _result(self, seq: Sequence) -> dict[str, Any]:
-        meta = {
-            "id": seq.rid,
-            "prompt_tokens": len(seq.prompt_ids),
-            "completion_tokens": len(seq.output_ids),
-            "cached_tokens": 0,
-            "weight_version": self.weight_version,
-            "finish_reason": seq.finish.to_wire(),
-        }
-        if seq.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
-        return {"text": seq.text, "output_ids": list(seq.output_ids), "meta_info": meta}
+            seq.future.set_result(wire_result(seq, self.weight_version))
 
     def _raise_if_dead(self) -> None:
         if self.failure is not None:
-            raise RuntimeError(f"the engine loop has stopped: {self.failure!r}")
+            raise EngineStopped(f"the engine loop has stopped: {self.failure!r}")
 
     def _fail_everything(self, exc: BaseException) -> None:
-        error = RuntimeError(f"the engine loop has stopped: {exc!r}")
+        error = EngineStopped(f"the engine loop has stopped: {exc!r}")
         for seq in itertools.chain(self.waiting, self.running):
-            if not seq.future.done():
-                seq.future.set_exception(error)
+            self._finish(seq, FinishReason(type="abort", message=str(error)))
         for action in self.controls:
             action.future.set_exception(error)
         self.waiting.clear(), self.running.clear(), self.controls.clear()

@@ -11,6 +11,7 @@ keeps serving.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import multiprocessing
 import os
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
     p.add_argument("--weight-version", default="default")
-    p.add_argument("--max-running-requests", type=int, default=64, help="largest batch")
+    _add_limit_flags(p)
     p.add_argument("--random-seed", type=int, default=0, help="seed of dummy weights")
     p.add_argument(
         "--enable-lora",
@@ -80,6 +81,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted; the embedded engine has no warmup")
     p.add_argument("--log-level", default="warning")
     return p
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """How much one batch and one request may ask of the engine."""
+    p.add_argument("--max-running-requests", type=int, default=64, help="largest batch")
+    p.add_argument(
+        "--max-samples-per-request",
+        type=int,
+        default=1024,
+        help="most samples one /generate request may ask for (prompts x n); more is refused with 400",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="largest request body in bytes (default 8 MiB, about a million prompt tokens as input_ids); "
+        "more is refused with 413. The HTTP thread parses bodies, so this bounds how long one request holds it",
+    )
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -111,6 +130,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for flag in ("--max-lora-rank", "--max-loaded-loras"):
         if lora_flags[flag] is not None and lora_flags[flag] < 1:
             parser.error(f"{flag} {lora_flags[flag]}: must be >= 1")
+    for flag in ("--max-samples-per-request", "--max-request-bytes", "--max-running-requests"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 1:
+            parser.error(f"{flag} {value}: must be >= 1")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -236,6 +259,10 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep) -> None:
     from rollfleet.engine.scheduler import Scheduler
     from rollfleet.engine.service import EngineService
 
+    # The engine thread holds the GIL between short torch calls; the HTTP thread waits up to this long for
+    # it after every socket call. 5 ms (the default) times the dozens of such calls a reply makes let a
+    # busy engine delay /health by a second on a loaded host; 1 ms keeps it fast.
+    sys.setswitchinterval(0.001)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     scheduler = Scheduler(
         lockstep,
@@ -244,15 +271,66 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep) -> None:
         context_length=_context_length(runner),
         max_running_requests=args.max_running_requests,
         weight_version=args.weight_version,
+        vocab_size=runner.model.config.get_text_config().vocab_size,
+        max_samples_per_request=args.max_samples_per_request,
         thread_setup=lambda: _bind_thread(runner),
     )
     scheduler.start()
-    app = create_app(EngineService(args, runner, lockstep, scheduler, tokenizer))
+    app = RequestBodyLimit(
+        create_app(EngineService(args, runner, lockstep, scheduler, tokenizer)), args.max_request_bytes
+    )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         scheduler.stop()
         lockstep(Action.SHUTDOWN)
+
+
+class RequestBodyLimit:
+    """ASGI middleware: a request body above `max_bytes` gets 413 before the app parses it, by its
+    Content-Length; a body without one (chunked) is read here up to the limit, then handed on."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                return await self._refuse(send, f"content-length {length.decode('latin-1')!r}")
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._refuse(send, f"more than {self.max_bytes} bytes")
+        body, handed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal handed
+            if handed:
+                return await receive()  # waits for the disconnect
+            handed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send, got: str) -> None:
+        message = (
+            f"request body: {got} is over this server's limit of {self.max_bytes} bytes: split the request "
+            "(fewer prompts per call), or start the server with a larger --max-request-bytes"
+        )
+        body = json.dumps({"success": False, "message": message}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 def _bind_thread(runner: ModelRunner) -> None:

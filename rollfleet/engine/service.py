@@ -22,7 +22,8 @@ from pydantic import ValidationError
 from rollfleet.engine.call_order import CallOrder
 from rollfleet.engine.lockstep import Lockstep
 from rollfleet.engine.model import ModelRunner
-from rollfleet.engine.scheduler import Scheduler, Sequence
+from rollfleet.engine.scheduler import EngineStopped, Scheduler
+from rollfleet.engine.sequence import Sequence
 from rollfleet.engine.weight_groups import WeightUpdateError
 from rollfleet.engine.weight_session import SYNC_IN_PROGRESS, WeightSessions
 
@@ -75,13 +76,15 @@ class EngineService:
         queued=None,
     ) -> Any:
         """Run `fn` on the engine thread; `queued`: an async context held while it is queued (a turn).
-        A refusal (a ValueError) becomes a BadRequest (HTTP 400)."""
-        async with queued or contextlib.nullcontext():
-            future = self.scheduler.control(fn, needs_idle=needs_idle, abort_first=abort_first, waits_for=waits_for)
+        A refusal (a ValueError) becomes a BadRequest (HTTP 400); a stopped engine loop, HTTP 503."""
         try:
+            async with queued or contextlib.nullcontext():
+                future = self.scheduler.control(fn, needs_idle=needs_idle, abort_first=abort_first, waits_for=waits_for)
             return await asyncio.wrap_future(future)
         except (WeightUpdateError, ValueError) as exc:
             raise BadRequest(str(exc)) from exc
+        except EngineStopped as exc:
+            raise BadRequest(str(exc), 503) from exc
 
     def refusal(self) -> BadRequest | None:
         """Why a generate request is refused now, if it is."""

@@ -3,6 +3,7 @@ names of a peft adapter directory. Engines, transports, restores and benchmarks 
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,10 @@ class CheckpointReadError(ValueError):
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
-    """The directory's `*.safetensors` files in name order, or CheckpointReadError saying what is wrong."""
+    """The directory's `*.safetensors` files in name order, or CheckpointReadError saying what is wrong.
+
+    Regular files only (a link to one counts): opening a FIFO blocks until someone writes to it, and
+    the reader does not let go of the interpreter meanwhile, so one FIFO would freeze the server."""
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointReadError(f"model_path={str(path)!r} is not a directory: give a HF model directory")
@@ -28,7 +32,23 @@ def safetensors_files(path: str | Path) -> list[Path]:
             f"model_path={str(path)!r} holds no *.safetensors file: save the model with "
             "save_pretrained(safe_serialization=True)"
         )
+    for file in files:
+        try:
+            mode = file.stat().st_mode
+        except OSError as exc:  # a dangling link, or no permission
+            raise CheckpointReadError(f"cannot read {file.name} in {str(path)!r}: {exc}") from exc
+        if not stat.S_ISREG(mode):
+            raise CheckpointReadError(
+                f"{file.name} in {str(path)!r} is a {_file_kind(mode)}, not a regular file: a checkpoint "
+                "directory holds the files save_pretrained wrote; remove or rename it"
+            )
     return files
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket")]
+    kinds += [(stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")]
+    return next((kind for test, kind in kinds if test(mode)), "special file")
 
 
 def iter_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:

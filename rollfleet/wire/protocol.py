@@ -7,18 +7,60 @@ ignored, as SGLang does, so a client built for a newer SGLang still talks to thi
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+import struct
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 GREEDY_TEMPERATURE = 1e-6  # SGLang: a temperature below this means argmax
+SEED_RANGE = (-(2**63), 2**63 - 1)  # SGLang's sampling_seed range
+MAX_TIMEOUT_S = 86400.0  # one day: longer waits are a mistake, and timedelta overflows on absurd ones
+MAX_TENSOR_BYTES = 2**62  # a shape whose numel * 8 bytes goes past this cannot be allocated anywhere
+
+
+def _utf8(value: str) -> str:
+    """Text must encode as UTF-8: a lone surrogate ("\\ud800", legal in JSON) would fail the first
+    time the server tokenizes, logs or answers with it, possibly long after this request."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{value[max(0, exc.start - 20) : exc.end + 20]!r} has an unpaired surrogate at index {exc.start}, "
+            "which UTF-8 cannot encode: send valid Unicode text"
+        ) from None
+    return value
+
+
+Utf8Str = Annotated[str, AfterValidator(_utf8)]
+
+
+def _utf8_texts(value: Any) -> Any:
+    """`_utf8` on a str or on each str of a list (fields typed `str | list[str]`: one error, not one per branch)."""
+    for item in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(item, str):
+            _utf8(item)
+    return value
+
+
+def _float32(value: float) -> float:
+    """`value` as the engine's float32 tensors see it (0.0 for values too small, inf for too large)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and Infinity are legal in Python's JSON parser, never a meaningful value here
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class SamplingParams(_Lenient):
+    """SGLang's sampling fields and ranges (its `SamplingParams.verify`), checked as the engine's
+    float32 tensors will see them. Token ids are checked against the vocabulary by the server, and
+    `n` against its --max-samples-per-request."""
+
     max_new_tokens: int = Field(128, ge=0)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -29,8 +71,33 @@ class SamplingParams(_Lenient):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     min_new_tokens: int = Field(0, ge=0)
+    # accepted with SGLang's ranges so clients written for it work; the embedded engine applies no penalty
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+
+    _stop_is_utf8 = field_validator("stop")(_utf8_texts)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_fits_float32(cls, value: float) -> float:
+        if math.isinf(_float32(value)):
+            raise ValueError(
+                f"temperature={value!r} overflows float32: use a value up to 1e38 (0 = greedy, 1 = the model's own)"
+            )
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_fits_float32(cls, value: float) -> float:
+        if _float32(value) == 0.0:
+            raise ValueError(
+                f"top_p={value!r} is 0 in float32 (it would drop every token): use a value in [1e-38, 1] "
+                "(1 = no nucleus cut)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -60,6 +127,8 @@ class GenerateRequest(_Lenient):
     rid: str | list[str] | None = None
     lora_path: str | list[str | None] | None = None  # LoRA adapter name; a list: one per prompt
 
+    _texts_are_utf8 = field_validator("text", "rid", "lora_path")(_utf8_texts)
+
     @model_validator(mode="after")
     def _one_prompt_field(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
@@ -72,61 +141,72 @@ class GenerateRequest(_Lenient):
 
 
 class UpdateWeightsFromDiskRequest(_Lenient):
-    model_path: str
-    load_format: str | None = None
+    model_path: Utf8Str
+    load_format: Utf8Str | None = None
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Utf8Str | None = None
     flush_cache: bool = True
 
 
 class UpdateWeightsFromTensorRequest(_Lenient):
-    serialized_named_tensors: list[str]  # one base64 payload per tp rank (rollfleet.wire.serialize)
+    serialized_named_tensors: list[Utf8Str]  # one base64 payload per tp rank (rollfleet.wire.serialize)
     load_format: Literal["direct", "flattened_bucket"] | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Utf8Str | None = None
 
 
 class InitWeightsUpdateGroupRequest(_Lenient):
-    master_address: str
+    master_address: Utf8Str
     master_port: int = Field(ge=1, le=65535)
-    rank_offset: int
-    world_size: int = Field(ge=2)
-    group_name: str = "weight_update_group"
-    backend: str = "nccl"
+    rank_offset: int = Field(le=2**31 - 1)
+    world_size: int = Field(ge=2, le=2**31 - 1)
+    group_name: Utf8Str = "weight_update_group"
+    backend: Utf8Str = "nccl"
     timeout_s: float = Field(
         60.0,
         gt=0,
+        le=MAX_TIMEOUT_S,
         description="rollfleet extension: give up joining after this long; "
         "also the longest wait for each later broadcast in this group",
     )
 
 
 class UpdateWeightsFromDistributedRequest(_Lenient):
-    names: list[str]
-    dtypes: list[str]
+    names: list[Utf8Str]
+    dtypes: list[Utf8Str]
     shapes: list[list[int]]
-    group_name: str = "weight_update_group"
+    group_name: Utf8Str = "weight_update_group"
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Utf8Str | None = None
     load_format: Literal["flattened_bucket"] | None = None
     # rollfleet extension (rollfleet.engine.call_order): numbered calls run in number order
-    rollfleet_sync_id: str | None = None
+    rollfleet_sync_id: Utf8Str | None = None
     rollfleet_call: int | None = Field(None, ge=0)
+
+    @field_validator("shapes")
+    @classmethod
+    def _shapes_fit_memory(cls, shapes: list[list[int]]) -> list[list[int]]:
+        for index, shape in enumerate(shapes):
+            if math.prod(abs(d) for d in shape) * 8 > MAX_TENSOR_BYTES:
+                raise ValueError(
+                    f"shapes[{index}]={shape} holds more elements than any tensor can: give the tensor's real shape"
+                )
+        return shapes
 
 
 class DestroyWeightsUpdateGroupRequest(_Lenient):
-    group_name: str = "weight_update_group"
+    group_name: Utf8Str = "weight_update_group"
 
 
 class UpdateWeightVersionRequest(_Lenient):
-    new_version: str
+    new_version: Utf8Str
     abort_all_requests: bool = False
 
 
 class GetWeightsByNameRequest(_Lenient):
-    name: str
+    name: Utf8Str
     truncate_size: int = Field(100, ge=1)
 
 
@@ -135,7 +215,7 @@ class MemoryRequest(_Lenient):
 
 
 class AbortRequest(_Lenient):
-    rid: str = ""
+    rid: Utf8Str = ""
     abort_all: bool = False
 
 
@@ -154,27 +234,27 @@ class FinishReason(BaseModel):
 
 
 class LoadLoraAdapterRequest(_Lenient):
-    lora_name: str = Field(min_length=1)
-    lora_path: str  # a peft adapter directory: adapter_config.json + adapter_model.safetensors
+    lora_name: Utf8Str = Field(min_length=1)
+    lora_path: Utf8Str  # a peft adapter directory: adapter_config.json + adapter_model.safetensors
     pinned: bool = False  # SGLang keeps pinned adapters in GPU memory; every adapter stays loaded here
 
 
 class LoadLoraAdapterFromTensorsRequest(_Lenient):
-    lora_name: str = Field(min_length=1)
-    config_dict: dict[str, Any]  # the peft LoraConfig as saved in adapter_config.json
-    serialized_named_tensors: list[str]  # one payload per tp rank, as /update_weights_from_tensor
+    lora_name: Utf8Str = Field(min_length=1)
+    config_dict: dict[Utf8Str, Any]  # the peft LoraConfig as saved in adapter_config.json
+    serialized_named_tensors: list[Utf8Str]  # one payload per tp rank, as /update_weights_from_tensor
     load_format: Literal["direct", "flattened_bucket"] | None = None
     pinned: bool = False
 
 
 class UnloadLoraAdapterRequest(_Lenient):
-    lora_name: str
+    lora_name: Utf8Str
 
 
 class WeightsFingerprintRequest(_Lenient):
     """rollfleet extension: which tensors (checkpoint names; None = all) and how many samples each;
     with `lora_name`, the tensors of that loaded adapter (peft keys) instead of the model's."""
 
-    names: list[str] | None = None
+    names: list[Utf8Str] | None = None
     samples: int = Field(4096, ge=1)
-    lora_name: str | None = None
+    lora_name: Utf8Str | None = None

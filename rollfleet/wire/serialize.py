@@ -16,6 +16,12 @@ tensors, the classes and dtypes they need, and `types.SimpleNamespace` (bucket m
 may be named by the payload, and only metadata records may receive state (BUILD); anything else
 raises `pickle.UnpicklingError` naming what was refused. Unpickling an arbitrary payload would be
 remote code execution (CVE-2025-10164 in SGLang).
+Named is not called: the payload may call only the rebuild functions, `torch.Size` and the record
+class. The tensor and storage classes are arguments of the rebuild functions, never callable
+themselves (`torch.UntypedStorage(n)` and `torch.Tensor(n)` allocate uninitialised memory). The
+rebuild functions are called through checks: a tensor must lie inside the storage the payload
+carried (`set_` would otherwise grow an empty storage over uninitialised heap memory). A payload
+nested deeper than MAX_NESTING (or cyclic) is refused before anything reads it.
 A payload can still name any shared-memory file or CUDA IPC handle of the same user: guard the
 routes that accept payloads with an API key when the port is reachable by others.
 """
@@ -35,16 +41,89 @@ import torch.multiprocessing
 from torch.multiprocessing import reductions  # importing it registers torch's reductions with ForkingPickler
 
 SHARING_STRATEGY = "file_system"
+MAX_NESTING = 32  # real payloads nest 5 deep: list -> bucket dict -> metadata list -> record -> shape
+_STORAGE_CLASSES = (torch.UntypedStorage, torch.TypedStorage)
+_TENSOR_CLASSES = (torch.Tensor, torch.nn.Parameter)
 
-_REBUILDERS = (
-    "rebuild_tensor",
-    "rebuild_cuda_tensor",
-    "rebuild_storage_filename",
-    "rebuild_storage_empty",
-    "rebuild_typed_storage",
-)
+
+def _refuse(what: str) -> pickle.UnpicklingError:
+    return pickle.UnpicklingError(f"refused payload: {what}")
+
+
+def _check_class(value: Any, allowed: tuple[type, ...], what: str) -> None:
+    if value not in allowed:
+        raise _refuse(f"{what} {value!r} is not one of {[c.__name__ for c in allowed]}")
+
+
+def _check_extent(storage_bytes: int, itemsize: int, offset: Any, size: Any, stride: Any, what: str) -> None:
+    """The elements a tensor of (offset, size, stride) reads must lie inside `storage_bytes`."""
+    dims = (offset, *size, *stride)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims) or len(size) != len(stride):
+        raise _refuse(f"{what}: offset {offset!r}, size {size!r}, stride {stride!r} are not a tensor layout")
+    last = offset + sum((n - 1) * step for n, step in zip(size, stride)) if all(size) else offset - 1
+    if (last + 1) * itemsize > storage_bytes:
+        raise _refuse(
+            f"{what}: a tensor of size {tuple(size)}, stride {tuple(stride)}, offset {offset} needs "
+            f"{(last + 1) * itemsize} bytes, its storage holds {storage_bytes}"
+        )
+
+
+def _rebuild_tensor(cls, storage, metadata):
+    _check_class(cls, _TENSOR_CLASSES, "rebuild_tensor: class")
+    if not isinstance(storage, torch.TypedStorage):  # what torch pickles: rebuild_typed_storage(untyped, dtype)
+        raise _refuse(f"rebuild_tensor: storage is a {type(storage).__name__}, not a typed storage")
+    if not (isinstance(metadata, tuple) and len(metadata) == 4 and isinstance(metadata[3], bool)):
+        raise _refuse("rebuild_tensor: metadata is not (offset, size, stride, requires_grad)")
+    offset, size, stride, _ = metadata
+    if not isinstance(size, tuple) or not isinstance(stride, tuple):
+        raise _refuse("rebuild_tensor: size and stride must be tuples")
+    _check_extent(storage._untyped_storage.nbytes(), storage.dtype.itemsize, offset, size, stride, "rebuild_tensor")
+    return reductions.rebuild_tensor(cls, storage, metadata)
+
+
+def _rebuild_cuda_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype, *rest):
+    _check_class(tensor_cls, _TENSOR_CLASSES, "rebuild_cuda_tensor: class")
+    _check_class(storage_cls, _STORAGE_CLASSES, "rebuild_cuda_tensor: storage class")
+    if not isinstance(dtype, torch.dtype) or len(rest) != 9 or not isinstance(rest[2], int):
+        raise _refuse("rebuild_cuda_tensor: arguments are not those torch pickles for a CUDA tensor")
+    storage_bytes = rest[2] if rest[1] is not None else 0  # storage_size_bytes; no handle = empty storage
+    _check_extent(storage_bytes, dtype.itemsize, tensor_offset, tuple(tensor_size), tuple(tensor_stride), "cuda")
+    return reductions.rebuild_cuda_tensor(
+        tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype, *rest
+    )
+
+
+def _rebuild_storage_filename(cls, manager, handle, size, dtype=None):
+    _check_class(cls, _STORAGE_CLASSES, "rebuild_storage_filename: class")
+    if not (isinstance(manager, bytes) and isinstance(handle, bytes) and isinstance(size, int) and size >= 0):
+        raise _refuse("rebuild_storage_filename: arguments are not (class, manager, handle, size)")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise _refuse(f"rebuild_storage_filename: dtype {dtype!r} is not a torch dtype")
+    return reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
+
+
+def _rebuild_storage_empty(cls):
+    _check_class(cls, _STORAGE_CLASSES, "rebuild_storage_empty: class")
+    return reductions.rebuild_storage_empty(cls)
+
+
+def _rebuild_typed_storage(storage, dtype):
+    if not isinstance(storage, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
+        raise _refuse("rebuild_typed_storage: arguments are not (untyped storage, dtype)")
+    return reductions.rebuild_typed_storage(storage, dtype)
+
+
+_REBUILDERS = {
+    "rebuild_tensor": _rebuild_tensor,
+    "rebuild_cuda_tensor": _rebuild_cuda_tensor,
+    "rebuild_storage_filename": _rebuild_storage_filename,
+    "rebuild_storage_empty": _rebuild_storage_empty,
+    "rebuild_typed_storage": _rebuild_typed_storage,
+}
+# what a payload may call (REDUCE); the record class may also be made by NEWOBJ (pickled dataclasses)
+CALLABLE = {*_REBUILDERS.values(), torch.Size, types.SimpleNamespace}
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    **{("torch.multiprocessing.reductions", name): getattr(reductions, name) for name in _REBUILDERS},
+    **{("torch.multiprocessing.reductions", name): fn for name, fn in _REBUILDERS.items()},
     ("torch", "Tensor"): torch.Tensor,
     ("torch", "Size"): torch.Size,
     ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
@@ -84,7 +163,28 @@ class AllowlistUnpickler(pickle._Unpickler):
             raise pickle.UnpicklingError(f"refused to set state on {target!r}: only metadata records carry state")
         super().load_build()
 
+    def load_reduce(self) -> None:
+        if self.stack[-2] not in CALLABLE:
+            raise _refuse(f"calling {self.stack[-2]!r}: a payload may call only torch's tensor-rebuild functions")
+        super().load_reduce()
+
+    def load_newobj(self) -> None:
+        if self.stack[-2] is not types.SimpleNamespace:
+            raise _refuse(f"making a {self.stack[-2]!r}: only metadata records may be made that way")
+        super().load_newobj()
+
+    def load_newobj_ex(self) -> None:
+        raise _refuse("NEWOBJ_EX: no object of a weight payload is made that way")
+
+    def load_inst(self) -> None:
+        raise _refuse("INST/OBJ: no object of a weight payload is made that way")
+
     dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+    dispatch[pickle.INST[0]] = load_inst
+    dispatch[pickle.OBJ[0]] = load_inst
 
     def find_class(self, module: str, name: str) -> Any:
         allowed = ALLOWED_GLOBALS.get((module, name))
@@ -107,4 +207,49 @@ def safe_loads(data: str | bytes) -> Any:
             data = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise ValueError(f"payload is not valid base64: {exc}") from exc
-    return AllowlistUnpickler(io.BytesIO(data)).load()
+    payload = AllowlistUnpickler(io.BytesIO(data)).load()
+    check_nesting(payload)
+    return payload
+
+
+_CONTAINERS = (list, tuple, dict, types.SimpleNamespace)
+
+
+def _children(obj: Any) -> list[Any]:
+    if isinstance(obj, (list, tuple)):
+        return list(obj)
+    if isinstance(obj, dict):
+        return [*obj.keys(), *obj.values()]
+    if isinstance(obj, types.SimpleNamespace):
+        return list(vars(obj).values())
+    return []
+
+
+def check_nesting(obj: Any, limit: int = MAX_NESTING) -> None:
+    """pickle.UnpicklingError if containers nest deeper than `limit` or contain themselves. Iterative
+    (a deep payload must not exhaust the interpreter's recursion), each container visited once."""
+    heights: dict[int, int] = {}  # id -> height of a container already walked
+    path: list[list[Any]] = [[obj, iter(_children(obj)), 0]]  # container, its unvisited children, its height
+    on_path = {id(obj)}
+    while path:
+        frame = path[-1]
+        child = next(frame[1], path)  # `path` marks the end: no payload holds it
+        if child is path:
+            path.pop()
+            on_path.discard(id(frame[0]))
+            heights[id(frame[0])] = frame[2]
+            if path:
+                path[-1][2] = max(path[-1][2], frame[2] + 1)
+            continue
+        if not isinstance(child, _CONTAINERS):
+            continue
+        if id(child) in on_path:
+            raise _refuse("it contains itself (a cycle): send a plain list or dict")
+        height = heights.get(id(child))
+        if height is None and len(path) >= limit or height is not None and len(path) + height >= limit:
+            raise _refuse(f"containers nest more than {limit} deep: send a flat list of (name, tensor) or buckets")
+        if height is not None:
+            frame[2] = max(frame[2], height + 1)
+            continue
+        path.append([child, iter(_children(child)), 0])
+        on_path.add(id(child))

@@ -109,4 +109,25 @@ MUTANTS: list[Mutant] = [
         new="    if False:\n",
         tests=("tests/test_loop_checks.py",),
     ),
+    Mutant(
+        id="engine-reads-released-weights",
+        claim="weight reads after a weights release are refused with 400 and touch no freed memory",
+        file="rollfleet/engine/model.py",
+        old="        if self.weights_released():\n            raise WeightUpdateError(\n",
+        new="        if False:\n            raise WeightUpdateError(\n",
+        tests=(
+            "tests/test_engine_robustness.py::test_weight_reads_after_a_release_are_refused_and_touch_no_freed_memory",
+        ),
+    ),
+    Mutant(
+        id="engine-follower-survives-failed-batch",
+        claim="a tp follower whose batch action fails like rank 0's goes on with the next batch",
+        file="rollfleet/engine/lockstep.py",
+        old="            if action in BATCH_ACTIONS:",
+        new="            if False:",
+        tests=(
+            "tests/test_engine_tp_follower.py::"
+            "test_a_batch_failing_on_every_rank_aborts_its_requests_and_both_ranks_go_on",
+        ),
+    ),
 ]

@@ -1,0 +1,33 @@
+"""What a /generate request must satisfy before it is queued, beyond its schema: every token id
+inside the model's vocabulary (outside it would fail inside the model, failing the whole batch)
+and no more samples than the server takes per request (`--max-samples-per-request`)."""
+
+from __future__ import annotations
+
+from rollfleet.wire.protocol import SamplingParams
+
+
+def check_request(
+    prompts: list[list[int]], params: list[SamplingParams], field: str, *, vocab_size: int, max_samples: int
+) -> None:
+    """ValueError naming the field, the value and the fix. `params` holds one entry per prompt;
+    `field` names the prompts ("text" or "input_ids")."""
+    total = sum(p.n for p in params)
+    if total > max_samples:
+        counts = sorted({p.n for p in params})
+        raise ValueError(
+            f"sampling_params.n={counts[0] if len(counts) == 1 else counts} for {len(prompts)} prompts asks for "
+            f"{total} samples; this server takes at most {max_samples} per request "
+            "(--max-samples-per-request): split the request or lower n"
+        )
+    vocab = f"outside this model's vocabulary [0, {vocab_size})"
+    for index, prompt in enumerate(prompts):
+        if prompt and (min(prompt) < 0 or max(prompt) >= vocab_size):
+            position, token = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < vocab_size)
+            where = f"{field}[{index}][{position}]" if len(prompts) > 1 else f"{field}[{position}]"
+            raise ValueError(f"{where}={token} is {vocab}: send token ids of this model's tokenizer")
+    for index, p in enumerate(params):
+        bad = [t for t in p.stop_token_ids or [] if not 0 <= t < vocab_size]
+        if bad:
+            where = "sampling_params" if len(params) == 1 else f"sampling_params[{index}]"
+            raise ValueError(f"{where}.stop_token_ids holds {bad[:5]}, {vocab}: drop them")

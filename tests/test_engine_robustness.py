@@ -1,0 +1,461 @@
+"""No request or payload takes an engine down: bad values get 400 naming the field, a failing batch
+fails only its own requests, a dead engine loop shows on /health, and /health stays fast whatever
+one request asks. Against a real server process, except where the engine loop itself must fail."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import pickle
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from conftest import engine_server
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.multiprocessing import reductions
+from transformers import AutoTokenizer
+
+from rollfleet.engine.app import create_app
+from rollfleet.engine.lockstep import Lockstep
+from rollfleet.engine.model import ModelRunner
+from rollfleet.engine.scheduler import Scheduler
+from rollfleet.engine.server import build_parser, check_args
+from rollfleet.engine.service import EngineService
+from rollfleet.wire.buckets import iter_buckets
+from rollfleet.wire.hf_files import read_checkpoint
+from rollfleet.wire.protocol import SamplingParams
+from rollfleet.wire.serialize import MAX_NESTING, safe_loads, serialize
+
+VOCAB = 320  # rollfleet.tiny_models' qwen3
+SHORT = {"max_new_tokens": 2, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs")) as proc:
+        yield proc
+
+
+def post(server, route, body=None, raw: bytes | None = None, timeout=60):
+    if raw is None:
+        raw = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \ud800 escapes
+    return httpx.post(server.url + route, content=raw, headers={"content-type": "application/json"}, timeout=timeout)
+
+
+def assert_still_serving(server):
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    ok = post(server, "/generate", {"input_ids": [1, 2], "sampling_params": SHORT})
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2, ok.text
+    assert httpx.get(server.url + "/get_model_info", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "raw, needles",
+    [
+        (b'{"input_ids": [1, 320]}', ["input_ids[1]=320", "vocabulary [0, 320)"]),
+        (b'{"input_ids": [[1], [5, -1]]}', ["input_ids[1][1]=-1", "vocabulary"]),
+        (b'{"input_ids": [1e18]}', ["input_ids[0]=1000000000000000000", "vocabulary"]),
+        (b'{"input_ids": [1e20]}', ["input_ids", "1e+20"]),
+        (b'{"input_ids": [1], "sampling_params": {"stop_token_ids": [7, 100000]}}', ["stop_token_ids", "100000"]),
+        (b'{"input_ids": [1], "sampling_params": {"top_p": 1e-46}}', ["top_p=1e-46", "float32"]),
+        (b'{"input_ids": [1], "sampling_params": {"temperature": 1e999}}', ["temperature", "finite"]),
+        (b'{"input_ids": [1], "sampling_params": {"temperature": Infinity}}', ["temperature", "finite"]),
+        (b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}', ["temperature", "finite"]),
+        (b'{"input_ids": [1], "sampling_params": {"temperature": 1e39}}', ["temperature=1e+39", "1e38"]),
+        (b'{"input_ids": [1], "sampling_params": {"min_p": 1.5}}', ["min_p", "1.5"]),
+        (b'{"input_ids": [1], "sampling_params": {"repetition_penalty": 0}}', ["repetition_penalty", "greater"]),
+        (b'{"input_ids": [1], "sampling_params": {"sampling_seed": 18446744073709551616}}', ["sampling_seed"]),
+        (b'{"text": "a\\ud800b"}', ["text", "surrogate", "UTF-8"]),
+        (b'{"text": ["ok", "\\udfff"]}', ["text", "surrogate"]),
+        (b'{"input_ids": [1], "rid": "\\ud800"}', ["rid", "surrogate"]),
+        (b'{"input_ids": [1], "sampling_params": {"stop": ["\\ud800"]}}', ["stop", "surrogate"]),
+        (b'{"input_ids": [1], "sampling_params": {"n": 10000000}}', ["n=10000000", "--max-samples-per-request"]),
+        (b'{"input_ids": [[1], [2]], "sampling_params": {"n": 600}}', ["1200 samples", "at most 1024"]),
+    ],
+)
+def test_bad_generate_values_get_400_naming_the_field_and_the_engine_goes_on(server, raw, needles):
+    response = post(server, "/generate", raw=raw)
+    assert response.status_code == 400, response.text
+    message = response.json()["message"]
+    for needle in needles:
+        assert needle in message, message
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("seed", [10**14, 2**63 - 1, -(2**63)])
+def test_any_seed_in_sglangs_range_samples_and_repeats(server, seed):
+    params = {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": True}
+    first, again = (post(server, "/generate", {"input_ids": [3, 4], "sampling_params": params}) for _ in range(2))
+    assert first.status_code == again.status_code == 200, first.text
+    assert first.json()["output_ids"] == again.json()["output_ids"]
+
+
+def test_smallest_top_p_and_largest_temperature_that_fit_float32_generate(server):
+    params = {**SHORT, "top_p": 1e-38, "temperature": 1e38, "min_new_tokens": 1}
+    response = post(server, "/generate", {"input_ids": [1, 2], "sampling_params": params})
+    assert response.status_code == 200 and len(response.json()["output_ids"]) == 2, response.text
+
+
+@pytest.mark.parametrize(
+    "route, raw, needles",
+    [
+        ("/update_weight_version", b'{"new_version": "v\\ud800"}', ["new_version", "surrogate"]),
+        ("/update_weights_from_disk", b'{"model_path": "x", "weight_version": "\\ud800"}', ["weight_version"]),
+        (
+            "/init_weights_update_group",
+            b'{"master_address": "\\ud800", "master_port": 1, "rank_offset": 1, "world_size": 2}',
+            ["master_address", "surrogate"],
+        ),
+        (
+            "/init_weights_update_group",
+            b'{"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "timeout_s": 1e20}',
+            ["timeout_s", "less than or equal to 86400"],
+        ),
+        (
+            "/update_weights_from_distributed",
+            b'{"names": ["a"], "dtypes": ["float32"], "shapes": [[4611686018427387904, 4]]}',
+            ["shapes[0]", "real shape"],
+        ),
+        ("/abort_request", b'{"rid": "\\ud800"}', ["rid", "surrogate"]),
+    ],
+)
+def test_unencodable_strings_and_absurd_numbers_are_refused_at_the_door(server, route, raw, needles):
+    response = post(server, route, raw=raw)
+    assert response.status_code == 400, response.text
+    for needle in needles:
+        assert needle in response.json()["message"], response.json()
+    assert_still_serving(server)
+    assert httpx.get(server.url + "/get_model_info", timeout=10).json()["weight_version"] == "default"
+
+
+# ---- weight payloads ------------------------------------------------------------------------------
+class _EmptyStorage:
+    def __reduce__(self):
+        return reductions.rebuild_storage_empty, (torch.UntypedStorage,)
+
+
+class _TypedEmpty:
+    def __reduce__(self):
+        return reductions.rebuild_typed_storage, (_EmptyStorage(), torch.float32)
+
+
+class _GrownTensor:
+    """Only allowlisted functions: an empty storage that `set_` (inside rebuild_tensor) would grow."""
+
+    def __reduce__(self):
+        return reductions.rebuild_tensor, (torch.Tensor, _TypedEmpty(), (0, (64,), (1,), False))
+
+
+class _FreshStorage:
+    def __reduce__(self):
+        return torch.UntypedStorage, (256,)
+
+
+def _deep_bucket_pickle(depth: int) -> bytes:
+    """{"flattened_tensor": None, "metadata": [[[...]]]} nested `depth` deep, written as opcodes
+    (pickle.dumps itself would recurse)."""
+    key = b"metadata"
+    nested = pickle.EMPTY_LIST * depth + pickle.APPEND * (depth - 1)
+    flat = b"X" + len(b"flattened_tensor").to_bytes(4, "little") + b"flattened_tensor" + pickle.NONE
+    meta = b"X" + len(key).to_bytes(4, "little") + key + nested
+    return pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + flat + pickle.SETITEM + meta + pickle.SETITEM + pickle.STOP
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize(
+    "payload, load_format, needles",
+    [
+        (_b64(pickle.dumps([("model.norm.weight", _GrownTensor())])), None, ["needs 256 bytes", "holds 0"]),
+        (_b64(pickle.dumps([("model.norm.weight", _FreshStorage())])), None, ["calling", "UntypedStorage"]),
+        (_b64(_deep_bucket_pickle(100_000)), "flattened_bucket", [f"nest more than {MAX_NESTING} deep"]),
+    ],
+    ids=["storage-grown-by-set_", "storage-class-called", "100000-deep-metadata"],
+)
+def test_payloads_that_would_make_memory_or_recurse_are_refused(server, payload, load_format, needles):
+    before = post(server, "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 8}).json()
+    body = {"serialized_named_tensors": [payload], "load_format": load_format}
+    response = post(server, "/update_weights_from_tensor", body)
+    assert response.status_code == 400, response.text
+    for needle in needles:
+        assert needle in response.json()["message"], response.json()
+    assert post(server, "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 8}).json() == before
+    assert_still_serving(server)
+
+
+def test_real_payloads_still_load_and_a_regular_checkpoint_still_reads(server, qwen3_dir, qwen3_dir_b):
+    """The checks refuse only what torch never sends: pairs of views with offsets and buckets load."""
+    other = read_checkpoint(qwen3_dir_b)
+    norm = {"name": "model.norm.weight", "truncate_size": 4}
+    buckets = [bucket.to_payload() for bucket in iter_buckets(sorted(other.items()), 64 * 1024)]
+    for payload, load_format in [(buckets, "flattened_bucket"), (sorted(other.items()), None)]:
+        body = {"serialized_named_tensors": [serialize(payload)], "load_format": load_format}
+        assert post(server, "/update_weights_from_tensor", body).status_code == 200
+        got = post(server, "/get_weights_by_name", norm).json()
+        assert got == pytest.approx(other["model.norm.weight"][:4].tolist())
+    assert post(server, "/update_weights_from_disk", {"model_path": qwen3_dir}).status_code == 200
+    got = post(server, "/get_weights_by_name", norm).json()
+    assert got == pytest.approx(read_checkpoint(qwen3_dir)["model.norm.weight"][:4].tolist())
+
+
+def test_shared_references_are_walked_once_and_cycles_refused():
+    node: list = []
+    for _ in range(MAX_NESTING - 2):  # 2**30 paths through 30 distinct lists: walked in no time
+        node = [node, node]
+    assert len(safe_loads(pickle.dumps(node))) == 2
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(pickle.UnpicklingError, match="contains itself"):
+        safe_loads(pickle.dumps(loop))
+
+
+# ---- checkpoints on disk -------------------------------------------------------------------------
+def test_a_fifo_named_safetensors_is_refused_without_freezing(server, tmp_path):
+    os.mkfifo(tmp_path / "model.safetensors")
+    response = post(server, "/update_weights_from_disk", {"model_path": str(tmp_path)}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "model.safetensors" in response.json()["message"] and "FIFO" in response.json()["message"]
+    assert_still_serving(server)
+
+
+# ---- released weights ----------------------------------------------------------------------------
+RELEASED = "weights are released: call /resume_memory_occupation with tags ['weights'] first"
+WEIGHT_READS = [
+    ("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 4}),
+    ("GET", "/rollfleet/shard_fingerprints", None),
+    ("POST", "/rollfleet/weights_fingerprint", {"names": ["model.norm.weight"]}),
+    ("POST", "/rollfleet/weights_fingerprint", {"names": None}),
+]
+
+
+def read_weights(server, method, route, body):
+    return httpx.request(method, server.url + route, json=body, timeout=60)
+
+
+def test_weight_reads_after_a_release_are_refused_and_touch_no_freed_memory(server, qwen3_dir):
+    """Reads of released weights once crashed the server (SIGSEGV on the fingerprints) or gave 500."""
+    before = [read_weights(server, *read).json() for read in WEIGHT_READS]
+    assert post(server, "/release_memory_occupation", {"tags": ["weights"]}).status_code == 200
+    for read in WEIGHT_READS:
+        refused = read_weights(server, *read)
+        assert refused.status_code == 400 and refused.json()["message"] == RELEASED, (read, refused.text[:300])
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200, read
+    assert post(server, "/resume_memory_occupation", {"tags": ["weights"]}).status_code == 200
+    assert post(server, "/update_weights_from_disk", {"model_path": qwen3_dir}).status_code == 200
+    after = [read_weights(server, *read) for read in WEIGHT_READS]
+    assert [reply.status_code for reply in after] == [200] * len(WEIGHT_READS)
+    assert [reply.json() for reply in after] == before
+    assert_still_serving(server)
+
+
+# ---- size and latency ----------------------------------------------------------------------------
+def test_a_body_over_the_limit_gets_413(server):
+    raw = b'{"input_ids": [' + b"1," * (4 * 2**20) + b"1]}"  # 8 MiB + a little: the default limit
+    response = post(server, "/generate", raw=raw)
+    assert response.status_code == 413 and "--max-request-bytes" in response.json()["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield raw[: 2**20]
+        yield raw[2**20 :]
+
+    chunked = httpx.post(server.url + "/generate", content=chunks(), timeout=60)
+    assert chunked.status_code == 413
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize(
+    "body, answer",
+    [
+        ({"input_ids": [5] * 400, "sampling_params": {**SHORT, "max_new_tokens": 8, "n": 1024}}, 200),
+        ({"input_ids": [[7] * 500] * 1000, "sampling_params": SHORT}, 200),  # 2 MB of prompts
+        ({"text": "the quick brown fox " * 5000}, 400),  # tokenized (65001 tokens), then refused
+    ],
+    ids=["1024-samples", "1000-long-prompts", "100-kB-text"],
+)
+def test_health_stays_fast_while_a_large_allowed_request_runs(server, body, answer):
+    outcome = {}
+    sender = threading.Thread(target=lambda: outcome.setdefault("reply", post(server, "/generate", body, timeout=600)))
+    sender.start()
+    slowest = 0.0
+    with httpx.Client(timeout=30) as client:
+        while sender.is_alive():
+            start = time.perf_counter()
+            assert client.get(server.url + "/health").status_code == 200
+            slowest = max(slowest, time.perf_counter() - start)
+            time.sleep(0.05)
+    sender.join()
+    assert outcome["reply"].status_code == answer, outcome["reply"].text[:300]
+    assert slowest < 1.0, f"/health took {slowest:.2f} s while the request ran"
+
+
+# ---- the engine loop -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_parts(qwen3_dir):
+    runner = ModelRunner(qwen3_dir)
+    return runner, AutoTokenizer.from_pretrained(qwen3_dir)
+
+
+def _scheduler(engine_parts, **kwargs) -> Scheduler:
+    runner, tokenizer = engine_parts
+    return Scheduler(
+        Lockstep(runner, None),
+        tokenizer,
+        eos_token_ids=set(),
+        context_length=512,
+        max_running_requests=8,
+        weight_version="default",
+        vocab_size=VOCAB,
+        **kwargs,
+    )
+
+
+def _result(seq):
+    return seq.future.result(timeout=120)
+
+
+def test_a_failing_batch_fails_only_its_own_requests(engine_parts):
+    """Requests the route would refuse, submitted straight to the scheduler: the model and the
+    sampler raise for real, that batch finishes as aborted with the reason, the next one runs."""
+    scheduler = _scheduler(engine_parts)
+    scheduler.start()
+    try:
+        (outside,) = scheduler.submit([1, VOCAB + 5], SamplingParams(**SHORT), rid="bad", return_logprob=False)
+        reason = _result(outside)["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "the engine failed this batch" in reason["message"], reason
+        no_tokens = SamplingParams.model_construct(**{**SamplingParams().model_dump(), "top_p": 1e-46, **SHORT})
+        (unsampleable,) = scheduler.submit([1, 2], no_tokens, rid="zero-top-p", return_logprob=False)
+        assert _result(unsampleable)["meta_info"]["finish_reason"]["type"] == "abort"
+        (good,) = scheduler.submit([1, 2], SamplingParams(**SHORT), rid="good", return_logprob=False)
+        assert _result(good)["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+        assert scheduler.dead_reason is None
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop re-raises, on purpose
+def test_health_is_503_with_the_reason_when_the_engine_loop_has_died(engine_parts, qwen3_dir):
+    def no_device():
+        raise RuntimeError("no device for the engine thread")
+
+    scheduler = _scheduler(engine_parts, thread_setup=no_device)
+    scheduler.start()
+    scheduler.stop()
+    parser = build_parser()
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu"])
+    check_args(parser, args)
+    runner, tokenizer = engine_parts
+    app = create_app(EngineService(args, runner, Lockstep(runner, None), scheduler, tokenizer))
+
+    async def probe():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine") as client:
+            health = await client.get("/health")
+            update = await client.post("/update_weight_version", json={"new_version": "v2"})
+            return health, update
+
+    health, update = asyncio.run(probe())
+    assert health.status_code == 503 and "no device for the engine thread" in health.json()["message"]
+    assert update.status_code == 503 and "the engine loop has stopped" in update.json()["message"]
+
+
+# ---- fuzzing /generate ---------------------------------------------------------------------------
+_texts = st.text(st.one_of(st.characters(), st.integers(0xD800, 0xDFFF).map(chr)), max_size=40)  # lone surrogates too
+_numbers = st.one_of(
+    st.integers(-3, 8),
+    st.integers(),
+    st.sampled_from([VOCAB - 1, VOCAB, 2**63, 2**64, -(2**63) - 1, 10**30]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([1e-46, 1e-38, 1e38, 1e39, 5e-324, -0.0, 1e20]),
+)
+_scalars = st.one_of(st.none(), st.booleans(), _numbers, _texts)
+_token_lists = st.lists(st.one_of(st.integers(0, VOCAB - 1), _numbers), max_size=6)
+_sampling = st.dictionaries(
+    st.sampled_from(
+        [
+            "max_new_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "n",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+            "skip_special_tokens",
+            "sampling_seed",
+            "min_new_tokens",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "no_stop_trim",
+        ]
+    ),  # fmt: skip
+    st.one_of(_scalars, st.lists(_scalars, max_size=3), _token_lists),
+    max_size=6,
+).map(lambda params: {**params, "max_new_tokens": params.get("max_new_tokens", 2)})
+_wild_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "text": st.one_of(_texts, st.lists(_texts, max_size=3), _scalars),
+        "input_ids": st.one_of(_token_lists, st.lists(_token_lists, max_size=3), _scalars),
+        "sampling_params": st.one_of(_sampling, st.lists(_sampling, max_size=3), _scalars),
+        "return_logprob": _scalars,
+        "logprob_start_len": _scalars,
+        "top_logprobs_num": _scalars,
+        "stream": _scalars,
+        "rid": st.one_of(_texts, st.lists(_texts, max_size=3), _scalars),
+        "lora_path": st.one_of(_texts, st.lists(st.one_of(st.none(), _texts), max_size=3), _scalars),
+    },
+)
+# one well-formed prompt field and a few sampling fields: such bodies reach the engine, so a value
+# that only breaks the tokenizer, the sampler or the response shows up
+_prompt = st.one_of(
+    st.fixed_dictionaries(
+        {"text": st.one_of(_texts.filter(bool), st.lists(_texts.filter(bool), min_size=1, max_size=3))}
+    ),
+    st.fixed_dictionaries({"input_ids": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6)}),
+    st.fixed_dictionaries({"input_ids": st.lists(_token_lists.filter(bool), min_size=1, max_size=3)}),
+)
+_near_valid_bodies = st.tuples(
+    _prompt,
+    st.fixed_dictionaries(
+        {"sampling_params": _sampling},
+        optional={"rid": _texts, "return_logprob": st.booleans(), "lora_path": st.one_of(st.none(), _texts)},
+    ),
+).map(lambda parts: {**parts[0], **parts[1]})
+_bodies = st.one_of(_near_valid_bodies, _near_valid_bodies, _wild_bodies)
+
+
+_FUZZ_STATUSES: list[int] = []
+
+
+def _small(value) -> bool:
+    """Valid but slow: a max_new_tokens past a few tokens runs to the context length (512)."""
+    params = value.get("sampling_params")
+    items = params if isinstance(params, list) else [params]
+    limit = [p.get("max_new_tokens") for p in items if isinstance(p, dict)]
+    return all(not isinstance(m, (int, float)) or m <= 8 for m in limit)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=_bodies.filter(_small))
+def test_fuzzed_generate_bodies_never_get_a_500(server, body):
+    raw = json.dumps(body).encode()  # NaN / Infinity literals and \ud800 escapes, as a hostile client may send
+    response = post(server, "/generate", raw=raw)
+    _FUZZ_STATUSES.append(response.status_code)
+    assert response.status_code in (200, 400), (body, response.status_code, response.text[:500])
+    if response.status_code == 400:
+        assert response.json()["message"]
+
+
+def test_the_server_still_generates_after_the_fuzzing(server):
+    if _FUZZ_STATUSES:  # the fuzzing ran first (file order): it reached the engine, not only the validators
+        assert 200 in _FUZZ_STATUSES and 400 in _FUZZ_STATUSES, sorted(set(_FUZZ_STATUSES))
+    assert_still_serving(server)
