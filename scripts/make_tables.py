@@ -84,7 +84,7 @@ def recovery(records: list[tuple[str, dict]]) -> str:
     for name, r in [(n, r) for n, r in records if r["benchmark"] == "recovery"]:
         s = r["summary"]
         out.append(
-            f"{s['device']}, checkpoint {s['checkpoint_mb']:.1f} MB, median (min-max) of "
+            ("\n" if out else "") + f"{s['device']}, checkpoint {s['checkpoint_mb']:.1f} MB, median (min-max) of "
             f"{r['config']['repeats']} rounds, seconds; record {_source(name, r)}:\n\n"
         )
         out.append("| path | " + " | ".join(phases) + " |\n|---|" + "---|" * len(phases) + "\n")

@@ -79,4 +79,4 @@ def test_weight_sync_benchmark_refuses_figures_when_verification_fails(tmp_path)
     assert out.returncode != 0
     assert "ratio" not in out.stdout.lower() and "verification FAILED" in out.stderr
     assert record["ok"] is False and record["summary"]["verified"] is False
-    assert "ratio_sync_to_raw" not in record["summary"] and "differing tensors" in record["failure"]
+    assert "ratio_sync_to_raw" not in record["summary"] and "tensors differing" in record["failure"]

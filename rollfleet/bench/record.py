@@ -36,8 +36,9 @@ def _git(*args: str) -> str | None:
 def code_revision() -> dict[str, Any]:
     """The commit checked out and whether tracked files (outside docs/results) differ from it. A copy
     without git history (e.g. a working tree shipped to a GPU machine) takes both from the environment:
-    ROLLFLEET_GIT_REVISION and ROLLFLEET_GIT_DIRTY (0 or 1), set by whoever shipped it."""
-    revision = _git("rev-parse", "HEAD")
+    ROLLFLEET_GIT_REVISION and ROLLFLEET_GIT_DIRTY (0 or 1), set by whoever shipped it. When set, they
+    win over git: a shipped copy may carry a .git that is not the commit it holds."""
+    revision = None if os.environ.get("ROLLFLEET_GIT_REVISION") else _git("rev-parse", "HEAD")
     if revision is None:
         dirty = os.environ.get("ROLLFLEET_GIT_DIRTY")
         return {
