@@ -100,7 +100,9 @@ def command_line(prefix: list[str], argv: list[str] | None) -> str:
     """`prefix ARGS` as run (argv as parsed, or the process's own), the repository root written as `.`."""
     args = list(sys.argv[1:] if argv is None else argv)
     text = " ".join([*prefix, *args])
-    return text.replace(str(REPO) + "/", "./").replace(str(REPO), ".")
+    text = text.replace(str(REPO) + "/", "./").replace(str(REPO), ".")
+    out = os.environ.get("OUT")  # the GPU scripts' output folder, a path of that machine
+    return text.replace(out.rstrip("/") + "/", "$OUT/") if out and len(out) > 1 else text
 
 
 def _clean(value: Any) -> Any:
