@@ -66,3 +66,17 @@ def test_the_check_sees_function_level_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from rollfleet.fleet.fleet import Fleet\n")
     assert _imports(module) == [(2, "rollfleet.fleet.fleet")]
+
+
+def test_no_module_over_400_lines_and_no_function_over_60():
+    """A newcomer reads one job per module and one step per function (docs/architecture.md)."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        relative = path.relative_to(PACKAGE.parent)
+        if len(text.splitlines()) > 400:
+            too_long.append(f"{relative}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
+                too_long.append(f"{relative}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, "split these:\n" + "\n".join(too_long)
