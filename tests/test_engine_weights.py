@@ -40,7 +40,7 @@ def test_dummy_server_is_up_but_not_ready(server):
     assert status(server, "/health_generate") == 503
     with pytest.raises(EngineError) as err:
         call(server, "generate", input_ids=PROMPT, sampling_params=GREEDY)
-    assert err.value.status_code == 400 and "weights are not loaded" in err.value.message
+    assert err.value.status_code == 503 and "weights are not loaded" in err.value.message
     assert call(server, "get_model_info")["weights_ready"] is False
 
 

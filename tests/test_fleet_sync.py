@@ -7,6 +7,7 @@ an engine: raised at once, not retried)."""
 from __future__ import annotations
 
 import shutil
+import time
 
 import httpx
 import pytest
@@ -93,6 +94,23 @@ def test_a_4xx_from_an_engine_is_raised_not_retried(fleet):
         fleet.generate(PROMPTS, sampling={"max_new_tokens": 4, "top_k": 0})  # an invalid top_k reaches the engine
     assert 400 <= err.value.status_code < 500
     assert fleet.router.retries == retries and states(fleet) == ["ACTIVE", "ACTIVE"]
+
+
+def test_a_request_every_live_engine_fails_is_raised_after_one_try_each(fleet, model_dir):
+    """Engines answer 503 (their weights were released behind the fleet's back): the router tries
+    each live engine once and raises the engine's error, instead of retrying without end."""
+    fleet.pool.on_all("release_memory_occupation", [0, 1], ["weights"])
+    retries, start = fleet.router.retries, time.monotonic()
+    try:
+        with pytest.raises(EngineError) as err:
+            fleet.generate(PROMPTS[:1], sampling=GREEDY)
+        assert err.value.status_code == 503 and time.monotonic() - start < 5
+        assert fleet.router.retries - retries == 2  # one try on each engine
+        assert states(fleet) == ["ACTIVE", "ACTIVE"]  # a bad request takes no engine out
+    finally:
+        fleet.pool.on_all("resume_memory_occupation", [0, 1], ["weights"])
+        fleet.update_weights_from_disk(str(model_dir), fleet.version)
+    assert len(fleet.generate(PROMPTS, sampling=GREEDY)) == len(PROMPTS)
 
 
 def test_a_push_that_fails_part_way_leaves_no_engine_serving(fleet, model_dir, qwen3_dir_b):

@@ -81,7 +81,7 @@ def test_death_is_noticed_at_once_and_restore_waits_for_verified_weights(fleet, 
     restarted = fleet.restart_inactive(restore=False)
     assert restarted == [1] and fleet.slots[1].state.value == "AWAITING_WEIGHTS"
     direct = httpx.post(fleet.slots[1].url + "/generate", json={"input_ids": [1, 2], "sampling_params": GREEDY})
-    assert direct.status_code == 400 and "weights are not loaded" in direct.json()["message"]
+    assert direct.status_code == 503 and "weights are not loaded" in direct.json()["message"]
     assert {s.engine_id for s in fleet.generate(PROMPTS, sampling=GREEDY)} == {0}  # still not routed to it
 
     fleet.update_weights_from_disk(fleet.checkpoint_for("v1"), "v1", engine_ids=[1])  # restore + verify

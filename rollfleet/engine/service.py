@@ -89,11 +89,12 @@ class EngineService:
     def refusal(self) -> BadRequest | None:
         """Why a generate request is refused now, if it is."""
         if self.scheduler.failure is not None:
-            return BadRequest(f"the engine loop has stopped: {self.scheduler.failure!r}")
+            return BadRequest(f"the engine loop has stopped: {self.scheduler.failure!r}", 503)
         if not self.runner.weights_ready:
             return BadRequest(
                 "weights are not loaded (started with --load-format dummy, or released): push weights with "
-                "/update_weights_from_disk (or another update route) first"
+                "/update_weights_from_disk (or another update route) first",
+                503,  # the server is not ready, the request is fine: a router may send it elsewhere
             )
         if self.sessions.mixed is not None:
             return BadRequest(self.sessions.mixed, 503)

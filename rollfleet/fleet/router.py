@@ -45,9 +45,12 @@ class Router:
             if s.state == EngineState.ACTIVE and s.version == version and s.engine_id not in exclude
         ]
 
-    async def choose(self, version: str, exclude: set[int]) -> EngineSlot:
-        """The least busy serving engine; with none, wait up to `wait_s` for one (recovery)."""
+    async def choose(self, version: str, exclude: set[int], refused: frozenset[int] = frozenset()) -> EngineSlot:
+        """The least busy serving engine; with none, wait up to `wait_s` for one (recovery). Engines in
+        `exclude` that recover may be tried again; those in `refused` (they answered this request with
+        an engine-side error while alive) are not."""
         deadline = time.monotonic() + self.wait_s
+        exclude = exclude | refused
         while not self.serving(version, exclude):
             if time.monotonic() >= deadline:
                 states = {s.engine_id: s.state.value for s in self.slots}
@@ -57,15 +60,22 @@ class Router:
                     "restart engines (Fleet.restart_inactive) or raise rollout.recovery_wait_s"
                 )
             await asyncio.sleep(0.1)
-            exclude = {e for e in exclude if self.slots[e].state in FAILED}  # a recovered engine may be retried
+            exclude = {
+                e for e in exclude if self.slots[e].state in FAILED
+            } | refused  # a recovered engine may be retried
         return min(self.serving(version, exclude), key=lambda s: (s.outstanding, s.engine_id))
 
     async def generate(self, payload: dict[str, Any], version: str) -> tuple[list[dict], int]:
         """Send one /generate payload to an engine at `version`; returns its results (a list, also for
-        n == 1) and the engine id. A 4xx answer is the request's fault and is raised, not retried."""
-        tried: set[int] = set()
+        n == 1) and the engine id. A 4xx answer is the request's fault and is raised, not retried. An
+        engine that fails the request while its process lives (a 5xx, a timeout) gets it at most once;
+        when every live engine has refused it, its last error is raised. A request whose engine died
+        goes to another one (and to the restarted one, once it is back), until `wait_s` passes with
+        no engine to try."""
+        tried: set[int] = set()  # their process died under the request: may be tried again once back
+        refused: set[int] = set()  # alive, and failed this request: never again for it
         while True:
-            slot = await self.choose(version, tried)
+            slot = await self.choose(version, tried, frozenset(refused))
             slot.outstanding += 1
             try:
                 out = await self.pool.client(slot.engine_id).generate(**payload)
@@ -73,14 +83,19 @@ class Router:
             except (httpx.TransportError, EngineError) as exc:
                 if isinstance(exc, EngineError) and 400 <= exc.status_code < 500:
                     raise  # the request is bad, not the engine: another engine would refuse it too
-                tried.add(slot.engine_id)
-                await self._on_engine_failure(slot, exc)
+                alive = await self._on_engine_failure(slot, exc)
+                (refused if alive else tried).add(slot.engine_id)
                 self.retries += 1
+                live = {s.engine_id for s in self.slots if s.state not in FAILED}
+                if live and live <= refused:
+                    raise exc  # every live engine failed this very request: it is the request, not them
             finally:
                 slot.outstanding -= 1
 
-    async def _on_engine_failure(self, slot: EngineSlot, exc: Exception) -> None:
+    async def _on_engine_failure(self, slot: EngineSlot, exc: Exception) -> bool:
+        """Whether the engine's process still lives (a dead one is reported to `on_dead`)."""
         alive = await slot.head.engine_alive.remote()
         if not alive and self.on_dead is not None:
             self.on_dead(slot, f"process exited ({exc!r})")
         log.warning("engine %d failed a request (%r); retrying elsewhere", slot.engine_id, exc)
+        return alive
