@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rollfleet.tiny_models import make_tokenizer, tiny_config
 from rollfleet.wire.group import join_weight_update_group
+from rollfleet.wire.hf_files import iter_checkpoint
 from rollfleet.wire.net import free_port
 
 RAW_PATHS = {
@@ -128,8 +128,8 @@ def raw_copy(buckets: list[torch.Tensor], repeats: int) -> dict:
 
 def _read_pass(directory: Path, device: str) -> float:
     start = time.perf_counter()
-    for file in sorted(directory.glob("*.safetensors")):
-        load_file(file, device=device)
+    for _ in iter_checkpoint(directory, device):  # the engine's own reader, one file at a time
+        pass
     _sync(device)
     return time.perf_counter() - start
 

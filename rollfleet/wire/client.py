@@ -119,15 +119,15 @@ class EngineClient:
 
     async def health(self, timeout: float = 5) -> bool:
         """Whether /health answers 200 within `timeout` seconds (the fleet's probes of hung engines)."""
-        try:
-            await self._call("GET", "/health", timeout=timeout)
-            return True
-        except (EngineError, httpx.TransportError):
-            return False
+        return await self._answers("/health", timeout)
 
     async def health_generate(self, timeout: float = 30) -> bool:
+        """Whether /health_generate answers 200 (the engine serves: weights loaded, loop alive)."""
+        return await self._answers("/health_generate", timeout)
+
+    async def _answers(self, route: str, timeout: float) -> bool:
         try:
-            await self._call("GET", "/health_generate", timeout=timeout)
+            await self._call("GET", route, timeout=timeout)
             return True
         except (EngineError, httpx.TransportError):
             return False
