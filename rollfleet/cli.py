@@ -12,7 +12,8 @@ def main(argv: list[str] | None = None) -> None:
         "       rollfleet serve [engine flags]   (see rollfleet serve --help)\n"
         "       rollfleet bench batching [--requests N]\n"
         "       rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X\n"
-        "       rollfleet bench recovery [--hidden 256 --layers 8]"
+        "       rollfleet bench recovery [--hidden 256 --layers 8]\n"
+        "       rollfleet bench grpo-step [--runs colocated,disaggregated --steps 8]"
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> None:
         from rollfleet.bench.recovery import main as bench_recovery
 
         bench_recovery(rest[1:])
+    elif command == "bench" and rest[:1] == ["grpo-step"]:
+        from rollfleet.bench.grpo_step import main as bench_grpo_step
+
+        bench_grpo_step(rest[1:])
     elif command == "bench" and rest[:1] == ["weight-sync"]:
         from rollfleet.bench.weight_sync import main as bench_weight_sync
 

@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group
 
 from rollfleet.layout import weight_update_group
 from rollfleet.weights.source import WeightSource
@@ -53,6 +54,7 @@ class NcclTransport(Transport):
                 "with rollfleet.layout.weight_update_group"
             )
         self.group = None
+        self.broken = False  # a send failed: the group is aborted at disconnect, not destroyed
         self.calls_ahead = 1  # set at connect(), from what the engines support
         # Kept for the transport's life: NCCL releases a finished broadcast's tensors from its own
         # thread, later, so buffers made per sync overlapped the next sync's (three buckets seen)
@@ -101,6 +103,7 @@ class NcclTransport(Transport):
             try:
                 self._send_calls(source, version, report, collectors)
             except BaseException:
+                self.broken = True  # a broadcast may still wait for a dead or hung engine
                 self._abandon()
                 raise
             committing = self._commit(version)
@@ -156,8 +159,22 @@ class NcclTransport(Transport):
         if self.group is not None:
             # NCCL's destroy waits for every member: the engines and the sender leave together
             leaving = self._each("destroy_weights_update_group", lambda t: ((GROUP_NAME,), {}))
-            dist.destroy_process_group(self.group)
-            leaving.result()
-            self.group = None
+            if self.broken:
+                _abort(self.group)  # a dead engine never leaves: a destroy (or the watchdog) would wait for it
+                wait_all(leaving)  # the live ones leave; the dead ones' errors are the failure already raised
+            else:
+                dist.destroy_process_group(self.group)
+                leaving.result()
+            self.group, self.broken = None, False
         self.buffers = DoubleBuffer(self.spec.bucket_bytes)  # drop the staging buffers
         super().disconnect()
+
+
+def _abort(group) -> None:
+    """End a group whose last transfer failed without waiting for its members: NCCL's abort stops the
+    sender's kernels still waiting on a dead or stopped engine (the CUDA stream is usable after it);
+    gloo's transfers already failed on the closed connection, so a destroy returns."""
+    if dist.get_backend(group) == "nccl":
+        _abort_process_group(group)
+    else:
+        dist.destroy_process_group(group)

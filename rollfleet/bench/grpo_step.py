@@ -1,0 +1,284 @@
+"""Seconds per phase of a real GRPO step, each beside its ceiling measured in the same run.
+
+    rollfleet bench grpo-step [--runs colocated,disaggregated] [--steps 8] [--skip 2] [--json F]
+
+Runs `rollfleet train` (a separate process, the real loop) on a Qwen3-shaped model written in bf16
+(default: the step-time issue's 1.46B shape, hidden 2048, 24 layers), 16 prompts x n=8 x 32 new
+tokens, in up to two layouts:
+- colocated: trainer world 2, two tp=1 engines, one per GPU, `tensor` sync, 2048 MB buckets;
+- disaggregated: trainer world 1 on GPU 0, one engine on GPU 1, `nccl` sync.
+
+Each phase's figure is the median over the steps after the first `--skip` (steady state). The
+ceilings, measured afterwards on the same machine with the run's own byte counts:
+- colocated sync: an all-gather of the weights over the trainer's two devices plus a same-device
+  copy of them (what the sync must at least do when every rank feeds its own GPU's engines);
+- disaggregated sync: plain broadcasts of the same bytes in the same buckets to a bare receiver;
+- sleep/wake: pinned host<->device copies of the bytes the step moved (GPU only).
+On CPU the same runs work with gloo (slow, for checking the script); the pinned ceiling is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from rollfleet.bench.raw_ceiling import raw_broadcast
+from rollfleet.bench.record import command_line, make_record, spread, start, write_record
+from rollfleet.tiny_models import make_tokenizer, tiny_config
+from rollfleet.wire.net import free_port
+
+PHASES = ("generate", "reward", "train", "sync", "sleep_wake", "recovery", "other", "total")
+LAYOUTS = {
+    "colocated": [
+        "rollout.num_engines=2",
+        "rollout.placement=colocated",
+        "rollout.gpus_per_worker=0.5",
+        "trainer.world_size=2",
+        "weight_sync.transport=tensor",
+    ],
+    "disaggregated": [
+        "rollout.num_engines=1",
+        "rollout.placement=disaggregated",
+        "trainer.world_size=1",
+        "weight_sync.transport=nccl",
+    ],
+}
+
+
+def write_model(directory: Path, hidden: int, layers: int, dtype: torch.dtype, device: str) -> Path:
+    """A Qwen3-shaped model in `dtype` (intermediate 4 x hidden, head_dim 128 from hidden 1024 up)."""
+    if (directory / "config.json").exists():
+        return directory
+    tokenizer = make_tokenizer()
+    big = hidden >= 1024
+    config = tiny_config(
+        "qwen3",
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=4 * hidden,
+        num_attention_heads=hidden // 128 if big else 4,
+        num_key_value_heads=max(2, hidden // 512),
+        head_dim=128 if big else hidden // 4,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
+        directory
+    )
+    return directory
+
+
+def run_layout(name: str, model: Path, out: Path, args, gpu: bool) -> dict:
+    """One `rollfleet train` run; returns its metrics rows (or the failure and the log's tail)."""
+    run_dir = out / f"run-{name}"
+    log = out / f"{name}.log"
+    overrides = [
+        f"rollout.model_path={model}",
+        f"rollout.use_gpu={'true' if gpu else 'false'}",
+        f"grpo.steps={args.steps}",
+        f"grpo.prompts_per_step={args.prompts}",
+        f"rollout.sampling.n={args.n}",
+        f"rollout.sampling.max_new_tokens={args.new_tokens}",
+        "weight_sync.bucket_mb=2048",
+        f"grpo.output_dir={run_dir}",
+        f"ray.num_cpus={max(4, os.cpu_count() or 4)}",
+        *LAYOUTS[name],
+        *args.set,
+    ]
+    command = [sys.executable, "-m", "rollfleet", "train", args.config, *overrides]
+    began = time.perf_counter()
+    with open(log, "w") as handle:
+        code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.run_timeout_s)
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    result = {"command": " ".join(command[2:]), "exit_code": code, "wall_s": time.perf_counter() - began, "rows": rows}
+    if code != 0 or len(rows) <= args.skip:
+        result["log_tail"] = log.read_text()[-3000:]
+    return result
+
+
+def steady(rows: list[dict], skip: int) -> dict:
+    """Median of each phase (and of the byte counts) over the steps after `skip`."""
+    kept = rows[skip:]
+    figures = {p: statistics.median(r.get(f"time/{p}", 0.0) for r in kept) for p in PHASES}
+    for key in ("sync_bytes", "sleep_wake_bytes", "sleep_wake/bytes"):
+        values = [r[key] for r in kept if isinstance(r.get(key), (int, float))]
+        if values:
+            figures[key.replace("/", "_")] = statistics.median(values)
+    figures["steps"] = len(kept)
+    return figures
+
+
+# ---- ceilings ---------------------------------------------------------------------------------------
+def _allgather_rank(rank: int, world: int, port: int, nbytes: int, repeats: int, gpu: bool, queue) -> None:
+    device = torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if gpu else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
+    shard = nbytes // world
+    mine = torch.ones(shard, dtype=torch.uint8, device=device)
+    full = torch.empty(shard * world, dtype=torch.uint8, device=device)
+    engine = torch.empty_like(full)  # the engine's parameters on the same device
+    times = []
+    for _ in range(1 + repeats):
+        dist.barrier()
+        if gpu:
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        dist.all_gather_into_tensor(full, mine)
+        engine.copy_(full)
+        if gpu:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        times.append(time.perf_counter() - begin)
+    if rank == 0:
+        queue.put(times[1:])
+    dist.destroy_process_group()
+
+
+def allgather_copy_ceiling(nbytes: int, repeats: int, gpu: bool, world: int = 2) -> list[float]:
+    """Seconds of an all-gather of `nbytes` over `world` devices plus a same-device copy (warm)."""
+    context = mp.get_context("spawn")
+    queue, port = context.Queue(), free_port()
+    procs = [
+        context.Process(target=_allgather_rank, args=(r, world, port, nbytes, repeats, gpu, queue))
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    times = queue.get(timeout=600)
+    for proc in procs:
+        proc.join(timeout=120)
+    return times
+
+
+def broadcast_ceiling(nbytes: int, bucket_bytes: int, repeats: int, gpu: bool) -> list[float]:
+    sender = "cuda:0" if gpu else "cpu"
+    sizes = [min(bucket_bytes, nbytes - offset) for offset in range(0, nbytes, bucket_bytes)]
+    buckets = [torch.ones(size, dtype=torch.uint8, device=sender) for size in sizes]
+    figures = raw_broadcast(buckets, repeats, sender, "cuda:1" if gpu else "cpu", "nccl" if gpu else "gloo")
+    return figures["timed"]
+
+
+def pinned_copy_ceiling(nbytes: int, repeats: int, chunk: int = 1 << 30) -> dict[str, float]:
+    """GB/s of device->pinned host and pinned host->device copies, in chunks of at most 1 GiB."""
+    size = min(nbytes, chunk)
+    device = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    rates = {}
+    for direction, (dst, src) in {"d2h": (host, device), "h2d": (device, host)}.items():
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - begin)
+        rates[direction] = size / statistics.median(times) / 1e9
+    return rates
+
+
+def ceilings(results: dict[str, dict], repeats: int, gpu: bool) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    if "colocated" in results and results["colocated"].get("sync_bytes"):
+        nbytes = int(results["colocated"]["sync_bytes"])
+        times = allgather_copy_ceiling(nbytes, repeats, gpu)
+        what = "all-gather over 2 devices + same-device copy"
+        out["colocated_sync"] = {"what": what, "bytes": nbytes, **spread(times)}
+    if "disaggregated" in results and results["disaggregated"].get("sync_bytes"):
+        nbytes = int(results["disaggregated"]["sync_bytes"])
+        times = broadcast_ceiling(nbytes, 2048 << 20, repeats, gpu)
+        out["disaggregated_sync"] = {"what": "raw broadcast, 2048 MB buckets", "bytes": nbytes, **spread(times)}
+    if gpu:
+        out["pinned_copy_gb_per_s"] = pinned_copy_ceiling(4 << 30, repeats)
+    return out
+
+
+def table(results: dict[str, dict], limits: dict[str, dict]) -> str:
+    """One line per layout: each phase's median seconds; sync and sleep/wake beside their ceilings."""
+    lines = ["| run | " + " | ".join(PHASES) + " | sync ceiling s | sync / ceiling | sleep/wake GB/s | pinned GB/s |"]
+    lines.append("|---" * (len(PHASES) + 5) + "|")
+    pinned = limits.get("pinned_copy_gb_per_s")
+    for name, figures in results.items():
+        if "total" not in figures:
+            lines.append(f"| {name} | failed: see the record |")
+            continue
+        limit = limits.get(f"{name}_sync", {}).get("median")
+        ratio = f"{limit / figures['sync']:.2f}" if limit and figures["sync"] else "-"
+        moved = figures.get("sleep_wake_bytes")
+        rate = f"{moved / figures['sleep_wake'] / 1e9:.1f}" if moved and figures["sleep_wake"] else "-"
+        cells = " | ".join(f"{figures[p]:.2f}" for p in PHASES)
+        pinned_text = f"{pinned['d2h']:.1f} / {pinned['h2d']:.1f}" if pinned else "-"
+        lines.append(f"| {name} | {cells} | {limit or 0:.3f} | {ratio} | {rate} | {pinned_text} |")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None):
+    p = argparse.ArgumentParser(prog="rollfleet bench grpo-step", description=__doc__.split("\n")[0])
+    p.add_argument("--runs", default="colocated,disaggregated")
+    p.add_argument("--config", default="examples/cpu-demo.yaml")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--skip", type=int, default=2, help="first steps left out of the medians (warm-up)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5, help="timed passes of each ceiling")
+    p.add_argument("--run-timeout-s", type=float, default=280)
+    p.add_argument("--set", action="append", default=[], help="extra config override, key.path=value")
+    p.add_argument("--out", default="runs/grpo-step")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, started = parse(argv), start()
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    model = write_model(out / f"qwen3-h{args.hidden}-l{args.layers}", args.hidden, args.layers, dtype, "cpu")
+    runs = {name: run_layout(name, model, out, args, gpu) for name in args.runs.split(",")}
+    results = {name: steady(run["rows"], args.skip) for name, run in runs.items() if len(run["rows"]) > args.skip}
+    limits = ceilings(results, args.repeats, gpu)
+    text = table({name: results.get(name, {}) for name in runs}, limits)
+    print(text)
+    model_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    ok = all(run["exit_code"] == 0 for run in runs.values()) and len(results) == len(runs)
+    record = make_record(
+        "grpo-step",
+        command_line(["rollfleet", "bench", "grpo-step"], argv),
+        {**vars(args), "gpu": gpu, "dtype": str(dtype), "model_bytes": model_bytes},
+        [{"run": name, **run} for name, run in runs.items()],
+        {"phases": results, "ceilings": limits, "table": text},
+        ok,
+        None if ok else "a run failed or recorded too few steps (see repeats[].log_tail)",
+        started,
+    )
+    write_record(args.json, record)
+    if not ok:
+        sys.exit(1)
