@@ -103,7 +103,7 @@ async def load_from_seed(engine: EngineService, source: SeedSource, timeout_s: f
 
 
 async def _pull(engine: EngineService, source: SeedSource, timeout_s: float) -> str:
-    async with EngineClient(source.url, api_key=engine.args.api_key, timeout=timeout_s + 30) as seed:
+    async with EngineClient(source.url, api_key=engine.args.api_key, timeout=timeout_s) as seed:
         try:
             layout = await seed.weight_layout()
         except EngineError as exc:
@@ -129,11 +129,9 @@ async def _pull(engine: EngineService, source: SeedSource, timeout_s: float) -> 
         init = seed.init_weights_send_group_for_remote_instance(
             source.host, source.ports, group_name=source.group_name, backend=source.backend
         )
-        joined, initialized = await asyncio.gather(join, init, return_exceptions=True)
-        if isinstance(joined, BaseException) or isinstance(initialized, BaseException):
-            if not isinstance(joined, BaseException):
-                await engine.control(lambda: engine.lockstep(Action.REMOTE_INSTANCE_DESTROY, **group), needs_idle=False)
-            raise RemoteLoadError(_reasons(("join", joined), ("seed's init", initialized)))
+        if isinstance(await _alongside(join, init, "join", "the seed's init", timeout_s), BaseException):
+            await engine.control(lambda: engine.lockstep(Action.REMOTE_INSTANCE_DESTROY, **group), needs_idle=False)
+            raise RemoteLoadError("the seed's init failed after this engine joined; its group is destroyed")
 
         def receive():
             try:
@@ -146,10 +144,8 @@ async def _pull(engine: EngineService, source: SeedSource, timeout_s: float) -> 
             engine.sessions.after_update(names, version)
 
         send = seed.send_weights_to_remote_instance(source.host, source.ports, group_name=source.group_name)
-        received, sent = await asyncio.gather(engine.control(receive), send, return_exceptions=True)
-        if isinstance(received, BaseException):
-            raise RemoteLoadError(_reasons(("receive", received), ("seed's send", sent)))
-        if isinstance(sent, BaseException):  # every byte arrived: the seed's answer was lost
+        sent = await _alongside(engine.control(receive), send, "receive", "the seed's send", timeout_s)
+        if isinstance(sent, BaseException):  # every byte arrived: only the seed's answer is missing
             log.warning("R-Fork: received everything, but the seed's send call failed: %s", sent)
         after = (await seed.get_model_info())["weight_version"]
     if after != version:
@@ -159,12 +155,23 @@ async def _pull(engine: EngineService, source: SeedSource, timeout_s: float) -> 
     return version
 
 
-def _reasons(*steps: tuple[str, object]) -> str:
-    return "; ".join(
-        f"{step}: {getattr(result, 'message', None) or result}"
-        for step, result in steps
-        if isinstance(result, BaseException)
-    )
+async def _alongside(local, remote, local_step: str, remote_step: str, timeout_s: float):
+    """Run this engine's step (on its engine thread, bounded by the group's timeout) while the seed's
+    call runs; the seed's answer, or its exception. When the local step fails, the seed's call is
+    not awaited further (a stopped seed would hold it): RemoteLoadError naming both."""
+    call = asyncio.ensure_future(remote)
+    try:
+        await local
+    except (BadRequest, RuntimeError) as exc:
+        seed_said = call.exception() if call.done() and not call.cancelled() else None
+        call.cancel()
+        reasons = [f"{local_step}: {getattr(exc, 'message', None) or exc}"]
+        reasons += [f"{remote_step}: {getattr(seed_said, 'message', None) or seed_said}"] if seed_said else []
+        raise RemoteLoadError("; ".join(reasons)) from exc
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except (TimeoutError, EngineError, httpx.HTTPError) as exc:
+        return exc
 
 
 def load_at_start(engine: EngineService) -> None:
