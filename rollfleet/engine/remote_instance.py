@@ -25,7 +25,7 @@ from rollfleet.engine.shards import local_of
 from rollfleet.engine.weight_groups import WeightUpdateError
 from rollfleet.engine.weight_update import WeightUpdater
 from rollfleet.wire.buckets import dtype_name
-from rollfleet.wire.group import join_weight_update_group
+from rollfleet.wire.group import join_weight_update_group, wait_for_store
 from rollfleet.wire.remote_instance import parse_ports, rank_group_name
 
 log = logging.getLogger("rollfleet.engine")
@@ -70,6 +70,8 @@ class RemoteInstance:
             if backend == "nccl" and local_of(next(self.model.parameters())).device.type == "cpu":
                 backend = "gloo"  # a CPU engine's peer uses gloo too (both sides decide alike)
             try:
+                if group_rank != 0:  # the seed's store may start a little after this join
+                    wait_for_store(master_address, port, timedelta(seconds=timeout_s))
                 group = join_weight_update_group(
                     master_address, port, group_rank, 2, name, backend, timedelta(seconds=timeout_s)
                 )
