@@ -48,6 +48,14 @@ ROUTES = [
         {"lora_name": "x", "config_dict": {}, "serialized_named_tensors": ["x"]},
     ),
     ("POST", "/unload_lora_adapter", {"lora_name": "x"}),
+    (
+        "POST",
+        "/init_weights_send_group_for_remote_instance",
+        {"master_address": "127.0.0.1", "ports": "1", "group_rank": 0, "world_size": 2},
+    ),
+    ("POST", "/send_weights_to_remote_instance", {"master_address": "127.0.0.1", "ports": "1"}),
+    ("POST", "/rollfleet/load_from_remote_instance", {"seed_host": "127.0.0.1", "seed_port": 1, "ports": "1"}),
+    ("GET", "/rollfleet/weight_layout", None),
 ]
 
 

@@ -85,3 +85,28 @@ def test_nccl_and_tensor_with_pipeline_parallel_are_refused_naming_disk():
     load_config(
         None, ["rollout.model_path=m", "rollout.backend=sglang", "rollout.pp_size=2", "weight_sync.transport=disk"]
     )
+
+
+@pytest.mark.parametrize("backend", ["sglang", "embedded"])
+def test_a_remote_seed_becomes_sglangs_three_flags(backend):
+    """R-Fork at start: the same flags, in SGLang's formats (the group ports as a JSON list), for both
+    backends; the embedded server parses them as SGLang does and checks one port per tp rank."""
+    from rollfleet.engine.launch import RemoteSeed
+    from rollfleet.engine.server import build_parser, check_args
+
+    cfg = rollout(f"rollout.backend={backend}", "rollout.tp_size=2")
+    seed = RemoteSeed("10.0.0.7", 30001, (29600, 29601))
+    argv = engine_argv(cfg, EngineLaunch(port=31234, load_format="dummy", seed=seed))
+    assert argv.count("--load-format") == 1 and flag(argv, "--load-format") == "remote_instance"
+    assert flag(argv, "--remote-instance-weight-loader-seed-instance-ip") == "10.0.0.7"
+    assert flag(argv, "--remote-instance-weight-loader-seed-instance-service-port") == "30001"
+    assert flag(argv, "--remote-instance-weight-loader-send-weights-group-ports") == "[29600, 29601]"
+    if backend == "embedded":
+        parser = build_parser()
+        args = parser.parse_args(argv[3:])
+        check_args(parser, args)
+        assert args.load_format == "remote_instance"
+        assert args.remote_instance_weight_loader_send_weights_group_ports == [29600, 29601]
+        bad = argv[3:] + ["--remote-instance-weight-loader-send-weights-group-ports", "[29600]"]
+        with pytest.raises(SystemExit):
+            check_args(parser, parser.parse_args(bad))

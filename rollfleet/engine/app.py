@@ -10,14 +10,14 @@ import secrets
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 
-from rollfleet.engine.routes import control, generate, lora, weights
+from rollfleet.engine.routes import control, generate, lora, remote, weights
 from rollfleet.engine.service import VERSION, BadRequest, EngineService, fail, validation_message
 
 
 def create_app(engine: EngineService) -> FastAPI:
     app = FastAPI(title="rollfleet embedded engine", version=VERSION)
     app.state.engine = engine
-    for module in (generate, weights, lora, control):
+    for module in (generate, weights, lora, control, remote):
         app.include_router(module.router)
     app.middleware("http")(require_api_key)
     app.exception_handler(RequestValidationError)(on_invalid_request)

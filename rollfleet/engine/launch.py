@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from rollfleet.wire.remote_instance import LOAD_FORMAT, ports_flag
+
 
 class EngineStartError(RuntimeError):
     pass
@@ -64,6 +66,29 @@ def embedded_argv(
 
 
 @dataclass(frozen=True)
+class RemoteSeed:
+    """A running engine of the same layout to load weights from at start (SGLang's R-Fork):
+    `group_ports` holds one port per tp rank, free on the seed's host (its ranks serve the groups)."""
+
+    host: str
+    port: int
+    group_ports: tuple[int, ...]
+
+    def argv(self) -> list[str]:
+        """The same flags for SGLang and the embedded engine."""
+        return [
+            "--load-format",
+            LOAD_FORMAT,
+            "--remote-instance-weight-loader-seed-instance-ip",
+            self.host,
+            "--remote-instance-weight-loader-seed-instance-service-port",
+            str(self.port),
+            "--remote-instance-weight-loader-send-weights-group-ports",
+            ports_flag(self.group_ports),
+        ]
+
+
+@dataclass(frozen=True)
 class EngineLaunch:
     """Everything one engine server needs that differs between engines of a fleet."""
 
@@ -71,6 +96,10 @@ class EngineLaunch:
     base_gpu_id: int = 0
     host: str = "127.0.0.1"
     load_format: str = "auto"  # "dummy": start with random weights, restore them afterwards
+    seed: RemoteSeed | None = None  # load the weights from this engine instead (overrides load_format)
+
+    def load_argv(self) -> list[str]:
+        return self.seed.argv() if self.seed is not None else ["--load-format", self.load_format]
 
 
 def sglang_argv(rollout, launch: EngineLaunch) -> list[str]:
@@ -93,8 +122,7 @@ def sglang_argv(rollout, launch: EngineLaunch) -> list[str]:
         str(rollout.ep_size),
         "--base-gpu-id",
         str(launch.base_gpu_id),
-        "--load-format",
-        launch.load_format,
+        *launch.load_argv(),
     ]
     if rollout.placement == "colocated":
         argv.append("--enable-memory-saver")  # release/resume of weights and KV cache around training
@@ -104,14 +132,15 @@ def sglang_argv(rollout, launch: EngineLaunch) -> list[str]:
 
 
 def embedded_fleet_argv(rollout, launch: EngineLaunch) -> list[str]:
-    extra = ["--base-gpu-id", str(launch.base_gpu_id), *rollout.server_extras]
+    seed_flags = launch.seed.argv()[2:] if launch.seed is not None else []  # after the load format
+    extra = ["--base-gpu-id", str(launch.base_gpu_id), *seed_flags, *rollout.server_extras]
     return embedded_argv(
         rollout.model_path,
         launch.port,
         host=launch.host,
         tp_size=rollout.tp_size,
         ep_size=rollout.ep_size,
-        load_format=launch.load_format,
+        load_format=LOAD_FORMAT if launch.seed is not None else launch.load_format,
         api_key=rollout.api_key,
         extra=extra,
     )

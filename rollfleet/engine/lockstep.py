@@ -43,6 +43,10 @@ class Action(Enum):
     DROP_HELD_PAYLOADS = "weights.drop_held_payloads"
     INIT_WEIGHTS_UPDATE_GROUP = "weights.groups.join"
     DESTROY_WEIGHTS_UPDATE_GROUP = "weights.groups.destroy"
+    REMOTE_INSTANCE_JOIN = "remote.join"  # R-Fork (remote_instance.py)
+    REMOTE_INSTANCE_SEND = "remote.send"
+    REMOTE_INSTANCE_RECEIVE = "remote.receive"
+    REMOTE_INSTANCE_DESTROY = "remote.destroy"
     GET_WEIGHTS_BY_NAME = "get_weights_by_name"
     SHARD_FINGERPRINTS = "shard_fingerprints"
     WEIGHTS_FINGERPRINT = "weights_fingerprint"

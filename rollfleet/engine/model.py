@@ -26,6 +26,7 @@ from rollfleet.engine.load_prints import LoadPrints
 from rollfleet.engine.lora import LoraLimits
 from rollfleet.engine.lora_merge import LoraMerge
 from rollfleet.engine.ranks import Ranks
+from rollfleet.engine.remote_instance import RemoteInstance
 from rollfleet.engine.shards import full_of, local_of, tensor_sha256
 from rollfleet.engine.weight_groups import WeightGroups, WeightUpdateError
 from rollfleet.engine.weight_update import SYNC_TIMING, WeightSchema, WeightUpdater
@@ -71,6 +72,7 @@ class ModelRunner:
             released=self.weights_released,
             loaded=not dummy,
         )
+        self.remote = RemoteInstance(self.model, self.lora, self.weights, self.load_prints, self.ranks)
         self.cache: DynamicCache | None = None
 
     @property

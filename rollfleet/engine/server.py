@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from rollfleet.engine.lockstep import Action, Lockstep, follow
 from rollfleet.engine.lora import LoraLimits
 from rollfleet.engine.model import ModelRunner, local_device
+from rollfleet.engine.remote_args import add_remote_instance_flags, check_remote_instance_args
 
 log = logging.getLogger("rollfleet.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--load-format",
         default="auto",
-        choices=["auto", "safetensors", "dummy"],
-        help="dummy = random weights; not ready until weights are pushed",
+        choices=["auto", "safetensors", "dummy", "remote_instance"],
+        help="dummy = random weights; not ready until weights are pushed. remote_instance = load them from "
+        "a running engine of the same layout (R-Fork; the --remote-instance-weight-loader-* flags)",
     )
     p.add_argument(
         "--dtype",
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
     p.add_argument("--weight-version", default="default")
     _add_limit_flags(p)
+    add_remote_instance_flags(p)
     p.add_argument("--random-seed", type=int, default=0, help="seed of dummy weights")
     p.add_argument(
         "--enable-lora",
@@ -134,6 +137,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         value = getattr(args, flag[2:].replace("-", "_"))
         if value < 1:
             parser.error(f"{flag} {value}: must be >= 1")
+    check_remote_instance_args(parser, args)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -176,7 +180,7 @@ def _make_runner(args, device: str, group) -> ModelRunner:
         ep_size=args.ep_size,
         device=device,
         dtype=resolve_dtype(args),
-        dummy=args.load_format == "dummy",
+        dummy=args.load_format in ("dummy", "remote_instance"),  # remote_instance: received after the build
         group=group,
         seed=args.random_seed,
         lora=lora_limits(args),
@@ -256,6 +260,7 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep) -> None:
     import uvicorn
 
     from rollfleet.engine.app import create_app
+    from rollfleet.engine.remote_pull import load_at_start
     from rollfleet.engine.scheduler import Scheduler
     from rollfleet.engine.service import EngineService
 
@@ -276,9 +281,10 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep) -> None:
         thread_setup=lambda: _bind_thread(runner),
     )
     scheduler.start()
-    app = RequestBodyLimit(
-        create_app(EngineService(args, runner, lockstep, scheduler, tokenizer)), args.max_request_bytes
-    )
+    service = EngineService(args, runner, lockstep, scheduler, tokenizer)
+    if args.load_format == "remote_instance":
+        load_at_start(service)  # before /health answers: the engine is up either ready or with the reason
+    app = RequestBodyLimit(create_app(service), args.max_request_bytes)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -49,6 +49,25 @@ def validation_message(exc: ValidationError | RequestValidationError) -> str:
 
 
 @dataclass
+class RemoteTransfers:
+    """R-Fork state of this engine (rank 0): as a seed, the one destination it serves at a time;
+    as a destination, how its last load from a seed went (reported in /get_server_info)."""
+
+    serving: str | None = None  # the destination's group_name while a transfer is open
+    stage: str | None = None  # "joining", "joined" (waiting for the send call), "sending"
+    expiry: asyncio.Task | None = None  # drops a joined group whose send never comes
+    last_load: dict | None = None  # {"seed", "status": loading|loaded|failed, "reason", "weight_version"}
+
+    def end_serving(self) -> None:
+        if self.expiry is not None and self.expiry is not asyncio.current_task():
+            self.expiry.cancel()
+        self.serving = self.stage = self.expiry = None
+
+    def report(self) -> dict:
+        return {"seed": {"serving": self.serving, "stage": self.stage}, "last_load": self.last_load}
+
+
+@dataclass
 class EngineService:
     args: argparse.Namespace
     runner: ModelRunner  # rank 0's; routes read its state (readiness, adapters, dtype), never call it
@@ -58,6 +77,7 @@ class EngineService:
     call_order: CallOrder = field(default_factory=CallOrder)
     unloading: set[str] = field(default_factory=set)  # adapters being unloaded: new requests refused
     sessions: WeightSessions = field(init=False)
+    remote: RemoteTransfers = field(default_factory=RemoteTransfers)
 
     def __post_init__(self):
         self.sessions = WeightSessions(self.scheduler, self.runner.schema.required_names)
@@ -91,8 +111,14 @@ class EngineService:
         if self.scheduler.failure is not None:
             return BadRequest(f"the engine loop has stopped: {self.scheduler.failure!r}", 503)
         if not self.runner.weights_ready:
+            load = self.remote.last_load or {}
+            why = (
+                f"loading them from the seed {load.get('seed')} failed: {load.get('reason')}"
+                if load.get("status") == "failed"
+                else "started with --load-format dummy, or released"
+            )
             return BadRequest(
-                "weights are not loaded (started with --load-format dummy, or released): push weights with "
+                f"weights are not loaded ({why}): push weights with "
                 "/update_weights_from_disk (or another update route) first",
                 503,  # the server is not ready, the request is fine: a router may send it elsewhere
             )

@@ -139,6 +139,13 @@ class WeightSessions:
             self._scheduler.refuse(self.mixed)
             raise SessionError(f"end_weight_update refused: {self.mixed}")
 
+    def refuse_serving(self, reason: str) -> None:
+        """Serve nothing (unfinished requests end) until a full load or a complete session: the
+        weights may be part old, part new (an R-Fork receive that failed part-way)."""
+        with self._lock:
+            self.mixed = reason
+            self._scheduler.refuse(reason)
+
     def check_release(self, tags: list[str]) -> None:
         if "weights" in tags and self.open is not None:
             raise SessionError(

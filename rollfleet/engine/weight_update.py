@@ -92,6 +92,10 @@ class WeightUpdater:
         self.loaded_names = set()
         self._held_payloads.clear()
 
+    def mark_loaded(self) -> None:
+        """Every tensor was just received in place (R-Fork: rollfleet.engine.remote_instance)."""
+        self.loaded_names = set(self.schema.required_names)
+
     def drop_held_payloads(self) -> None:
         """The sync is over: let the sender's buffers go."""
         self._held_payloads.clear()

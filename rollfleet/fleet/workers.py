@@ -15,7 +15,7 @@ from pathlib import Path
 import ray
 
 from rollfleet.config import RolloutConfig
-from rollfleet.engine.launch import EngineLaunch, EngineProcess, PortInUse, engine_argv, engine_env
+from rollfleet.engine.launch import EngineLaunch, EngineProcess, PortInUse, RemoteSeed, engine_argv, engine_env
 from rollfleet.layout import RankInfo
 from rollfleet.wire.net import free_port
 
@@ -37,14 +37,19 @@ class RolloutWorker:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
 
-    def start_engine(self, engine_gpu_ids: list[str], load_format: str = "auto") -> dict | None:
-        """Start this engine's server (heads only) and wait until it answers /health."""
+    def start_engine(
+        self, engine_gpu_ids: list[str], load_format: str = "auto", seed: RemoteSeed | None = None
+    ) -> dict | None:
+        """Start this engine's server (heads only) and wait until it answers /health; with `seed`, it
+        loads its weights from that engine (R-Fork) instead of `load_format`."""
         if not self.rank.is_engine_head:
             return None
         for attempt in range(PORT_ATTEMPTS):
             port = free_port()
             log_path = self.log_dir / f"engine-{self.rank.engine_id}.log"
-            argv = engine_argv(self.rollout, EngineLaunch(port=port, host=self.rollout.host, load_format=load_format))
+            argv = engine_argv(
+                self.rollout, EngineLaunch(port=port, host=self.rollout.host, load_format=load_format, seed=seed)
+            )
             self.engine = EngineProcess(
                 argv, port=port, log_path=log_path, env=engine_env(engine_gpu_ids), host=self.rollout.host
             )

@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 
+from rollfleet.wire.remote_instance import INIT_ROUTE, LAYOUT_ROUTE, LOAD_ROUTE, SEND_ROUTE, format_ports
+
 
 class EngineError(RuntimeError):
     def __init__(self, route: str, status_code: int, message: str):
@@ -268,6 +270,64 @@ class EngineClient:
         if lora_name is not None:
             payload["lora_name"] = lora_name
         return await self._call("POST", "/rollfleet/weights_fingerprint", payload)
+
+    # ---- R-Fork: load weights from a running engine (rollfleet.wire.remote_instance) ------------------
+    async def init_weights_send_group_for_remote_instance(
+        self,
+        master_address: str,
+        ports: list[int] | str,
+        *,
+        group_rank: int = 0,
+        world_size: int = 2,
+        group_name: str = "weight_send_group",
+        backend: str = "nccl",
+    ) -> dict:
+        """To the seed: its tp rank i serves a group of two at master_address:ports[i] (blocks until the
+        destination's rank i joined it)."""
+        payload = {
+            "master_address": master_address,
+            "ports": format_ports(ports),
+            "group_rank": group_rank,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._call("POST", INIT_ROUTE, payload)
+
+    async def send_weights_to_remote_instance(
+        self, master_address: str, ports: list[int] | str, *, group_name: str = "weight_send_group"
+    ) -> dict:
+        """To the seed: broadcast every parameter on the joined groups (answers when all were sent)."""
+        payload = {"master_address": master_address, "ports": format_ports(ports), "group_name": group_name}
+        return await self._call("POST", SEND_ROUTE, payload)
+
+    async def load_from_remote_instance(
+        self,
+        seed_host: str,
+        seed_port: int,
+        ports: list[int] | str,
+        *,
+        group_name: str | None = None,
+        backend: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> dict:
+        """rollfleet extension (embedded engine): pull every weight from the seed at seed_host:seed_port;
+        `ports` are free on the seed's host. Answers `{success, message, weight_version}`."""
+        payload = {
+            "seed_host": seed_host,
+            "seed_port": seed_port,
+            "ports": format_ports(ports),
+            "group_name": group_name,
+            "backend": backend,
+            "timeout_s": timeout_s,
+        }
+        return await self._call(
+            "POST", LOAD_ROUTE, payload, timeout=max(self._http.timeout.read or 0, 2 * timeout_s + 60)
+        )
+
+    async def weight_layout(self) -> dict:
+        """rollfleet extension (embedded engine): tp/ep size, dtype, version and [name, shape, dtype] per parameter."""
+        return await self._call("GET", LAYOUT_ROUTE)
 
     # ---- LoRA adapters (answers: {success, error_message, loaded_adapters: {name: path}}) -------------
     async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> dict:

@@ -7,6 +7,8 @@ engine i's ranks are `rank_offset + rank_in_engine` with `rank_offset = 1 + i * 
 
 from __future__ import annotations
 
+import socket
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -58,3 +60,16 @@ def join_weight_update_group(
             default_group.bound_device_id = bound_device
     _world.pg_group_ranks[group] = {r: r for r in range(world_size)}
     return group
+
+
+def wait_for_store(master_address: str, master_port: int, timeout: timedelta) -> None:
+    """Return once group rank 0's store accepts connections (or `timeout` passed: the join then fails
+    with torch's own error). A client that tries before the store listens backs off for up to a
+    second or more inside torch; polling here first makes a late host cost only its lateness."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((master_address, master_port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.01)

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rollfleet.wire.remote_instance import parse_ports
+
 GREEDY_TEMPERATURE = 1e-6  # SGLang: a temperature below this means argmax
 SEED_RANGE = (-(2**63), 2**63 - 1)  # SGLang's sampling_seed range
 MAX_TIMEOUT_S = 86400.0  # one day: longer waits are a mistake, and timedelta overflows on absurd ones
@@ -258,3 +260,61 @@ class WeightsFingerprintRequest(_Lenient):
     names: list[Utf8Str] | None = None
     samples: int = Field(4096, ge=1)
     lora_name: Utf8Str | None = None
+
+
+# ---- R-Fork (rollfleet.wire.remote_instance): load weights from a running engine -------------------
+def _ports_field(ports: str) -> str:
+    parse_ports(ports)
+    return ports
+
+
+class InitWeightsSendGroupForRemoteInstanceRequest(_Lenient):
+    """SGLang's InitWeightsSendGroupForRemoteInstanceReqInput (sent to the seed by the destination)."""
+
+    master_address: Utf8Str = Field(min_length=1)
+    ports: Annotated[Utf8Str, AfterValidator(_ports_field)]
+    group_rank: int
+    world_size: int
+    group_name: Utf8Str = Field("weight_send_group", min_length=1)
+    backend: Utf8Str = "nccl"
+
+    @field_validator("group_rank")
+    @classmethod
+    def _seed_is_rank_0(cls, value: int) -> int:
+        if value != 0:
+            raise ValueError(f"group_rank={value}: the seed broadcasts, so it is group rank 0: send group_rank 0")
+        return value
+
+    @field_validator("world_size")
+    @classmethod
+    def _pairs(cls, value: int) -> int:
+        if value != 2:
+            raise ValueError(f"world_size={value}: each group is one seed rank and one destination rank: send 2")
+        return value
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        if value not in ("nccl", "gloo"):
+            raise ValueError(f"backend={value!r}: use 'nccl' (GPU) or 'gloo' (CPU)")
+        return value
+
+
+class SendWeightsToRemoteInstanceRequest(_Lenient):
+    """SGLang's SendWeightsToRemoteInstanceReqInput."""
+
+    master_address: Utf8Str = Field(min_length=1)
+    ports: Annotated[Utf8Str, AfterValidator(_ports_field)]
+    group_name: Utf8Str = Field("weight_send_group", min_length=1)
+
+
+class LoadFromRemoteInstanceRequest(_Lenient):
+    """rollfleet extension: a running engine pulls its weights from a seed (the destination's side of
+    R-Fork, which SGLang runs only at start)."""
+
+    seed_host: Utf8Str = Field(min_length=1)
+    seed_port: int = Field(ge=1, le=65535)
+    ports: Annotated[Utf8Str, AfterValidator(_ports_field)]
+    group_name: Utf8Str | None = Field(None, min_length=1, description="default: send_weights_<this engine's host>")
+    backend: Literal["nccl", "gloo"] | None = Field(None, description="default: nccl on GPU, gloo on CPU")
+    timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S, description="bound on the join and on each broadcast")

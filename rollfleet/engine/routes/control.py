@@ -47,6 +47,7 @@ async def server_info(engine: Engine):
         "rollfleet_ordered_weight_calls": True,
         "rollfleet_weight_calls_waiting": engine.call_order.waiting,
         "rollfleet_weight_update_sessions": True,
+        "rollfleet_remote_instance": engine.remote.report(),
     }
 
 
