@@ -185,12 +185,24 @@ class GrpoConfig(_Section):
         0, ge=0, description="Save an HF checkpoint and trainer state every K steps; 0: at the end only."
     )
     seed: int = Field(0, description="Seed of the prompt order.")
-    recovery_checkpoint_every: int = Field(
-        1,
-        ge=0,
-        description="Save the synced weights as a HF directory every K steps so restarted engines restore "
-        "from disk (only used when weight_sync is not disk, whose sync directory already serves); 0: never.",
+    recovery_checkpoint_every: Literal["auto"] | int = Field(
+        "auto",
+        description="How often the trainer writes the synced weights as a HF directory that a restarted engine "
+        "restores from (in the background, from a host copy; a step never waits: a snapshot due while the last "
+        "is still being written is skipped and counted as snapshot_skipped). 'auto': only when nothing else can "
+        "restore, i.e. a single-engine fleet (with 2+ engines a peer or the trainer's next push restores); "
+        "N: every N steps; 0: never. Disk sync writes none: its sync directory already serves.",
     )
+
+    @field_validator("recovery_checkpoint_every", mode="before")
+    @classmethod
+    def _auto_or_step_count(cls, every):
+        if every == "auto" or (isinstance(every, int) and not isinstance(every, bool) and every >= 0):
+            return every
+        raise FieldProblem(
+            "must be 'auto', 0 (never) or a positive step count",
+            "use auto (snapshots only when no peer or trainer push can restore an engine), 0, or e.g. 10",
+        )
 
 
 class RayConfig(_Section):
@@ -326,6 +338,16 @@ class RunConfig(_Section):
         if self.weight_sync.verify != "auto":
             return self.weight_sync.verify
         return "version" if self.rollout.backend == "sglang" else "fingerprint"
+
+    @property
+    def recovery_snapshot_every(self) -> int:
+        """grpo.recovery_checkpoint_every with 'auto' resolved: every step for a single-engine fleet (a
+        dead lone engine leaves generate nothing to run on, so no push could come to restore it), never
+        with 2+ engines (a peer, or the trainer's next push, restores one)."""
+        every = self.grpo.recovery_checkpoint_every
+        if every != "auto":
+            return every
+        return 1 if self.rollout.num_engines == 1 else 0
 
     @model_validator(mode="after")
     def _check_colocation(self) -> RunConfig:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +29,7 @@ from rich.progress import Progress
 from transformers import AutoConfig, AutoTokenizer
 
 from rollfleet.config import RunConfig
+from rollfleet.fleet import colocation
 from rollfleet.fleet.lifecycle import EngineSlot, EngineState
 from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, worker_options
 from rollfleet.fleet.recovery import Recovery
@@ -57,8 +57,8 @@ class Trainers(Protocol):
     """What the fleet needs of a trainer (rollfleet.train.worker.TrainerGroup is one)."""
 
     def push_weights(self, spec, targets: list[EngineTarget], version: str, **options) -> SyncReport: ...
-    def onload(self) -> None: ...
-    def offload(self) -> None: ...
+    def onload(self) -> dict | None: ...  # bytes moved and seconds
+    def offload(self) -> dict | None: ...
 
 
 def ensure_ray(cfg: RunConfig) -> None:
@@ -212,15 +212,17 @@ class Fleet:
         return [sample for group in groups for sample in group]
 
     # ---- memory ---------------------------------------------------------------------------------
-    def sleep(self, tags: list[str] | None = None) -> None:
-        """Release memory on every running engine (SGLang: released weights must be pushed again)."""
-        self.pool.on_all("release_memory_occupation", self._running(), tags)
+    def sleep(self, tags: list[str] | None = None) -> list[dict]:
+        """Release memory on every running engine (SGLang: released weights must be pushed again);
+        the engines' answers (the embedded engine reports its memory before and after)."""
+        answers = self.pool.on_all("release_memory_occupation", self._running(), tags)
         for slot in self.slots:
             if slot.state == EngineState.ACTIVE:
                 slot.lifecycle.to(EngineState.SLEEPING, f"released {tags or 'all'}")
             if slot.is_running and (tags is None or "weights" in tags):
                 slot.version = ""  # released weights are gone: no version until a push is verified
         self._weights_released = self._weights_released or tags is None or "weights" in tags
+        return answers
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Resume memory; an engine whose weights were released waits for a push (AWAITING_WEIGHTS)."""
@@ -234,29 +236,11 @@ class Fleet:
         if tags is None or "weights" in tags:
             self._weights_released = False
 
-    @contextmanager
-    def trainer_turn(self, trainers: Trainers, *, timed: Callable[[str], object] | None = None):
-        """The colocated choreography, in one place; nothing in disaggregated placement.
-
-        On entry: no engine restart may start (the trainer is about to hold the GPUs), engines release
-        their weights and KV cache, trainers onload. Inside: train, then `sync_from` (which resumes the
-        engines' weights first: SGLang's order is resume weights, push, resume KV cache). On exit, also
-        after an error: trainers offload (after the push: their parameters are what was sent),
-        engines resume their KV cache, restarts may start again. `timed(phase)` times the memory moves."""
-        if self.rollout.placement != "colocated":
-            yield
-            return
-        timed = timed or (lambda phase: nullcontext())
-        with self.recovery.paused():
-            with timed("sleep_wake"):
-                self.sleep()
-                trainers.onload()
-            try:
-                yield
-            finally:
-                with timed("sleep_wake"):
-                    trainers.offload()
-                    self.wake(["kv_cache"])
+    def trainer_turn(self, trainers: Trainers, *, timed: Callable[[str], object] | None = None, moves=None):
+        """Colocated: engines release the GPUs for the trainer's turn and take them back after, the
+        moves' bytes and seconds recorded in `moves` (rollfleet.fleet.colocation); nothing in
+        disaggregated placement."""
+        return colocation.trainer_turn(self, trainers, timed, moves)
 
     def _running(self, engine_ids: list[int] | None = None) -> list[int]:
         return [s.engine_id for s in self.slots if s.is_running and (engine_ids is None or s.engine_id in engine_ids)]

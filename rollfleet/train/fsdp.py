@@ -42,6 +42,7 @@ from transformers import AutoModelForCausalLM
 
 from rollfleet.config import TrainConfig
 from rollfleet.train.grpo import logprob_mismatch, policy_loss
+from rollfleet.train.offload import Offloader
 from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
 
@@ -95,6 +96,7 @@ class PolicyTrainer:
         self.step = 0
         self.pad_token_id = self.model.config.pad_token_id or 0
         self._offloaded = False
+        self._offloader = Offloader(self.device)
 
     # ---------------------------------------------------------------- build
 
@@ -320,31 +322,25 @@ class PolicyTrainer:
 
     # ---------------------------------------------------------------- colocation
 
-    def offload(self) -> None:
-        """Parameters and optimizer state to CPU (frees the GPU for the engines). No-op on CPU."""
+    def offload(self) -> dict:
+        """Parameters and optimizer state to host buffers reused across steps (frees the GPU for the
+        engines; rollfleet.train.offload). Returns the bytes moved and seconds; no-op on CPU."""
         if self.device.type == "cpu" or self._offloaded:
-            return
-        self._move(torch.device("cpu"))
+            return {"bytes": 0, "seconds": 0.0, "host_allocations": 0}
+        moved = self._offloader.offload(self._models(), self.optimizer)
         self._offloaded = True
-        torch.cuda.empty_cache()
+        return moved
 
-    def onload(self) -> None:
-        """Back to the trainer's device after `offload`. No-op on CPU."""
+    def onload(self) -> dict:
+        """Back to the trainer's device after `offload`; bytes moved and seconds. No-op on CPU."""
         if self.device.type == "cpu" or not self._offloaded:
-            return
-        self._move(self.device)
+            return {"bytes": 0, "seconds": 0.0, "host_allocations": 0}
+        moved = self._offloader.onload(self._models(), self.optimizer)
         self._offloaded = False
+        return moved
 
-    def _move(self, device: torch.device) -> None:
-        for model in (self.model, self.ref_model):
-            if model is not None:
-                model.to(device)  # FSDP2 re-registers its sharded parameters in place
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if key != "step" and isinstance(value, torch.Tensor):  # AdamW keeps `step` on CPU
-                    state[key] = value.to(device, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def _models(self) -> list[torch.nn.Module]:
+        return [m for m in (self.model, self.ref_model) if m is not None]
 
     def _require_onloaded(self, verb: str) -> None:
         if self._offloaded:

@@ -25,9 +25,10 @@ from rollfleet.fleet.fleet import Fleet
 from rollfleet.rewards import load_reward
 from rollfleet.sample import Sample
 from rollfleet.train.grpo import group_advantages
-from rollfleet.train.metrics import MetricsLog, StepClock, console_line, plot, step_metrics
+from rollfleet.train.metrics import MetricsLog, StepClock, console_line, plot, sleep_wake_figures, step_metrics
+from rollfleet.train.recovery import RecoverySnapshots
 from rollfleet.train.worker import TrainerGroup
-from rollfleet.weights.checkpoint import atomic_directory, prune_versions
+from rollfleet.weights.checkpoint import atomic_directory
 from rollfleet.weights.transports.base import transport_class
 
 Observer = Callable[[int, list[PromptItem], list[Sample]], None]
@@ -53,7 +54,9 @@ class Run:
     dataset: PromptDataset
     reward_fn: Callable[[str, str], float]
     output_dir: Path
+    snapshots: RecoverySnapshots
     observe: Observer | None = None  # (step, prompts, samples) after each generate (tests record them)
+    copy_ceiling: dict | None = None  # pinned host<->device GB/s of the trainer's device (None on CPU)
 
 
 def load_dataset(cfg: RunConfig) -> PromptDataset:
@@ -100,6 +103,7 @@ def train(
     finally:
         log.close()
         if run is not None:
+            run.snapshots.close()  # a snapshot being written finishes (or is cancelled) before the trainers go
             run.trainers.shutdown()
             run.fleet.shutdown()
         ray.shutdown()
@@ -116,7 +120,8 @@ def _start(cfg: RunConfig, output_dir: Path, observe: Observer | None) -> Run:
     except BaseException:
         fleet.shutdown()
         raise
-    return Run(cfg, fleet, trainers, load_dataset(cfg), load_reward(cfg.grpo.reward), output_dir, observe)
+    snapshots = RecoverySnapshots(cfg.recovery_snapshot_every, fleet, trainers, output_dir / "recovery")
+    return Run(cfg, fleet, trainers, load_dataset(cfg), load_reward(cfg.grpo.reward), output_dir, snapshots, observe)
 
 
 def _resume_point(run: Run, resume: bool, console: Console) -> tuple[int, str]:
@@ -148,15 +153,27 @@ def _step(run: Run, step: int, version: str) -> dict:
         [s.reward for s in samples], cfg.rollout.sampling.n, scale_by_std=cfg.train.scale_adv_by_std
     )
     batch = [_train_item(s, float(a)) for s, a in zip(samples, advantages)]
-    with fleet.trainer_turn(trainers, timed=clock.phase):
+    moves: dict = {}
+    with fleet.trainer_turn(trainers, timed=clock.phase, moves=moves):
         with clock.phase("train"):
             train_metrics = trainers.train_step(batch)
         with clock.phase("sync"):
             report = fleet.sync_from(trainers, str(step + 1))
-        if _recovery_checkpoint_due(run, step + 1):
-            with clock.phase("recovery"):
-                _save_recovery_checkpoint(run, str(step + 1))
-    return step_metrics(samples, train_metrics, report, fleet.take_events(), clock, fleet.router.retries - retries)
+        with clock.phase("recovery"):  # a host copy at most: the snapshot is written in the background
+            snapshot = run.snapshots.after_sync(step + 1, str(step + 1))
+    recovery = {**snapshot, "snapshots_written": run.snapshots.take_written()}
+    events, retries = fleet.take_events(), fleet.router.retries - retries
+    metrics = step_metrics(samples, train_metrics, report, events, clock, retries, sleep_wake=moves, recovery=recovery)
+    return {**metrics, **_against_copy_ceiling(run, moves)}
+
+
+def _against_copy_ceiling(run: Run, moves: dict) -> dict:
+    """The sleep/wake figures with the pinned copy ceiling beside them, measured once per run on the
+    trainer's device after the first step that moved bytes (outside the step's clock)."""
+    moved = max(moves.get("trainer_onload_bytes", 0), moves.get("trainer_offload_bytes", 0))
+    if moved and run.copy_ceiling is None:
+        run.copy_ceiling = run.trainers.copy_ceiling(moved)
+    return sleep_wake_figures(moves, run.copy_ceiling)
 
 
 def _generate_and_reward(run: Run, items: list[PromptItem], clock: StepClock) -> list[Sample]:
@@ -194,22 +211,6 @@ def check_samples(samples: list[Sample], num_prompts: int, n: int, version: str)
             f"(prompt, sample) pairs missing: {missing[:5]} ({len(missing)}), duplicated or unknown: "
             f"{extra[:5]} ({len(extra)}), of {num_prompts} prompts x n={n}"
         )
-
-
-def _recovery_checkpoint_due(run: Run, step: int) -> bool:
-    """Every `recovery_checkpoint_every` steps, unless a checkpoint of this version exists (disk sync)."""
-    every = run.cfg.grpo.recovery_checkpoint_every
-    return bool(every) and step % every == 0 and run.fleet.checkpoint_for(str(step)) is None
-
-
-def _save_recovery_checkpoint(run: Run, version: str) -> None:
-    """The synced weights as a HF directory a restarted engine restores from."""
-    root = run.output_dir / "recovery"
-    final = root / f"version-{version}"
-    with atomic_directory(final) as partial:
-        run.trainers.save_hf(str(partial))
-    run.fleet.register_checkpoint(version, str(final))
-    prune_versions(root, keep=2)
 
 
 def _train_item(sample: Sample, advantage: float) -> dict:

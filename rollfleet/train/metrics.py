@@ -34,10 +34,21 @@ class StepClock:
 
 
 def step_metrics(
-    samples: list[Sample], train: dict, report: SyncReport, events: list[dict], clock: StepClock, retries: int
+    samples: list[Sample],
+    train: dict,
+    report: SyncReport,
+    events: list[dict],
+    clock: StepClock,
+    retries: int,
+    *,
+    sleep_wake: dict | None = None,
+    recovery: dict | None = None,
 ) -> dict:
-    """One step's metrics: rewards, lengths, the trainer's figures, the sync, engine events, time."""
+    """One step's metrics: rewards, lengths, the trainer's figures, the sync, engine events, the
+    colocated memory moves (`sleep_wake`: Fleet.trainer_turn's `moves`), recovery snapshots, time."""
     rewards = [s.reward for s in samples]
+    recovery = recovery or {}
+    written = recovery.get("snapshots_written", [])
     return {
         "reward_mean": sum(rewards) / len(rewards),
         "reward_max": max(rewards),
@@ -49,12 +60,42 @@ def step_metrics(
         "sync_tensors": report.tensors,
         "sync_bytes": report.bytes,
         "sync_verified_engines": len(report.verified),
+        **sleep_wake_figures(sleep_wake or {}),
+        "snapshot_skipped": recovery.get("snapshot_skipped", 0),
+        "snapshot_copy_seconds": recovery.get("snapshot_copy_seconds", 0.0),
+        "snapshot_write_seconds": sum(w["seconds"] for w in written) if written else None,
+        "snapshot_versions_written": [w["version"] for w in written],
         "generate_retries": retries,
         "engine_failures": sum(e["to"] == "INACTIVE" for e in events),
         "engine_recoveries": sum(e["to"] == "ACTIVE" and e["why"].startswith("recovered") for e in events),
         "engine_events": events,
         "time": clock.breakdown(),
     }
+
+
+def sleep_wake_figures(moves: dict, ceiling: dict | None = None) -> dict:
+    """Bytes the trainer moved each way and at what rate; the engines' release/resume (they free and
+    re-allocate device memory, no bytes cross to the host); with `ceiling` (pinned copy GB/s of the
+    same bytes, rollfleet.train.host_copy.pinned_copy_ceiling) the rate it allows for these bytes."""
+    onload, offload = moves.get("trainer_onload_bytes", 0), moves.get("trainer_offload_bytes", 0)
+    onload_s, offload_s = moves.get("trainer_onload_seconds", 0.0), moves.get("trainer_offload_seconds", 0.0)
+    moved, seconds = onload + offload, onload_s + offload_s
+    figures = {
+        "sleep_wake_bytes": moved,
+        "sleep_wake_gbps": moved / seconds / 1e9 if moved and seconds else None,
+        "trainer_onload_bytes": onload,
+        "trainer_onload_seconds": onload_s,
+        "trainer_offload_bytes": offload,
+        "trainer_offload_seconds": offload_s,
+        "engine_released_bytes": moves.get("engine_released_bytes", 0),
+        "engine_release_seconds": moves.get("engine_release_seconds", 0.0),
+        "engine_resume_seconds": moves.get("engine_resume_seconds", 0.0),
+        "sleep_wake_ceiling_gbps": None,
+    }
+    if ceiling and moved:
+        best_seconds = onload / (ceiling["h2d_gbps"] * 1e9) + offload / (ceiling["d2h_gbps"] * 1e9)
+        figures["sleep_wake_ceiling_gbps"] = moved / best_seconds / 1e9
+    return figures
 
 
 class MetricsLog:
@@ -104,7 +145,22 @@ def console_line(step: int, steps: int, m: dict) -> str:
             if m["engine_failures"] or m["engine_recoveries"]
             else ""
         )
+        + _moves_text(m)
     )
+
+
+def _moves_text(m: dict) -> str:
+    """The colocated moves' rate against its ceiling, and the recovery snapshots, when there are any."""
+    text = ""
+    if m.get("sleep_wake_gbps"):
+        ceiling = m.get("sleep_wake_ceiling_gbps")
+        text += f"  sleep/wake {m['sleep_wake_bytes'] / 1e9:.2f} GB at {m['sleep_wake_gbps']:.1f} GB/s"
+        text += f" (pinned copy {ceiling:.1f} GB/s)" if ceiling else " (no copy ceiling on CPU)"
+    if m.get("snapshot_write_seconds") is not None:
+        text += f"  snapshot written in {m['snapshot_write_seconds']:.2f}s"
+    if m.get("snapshot_skipped"):
+        text += "  snapshot skipped (last still writing)"
+    return text
 
 
 def plot(rows: list[dict], path: Path) -> None:

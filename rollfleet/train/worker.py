@@ -4,11 +4,14 @@ rank 0's answer is returned."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any
 
 import ray
 
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
+from rollfleet.wire.buckets import dtype_from_name
 from rollfleet.wire.net import free_port
 
 
@@ -20,6 +23,7 @@ class TrainWorker:
         self.rank = rank
         self.trainer = PolicyTrainer(model_path, TrainConfig(**train_config))
         self.transport, self.transport_key = None, None  # kept connected across steps (NCCL groups are costly)
+        self.snapshots, self.snapshot_buffers = None, None
 
     def train_step(self, batch: list[dict]) -> dict[str, float]:
         return self.trainer.train_step(batch)
@@ -63,14 +67,54 @@ class TrainWorker:
     def load_state(self, path: str) -> dict:
         return self.trainer.load_state(path)
 
-    def offload(self) -> None:
-        self.trainer.offload()
+    def offload(self) -> dict:
+        return self.trainer.offload()
 
-    def onload(self) -> None:
-        self.trainer.onload()
+    def onload(self) -> dict:
+        return self.trainer.onload()
+
+    def copy_ceiling(self, nbytes: int) -> dict | None:
+        """Pinned host<->device GB/s for `nbytes` on this rank's device (None on CPU)."""
+        from rollfleet.train.host_copy import pinned_copy_ceiling
+
+        return pinned_copy_ceiling(nbytes, self.trainer.device)
+
+    # ---- recovery snapshots (rollfleet.train.snapshot) ----
+    def start_snapshot(self, version: str, root: str, dtype: str | None) -> dict:
+        """Every rank gathers; rank 0 keeps a host copy (buffers reused across steps) and starts its
+        background write. The caller starts one only after `wait_snapshot` answered for the last."""
+        from rollfleet.train.host_copy import HostBuffers
+        from rollfleet.train.snapshot import SnapshotWriter, take_host_copy
+
+        start = time.perf_counter()
+        trainer = self.trainer
+        if self.snapshots is None or str(self.snapshots.root) != root:
+            self.snapshots = SnapshotWriter(root, trainer.model_path) if self.rank == 0 else None
+            self.snapshot_buffers = HostBuffers(pin=trainer.device.type == "cuda")
+        copy = take_host_copy(
+            trainer.weight_source(),
+            self.snapshot_buffers,
+            trainer.device,
+            keep=self.rank == 0,
+            dtype=dtype_from_name(dtype) if dtype else None,
+        )
+        started = self.snapshots is not None and self.snapshots.start(version, copy) is not None
+        return {"started": started, "copy_seconds": time.perf_counter() - start}
+
+    @ray.method(concurrency_group="snapshot")
+    def wait_snapshot(self) -> dict | None:
+        """The last snapshot's result once written (runs beside the trainer's verbs: its own thread)."""
+        result = self.snapshots.wait() if self.snapshots is not None else None
+        return None if result is None else dataclasses.asdict(result)
+
+    def cancel_snapshot(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.close(cancel=True)
 
 
-RemoteTrainWorker = ray.remote(TrainWorker)
+# wait_snapshot blocks until a background write ends: it gets its own thread so train_step, push and
+# offload keep running meanwhile.
+RemoteTrainWorker = ray.remote(concurrency_groups={"snapshot": 1})(TrainWorker)
 
 
 class TrainerGroup:
@@ -120,11 +164,25 @@ class TrainerGroup:
     def load_state(self, path: str) -> dict:
         return self._all("load_state", path)
 
-    def offload(self) -> None:
-        self._all("offload")
+    def offload(self) -> dict:
+        """Rank 0's bytes moved and seconds (every rank moves its own shard, in parallel)."""
+        return self._all("offload")
 
-    def onload(self) -> None:
-        self._all("onload")
+    def onload(self) -> dict:
+        return self._all("onload")
+
+    def copy_ceiling(self, nbytes: int) -> dict | None:
+        return ray.get(self.workers[0].copy_ceiling.remote(nbytes))
+
+    def start_snapshot(self, version: str, root: str, dtype: str | None = None) -> dict:
+        return self._all("start_snapshot", version, root, dtype)
+
+    def snapshot_written(self) -> ray.ObjectRef:
+        """Resolves to the last snapshot's result (a dict) once its write ends, or raises its error."""
+        return self.workers[0].wait_snapshot.remote()
+
+    def cancel_snapshot(self) -> None:
+        self._all("cancel_snapshot")
 
     def shutdown(self) -> None:
         for worker in self.workers:

@@ -1,0 +1,88 @@
+"""The colocated choreography (`Fleet.trainer_turn`): engines release the GPUs to the trainer for
+its turn and take them back after, with the bytes and seconds of every move recorded.
+
+Order on entry: no engine restart may start (the trainer is about to hold the GPUs); engines
+release their weights and KV cache; then the trainer onloads (it needs the memory they freed).
+Inside: train, then `Fleet.sync_from` (which resumes the engines' weights first: SGLang's order is
+resume weights, push, resume KV cache). On exit, also after an error: the trainer offloads (after
+the push: its parameters are what was sent) and the engines resume their KV cache; restarts may
+start again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollfleet.fleet.fleet import Fleet, Trainers
+
+
+def freed_bytes(answers: list) -> int:
+    """Device memory the engines' release answers report freed (allocated before - after, per rank;
+    on CPU the weights' bytes). SGLang reports no figures: 0."""
+    total = 0
+    for answer in answers:
+        for rank in (answer or {}).get("memory") or []:
+            before, after = rank.get("before", {}), rank.get("after", {})
+            key = "allocated" if "allocated" in before else "weight_bytes"
+            total += max(before.get(key, 0) - after.get(key, 0), 0)
+    return total
+
+
+def _moved(figures: dict | None) -> tuple[int, float]:
+    figures = figures or {}
+    return int(figures.get("bytes", 0)), float(figures.get("seconds", 0.0))
+
+
+@contextmanager
+def trainer_turn(
+    fleet: Fleet, trainers: Trainers, timed: Callable[[str], object] | None = None, moves: dict | None = None
+):
+    """See the module docstring; `timed("sleep_wake")` times the memory moves and `moves` (a dict)
+    receives their bytes and seconds: trainer_onload/offload_bytes/_seconds, engine_release_seconds,
+    engine_released_bytes, engine_resume_seconds."""
+    if fleet.rollout.placement != "colocated":
+        yield
+        return
+    timed = timed or (lambda phase: nullcontext())
+    moves = {} if moves is None else moves
+    with fleet.recovery.paused():
+        with timed("sleep_wake"):
+            start = time.perf_counter()
+            moves["engine_released_bytes"] = freed_bytes(fleet.sleep())
+            moves["engine_release_seconds"] = time.perf_counter() - start
+            moves["trainer_onload_bytes"], moves["trainer_onload_seconds"] = _moved(trainers.onload())
+        try:
+            yield
+        finally:
+            with timed("sleep_wake"):
+                _offload_and_resume(fleet, trainers, moves)
+
+
+def _offload_and_resume(fleet: Fleet, trainers: Trainers, moves: dict) -> None:
+    """The trainer's offload and the engines' KV cache resume, at the same time where that is safe.
+
+    Safe on the embedded engine: its KV resume allocates nothing (the cache is rebuilt by the next
+    generate, which starts only after this returns, i.e. after the offload freed the GPU), so the two
+    never compete for memory. Not on SGLang: its resume maps the KV cache's physical memory at once,
+    which the trainer's offload may not have freed yet; there they run one after the other."""
+
+    def resume() -> None:
+        start = time.perf_counter()
+        fleet.wake(["kv_cache"])
+        moves["engine_resume_seconds"] = time.perf_counter() - start
+
+    if fleet.rollout.backend != "embedded":
+        moves["trainer_offload_bytes"], moves["trainer_offload_seconds"] = _moved(trainers.offload())
+        resume()
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="rollfleet-offload") as pool:
+        offload = pool.submit(trainers.offload)
+        try:
+            resume()
+        finally:
+            moves["trainer_offload_bytes"], moves["trainer_offload_seconds"] = _moved(offload.result())
