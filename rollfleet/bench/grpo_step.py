@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from rollfleet.bench.raw_ceiling import raw_broadcast
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.tiny_models import make_tokenizer, tiny_config
+from rollfleet.train.host_copy import pinned_copy_ceiling
 from rollfleet.wire.net import free_port
 
 PHASES = ("generate", "reward", "train", "sync", "sleep_wake", "recovery", "other", "total")
@@ -117,10 +118,10 @@ def steady(rows: list[dict], skip: int) -> dict:
     """Median of each phase (and of the byte counts) over the steps after `skip`."""
     kept = rows[skip:]
     figures = {p: statistics.median(r.get(f"time/{p}", 0.0) for r in kept) for p in PHASES}
-    for key in ("sync_bytes", "sleep_wake_bytes", "sleep_wake/bytes"):
+    for key in ("sync_bytes", "sleep_wake_bytes", "sleep_wake_gbps", "sleep_wake_ceiling_gbps"):
         values = [r[key] for r in kept if isinstance(r.get(key), (int, float))]
         if values:
-            figures[key.replace("/", "_")] = statistics.median(values)
+            figures[key] = statistics.median(values)
     figures["steps"] = len(kept)
     return figures
 
@@ -182,25 +183,6 @@ def broadcast_ceiling(nbytes: int, bucket_bytes: int, repeats: int, gpu: bool) -
     return figures["timed"]
 
 
-def pinned_copy_ceiling(nbytes: int, repeats: int, chunk: int = 1 << 30) -> dict[str, float]:
-    """GB/s of device->pinned host and pinned host->device copies, in chunks of at most 1 GiB."""
-    size = min(nbytes, chunk)
-    device = torch.empty(size, dtype=torch.uint8, device="cuda:0")
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    rates = {}
-    for direction, (dst, src) in {"d2h": (host, device), "h2d": (device, host)}.items():
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            begin = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - begin)
-        rates[direction] = size / statistics.median(times) / 1e9
-    return rates
-
-
 def ceilings(results: dict[str, dict], repeats: int, gpu: bool) -> dict[str, dict]:
     out: dict[str, dict] = {}
     if "colocated" in results and results["colocated"].get("sync_bytes"):
@@ -212,8 +194,9 @@ def ceilings(results: dict[str, dict], repeats: int, gpu: bool) -> dict[str, dic
         nbytes = int(results["disaggregated"]["sync_bytes"])
         times = broadcast_ceiling(nbytes, 2048 << 20, repeats, gpu)
         out["disaggregated_sync"] = {"what": "raw broadcast, 2048 MB buckets", "bytes": nbytes, **spread(times)}
-    if gpu:
-        out["pinned_copy_gb_per_s"] = pinned_copy_ceiling(4 << 30, repeats)
+    if gpu:  # the same measurement the run's log shows beside sleep/wake (rollfleet.train.host_copy)
+        moved = max((int(r.get("sleep_wake_bytes") or 0) for r in results.values()), default=0)
+        out["pinned_copy_gb_per_s"] = pinned_copy_ceiling(moved or 4 << 30, "cuda:0", repeats=repeats)
     return out
 
 
@@ -231,7 +214,7 @@ def table(results: dict[str, dict], limits: dict[str, dict]) -> str:
         moved = figures.get("sleep_wake_bytes")
         rate = f"{moved / figures['sleep_wake'] / 1e9:.1f}" if moved and figures["sleep_wake"] else "-"
         cells = " | ".join(f"{figures[p]:.2f}" for p in PHASES)
-        pinned_text = f"{pinned['d2h']:.1f} / {pinned['h2d']:.1f}" if pinned else "-"
+        pinned_text = f"{pinned['d2h_gbps']:.1f} / {pinned['h2d_gbps']:.1f}" if pinned else "-"
         lines.append(f"| {name} | {cells} | {limit or 0:.3f} | {ratio} | {rate} | {pinned_text} |")
     return "\n".join(lines)
 
