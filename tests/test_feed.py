@@ -101,7 +101,8 @@ SOURCES = {
 
 def sender_rank(rank, port, model_dir, targets, pushes, results):
     """One sender process: joins the gloo group, pushes `pushes` (source kind, version) in order with
-    one connected transport, and puts (rank, pid, [(outcome, report or error, seconds)])."""
+    one connected transport, and puts (rank, pid, [(outcome, report or error, seconds, each engine's
+    weight version after it)])."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     feed = RankFeed(rank, WORLD, FEEDERS, RankFeed.new_group(120), {"sender": f"process {rank}"})
     transport = TensorTransport(TensorSync(bucket_mb=0.1), targets, feed=feed, timeout_s=60)
@@ -110,9 +111,12 @@ def sender_rank(rank, port, model_dir, targets, pushes, results):
     for kind, version in pushes:
         start = time.monotonic()
         try:
-            outcomes.append(("ok", transport.send(SOURCES[kind](model, rank), version), time.monotonic() - start))
+            outcome = ("ok", transport.send(SOURCES[kind](model, rank), version))
         except Exception as exc:  # noqa: BLE001  (the test reads it)
-            outcomes.append(("error", f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+            outcome = ("error", f"{type(exc).__name__}: {exc}")
+        seconds = time.monotonic() - start
+        held = [transport.pool.call(t.engine_id, "get_model_info")["weight_version"] for t in targets]
+        outcomes.append((*outcome, seconds, held))
     transport.disconnect()
     dist.destroy_process_group()
     results.put((rank, os.getpid(), outcomes))
@@ -176,7 +180,7 @@ def versions(targets) -> list[str]:
 
 def test_each_engine_rank_reads_the_buffer_of_the_rank_on_its_device(engines, qwen3_dir_b):
     answers = push_from_two_ranks(qwen3_dir_b, engines, [("good", "fed-by-two")])
-    (pid0, [(outcome, report, _)]), (pid1, [(outcome1, _, _)]) = answers[0], answers[1]
+    (pid0, [(outcome, report, _, _)]), (pid1, [(outcome1, *_)]) = answers[0], answers[1]
     assert outcome == outcome1 == "ok"
     assert report.feeds == {0: [0], 1: [1], 2: [0, 1]}  # whose handles each engine rank got
     assert {rank: sender["pid"] for rank, sender in report.senders.items()} == {0: pid0, 1: pid1}
@@ -195,10 +199,10 @@ def test_a_failure_on_any_rank_stops_every_rank_and_the_next_push_verifies(engin
     (_, [failed0, good0]), (_, [failed1, good1]) = answers[0], answers[1]
     assert failed0[0] == failed1[0] == "error" and failed0[2] < 60 and failed1[2] < 60
     if failure == "refused":
-        assert "layers.1.mlp.down_proj.weight" in failed0[1]
+        assert "layers.1.mlp.down_proj.weight" in failed0[1]  # engine's refusal of a late call
     else:
         assert "rank 1: OSError: the disk under this rank's source went away" in failed0[1]
     assert failed1[1].startswith("WeightFeedError: weight push stopped on rank 1: rank 0 reports")
-    assert versions(engines) == before  # nothing committed: the old label stays (served or not)
-    assert good0[0] == good1[0] == "ok"
+    assert failed0[3] == before  # nothing committed: the old label stays (served or not)
+    assert good0[0] == good1[0] == "ok" and good0[3] == [f"after-{failure}"] * 3
     assert unverified(good0[1], engines) == {}
