@@ -167,6 +167,24 @@ def engine_rank_groups(rank_infos: Sequence[RankInfo]) -> dict[int, list[RankInf
     return groups
 
 
+def colocated_feeders(layout: Layout, trainer_world_size: int) -> dict[int, tuple[int, ...]]:
+    """Engine id -> the trainer rank on each of its ranks' GPUs (by rank_in_engine), colocated.
+
+    The one statement of the colocated placement: rollout rank r sits in placement-group bundle r
+    (fleet/placement.py) and trainer rank t in bundle t (train/worker.py TrainerGroup), so trainer
+    rank r shares rollout rank r's GPU. The tensor transport hands each engine rank handles to the
+    buffer of that trainer rank, so every copy stays on one GPU."""
+    if trainer_world_size != layout.world_size:
+        raise ValueError(
+            f"trainer.world_size={trainer_world_size}: colocated trainer ranks must match the rollout world "
+            f"num_engines*tp_size*pp_size={layout.world_size} one to one (one of each per GPU); "
+            f"set trainer.world_size={layout.world_size}"
+        )
+    return {
+        engine_id: tuple(info.rank for info in infos) for engine_id, infos in engine_rank_groups(layout.ranks()).items()
+    }
+
+
 def weight_update_group(ranks_per_engine: Sequence[int]) -> tuple[list[int], int]:
     """(each engine's first rank, world size) of a weight-update group of the sender (rank 0) and the
     given engines in order, each with its tp*pp ranks: engine k starts at 1 + the ranks before it."""

@@ -9,10 +9,17 @@ import time
 from typing import Any
 
 import ray
+import torch.distributed as dist
 
+from rollfleet.layout import colocated_feeders
+from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
+from rollfleet.weights.transports.base import transport_class
+from rollfleet.weights.transports.feed import RankFeed
 from rollfleet.wire.buckets import dtype_from_name
 from rollfleet.wire.net import free_port
+
+DEFAULT_TIMEOUT_S = 600.0  # a transport's engine-call timeout when the options name none
 
 
 class TrainWorker:
@@ -24,6 +31,7 @@ class TrainWorker:
         self.trainer = PolicyTrainer(model_path, TrainConfig(**train_config))
         self.transport, self.transport_key = None, None  # kept connected across steps (NCCL groups are costly)
         self.snapshots, self.snapshot_buffers = None, None
+        self.feed_group = None  # the gloo group of an every-rank push (colocated tensor sync), made once
 
     def train_step(self, batch: list[dict]) -> dict[str, float]:
         return self.trainer.train_step(batch)
@@ -33,25 +41,46 @@ class TrainWorker:
         return [str(g) for g in ray.get_gpu_ids()]
 
     def push_weights(
-        self, spec, targets: list[EngineTarget], version: str, options: dict[str, Any]
+        self, spec, targets: list[EngineTarget], version: str, options: dict[str, Any], feeders=None
     ) -> SyncReport | None:
-        """Rank 0 sends over the transport; the others take part in the gathers only."""
+        """With `feeders` (colocated: engine id -> the trainer rank on each engine rank's GPU) and a
+        transport that can, every rank packs the full tensors it gathers into its own device's buffer
+        for the engine ranks on its GPU (rank 0 makes the calls). Otherwise rank 0 sends and the
+        others take part in the gathers only."""
+        every_rank = feeders is not None and transport_class(spec).feeds_from_every_rank
         source = self.trainer.weight_source()
-        if self.rank != 0:
+        if not every_rank and self.rank != 0:
             for _ in source.named_tensors():
                 pass
             return None
-        key = (spec, tuple(targets))
-        if key != self.transport_key:
-            self.close_transport()
-            self.transport = make_transport(spec, targets, **options)
-            self.transport.connect()
-            self.transport_key = key
+        if every_rank:
+            source = ModuleSource(source.model)  # every rank keeps the tensors it gathered
+        transport = self._transport(spec, targets, options, feeders if every_rank else None)
         try:
-            return self.transport.send(source, version)
+            return transport.send(source, version)
         except Exception:
             self.close_transport()  # a failed send may leave the group unusable: form a new one next time
             raise
+
+    def _transport(self, spec, targets: list[EngineTarget], options: dict[str, Any], feeders):
+        """The connected transport for these targets, made again only when they change."""
+        key = (spec, tuple(targets), None if feeders is None else tuple(sorted(feeders.items())))
+        if key != self.transport_key:
+            self.close_transport()
+            if feeders is not None:
+                options = {**options, "feed": self._feed(feeders, options.get("timeout_s", DEFAULT_TIMEOUT_S))}
+            self.transport = make_transport(spec, targets, **options)
+            self.transport.connect()
+            self.transport_key = key
+        return self.transport
+
+    def _feed(self, feeders, timeout_s: float) -> RankFeed:
+        """This rank's place in an every-rank push; its gloo group is made once (every rank together)."""
+        if self.feed_group is None:
+            # waits cover rank 0's engine calls (a drain, then a commit or an abandon) and a margin
+            self.feed_group = RankFeed.new_group(4 * timeout_s + 60)
+        facts = {"trainer_rank": self.rank, "gpu_ids": self.gpu_ids()}
+        return RankFeed(self.rank, dist.get_world_size(), feeders, self.feed_group, facts)
 
     def close_transport(self) -> None:
         if self.transport is not None:
@@ -141,6 +170,8 @@ class TrainerGroup:
                 )
             )
         ray.get([w.__ray_ready__.remote() for w in self.workers])
+        # colocated: each rank feeds the engine ranks on its own GPU (transports that can: tensor)
+        self.feeders = colocated_feeders(rollout.layout, world) if placement_group is not None else None
 
     def _all(self, verb: str, *args) -> Any:
         return ray.get([getattr(w, verb).remote(*args) for w in self.workers])[0]
@@ -153,7 +184,7 @@ class TrainerGroup:
         return ray.get([w.gpu_ids.remote() for w in self.workers])
 
     def push_weights(self, spec, targets, version: str, **options) -> SyncReport:
-        return self._all("push_weights", spec, targets, version, options)
+        return self._all("push_weights", spec, targets, version, options, self.feeders)
 
     def save_hf(self, path: str) -> None:
         self._all("save_hf", path)

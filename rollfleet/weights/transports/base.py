@@ -49,6 +49,10 @@ class SyncReport:
     fingerprints: dict[int, dict[str, str]] = field(default_factory=dict)  # engine id -> name -> fingerprint
     lora_name: str | None = None  # a LoRA sync: the adapter the fingerprints belong to (None: base weights)
     verified: list[int] = field(default_factory=list)  # engines the fleet verified against this report
+    # which sender fed what (tensor transport): engine id -> the sender rank whose buffer each of its
+    # ranks read, and per sender rank what it reported (pid, device, calls, bytes packed, ...)
+    feeds: dict[int, list[int]] = field(default_factory=dict)
+    senders: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def gb_per_s(self) -> float:
@@ -63,6 +67,9 @@ class Transport(ABC):
     name: ClassVar[str]
     sends_full_weights: ClassVar[bool] = True  # False: only an adapter moves (the GRPO trainer cannot use it)
     restart_load_format: ClassVar[str] = "dummy"  # a restarted engine's load: its weights come by restore or push
+    # True: every rank of a sharded sender may feed the engine ranks on its own device (a `feed=`
+    # argument, transports/feed.py); False: rank 0 sends and the others only take part in the gathers
+    feeds_from_every_rank: ClassVar[bool] = False
 
     @classmethod
     def server_args(cls, spec) -> list[str]:

@@ -1,11 +1,25 @@
 """tensor (colocated): flattened buckets as CUDA IPC handles (GPU) or shared-memory handles (CPU)
 through /update_weights_from_tensor. Each call carries whole decoder layers (one bucket per dtype
 in it), packed into one of two reusable buffers: call k+1 is packed while the engines load call k,
-so the sender's extra memory is two buckets. Every rank of an engine gets its own serialization of
-the same buckets (handles are reference-counted per unpickling: one string read by two ranks would
-be released twice) and slices its own shard. An engine finishes reading a call's buffer before it
-answers; the version is set after the last call landed (engines with weight-update sessions: the
-session opens before the first call and its end commits the update and the version)."""
+so a sender's extra memory is two buckets. Every rank of an engine gets its own serialization of
+the buckets (handles are reference-counted per unpickling: one string read by two ranks would be
+released twice) and slices its own shard.
+
+Who packs (transports/feed.py): one process for every engine rank (`SoloFeed`), or, colocated,
+every trainer rank for the engine ranks on its own GPU (`RankFeed`): each rank gathers the full
+tensors anyway (FSDP), packs them into its own device's buffer and sends its handles to rank 0,
+which makes one HTTP call per engine with the entry of each engine rank from the rank on its GPU.
+
+Ordering, stated once: every rank runs the same steps per call, in lockstep over the feed:
+  1. every rank takes the next call's tensors from the source (the FSDP gathers);
+  2. rank 0 waits until the engines answered the call packed two calls ago (its buffer slot is
+     about to be reused), then every rank says where it is (a call, the end, or an error) and all
+     decide the same: go on, stop (done) or stop (failed);
+  3. every rank packs its buffer and serializes its handles; rank 0 gathers them and posts the call.
+After the last call rank 0 waits for every answer, then ends the sessions (commit) or, after any
+failure on any rank, abandons them; then it tells every rank the outcome, and only then do the
+ranks drop their buffers. Engines finish reading a call's buffer before they answer; the version
+is set after the last call landed (engines with sessions: at the session's end)."""
 
 from __future__ import annotations
 
@@ -13,66 +27,191 @@ import torch
 
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
+from rollfleet.weights.transports.feed import SoloFeed
 from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, call_bytes, pack_buckets, wait_all
 from rollfleet.wire.serialize import serialize
+
+GO, DONE, FAILED = "go", "done", "failed"
+
+
+class WeightFeedError(RuntimeError):
+    """A push stopped by a failure on another sender rank (rank 0 raises the failure itself)."""
 
 
 @register
 class TensorTransport(Transport):
     name = "tensor"
+    feeds_from_every_rank = True
+
+    def __init__(self, spec, targets, *, feed: SoloFeed | None = None, **kwargs):
+        super().__init__(spec, targets, **kwargs)
+        self.feed = feed or SoloFeed()
+        # the engine ranks this sender rank packs for: (engine id, rank in engine)
+        self.mine = [
+            (t.engine_id, i)
+            for t in targets
+            for i in range(t.num_ranks)
+            if self.feed.feeder(t.engine_id, i) == self.feed.rank
+        ]
 
     def send(self, source: WeightSource, version: str) -> SyncReport:
+        """Every rank of the feed calls it together; each returns (rank 0's report has the totals)
+        or each raises."""
         report, collectors = self._new_report(version), self._collectors()
+        held: dict[int, list] = {}  # this rank's buffers the engines may still read, by call index
         with timed(report):
-            self._begin()
+            self._agree(self._attempt(self._begin) if self.feed.is_caller else None)
             try:
-                self._send_calls(source, version, report, collectors)
-            except BaseException:
-                self._abandon()
+                failure = self._send_calls(source, version, report, collectors, held)
+                if self.feed.is_caller:
+                    failure = self._end(failure, version, report, collectors)
+            except BaseException:  # unexpected, here: the other ranks fail at the group's timeout
+                if self.feed.is_caller:
+                    self._abandon()
                 raise
-            committing = self._commit(version)
-            self._finish_fingerprints(report, collectors)
-            with timed(report, "set_version"):
-                error = wait_all(*committing)
-        if error is not None:
-            raise error
+            self._agree(failure)
         return report
 
-    def _send_calls(self, source: WeightSource, version: str, report: SyncReport, collectors: dict) -> None:
-        buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight()
+    @staticmethod
+    def _attempt(step) -> BaseException | None:
         try:
-            for index, call in enumerate(
-                iter_calls(self._recorded(source, report, collectors), self.spec.bucket_bytes)
-            ):
+            step()
+        except Exception as exc:  # noqa: BLE001  (every rank is told at the next agreement)
+            return exc
+        return None
+
+    def _agree(self, failure: BaseException | None) -> None:
+        """Rank 0 tells every rank whether the push failed; every rank raises if so."""
+        message = self.feed.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if message is None:
+            return
+        if failure is not None:
+            raise failure
+        raise WeightFeedError(f"weight push stopped on rank {self.feed.rank}: rank 0 reports {message}")
+
+    def _end(self, failure, version: str, report: SyncReport, collectors: dict) -> BaseException | None:
+        """Rank 0, after every call was answered: commit (sessions, version), or abandon after a failure."""
+        if failure is not None:
+            self._abandon()
+            return failure
+        committing = self._commit(version)
+        self._finish_fingerprints(report, collectors)
+        with timed(report, "set_version"):
+            return wait_all(*committing)
+
+    def _send_calls(self, source, version: str, report: SyncReport, collectors: dict, held: dict):
+        """The calls in lockstep (module docstring); returns the failure that stopped them, if any
+        (rank 0: every call it posted was answered before this returns)."""
+        caller = self.feed.is_caller
+        tensors = self._recorded(source, report, collectors) if caller else source.named_tensors()
+        calls = iter_calls(tensors, self.spec.bucket_bytes)
+        buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight()
+        failure: BaseException | None = None
+        index = 0
+        while True:
+            call, state = _next_call(calls)
+            if caller and failure is None:
                 with timed(report, "wait_engines"):
-                    in_flight.make_room()  # the engines finished reading the buffer packed two calls ago
-                device = call[0][1].device
-                with timed(report, "pack"):
-                    buckets = pack_buckets(call, buffers.take(index, call_bytes(call), device))
-                    if device.type == "cuda":
-                        # An engine that still holds this buffer's IPC handle from an earlier call
-                        # reads it without waiting on our stream: the packing must be finished first.
-                        torch.cuda.current_stream(device).synchronize()
-                with timed(report, "serialize"):
-                    payload = [b.to_payload() for b in buckets]
-                    entries = {t.engine_id: [serialize(payload) for _ in range(t.num_ranks)] for t in self.targets}
-                # the buckets stay referenced until the engines answered: a call larger than a
-                # bucket has a buffer of its own, which nothing else holds
-                in_flight.add(
-                    self._each(
-                        "update_weights_from_tensor",
-                        lambda t: (
-                            (entries[t.engine_id],),
-                            {
-                                "load_format": "flattened_bucket",
-                                "flush_cache": False,
-                                **self._version_argument(t, version),
-                            },
-                        ),
-                    ),
-                    keep=buckets,
-                )
-                report.buckets += len(buckets)
-        finally:
+                    failure = self._attempt(in_flight.make_room)  # the buffer packed two calls ago is free
+            with timed(report, "ranks"):
+                decision, detail = _decide(self.feed.all_gather(_failed(failure) if caller and failure else state))
+            if decision != GO:
+                break
+            held.pop(index - 2, None)
+            contribution, held[index] = self._pack_mine(call, index, buffers, report)
+            with timed(report, "ranks"):
+                gathered = self.feed.gather(contribution)
+            if caller:
+                failure = self._post(index, gathered, version, in_flight, held[index], report)
+            index += 1
+        if caller:
             with timed(report, "wait_engines"):
-                in_flight.drain()
+                error = self._attempt(in_flight.drain)
+            failure = failure or error or (RuntimeError(detail) if decision == FAILED else None)
+        return failure
+
+    def _pack_mine(self, call, index: int, buffers: DoubleBuffer, report: SyncReport) -> tuple[dict, list]:
+        """This rank's handles for the engine ranks it feeds, or its error (the buckets to keep alive)."""
+        if not self.mine:
+            return {"entries": {}, "buckets": 0, "bytes": 0, "facts": self._facts(None)}, []
+        try:
+            device = call[0][1].device
+            with timed(report, "pack"):
+                buckets = pack_buckets(call, buffers.take(index, call_bytes(call), device))
+                if device.type == "cuda":
+                    # An engine that still holds this buffer's IPC handle from an earlier call
+                    # reads it without waiting on our stream: the packing must be finished first.
+                    torch.cuda.current_stream(device).synchronize()
+            with timed(report, "serialize"):
+                payload = [b.to_payload() for b in buckets]
+                entries = {key: serialize(payload) for key in self.mine}
+        except Exception as exc:  # noqa: BLE001  (rank 0 stops every rank at the next step)
+            return {"error": f"call {index}: {type(exc).__name__}: {exc}"}, []
+        packed = sum(b.nbytes for b in buckets)
+        return {"entries": entries, "buckets": len(buckets), "bytes": packed, "facts": self._facts(device)}, buckets
+
+    def _facts(self, device) -> dict:
+        return {**self.feed.facts, "device": str(device) if device is not None else None}
+
+    def _post(self, index, gathered, version, in_flight: InFlight, keep, report) -> BaseException | None:
+        """Rank 0: one /update_weights_from_tensor per engine, entry i from the rank that packed it."""
+        errors = [f"rank {rank}: {c['error']}" for rank, c in enumerate(gathered) if "error" in c]
+        if errors:
+            return RuntimeError(f"a sender rank could not pack its buffer: {'; '.join(errors)}")
+        packer = {key: rank for rank, c in enumerate(gathered) for key in c["entries"]}
+        missing = [(t.engine_id, i) for t in self.targets for i in range(t.num_ranks) if (t.engine_id, i) not in packer]
+        if missing:
+            return RuntimeError(f"call {index}: no sender rank packed (engine id, engine rank) {missing}")
+        report.feeds = {t.engine_id: [packer[t.engine_id, i] for i in range(t.num_ranks)] for t in self.targets}
+        entries = {
+            engine_id: [gathered[rank]["entries"][engine_id, i] for i, rank in enumerate(ranks)]
+            for engine_id, ranks in report.feeds.items()
+        }
+        _note_senders(report, gathered)
+        options = {"load_format": "flattened_bucket", "flush_cache": False}
+        # the buckets stay referenced until the engines answered: a call larger than a bucket has
+        # a buffer of its own, which nothing else holds
+        in_flight.add(
+            self._each(
+                "update_weights_from_tensor",
+                lambda t: ((entries[t.engine_id],), {**options, **self._version_argument(t, version)}),
+            ),
+            keep=keep,
+        )
+        report.buckets += max(c["buckets"] for c in gathered)
+        return None
+
+
+def _next_call(calls) -> tuple[list | None, tuple[str, str | None]]:
+    """The next call's tensors and this rank's state: ("call", None), ("end", None) or ("error", why)."""
+    try:
+        call = next(calls, None)
+    except Exception as exc:  # noqa: BLE001  (every rank stops at this step)
+        return None, _failed(exc)
+    return call, ("end", None) if call is None else ("call", None)
+
+
+def _failed(exc: BaseException) -> tuple[str, str]:
+    return "error", f"{type(exc).__name__}: {exc}"
+
+
+def _decide(states: list[tuple[str, str | None]]) -> tuple[str, str | None]:
+    """The same decision on every rank from every rank's state."""
+    errors = [f"rank {rank}: {why}" for rank, (kind, why) in enumerate(states) if kind == "error"]
+    if errors:
+        return FAILED, "; ".join(errors)
+    kinds = {kind for kind, _ in states}
+    if kinds == {"end"}:
+        return DONE, None
+    if kinds == {"call"}:
+        return GO, None
+    ended = [rank for rank, (kind, _) in enumerate(states) if kind == "end"]
+    return FAILED, f"sender ranks {ended} ran out of tensors before the others: their sources differ"
+
+
+def _note_senders(report: SyncReport, gathered: list[dict]) -> None:
+    """What each sender rank reported and packed, summed over the calls (report.senders)."""
+    for rank, contribution in enumerate(gathered):
+        sender = report.senders.setdefault(rank, {**contribution["facts"], "calls": 0, "bytes": 0})
+        sender["calls"] += 1 if contribution["entries"] else 0
+        sender["bytes"] += contribution["bytes"]

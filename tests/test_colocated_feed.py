@@ -1,0 +1,101 @@
+"""A colocated fleet on a local Ray (4 fake GPUs, engines and FSDP ranks on the CPU): the real
+TrainerGroup pushes with every rank feeding the engine ranks of its own bundle (two tp=1 engines,
+then one tp=2 engine), the fleet verifies every engine's fingerprints, and a push an engine refuses
+stops every rank at once, leaves the engines AWAITING_WEIGHTS, and the next push verifies."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from rollfleet.config import load_config
+from rollfleet.fleet.fleet import Fleet
+from rollfleet.fleet.lifecycle import EngineState
+from rollfleet.train.worker import TrainerGroup
+
+
+def colocated(model_dir, log_dir, *overrides):
+    cfg = load_config(
+        None,
+        [
+            f"rollout.model_path={model_dir}",
+            "rollout.use_gpu=true",
+            "rollout.auto_restart=false",
+            "rollout.placement=colocated",
+            "rollout.gpus_per_worker=0.5",
+            "trainer.world_size=2",
+            "weight_sync.transport=tensor",
+            "weight_sync.bucket_mb=0.1",  # several calls per push
+            f"rollout.log_dir={log_dir}",
+            *overrides,
+        ],
+    )
+    fleet = Fleet.from_config(cfg)
+    try:
+        trainers = TrainerGroup(cfg, fleet.placement_group)
+    except BaseException:
+        fleet.shutdown()
+        raise
+    return fleet, trainers
+
+
+def gpus_of_engine_ranks(fleet) -> dict[tuple[int, int], list[str]]:
+    """(engine id, rank in engine) -> the GPU ids Ray gave that rollout worker."""
+    placements = ray.get([w.placement.remote() for w in fleet.workers])
+    ranks = {info.rank: info for info in fleet.rollout.layout.ranks()}
+    return {(ranks[p["rank"]].engine_id, ranks[p["rank"]].rank_in_engine): p["gpu_ids"] for p in placements}
+
+
+def check_fed_from_own_bundle(fleet, trainers, report) -> None:
+    """Each engine rank got the handles of the trainer rank on its own GPU (from what the ranks sent)."""
+    trainer_gpus = trainers.gpu_ids()
+    assert sorted(report.senders) == list(range(len(trainer_gpus)))
+    for rank, sender in report.senders.items():
+        assert sender["trainer_rank"] == rank and sender["gpu_ids"] == trainer_gpus[rank] and sender["calls"] > 2
+    for (engine_id, rank_in_engine), gpus in gpus_of_engine_ranks(fleet).items():
+        feeder = report.feeds[engine_id][rank_in_engine]
+        assert report.senders[feeder]["gpu_ids"] == gpus
+
+
+@pytest.fixture(scope="module")
+def two_engines(local_ray, qwen3_dir, tmp_path_factory):
+    fleet, trainers = colocated(qwen3_dir, tmp_path_factory.mktemp("logs"), "rollout.num_engines=2")
+    yield fleet, trainers
+    trainers.shutdown()
+    fleet.shutdown()
+
+
+def test_two_tp1_engines_each_fed_by_the_trainer_rank_of_its_bundle(two_engines):
+    fleet, trainers = two_engines
+    report = fleet.sync_from(trainers, "1")
+    assert report.verified == [0, 1] and fleet.version == "1"
+    assert report.feeds == {0: [0], 1: [1]}
+    check_fed_from_own_bundle(fleet, trainers, report)
+
+
+def test_a_refused_push_stops_every_rank_and_the_next_push_verifies(two_engines):
+    """Engine 1 refuses the push's session (one is already open there): rank 0 raises the refusal,
+    the other rank's error names it, well inside the engines' timeout; both engines wait for weights."""
+    fleet, trainers = two_engines
+    fleet.pool.call(1, "begin_weight_update")  # the push's own begin on engine 1 is refused
+    start = time.monotonic()
+    with pytest.raises(Exception, match="already open"):
+        fleet.sync_from(trainers, "2")
+    assert time.monotonic() - start < 60
+    assert [s.lifecycle.state for s in fleet.slots] == [EngineState.AWAITING_WEIGHTS] * 2
+    report = fleet.sync_from(trainers, "3")  # the failed push ended every session it met, ours too
+    assert report.verified == [0, 1] and fleet.version == "3"
+    assert [s.lifecycle.state for s in fleet.slots] == [EngineState.ACTIVE] * 2
+
+
+def test_a_tp2_engine_takes_each_rank_from_the_trainer_rank_on_its_gpu(local_ray, qwen3_dir, tmp_path):
+    fleet, trainers = colocated(qwen3_dir, tmp_path, "rollout.num_engines=1", "rollout.tp_size=2")
+    try:
+        report = fleet.sync_from(trainers, "1")
+        assert report.verified == [0] and report.feeds == {0: [0, 1]}
+        check_fed_from_own_bundle(fleet, trainers, report)
+    finally:
+        trainers.shutdown()
+        fleet.shutdown()
