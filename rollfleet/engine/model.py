@@ -127,9 +127,10 @@ class ModelRunner:
 
     # ---- generation (lockstep) ----------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], lora_name: str | None = None) -> torch.Tensor:
-        """Start a batch: left-pad the prompts, fill a fresh KV cache, return last-position logits.
-        The whole batch runs with one LoRA adapter, or none."""
+    def prefill(self, prompts: list[list[int]], lora_name: str | None = None, keep: int = 1) -> torch.Tensor:
+        """Start a batch: left-pad the prompts, fill a fresh KV cache, return last-position logits
+        ([batch, vocab]; with keep > 1 the last `keep` positions', [batch, keep, vocab], for input
+        logprobs). The whole batch runs with one LoRA adapter, or none."""
         self.lora.use(lora_name)
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -140,7 +141,7 @@ class ModelRunner:
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         self.next_position = positions[:, -1] + 1
         self.cache = DynamicCache(config=self.model.config)
-        return self._forward(ids, positions)
+        return self._forward(ids, positions, keep)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], lora_name: str | None = None) -> torch.Tensor:
@@ -150,16 +151,17 @@ class ModelRunner:
         self.next_position = self.next_position + 1
         return logits
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int = 1) -> torch.Tensor:
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=self.mask.to(self.device),
             position_ids=positions.to(self.device),
             cache=self.cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
         )
-        return out.logits[:, -1, :].float().cpu()
+        logits = out.logits[:, -keep:, :].float().cpu()
+        return logits[:, -1, :] if keep == 1 else logits
 
     def keep_rows(self, rows: list[int]) -> None:
         """Drop finished sequences from the running batch."""
