@@ -92,6 +92,10 @@ class WeightUpdater:
         self.loaded_names = set()
         self._held_payloads.clear()
 
+    def restore_loaded(self) -> None:
+        """Released weights came back from their host copy: every tensor is as it was when complete."""
+        self.loaded_names = set(self.schema.required_names)
+
     def drop_held_payloads(self) -> None:
         """The sync is over: let the sender's buffers go."""
         self._held_payloads.clear()
