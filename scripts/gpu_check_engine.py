@@ -75,11 +75,11 @@ async def exercise(url: str, dir_a: Path, dir_b: Path, prompts, report: dict) ->
         outs = await client.generate(input_ids=prompts, sampling_params=greedy)
         report["generate_b"] = [o["output_ids"] for o in outs]
         report["version_after_reload"] = outs[0]["meta_info"]["weight_version"]
-        released = await client.release_memory_occupation(None)
-        report["release"] = released["memory"]
+        await client.release_memory_occupation(None)  # SGLang's null body: the figures come from /rollfleet/memory
+        report["release"] = await client.memory()
         report["health_generate_after_release"] = await client.health_generate()
-        resumed = await client.resume_memory_occupation(None)
-        report["resume"] = resumed["memory"]
+        await client.resume_memory_occupation(None)
+        report["resume"] = await client.memory()
         await client.update_weights_from_disk(str(dir_b), weight_version="b2")
         outs = await client.generate(input_ids=prompts, sampling_params=greedy)
         report["generate_b_after_resume_equal"] = [o["output_ids"] for o in outs] == report["generate_b"]

@@ -409,6 +409,8 @@ _wild_bodies = st.fixed_dictionaries(
         "return_logprob": _scalars,
         "logprob_start_len": _scalars,
         "top_logprobs_num": _scalars,
+        "token_ids_logprob": st.one_of(_token_lists, _scalars),
+        "return_text_in_logprobs": _scalars,
         "stream": _scalars,
         "rid": st.one_of(_texts, st.lists(_texts, max_size=3), _scalars),
         "lora_path": st.one_of(_texts, st.lists(st.one_of(st.none(), _texts), max_size=3), _scalars),
@@ -427,7 +429,16 @@ _near_valid_bodies = st.tuples(
     _prompt,
     st.fixed_dictionaries(
         {"sampling_params": _sampling},
-        optional={"rid": _texts, "return_logprob": st.booleans(), "lora_path": st.one_of(st.none(), _texts)},
+        optional={
+            "rid": _texts,
+            "return_logprob": st.booleans(),
+            "lora_path": st.one_of(st.none(), _texts),
+            "logprob_start_len": st.integers(-1, 4),
+            "top_logprobs_num": st.integers(0, 4),
+            "token_ids_logprob": _token_lists,
+            "return_text_in_logprobs": st.booleans(),
+            "stream": st.booleans(),
+        },
     ),
 ).map(lambda parts: {**parts[0], **parts[1]})
 _bodies = st.one_of(_near_valid_bodies, _near_valid_bodies, _wild_bodies)

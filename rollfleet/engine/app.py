@@ -9,15 +9,17 @@ import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
-from rollfleet.engine.routes import control, generate, lora, remote, weights
+from rollfleet.engine.openai_api import error_body
+from rollfleet.engine.routes import control, generate, lora, openai, remote, weights
 from rollfleet.engine.service import VERSION, BadRequest, EngineService, fail, validation_message
 
 
 def create_app(engine: EngineService) -> FastAPI:
     app = FastAPI(title="rollfleet embedded engine", version=VERSION)
     app.state.engine = engine
-    for module in (generate, weights, lora, control, remote):
+    for module in (generate, weights, lora, control, remote, openai):
         app.include_router(module.router)
     app.middleware("http")(require_api_key)
     app.exception_handler(RequestValidationError)(on_invalid_request)
@@ -26,16 +28,20 @@ def create_app(engine: EngineService) -> FastAPI:
 
 
 async def require_api_key(request: Request, call_next):
-    api_key = request.app.state.engine.args.api_key
-    if api_key:
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+    """SGLang's rule: with --api-key every request needs `Authorization: Bearer <key>` (the scheme
+    in any case), except CORS preflights (OPTIONS) and the --api-key-open-paths (health probes)."""
+    args = request.app.state.engine.args
+    if args.api_key and request.method != "OPTIONS" and not request.url.path.startswith(tuple(args.api_key_open_paths)):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), args.api_key.encode()):
             return fail("missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
     return await call_next(request)
 
 
 async def on_invalid_request(request: Request, exc: RequestValidationError):
     message = f"invalid request: {validation_message(exc)}"
+    if request.url.path.startswith("/v1/"):  # the OpenAI routes answer in OpenAI's error shape
+        return JSONResponse(error_body(message), status_code=400)
     if request.url.path in weights.UPDATE_ROUTES:  # a refused call fails an open weight-update session
         request.app.state.engine.sessions.after_refusal(request.url.path, message)
     return fail(message)

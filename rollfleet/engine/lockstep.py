@@ -37,7 +37,7 @@ class Action(Enum):
     DECODE = "decode"
     KEEP_ROWS = "keep_rows"
     END_BATCH = "end_batch"
-    UPDATE_WEIGHTS_FROM_DISK = "weights.from_disk"
+    UPDATE_WEIGHTS_FROM_DISK = "update_weights_from_disk"
     UPDATE_WEIGHTS_FROM_TENSOR = "weights.from_tensor"
     UPDATE_WEIGHTS_FROM_DISTRIBUTED = "weights.from_distributed"
     DROP_HELD_PAYLOADS = "weights.drop_held_payloads"

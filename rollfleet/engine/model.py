@@ -74,6 +74,7 @@ class ModelRunner:
         )
         self.remote = RemoteInstance(self.model, self.lora, self.weights, self.load_prints, self.ranks)
         self.cache: DynamicCache | None = None
+        self._weight_backup: list[torch.UntypedStorage] | None = None  # released weights' host copy
 
     @property
     def weights_ready(self) -> bool:
@@ -129,9 +130,10 @@ class ModelRunner:
 
     # ---- generation (lockstep) ----------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], lora_name: str | None = None) -> torch.Tensor:
-        """Start a batch: left-pad the prompts, fill a fresh KV cache, return last-position logits.
-        The whole batch runs with one LoRA adapter, or none."""
+    def prefill(self, prompts: list[list[int]], lora_name: str | None = None, keep: int = 1) -> torch.Tensor:
+        """Start a batch: left-pad the prompts, fill a fresh KV cache, return last-position logits
+        ([batch, vocab]; with keep > 1 the last `keep` positions', [batch, keep, vocab], for input
+        logprobs). The whole batch runs with one LoRA adapter, or none."""
         self.lora.use(lora_name)
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -142,7 +144,7 @@ class ModelRunner:
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         self.next_position = positions[:, -1] + 1
         self.cache = DynamicCache(config=self.model.config)
-        return self._forward(ids, positions)
+        return self._forward(ids, positions, keep)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], lora_name: str | None = None) -> torch.Tensor:
@@ -152,16 +154,17 @@ class ModelRunner:
         self.next_position = self.next_position + 1
         return logits
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int = 1) -> torch.Tensor:
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=self.mask.to(self.device),
             position_ids=positions.to(self.device),
             cache=self.cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
         )
-        return out.logits[:, -1, :].float().cpu()
+        logits = out.logits[:, -keep:, :].float().cpu()
+        return logits[:, -1, :] if keep == 1 else logits
 
     def keep_rows(self, rows: list[int]) -> None:
         """Drop finished sequences from the running batch."""
@@ -184,7 +187,7 @@ class ModelRunner:
             full = model_to_checkpoint(self.model, {param_name: full_of(params[param_name])})[name]
         else:
             raise WeightUpdateError(f"name={name!r} is not a parameter of this model")
-        return full.flatten()[:truncate_size].float().tolist()
+        return full[:truncate_size].float().tolist()  # SGLang's `param[:truncate_size]`: the first rows
 
     def shard_fingerprints(self) -> list[dict[str, str]]:
         """Per rank: in-memory parameter name -> sha256 of this rank's local shard bytes."""
@@ -233,11 +236,15 @@ class ModelRunner:
             stats["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
         return self.ranks.gather(stats)
 
-    def release_memory(self, tags: list[str]) -> list[dict[str, int]]:
+    def release_memory(self, tags: list[str], cpu_backup: bool = False) -> list[dict[str, int]]:
+        """Free the tagged memory; with `cpu_backup` (SGLang's --enable-weights-cpu-backup) complete
+        weights are copied to the host first and come back on resume, ready to serve."""
         params = self.lora.base_params()  # no adapter's saved base values outlive the weights
         before = self._memory()
         self.weights.drop_held_payloads()
         if WEIGHT_TAG in tags:
+            if not self.weights_released():  # a second release keeps the first one's copy
+                self._weight_backup = _host_copies(self._storages) if cpu_backup and self.weights.ready else None
             for storage, _ in _unique_storages(params):
                 storage.resize_(0)
             self.weights.forget_loaded()
@@ -253,7 +260,26 @@ class ModelRunner:
             for storage, nbytes in self._storages:
                 if storage.nbytes() == 0:
                     storage.resize_(nbytes)
+            backup, self._weight_backup = self._weight_backup, None
+            if backup is not None:
+                for (storage, _), copy in zip(self._storages, backup):
+                    storage.copy_(copy)
+                self.weights.mark_loaded()
         return self.ranks.gather({"before": before, "after": self._memory()})
+
+    def update_weights_from_disk(self, model_path: str) -> list[str]:
+        """A disk update loads every tensor, so SGLang-style clients send it whatever the memory state
+        (AReaL's colocated cycle sends it while weights are released): released weights are
+        allocated again first, and released again if the update is refused (nothing changed)."""
+        was_released = self.weights_released()
+        if was_released:
+            self.resume_memory([WEIGHT_TAG])
+        try:
+            return self.weights.from_disk(model_path)
+        except WeightUpdateError:
+            if was_released:
+                self.release_memory([WEIGHT_TAG])
+            raise
 
     def _memory(self) -> dict[str, int]:
         weight_bytes = sum(storage.nbytes() for storage, _ in self._storages)
@@ -281,6 +307,11 @@ def _own_storages(params: dict[str, torch.Tensor]) -> None:
         local = local_of(param)
         if not local.untyped_storage().resizable():
             local.set_(local.clone())
+
+
+def _host_copies(storages: list[tuple[torch.UntypedStorage, int]]) -> list[torch.UntypedStorage]:
+    """A host copy of each storage (a new one also on the CPU, where `.cpu()` would alias it)."""
+    return [torch.UntypedStorage(storage.nbytes(), device="cpu").copy_(storage) for storage, _ in storages]
 
 
 def _unique_storages(params: dict[str, torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:

@@ -39,6 +39,7 @@ import torch
 
 from rollfleet.engine.admission import check_request
 from rollfleet.engine.lockstep import Action
+from rollfleet.engine.logprobs import LogprobAsk, fill_output, prefill_keep, take_input_logprobs
 from rollfleet.engine.sampling import make_generator, sample_token
 from rollfleet.engine.sequence import ControlAction, Sequence, wire_result
 from rollfleet.wire.protocol import FinishReason, SamplingParams
@@ -103,6 +104,7 @@ class Scheduler:
         rid: str | None,
         return_logprob: bool,
         lora_name: str | None = None,
+        ask: LogprobAsk | None = None,
     ) -> list[Sequence]:
         rid = rid or uuid.uuid4().hex
         seqs = [
@@ -113,6 +115,7 @@ class Scheduler:
                 make_generator(params, i),
                 return_logprob,
                 lora_name=lora_name,
+                ask=ask or LogprobAsk(),
             )
             for i in range(params.n)
         ]
@@ -277,8 +280,9 @@ class Scheduler:
 
     def _advance_batch(self) -> None:
         if self.needs_prefill:
-            prompts = [s.prompt_ids for s in self.running]
-            logits = self.lockstep(Action.PREFILL, prompts=prompts, lora_name=self.batch_lora)
+            prompts, keep = [s.prompt_ids for s in self.running], prefill_keep(self.running)
+            logits = self.lockstep(Action.PREFILL, prompts=prompts, lora_name=self.batch_lora, keep=keep)
+            logits = take_input_logprobs(self.running, logits) if keep > 1 else logits
             self.needs_prefill = False
         else:
             tokens = [s.output_ids[-1] for s in self.running]
@@ -297,7 +301,10 @@ class Scheduler:
         token = sample_token(logits, seq.params, seq.generator)
         seq.output_ids.append(token)
         seq.logprobs.append(float(logprobs[token]))
+        fill_output(seq.record, logprobs, seq.ask)
         seq.finish = self._finish_reason(seq, token)
+        if seq.on_token is not None and seq.finish is None:  # the finished answer comes from the future
+            seq.on_token(seq)
 
     def _stop_ids(self, seq: Sequence) -> set[int]:
         ids = set(seq.params.stop_token_ids or [])
@@ -309,8 +316,8 @@ class Scheduler:
         if seq.params.stop_strings:
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
             for stop in seq.params.stop_strings:
-                if stop in text:
-                    seq.text = text[: text.index(stop)]
+                if stop in text:  # SGLang cuts the text at the stop string, or after it with no_stop_trim
+                    seq.text = text[: text.index(stop) + (len(stop) if seq.params.no_stop_trim else 0)]
                     return FinishReason(type="stop", matched=stop)
         if len(seq.output_ids) >= seq.params.max_new_tokens:
             return FinishReason(type="length", length=len(seq.output_ids))
@@ -367,9 +374,9 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish = reason
         if not (reason.type == "stop" and isinstance(reason.matched, str)):
-            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            seq.text = seq.finished_text(self.tokenizer)
         if not seq.future.done():
-            seq.future.set_result(wire_result(seq, self.weight_version))
+            seq.future.set_result(wire_result(seq, self.weight_version, self.tokenizer))
 
     def _raise_if_dead(self) -> None:
         if self.failure is not None:

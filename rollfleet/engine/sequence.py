@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from rollfleet.engine.logprobs import LogprobAsk, LogprobRecord, meta_fields
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 
@@ -29,6 +30,17 @@ class Sequence:
     abort_message: str | None = None
     lora_name: str | None = None
     future: Future = field(default_factory=Future)
+    ask: LogprobAsk = field(default_factory=LogprobAsk)  # input / top / chosen-id logprobs asked for
+    record: LogprobRecord = field(default_factory=LogprobRecord)
+    on_token: Callable[[Sequence], None] | None = None  # a stream's listener, called on the engine thread
+
+    def finished_text(self, tokenizer) -> str:
+        """The text of the output ids, as SGLang's detokenizer trims it: without a matched stop
+        token's own text unless `no_stop_trim` (a matched stop string is cut when it is found)."""
+        ids = self.output_ids
+        if self.finish.type == "stop" and isinstance(self.finish.matched, int) and not self.params.no_stop_trim:
+            ids = ids[:-1]
+        return tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
 
 @dataclass
@@ -39,16 +51,21 @@ class ControlAction:
     future: Future = field(default_factory=Future)
 
 
-def wire_result(seq: Sequence, weight_version: str) -> dict[str, Any]:
-    """A finished sequence as one /generate answer (text, output_ids, meta_info)."""
+def wire_result(seq: Sequence, weight_version: str, tokenizer=None, upto: int | None = None) -> dict[str, Any]:
+    """A finished sequence as one /generate answer (text, output_ids, meta_info); with `upto`, the
+    sequence's first `upto` output tokens, unfinished (a stream chunk, cumulative as SGLang's)."""
+    output_ids = seq.output_ids[:upto]
     meta = {
         "id": seq.rid,
         "prompt_tokens": len(seq.prompt_ids),
-        "completion_tokens": len(seq.output_ids),
+        "completion_tokens": len(output_ids),
         "cached_tokens": 0,
         "weight_version": weight_version,
-        "finish_reason": seq.finish.to_wire(),
+        "finish_reason": None if upto is not None else seq.finish.to_wire(),
     }
     if seq.return_logprob:
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
-    return {"text": seq.text, "output_ids": list(seq.output_ids), "meta_info": meta}
+        meta.update(meta_fields(seq.record, seq.ask, list(zip(seq.logprobs, seq.output_ids)), tokenizer, upto))
+    if upto is not None:
+        text = tokenizer.decode(output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        return {"text": text, "output_ids": output_ids, "meta_info": meta}
+    return {"text": seq.text, "output_ids": output_ids, "meta_info": meta}

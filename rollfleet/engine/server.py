@@ -28,6 +28,7 @@ from rollfleet.engine.lockstep import Action, Lockstep, follow
 from rollfleet.engine.lora import LoraLimits
 from rollfleet.engine.model import ModelRunner, local_device
 from rollfleet.engine.remote_args import add_remote_instance_flags, check_remote_instance_args
+from rollfleet.engine.serving_flags import add_serving_flags
 
 log = logging.getLogger("rollfleet.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,10 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto = float32 on CPU, the checkpoint's dtype on GPU",
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but --api-key-open-paths)")
     p.add_argument("--weight-version", default="default")
     _add_limit_flags(p)
     add_remote_instance_flags(p)
+    add_serving_flags(p)
     p.add_argument("--random-seed", type=int, default=0, help="seed of dummy weights")
     p.add_argument(
         "--enable-lora",

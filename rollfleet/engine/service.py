@@ -76,11 +76,21 @@ class EngineService:
     tokenizer: Any
     call_order: CallOrder = field(default_factory=CallOrder)
     unloading: set[str] = field(default_factory=set)  # adapters being unloaded: new requests refused
+    loaded_from: str | None = None  # the model path of the last disk update (None: the start's)
     sessions: WeightSessions = field(init=False)
     remote: RemoteTransfers = field(default_factory=RemoteTransfers)
 
     def __post_init__(self):
         self.sessions = WeightSessions(self.scheduler, self.runner.schema.required_names)
+
+    @property
+    def model_path(self) -> str:
+        return self.loaded_from or self.args.model_path
+
+    @property
+    def served_model_name(self) -> str:
+        """The model's name in the OpenAI routes (SGLang's --served-model-name, default the path)."""
+        return self.args.served_model_name or self.args.model_path
 
     @property
     def context_length(self) -> int:

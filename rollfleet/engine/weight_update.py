@@ -93,7 +93,8 @@ class WeightUpdater:
         self._held_payloads.clear()
 
     def mark_loaded(self) -> None:
-        """Every tensor was just received in place (R-Fork: rollfleet.engine.remote_instance)."""
+        """Every tensor is whole again without a load through this class: received in place from a
+        seed (R-Fork, rollfleet.engine.remote_instance), or released weights back from their host copy."""
         self.loaded_names = set(self.schema.required_names)
 
     def drop_held_payloads(self) -> None:

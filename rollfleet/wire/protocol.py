@@ -18,6 +18,7 @@ from rollfleet.wire.remote_instance import parse_ports
 GREEDY_TEMPERATURE = 1e-6  # SGLang: a temperature below this means argmax
 SEED_RANGE = (-(2**63), 2**63 - 1)  # SGLang's sampling_seed range
 MAX_TIMEOUT_S = 86400.0  # one day: longer waits are a mistake, and timedelta overflows on absurd ones
+MAX_TOP_LOGPROBS = 1024  # most logprobs per position one request may ask for (top-k or listed token ids)
 MAX_TENSOR_BYTES = 2**62  # a shape whose numel * 8 bytes goes past this cannot be allocated anywhere
 
 
@@ -79,6 +80,7 @@ class SamplingParams(_Lenient):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    no_stop_trim: bool = False  # keep the matched stop string (or stop token's text) in `text`
 
     _stop_is_utf8 = field_validator("stop")(_utf8_texts)
 
@@ -123,8 +125,11 @@ class GenerateRequest(_Lenient):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    # -1: output logprobs only; k >= 0: also the prompt's tokens from position k (input_token_logprobs)
+    logprob_start_len: int = Field(-1, ge=-1)
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    token_ids_logprob: list[int] | None = Field(None, max_length=MAX_TOP_LOGPROBS)
+    return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
     lora_path: str | list[str | None] | None = None  # LoRA adapter name; a list: one per prompt
@@ -135,10 +140,8 @@ class GenerateRequest(_Lenient):
     def _one_prompt_field(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of 'text' or 'input_ids'")
-        if self.stream:
-            raise ValueError("stream=true is not supported by the embedded engine; send stream=false")
-        if self.top_logprobs_num:
-            raise ValueError("top_logprobs_num > 0 is not supported by the embedded engine; send 0")
+        if not self.token_ids_logprob:  # SGLang: [] means none
+            self.token_ids_logprob = None
         return self
 
 

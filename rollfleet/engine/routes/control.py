@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 
 from rollfleet.engine.lockstep import Action
 from rollfleet.engine.service import VERSION, BadRequest, Engine, EngineService
@@ -19,7 +19,7 @@ ALL_MEMORY_TAGS = ["weights", "kv_cache"]
 async def model_info(engine: Engine):
     args = engine.args
     return {
-        "model_path": args.model_path,
+        "model_path": engine.model_path,  # the last disk update's, as SGLang reports it
         "tokenizer_path": args.tokenizer_path or args.model_path,
         "is_generation": True,
         "weight_version": engine.scheduler.weight_version,
@@ -40,6 +40,8 @@ async def server_info(engine: Engine):
         "api_key_set": bool(args.api_key),
         "version": VERSION,
         "engine": "rollfleet-embedded",
+        # SGLang's KV pool size; here the most tokens the running batch may hold (no fixed pool)
+        "max_total_num_tokens": args.max_running_requests * engine.context_length,
         "weight_version": engine.scheduler.weight_version,
         "weights_ready": engine.weights_ready,
         "scheduler_stats": engine.scheduler.live_stats,
@@ -75,13 +77,16 @@ async def move_memory(engine: EngineService, req: MemoryRequest, action: Action)
             )
         if action is Action.RELEASE_MEMORY:
             engine.sessions.check_release(tags)
-        memory = engine.lockstep(action, tags=tags)
         if action is Action.RELEASE_MEMORY:
+            # a host copy only of weights that may be served again (not of a session's mixed ones)
+            backup = engine.args.enable_weights_cpu_backup and engine.sessions.mixed is None
+            memory = engine.lockstep(action, tags=tags, cpu_backup=backup)
             engine.sessions.after_release(tags)
-        return memory
+            return memory
+        return engine.lockstep(action, tags=tags)
 
-    memory = await engine.control(act)
-    return {"success": True, "message": f"{action.value} {tags}", "memory": memory}
+    await engine.control(act)
+    return None  # SGLang answers release and resume with an empty (null) body; GET /rollfleet/memory says more
 
 
 @router.post("/release_memory_occupation")
@@ -98,8 +103,8 @@ async def resume_memory_occupation(req: MemoryRequest, engine: Engine):
 async def abort_request(req: AbortRequest, engine: Engine):
     if not req.rid and not req.abort_all:
         raise BadRequest("give rid or abort_all=true")
-    count = engine.scheduler.abort(req.rid, req.abort_all)
-    return {"success": True, "message": f"aborted {count} requests"}
+    engine.scheduler.abort(req.rid, req.abort_all)
+    return Response(status_code=200)  # SGLang's empty 200
 
 
 @router.post("/pause_generation")
@@ -107,10 +112,16 @@ async def pause_generation(req: PauseGenerationRequest, engine: Engine):
     if req.mode == "retract":
         raise BadRequest("mode='retract' is not supported by the embedded engine: use 'abort' or 'in_place'")
     engine.scheduler.pause(req.mode)
-    return {"success": True, "message": f"generation paused ({req.mode})"}
+    return {"message": "Generation paused successfully.", "status": "ok"}
 
 
 @router.post("/continue_generation")
 async def continue_generation(engine: Engine):
     engine.scheduler.resume()
-    return {"success": True, "message": "generation continued"}
+    return {"message": "Generation continued successfully.", "status": "ok"}
+
+
+@router.get("/ready")
+async def ready(engine: Engine):
+    """SGLang's readiness probe: 200 when new requests would be served now, else 503."""
+    return Response(status_code=503 if engine.not_serving_reason() else 200)

@@ -8,8 +8,10 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from rollfleet.engine.logprobs import LogprobAsk
 from rollfleet.engine.lora_merge import LORA_OFF
 from rollfleet.engine.service import BadRequest, Engine, EngineService, fail, validation_message
+from rollfleet.engine.streaming import stream_response
 from rollfleet.wire.protocol import GenerateRequest, SamplingParams
 
 router = APIRouter()
@@ -79,11 +81,20 @@ def check_prompts(engine: EngineService, prompts: list[list[int]]) -> None:
 
 @router.post("/generate")
 async def generate(req: GenerateRequest, engine: Engine):
+    seqs, is_batch = await submit_generate(engine, req)
+    if req.stream:
+        return stream_response(engine, seqs, is_batch or len(seqs) > 1)
+    results = await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
+    # json.dumps, not FastAPI's encoder: that walks every result in Python on the event loop (0.1 s for 1024)
+    return JSONResponse(results if is_batch or len(results) > 1 else results[0])
+
+
+async def submit_generate(engine: EngineService, req: GenerateRequest) -> tuple[list, bool]:
+    """Check a /generate request (400 naming field, value and fix) and queue its samples, grouped by
+    prompt; also whether it was a batch. The OpenAI routes submit through here too."""
     refusal = engine.refusal()
     if refusal is not None:
         raise refusal
-    if req.return_logprob and req.logprob_start_len >= 0:
-        raise BadRequest("logprob_start_len >= 0 (input logprobs) is not supported: send -1")
     prompts, is_batch = await asyncio.to_thread(prompts_of, engine, req)  # long texts tokenize off the event loop
     params = sampling_of(req, len(prompts))
     lora_names = lora_names_of(engine, req, len(prompts))
@@ -92,20 +103,50 @@ async def generate(req: GenerateRequest, engine: Engine):
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
     check_prompts(engine, prompts)
+    ask = logprob_ask(engine, req, prompts)
     rids = rids_of(req, len(prompts), is_batch)
     try:  # no await between the adapter check above and this submission: an unload cannot slip in
         seqs = [
             seq
             for prompt, p, rid, lora_name in zip(prompts, params, rids, lora_names)
             for seq in engine.scheduler.submit(
-                prompt, p, rid=rid, return_logprob=req.return_logprob, lora_name=lora_name
+                prompt, p, rid=rid, return_logprob=req.return_logprob, lora_name=lora_name, ask=ask
             )
         ]
     except RuntimeError as exc:
         raise BadRequest(str(exc), 503) from exc
-    results = await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
-    # json.dumps, not FastAPI's encoder: that walks every result in Python on the event loop (0.1 s for 1024)
-    return JSONResponse(results if is_batch or len(results) > 1 else results[0])
+    return seqs, is_batch
+
+
+# Input logprobs make a prefill return [batch, positions, vocab] float32 logits: bound one request's share
+MAX_INPUT_LOGPROB_VALUES = 2**26
+
+
+def logprob_ask(engine: EngineService, req: GenerateRequest, prompts: list[list[int]]) -> LogprobAsk | None:
+    """The logprobs asked beyond the output tokens' (None: none), checked against the prompts and the
+    vocabulary; SGLang ignores them without return_logprob."""
+    if not req.return_logprob:
+        return None
+    vocab = engine.scheduler.vocab_size
+    bad = [t for t in req.token_ids_logprob or [] if not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(f"token_ids_logprob holds {bad[:5]}, outside this model's vocabulary [0, {vocab}): drop them")
+    shortest = min(len(p) for p in prompts)
+    if req.logprob_start_len > shortest:
+        raise BadRequest(
+            f"logprob_start_len={req.logprob_start_len} is past the end of a prompt of {shortest} tokens: "
+            "give at most the prompt's length (0 = every prompt token), or -1 for output logprobs only"
+        )
+    if req.logprob_start_len >= 0:
+        values = sum(len(p) - req.logprob_start_len for p in prompts) * vocab
+        if values > MAX_INPUT_LOGPROB_VALUES:
+            raise BadRequest(
+                f"logprob_start_len={req.logprob_start_len} asks for input logprobs over {values // vocab} prompt "
+                f"positions of a {vocab}-token vocabulary, more than this server computes per request "
+                f"({MAX_INPUT_LOGPROB_VALUES} values): raise logprob_start_len or send fewer prompts per request"
+            )
+    token_ids = tuple(req.token_ids_logprob) if req.token_ids_logprob is not None else None
+    return LogprobAsk(req.logprob_start_len, req.top_logprobs_num, token_ids, req.return_text_in_logprobs)
 
 
 @router.get("/health")

@@ -76,6 +76,7 @@ async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest, engine: En
         except BadRequest as exc:
             engine.sessions.after_refusal("/update_weights_from_disk", exc.message)
             return JSONResponse({"success": False, "message": exc.message, "num_paused_requests": 0}, 400)
+    engine.loaded_from = req.model_path  # /get_model_info reports it, as SGLang does
     return {"success": True, "message": f"loaded weights from {req.model_path}", "num_paused_requests": 0}
 
 

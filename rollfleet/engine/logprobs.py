@@ -1,0 +1,142 @@
+"""Logprobs as SGLang returns them in `meta_info`: of the prompt's tokens (`logprob_start_len >= 0`),
+the top-k at each position (`top_logprobs_num`) and of chosen token ids (`token_ids_logprob`).
+
+Every value is `log_softmax` of the raw logits (no temperature, no top-p), as SGLang's default.
+SGLang's layout, kept here because its clients index into it:
+- `input_token_logprobs` holds one `[logprob, token_id, text]` per prompt token from
+  `logprob_start_len` on; the first entry's logprob is None (SGLang prepends None and drops the
+  last position, whose logits predict the first output token), whatever the start.
+- `input_top_logprobs` / `input_token_ids_logprobs`: one row per such token, the first None;
+  a row is a list of `[logprob, token_id, text]`.
+- `output_*` likewise, one entry or row per output token (no None).
+`text` is the token's own decoded text with `return_text_in_logprobs`, else None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Row = list[tuple[float, int]]
+
+
+@dataclass(frozen=True)
+class LogprobAsk:
+    """What one request asked for, beyond the output tokens' own logprobs."""
+
+    start: int = -1  # logprob_start_len: -1 = no input logprobs
+    top_n: int = 0
+    token_ids: tuple[int, ...] | None = None
+    with_text: bool = False
+
+    @property
+    def wants_input(self) -> bool:
+        return self.start >= 0
+
+
+@dataclass
+class LogprobRecord:
+    """The logprobs of one sample, filled as it runs (input ones at prefill, output ones per token)."""
+
+    input_values: list[float | None] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+    input_top: list[Row | None] = field(default_factory=list)
+    input_chosen: list[Row | None] = field(default_factory=list)
+    output_top: list[Row] = field(default_factory=list)
+    output_chosen: list[Row] = field(default_factory=list)
+
+
+def input_positions(prompt_len: int, ask: LogprobAsk) -> int:
+    """How many prompt positions' logits (from `ask.start` up to the second-to-last token) the
+    input logprobs need; 0 when none are asked for or the start is the prompt's end."""
+    if not ask.wants_input:
+        return 0
+    return max(prompt_len - 1 - ask.start, 0)
+
+
+def _top(row: torch.Tensor, top_n: int) -> Row:
+    values, ids = torch.topk(row, min(top_n, row.numel()))
+    return list(zip(values.tolist(), ids.tolist()))
+
+
+def _chosen(row: torch.Tensor, token_ids: tuple[int, ...]) -> Row:
+    return list(zip(row[list(token_ids)].tolist(), token_ids))
+
+
+def fill_input(record: LogprobRecord, logprobs: torch.Tensor, prompt: list[int], ask: LogprobAsk) -> None:
+    """`logprobs[i]` is log_softmax at prompt position `ask.start + i` (it predicts token start+i+1)."""
+    if not ask.wants_input or ask.start >= len(prompt):
+        return
+    following = torch.tensor(prompt[ask.start + 1 :], dtype=torch.long)
+    record.input_values = [None, *logprobs.gather(1, following[:, None])[:, 0].tolist()]
+    record.input_ids = list(prompt[ask.start :])
+    if ask.top_n > 0:
+        record.input_top = [None, *(_top(row, ask.top_n) for row in logprobs)]
+    if ask.token_ids is not None:
+        record.input_chosen = [None, *(_chosen(row, ask.token_ids) for row in logprobs)]
+
+
+def fill_output(record: LogprobRecord, logprobs: torch.Tensor, ask: LogprobAsk) -> None:
+    """The top-k and chosen ids of one output token's distribution `logprobs` (one row)."""
+    if ask.top_n > 0:
+        record.output_top.append(_top(logprobs, ask.top_n))
+    if ask.token_ids is not None:
+        record.output_chosen.append(_chosen(logprobs, ask.token_ids))
+
+
+def meta_fields(
+    record: LogprobRecord, ask: LogprobAsk, output: list[tuple[float, int]], tokenizer, upto: int | None = None
+) -> dict[str, Any]:
+    """The logprob fields of `meta_info`; `output` is the (logprob, token) of each output token so far,
+    `upto` cuts the output rows there (a stream chunk)."""
+    text_of = _texts(tokenizer) if ask.with_text else (lambda _id: None)
+
+    def triples(pairs):
+        return [[value, token, text_of(token)] for value, token in pairs]
+
+    def rows(rows_):
+        return [None if row is None else triples(row) for row in rows_]
+
+    meta: dict[str, Any] = {
+        "input_token_logprobs": triples(zip(record.input_values, record.input_ids)),
+        "output_token_logprobs": triples(output[:upto]),
+    }
+    meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+    if ask.top_n > 0:
+        meta["input_top_logprobs"] = rows(record.input_top)
+        meta["output_top_logprobs"] = rows(record.output_top[:upto])
+    if ask.token_ids is not None:
+        meta["input_token_ids_logprobs"] = rows(record.input_chosen)
+        meta["output_token_ids_logprobs"] = rows(record.output_chosen[:upto])
+    return meta
+
+
+def _texts(tokenizer):
+    cache: dict[int, str] = {}
+
+    def text_of(token: int) -> str:
+        if token not in cache:
+            cache[token] = tokenizer.decode([token])
+        return cache[token]
+
+    return text_of
+
+
+def prefill_keep(seqs) -> int:
+    """How many last positions' logits a prefill of `seqs` (left-padded) must return: 1 for the next
+    token, plus the most input positions any of them asked for."""
+    return 1 + max((input_positions(len(s.prompt_ids), s.ask) for s in seqs), default=0)
+
+
+def take_input_logprobs(seqs, logits: torch.Tensor) -> torch.Tensor:
+    """Fill each sequence's input logprobs from a prefill's `[batch, keep, vocab]` logits and return
+    the last position's `[batch, vocab]` (the next token's)."""
+    keep = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        count = input_positions(len(seq.prompt_ids), seq.ask)
+        if seq.ask.wants_input:
+            positions = logits[row, keep - 1 - count : keep - 1]
+            fill_input(seq.record, torch.log_softmax(positions, dim=-1), seq.prompt_ids, seq.ask)
+    return logits[:, -1, :]

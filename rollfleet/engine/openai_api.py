@@ -1,0 +1,197 @@
+"""OpenAI-compatible request models and answers, as SGLang serves them (its entrypoints/openai
+protocol, serving_completions and serving_chat): each request becomes one /generate request, each
+/generate answer one choice.
+
+SGLang's extra fields that RL frameworks send are taken: `top_k`, `min_p`, `min_tokens`,
+`stop_token_ids`, `no_stop_trim`, `ignore_eos`, `skip_special_tokens`, `repetition_penalty`,
+`lora_path`, `rid`, `return_text_in_logprobs`, `chat_template_kwargs`; `separate_reasoning` and
+other fields this engine has no use for are ignored (no reasoning parser: `reasoning_content` is
+null). Unknown fields are ignored, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from rollfleet.wire.protocol import MAX_TOP_LOGPROBS, SEED_RANGE, GenerateRequest, Utf8Str, _Lenient
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _Sampling(_Lenient):
+    """The fields both routes share, named as OpenAI (and SGLang's extras) name them."""
+
+    model: Utf8Str = "default"
+    n: int = Field(1, ge=1)
+    stop: Utf8Str | list[Utf8Str] | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    lora_path: Utf8Str | None = None
+    rid: Utf8Str | list[Utf8Str] | None = None
+    return_text_in_logprobs: bool = False  # accepted: the OpenAI answers always carry token texts
+
+    def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """/generate's sampling_params; fields left unset keep /generate's defaults (checked there)."""
+        params = {
+            "max_new_tokens": max_new_tokens,
+            "n": self.n,
+            "stop": self.stop,
+            "sampling_seed": self.seed,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "min_new_tokens": self.min_tokens,
+            "stop_token_ids": self.stop_token_ids,
+            "no_stop_trim": self.no_stop_trim,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        return {key: value for key, value in params.items() if value is not None}
+
+
+class CompletionRequest(_Sampling):
+    prompt: Utf8Str | list[Utf8Str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo=true is not supported by the embedded engine: send echo=false")
+        return value
+
+    def generate_request(self) -> GenerateRequest:
+        prompt = self.prompt
+        by_ids = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], str)
+        return GenerateRequest(
+            text=None if by_ids else prompt,
+            input_ids=prompt if by_ids else None,
+            sampling_params=self.sampling_params(self.max_tokens),
+            return_logprob=self.logprobs is not None,
+            top_logprobs_num=self.logprobs or 0,
+            return_text_in_logprobs=True,
+            rid=self.rid,
+            lora_path=self.lora_path,
+        )
+
+
+class ChatMessage(_Lenient):
+    role: Utf8Str
+    content: Utf8Str | list[dict[str, Any]] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it: text parts joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            kinds = sorted({str(part.get("type")) for part in content} - {"text"})
+            if kinds:
+                raise ValueError(f"message content parts of type {kinds}: this engine takes text parts only")
+            content = "".join(str(part.get("text", "")) for part in content)
+        return {**self.model_dump(exclude_none=True), "content": content or ""}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # accepted and ignored: no reasoning parser here
+    continue_final_message: bool = False
+
+    def generate_request(self, input_ids: list[int]) -> GenerateRequest:
+        return GenerateRequest(
+            input_ids=input_ids,
+            sampling_params=self.sampling_params(self.max_completion_tokens or self.max_tokens),
+            return_logprob=self.logprobs,
+            top_logprobs_num=(self.top_logprobs or 0) if self.logprobs else 0,
+            return_text_in_logprobs=True,
+            rid=self.rid,
+            lora_path=self.lora_path,
+        )
+
+
+def error_body(message: str, status_code: int = 400, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's (and SGLang's) error object."""
+    kind = "BadRequestError" if status_code < 500 else "InternalServerError"
+    return {"object": "error", "message": message, "type": kind, "param": param, "code": status_code}
+
+
+def finish_fields(meta: dict[str, Any]) -> dict[str, Any]:
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return {"finish_reason": None, "matched_stop": None}
+    return {"finish_reason": reason["type"], "matched_stop": reason.get("matched")}
+
+
+def usage(answers: list[dict[str, Any]], n: int) -> dict[str, int]:
+    """Token counts: every answer's output, each prompt's input once (answers are grouped by prompt)."""
+    prompt = sum(a["meta_info"]["prompt_tokens"] for i, a in enumerate(answers) if i % n == 0)
+    completion = sum(a["meta_info"]["completion_tokens"] for a in answers)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_logprobs(meta: dict[str, Any], start: int = 0) -> dict[str, Any]:
+    """The legacy completions layout, from output token `start` on (a stream sends only new ones)."""
+    triples = meta["output_token_logprobs"][start:]
+    top = meta.get("output_top_logprobs")
+    return {
+        "tokens": [text for _, _, text in triples],
+        "token_logprobs": [value for value, _, _ in triples],
+        "top_logprobs": [] if top is None else [{t: v for v, _, t in row} for row in top[start:]],
+        "text_offset": [-1] * len(triples),  # SGLang does not fill it either
+    }
+
+
+def chat_logprobs(meta: dict[str, Any], start: int = 0) -> dict[str, Any]:
+    """The chat layout: one entry per output token from `start` on, with its top alternatives."""
+    top = meta.get("output_top_logprobs") or []
+
+    def entry(value, text):
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for index, (value, _, text) in enumerate(meta["output_token_logprobs"][start:], start):
+        alternatives = top[index] if index < len(top) and top[index] else []
+        content.append({**entry(value, text), "top_logprobs": [entry(v, t) for v, _, t in alternatives]})
+    return {"content": content}
+
+
+def envelope(kind: Literal["text_completion", "chat.completion", "chat.completion.chunk"], rid: str, model: str):
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "sglang"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None

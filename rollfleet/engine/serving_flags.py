@@ -1,0 +1,33 @@
+"""Server flags of SGLang's serving surface (OpenAI routes, auth, memory saver), kept apart from the
+engine's core flags in server.py."""
+
+from __future__ import annotations
+
+import argparse
+
+# SGLang answers these without the API key (Kubernetes probes, Prometheus scrapes); matched by prefix
+OPEN_PATHS = ["/health", "/ready", "/metrics"]
+
+
+def add_serving_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--served-model-name", default=None, help="the model's name in the OpenAI routes (default: --model-path)"
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file for /v1/chat/completions (default: the tokenizer's own)",
+    )
+    p.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="keep a host copy of released weights and restore it on resume, so the engine serves "
+        "again without a push (SGLang's flag); without it released weights must be pushed again",
+    )
+    p.add_argument(
+        "--api-key-open-paths",
+        nargs="*",
+        default=OPEN_PATHS,
+        help="path prefixes answered without --api-key, as SGLang does (default: /health /ready /metrics, "
+        "which covers /health_generate); give none to require the key everywhere",
+    )

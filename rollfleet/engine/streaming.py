@@ -1,0 +1,69 @@
+"""`stream: true`: server-sent events as SGLang sends them for /generate, and the progress feed the
+OpenAI routes stream from.
+
+SGLang (without `--incremental-streaming-output`, its default) sends one `data: {json}\n\n` event
+per generated token whose `text`, `output_ids` and logprobs are cumulative and whose
+`meta_info.finish_reason` is null until the last event, then `data: [DONE]\n\n`. A request that
+SGLang treats as a batch (several prompts, or n > 1) interleaves its samples' events and adds
+`index`, the sample's place in the prompt-major answer list. A batch that fails ends its samples
+with an abort finish_reason, as without streaming. A client that goes away aborts what it left running.
+
+The engine thread calls each sequence's `on_token` after every token that did not finish it and
+resolves its future when it finished; both only post to this request's queue on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from rollfleet.engine.sequence import Sequence, wire_result
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+async def progress(engine, seqs: list[Sequence]) -> AsyncIterator[tuple[int, dict, bool]]:
+    """(index, cumulative answer, finished) per token of every sequence, as they come; a sequence's
+    last item is its finished answer. Sequences left unfinished when the consumer stops are aborted."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
+
+    def post(item):
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    for index, seq in enumerate(seqs):
+        seq.on_token = lambda s, i=index: post((i, len(s.output_ids)))
+        seq.future.add_done_callback(lambda _f, i=index: post((i, None)))
+    unfinished = set(range(len(seqs)))
+    try:
+        while unfinished:
+            index, count = await queue.get()
+            seq = seqs[index]
+            if index not in unfinished or (count is not None and seq.future.done()):
+                continue  # its finished answer is queued behind this
+            if count is None:
+                unfinished.discard(index)
+                yield index, seq.future.result(), True
+            else:
+                yield index, wire_result(seq, engine.scheduler.weight_version, engine.tokenizer, upto=count), False
+    finally:
+        for index in unfinished:
+            engine.scheduler.abort(seqs[index].rid, message="the client closed the stream")
+
+
+def stream_response(engine, seqs: list[Sequence], indexed: bool) -> StreamingResponse:
+    """SGLang's /generate stream of `seqs`; `indexed`: add each sample's `index` (a batch request)."""
+
+    async def events():
+        async for index, answer, _finished in progress(engine, seqs):
+            yield sse({**answer, "index": index} if indexed else answer)
+        yield DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
