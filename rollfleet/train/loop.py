@@ -9,6 +9,7 @@ trainer trains and get weights pushed again after resuming them (`Fleet.trainer_
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from rollfleet.train.worker import TrainerGroup
 from rollfleet.weights.checkpoint import atomic_directory, prune_versions
 from rollfleet.weights.transports.base import transport_class
 
+log = logging.getLogger("rollfleet.loop")
 Observer = Callable[[int, list[PromptItem], list[Sample]], None]
 
 
@@ -137,7 +139,7 @@ def _resume_point(run: Run, resume: bool, console: Console) -> tuple[int, str]:
 def _step(run: Run, step: int, version: str) -> dict:
     cfg, fleet, trainers, clock = run.cfg, run.fleet, run.trainers, StepClock()
     with clock.phase("recovery"):
-        fleet.restart_inactive()  # dead engines restart at the step boundary: restored, or they take this push
+        recovery_errors = _restart_inactive(fleet)
     items = run.dataset.batch(step, cfg.grpo.prompts_per_step, seed=cfg.grpo.seed)
     retries = fleet.router.retries
     samples = _generate_and_reward(run, items, clock)
@@ -156,7 +158,20 @@ def _step(run: Run, step: int, version: str) -> dict:
         if _recovery_checkpoint_due(run, step + 1):
             with clock.phase("recovery"):
                 _save_recovery_checkpoint(run, str(step + 1))
-    return step_metrics(samples, train_metrics, report, fleet.take_events(), clock, fleet.router.retries - retries)
+    metrics = step_metrics(samples, train_metrics, report, fleet.take_events(), clock, fleet.router.retries - retries)
+    return {**metrics, "recovery_errors": recovery_errors}
+
+
+def _restart_inactive(fleet: Fleet) -> int:
+    """Dead engines restart at the step boundary: restored, or they take this step's push. A failure
+    here never ends the run (the engines stay out of rotation; the background restarter and the next
+    step try again): it is logged and counted in the step's metrics."""
+    try:
+        fleet.restart_inactive()
+    except Exception:  # noqa: BLE001 - logged and counted, not swallowed
+        log.exception("restarting engines failed; the step goes on with the engines that are ACTIVE")
+        return 1
+    return 0
 
 
 def _generate_and_reward(run: Run, items: list[PromptItem], clock: StepClock) -> list[Sample]:
