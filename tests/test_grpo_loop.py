@@ -164,7 +164,6 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
         "rollout.probe_timeout_s=1",
         "rollout.probe_failures=3",  # slower than a step's train: the hung engine meets the push
         "rollout.restore_timeout_s=20",
-        "rollout.startup_timeout_s=60",
     )
     metrics = tmp_path / "out" / "metrics.jsonl"
     stop, faults, bad_answers = threading.Event(), [], []
@@ -210,7 +209,7 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
         while not stop.is_set():  # (c): the replacement, once it answers, hangs during its restore
             new = {pid: port for pid, port in engines().items() if pid not in before}
             if new and _answers(f"http://127.0.0.1:{next(iter(new.values()))}/health"):
-                stop.wait(0.5)  # its start has returned: the restore runs now
+                stop.wait(1.0)  # the worker has seen it up (it polls every 0.2 s): the restore runs now
                 os.killpg(next(iter(new)), signal.SIGSTOP)
                 faults.append("hang during a restore")
                 return

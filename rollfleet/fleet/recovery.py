@@ -152,9 +152,9 @@ class Recovery:
         for an engine's or a source's failure (they are logged, and in the engines' histories).
         Returns the restarted engine ids."""
         with self._lock:
-            if background and self._pauses:
-                return []
             self._lock.wait_for(lambda: not self._restarting)
+            if background and self._pauses:  # checked after the wait: a pause may have begun meanwhile
+                return []
             slots = [s for s in self.fleet.slots if s.state == EngineState.INACTIVE]
             if not slots and not (restore and self._restorable(self.fleet.version, restore_from)):
                 return []
