@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -132,20 +133,24 @@ def test_resume_over_disk_sync_continues_from_the_saved_weights(qwen3_dir, tmp_p
 
 
 def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
-    """During a GRPO run over the tensor transport, an engine hangs (SIGSTOP) at a random moment, and
-    once it is back an engine dies (SIGKILL) at a random moment: every step finishes, no prompt is
-    lost or duplicated and every sample comes from its step's weight version (checked here on what the
-    test recorded, and inside the loop), restarted engines restore from the recovery checkpoint, and
-    the metrics record each failure and recovery."""
+    """During a GRPO run over the tensor transport: (a) bad generate requests go straight to every
+    engine (each a 400; no engine fails), (b) an engine hangs (SIGSTOP) just before a step's push, so
+    the push fails part-way (the engines that may hold part of it wait, out of rotation, until the
+    repeated push verifies them), then an engine dies (SIGKILL) at a random moment and (c) its
+    replacement hangs as soon as it is up, during its restore (the probes catch it; it is killed and
+    restarted). Every step finishes, no prompt is lost or duplicated, every sample comes from its
+    step's weight version (checked here on what the test recorded, and inside the loop), and the
+    metrics record each failure and recovery."""
     import os
     import random
+    import re
     import signal
     import subprocess
     import threading
 
     model_dir = tmp_path / "chaos-model"
     shutil.copytree(qwen3_dir, model_dir)  # a path of its own, to find this run's engines
-    steps = 70  # long enough for the second engine to come back: faster syncs made 40 steps a tight fit
+    steps, hang_at = 70, 4  # long enough for the last engine to come back
     cfg, temp = run_config(
         model_dir,
         tmp_path / "out",
@@ -157,36 +162,62 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
         "rollout.sampling.ignore_eos=true",
         "rollout.probe_interval_s=0.5",
         "rollout.probe_timeout_s=1",
-        "rollout.probe_failures=2",
+        "rollout.probe_failures=3",  # slower than a step's train: the hung engine meets the push
+        "rollout.restore_timeout_s=20",
     )
     metrics = tmp_path / "out" / "metrics.jsonl"
-    stop, faults = threading.Event(), []
+    stop, faults, bad_answers = threading.Event(), [], []
+    rng = random.Random(0)
+
+    def engines() -> dict[int, int]:
+        """pid -> port of this run's engine servers."""
+        lines = subprocess.run(
+            ["pgrep", "-af", f"rollfleet.engine.server --model-path {model_dir} "], capture_output=True, text=True
+        ).stdout.splitlines()
+        return {int(line.split()[0]): int(re.search(r"--port (\d+)", line)[1]) for line in lines}
 
     def recoveries() -> int:
         text = metrics.read_text() if metrics.exists() else ""
         return sum(json.loads(line)["engine_recoveries"] for line in text.splitlines())
 
     def wait_for(recovered: int) -> None:
-        while not stop.is_set() and (recoveries() < recovered or not metrics.exists()):
+        while not stop.is_set() and recoveries() < recovered:
             stop.wait(0.2)
 
-    def chaos():
-        rng = random.Random(0)
-        wait_for(0)  # the fleet is up and step 1 is done: from here on, engines fail
-        for round_, how in enumerate((signal.SIGSTOP, signal.SIGKILL)):  # one hang, then one death
-            stop.wait(rng.uniform(0.2, 1.5))
-            pids = subprocess.run(
-                ["pgrep", "-f", f"rollfleet.engine.server --model-path {model_dir} "], capture_output=True, text=True
-            ).stdout.split()
-            if stop.is_set() or not pids:
-                return
-            os.killpg(int(rng.choice(pids)), how)
-            faults.append(how)
-            wait_for(round_ + 1)  # the next fault only once this one has recovered
+    class Chaos(Recorder):
+        """Faults at fixed steps, from the loop's own thread: right after the step's generate."""
 
-    thread = threading.Thread(target=chaos)
+        def __call__(self, step, items, samples):
+            super().__call__(step, items, samples)
+            if step == 2:  # (a)
+                for port in engines().values():
+                    for body in ({"input_ids": [10**9]}, {"input_ids": [1, 2], "sampling_params": {"top_p": 1e-50}}):
+                        bad_answers.append(httpx.post(f"http://127.0.0.1:{port}/generate", json=body).status_code)
+                faults.append("bad requests")
+            if step == hang_at:  # (b): train, then the push meets the hung engine
+                os.killpg(rng.choice(sorted(engines())), signal.SIGSTOP)
+                faults.append("hang before a push")
+
+    def kill_then_hang_the_replacement():
+        wait_for(1)  # the engine hung before the push is back
+        stop.wait(rng.uniform(0.2, 1.5))
+        before = engines()
+        if stop.is_set() or not before:
+            return
+        os.killpg(rng.choice(sorted(before)), signal.SIGKILL)
+        faults.append("kill")
+        while not stop.is_set():  # (c): the replacement, once it answers, hangs during its restore
+            new = {pid: port for pid, port in engines().items() if pid not in before}
+            if new and _answers(f"http://127.0.0.1:{next(iter(new.values()))}/health"):
+                stop.wait(1.0)  # the worker has seen it up (it polls every 0.2 s): the restore runs now
+                os.killpg(next(iter(new)), signal.SIGSTOP)
+                faults.append("hang during a restore")
+                return
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=kill_then_hang_the_replacement)
     thread.start()
-    recorder = Recorder(model_dir)
+    recorder = Chaos(model_dir)
     try:
         train(cfg, observe=recorder)
     finally:
@@ -197,11 +228,26 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, steps + 1)) and sorted(recorder.steps) == list(range(steps))
     for step in range(steps):
         recorder.check(step, 4, str(step) if step else "default", engines={0, 1})
-    assert faults == [signal.SIGSTOP, signal.SIGKILL]
+    assert faults == ["bad requests", "hang before a push", "kill", "hang during a restore"]
+    assert bad_answers == [400] * 4
     events = [e for r in rows for e in r["engine_events"]]
-    assert any("health probes failed" in e["why"] for e in events)  # the hung one was caught
+    assert not [e for r in rows[:hang_at] for e in r["engine_events"] if e["to"] == "INACTIVE"]  # (a) took none out
+    failed_push = [e for e in events if e["why"].startswith("push of version")]
+    assert failed_push, "the push never met the hung engine"
+    for event in failed_push:  # each engine the push left waiting was next verified, or failed
+        after = [e for e in events if e["engine_id"] == event["engine_id"] and e["time"] > event["time"]]
+        assert after and (after[0]["why"].startswith("verified") or after[0]["to"] == "INACTIVE"), after[:1]
+    assert any("health probes failed" in e["why"] for e in events)  # a hung one was caught
     assert any("process exited" in e["why"] for e in events)  # the dead one was noticed
-    assert sum(r["engine_failures"] for r in rows) >= 2
+    assert sum(r["engine_failures"] for r in rows) >= 3
     assert sum(r["engine_recoveries"] for r in rows) >= 2  # both came back, verified
+    assert sum(r["recovery_errors"] for r in rows) == 0
     last = {e["engine_id"]: e["to"] for e in events}
     assert set(last.values()) == {"ACTIVE"}, last
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -18,7 +18,7 @@ import torch
 from conftest import reference_greedy
 from transformers import AutoModelForCausalLM
 
-from rollfleet.config import load_config
+from rollfleet.config import TensorSync, load_config
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.weights.source import ModuleSource
 
@@ -42,6 +42,7 @@ def fleet(qwen3_dir, tmp_path_factory):
             "rollout.probe_interval_s=0.5",
             "rollout.probe_timeout_s=1",
             "rollout.probe_failures=2",
+            "rollout.restore_timeout_s=30",
             "rollout.auto_restart=false",  # the tests drive restarts; the last one turns it on
             "weight_sync.transport=disk",
             f"weight_sync.path={out}/sync",
@@ -58,6 +59,30 @@ def kill(fleet, engine_id):
     pid = ray.get(fleet.slots[engine_id].head.engine_pid.remote())
     os.killpg(pid, signal.SIGKILL)
     return time.monotonic()
+
+
+def stop(fleet, engine_id):
+    """Hang the engine: its process lives but answers nothing."""
+    os.killpg(ray.get(fleet.slots[engine_id].head.engine_pid.remote()), signal.SIGSTOP)
+
+
+class FailsAfter:
+    """A source that raises after yielding `count` tensors (a trainer rank dying mid-push)."""
+
+    def __init__(self, module, count: int):
+        self.inner, self.count = ModuleSource(module), count
+
+    def named_tensors(self):
+        for index, item in enumerate(self.inner.named_tensors()):
+            if index == self.count:
+                raise RuntimeError("source failed part-way")
+            yield item
+
+
+def fail_a_push(fleet, model, engine_ids=None):
+    """A push that fails part-way (several calls, some applied): its engines wait, out of rotation."""
+    with pytest.raises(RuntimeError, match="part-way"):
+        fleet.sync_weights(FailsAfter(model, 5), "partial", engine_ids=engine_ids, transport=TensorSync(bucket_mb=0.05))
 
 
 def wait_state(fleet, engine_id, state, timeout=10.0):
@@ -138,7 +163,7 @@ def test_background_restart_brings_a_dead_engine_back_without_being_asked(fleet,
     try:
         kill(fleet, 1)
         assert wait_state(fleet, 1, "INACTIVE") == "INACTIVE"
-        assert wait_state(fleet, 1, "ACTIVE", timeout=30) == "ACTIVE"  # restored from v1 and verified
+        assert wait_state(fleet, 1, "ACTIVE", timeout=90) == "ACTIVE"  # restored from v1 and verified
     finally:
         fleet.rollout.auto_restart = False
     assert fleet.slots[1].version == "v1"
@@ -159,4 +184,71 @@ def test_a_late_restore_of_an_older_version_does_not_move_the_fleet_back(fleet, 
     samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
     assert {s.engine_id for s in samples} == {0} and {s.weight_version for s in samples} == {"v2"}
     fleet.sync_weights(ModuleSource(model), "v3", config_dir=qwen3_dir)  # the next push takes it along
+    assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0, 1}
+
+
+def test_a_failed_push_is_undone_by_a_restore_and_a_restore_past_its_timeout_gives_up(fleet, qwen3_dir):
+    """Both engines hold part of a failed push (AWAITING_WEIGHTS, no traffic); engine 0 hangs during
+    the restore and probes are off: the restore gives up at `restore_timeout_s`, kills the hung
+    engine, and a colocated step waiting in `paused()` gets in then, not later. The next restart
+    restores both from the checkpoint of the fleet's version, each verified."""
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    version = fleet.version
+    fail_a_push(fleet, model)
+    assert [s.state.value for s in fleet.slots] == ["AWAITING_WEIGHTS"] * 2 and fleet.version == version
+    probe_failures, restore_timeout_s = fleet.rollout.probe_failures, fleet.rollout.restore_timeout_s
+    fleet.rollout.probe_failures, fleet.rollout.restore_timeout_s = 10**6, 2.0  # only the timeout catches it
+    stop(fleet, 0)
+    restore = threading.Thread(target=fleet.restart_inactive)
+    try:
+        start = time.monotonic()
+        restore.start()
+        time.sleep(0.3)
+        with fleet.recovery.paused():  # what a colocated step enters: it waits for the restore, bounded
+            entered = time.monotonic() - start
+        restore.join(timeout=30)
+    finally:
+        fleet.rollout.probe_failures, fleet.rollout.restore_timeout_s = probe_failures, restore_timeout_s
+    assert not restore.is_alive() and 2.0 <= entered < 10  # the timeout, the hung one's /health, its kill
+    assert fleet.slots[0].state.value == "INACTIVE" and "not done in 2.0 s" in fleet.slots[0].lifecycle.history[-1].why
+    assert fleet.slots[1].state.value == "AWAITING_WEIGHTS"  # it answered: not killed, not blamed
+    assert fleet.restart_inactive() == [0]
+    assert [(s.state.value, s.version) for s in fleet.slots] == [("ACTIVE", version)] * 2
+    samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
+    assert {s.engine_id for s in samples} == {0, 1} and {s.weight_version for s in samples} == {version}
+    assert [s.output_ids for s in samples[:4]] == [reference_greedy(qwen3_dir, p, 6)[0] for p in PROMPTS]
+
+
+def test_probes_catch_an_engine_hung_during_a_restore_and_the_healthy_one_goes_active(fleet, qwen3_dir):
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    fail_a_push(fleet, model)
+    stop(fleet, 1)
+    start = time.monotonic()
+    assert fleet.restart_inactive() == []  # nothing INACTIVE yet: both are restored from the checkpoint
+    assert time.monotonic() - start < fleet.rollout.restore_timeout_s  # the probes caught it, not the timeout
+    assert [s.state.value for s in fleet.slots] == ["ACTIVE", "INACTIVE"]
+    assert any("health probes failed" in t.why for t in fleet.slots[1].lifecycle.history[-2:])
+    assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0}
+    assert fleet.restart_inactive() == [1] and fleet.slots[1].state.value == "ACTIVE"
+
+
+def test_a_corrupt_checkpoint_fails_its_restore_once_and_the_next_push_verifies(fleet, qwen3_dir, tmp_path, caplog):
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(fleet.checkpoint_for(fleet.version), corrupt)
+    for shard in corrupt.glob("*.safetensors"):
+        shard.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    fleet.register_checkpoint(fleet.version, str(corrupt))  # what a restart now restores from
+    fail_a_push(fleet, model, engine_ids=[1])
+    mark = fleet.slots[1].lifecycle.mark()
+    assert fleet.restart_inactive() == []  # the engine refuses the files; nothing raises
+    assert fleet.slots[1].state.value == "AWAITING_WEIGHTS" and fleet.slots[1].lifecycle.since(mark) == []
+    assert [r for r in caplog.records if "restore from checkpoint failed" in r.getMessage()]
+    assert ("checkpoint", fleet.version, fleet.slots[1].url) in fleet.recovery.failed_restores
+    caplog.clear()
+    assert fleet.restart_inactive() == []
+    assert not [r for r in caplog.records if "restore from checkpoint failed" in r.getMessage()]  # not tried again
+    assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0}
+    fleet.sync_weights(ModuleSource(model), "v4", config_dir=qwen3_dir)  # the next push takes it along
+    assert [s.state.value for s in fleet.slots] == ["ACTIVE", "ACTIVE"]
     assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0, 1}

@@ -64,11 +64,19 @@ class RolloutConfig(_Section):
     api_key: str | None = Field(None, repr=False, description="API key the engine servers require; None: no auth.")
     host: str = Field("127.0.0.1", description="Address engine servers bind; 0.0.0.0 for multi-node (set api_key).")
     request_timeout_s: float = Field(600.0, gt=0.0, description="Seconds one generate request may take.")
-    probe_interval_s: float = Field(2.0, gt=0.0, description="Seconds between health probes of each ACTIVE engine.")
+    probe_interval_s: float = Field(
+        2.0, gt=0.0, description="Seconds between health probes of each ACTIVE or AWAITING_WEIGHTS engine."
+    )
     probe_timeout_s: float = Field(5.0, gt=0.0, description="A probe slower than this counts as failed.")
     probe_failures: int = Field(3, ge=1, description="Consecutive failed probes that mark an engine INACTIVE.")
     auto_restart: bool = Field(
         True, description="Restart INACTIVE engines in the background (see Fleet.restart_inactive)."
+    )
+    restore_timeout_s: float = Field(
+        120.0,
+        gt=0.0,
+        description="Seconds a restore (load and verification of a restarted or waiting engine) may take; "
+        "then the engines that do not answer /health are killed and the others wait for the next push.",
     )
     recovery_wait_s: float = Field(
         300.0, ge=0.0, description="With no ACTIVE engine, how long generate waits for one to recover before failing."

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -218,7 +219,7 @@ class Fleet:
         answers = self.pool.on_all("release_memory_occupation", self._running(), tags)
         for slot in self.slots:
             if slot.state == EngineState.ACTIVE:
-                slot.lifecycle.to(EngineState.SLEEPING, f"released {tags or 'all'}")
+                self.recovery.to(slot, EngineState.SLEEPING, f"released {tags or 'all'}")
             if slot.is_running and (tags is None or "weights" in tags):
                 slot.version = ""  # released weights are gone: no version until a push is verified
         self._weights_released = self._weights_released or tags is None or "weights" in tags
@@ -230,9 +231,8 @@ class Fleet:
         for slot in self.slots:
             if slot.state == EngineState.SLEEPING:
                 holds_weights = slot.version == self.version
-                slot.lifecycle.to(
-                    EngineState.ACTIVE if holds_weights else EngineState.AWAITING_WEIGHTS, f"resumed {tags or 'all'}"
-                )
+                state = EngineState.ACTIVE if holds_weights else EngineState.AWAITING_WEIGHTS
+                self.recovery.to(slot, state, f"resumed {tags or 'all'}")
         if tags is None or "weights" in tags:
             self._weights_released = False
 
@@ -280,17 +280,20 @@ class Fleet:
         """Push `source` (tensors in this process) to the engines over `transport` (default: the
         configured weight_sync), then verify every engine."""
         spec = transport or self.cfg.weight_sync
-        options = {**transport_class(spec).sender_options(self.rollout.model_path), **transport_options}
-
-        def send(targets: list[EngineTarget]) -> SyncReport:
-            sender = make_transport(spec, targets, pool=self.pool, timeout_s=self.rollout.request_timeout_s, **options)
-            sender.connect()
-            try:
-                return sender.send(source, version)
-            finally:
-                sender.disconnect()
-
+        send = partial(self.send_weights, source, version, spec=spec, **transport_options)  # send(targets)
         return self._push(send, version, engine_ids, advance=advance)
+
+    def send_weights(self, source: WeightSource, version: str, targets: list[EngineTarget], spec, **options):
+        """Only the send of `source` over `spec` (options: the transport's, and `timeout_s`): no
+        verification, no state change (`_push` does those for a push, `Recovery` for a restore)."""
+        options = {**transport_class(spec).sender_options(self.rollout.model_path), **options}
+        options.setdefault("timeout_s", self.rollout.request_timeout_s)
+        sender = make_transport(spec, targets, pool=self.pool, **options)
+        sender.connect()
+        try:
+            return sender.send(source, version)
+        finally:
+            sender.disconnect()
 
     def sync_from(self, trainers: Trainers, version: str, attempts: int = 3) -> SyncReport:
         """The trainer's push of `version` to every running engine, verified. An engine that dies
@@ -311,26 +314,28 @@ class Fleet:
     def _push(self, send, version: str, engine_ids: list[int] | None = None, *, advance: bool = True) -> SyncReport:
         """Every push's one path: engines whose weights were released resume them, the send goes to
         the targets, and they are verified. A send that raises takes every target out of rotation."""
-        if self._weights_released:
-            self.wake(["weights"])
-        targets = self.weight_targets(engine_ids)
-        try:
-            report = send(targets)
-        except BaseException as exc:
-            for slot in (self.slots[t.engine_id] for t in targets):
-                if slot.is_running:
+        with self.recovery.paused():  # a push never overlaps a restore
+            if self._weights_released:
+                self.wake(["weights"])
+            targets = self.weight_targets(engine_ids)
+            try:
+                report = send(targets)
+            except BaseException as exc:
+                why = f"push of version {version!r} failed: {exc!r:.300}"
+                for slot in (self.slots[t.engine_id] for t in targets if self.slots[t.engine_id].is_running):
                     slot.version = ""
-                    slot.lifecycle.to(EngineState.AWAITING_WEIGHTS, f"push of version {version!r} failed: {exc!r:.300}")
-            raise
-        self.verify(report, advance=advance)
-        return report
+                    self.recovery.to(slot, EngineState.AWAITING_WEIGHTS, why)
+                raise
+            self.verify(report, advance=advance)
+            return report
 
     def update_weights_from_disk(
         self, path: str, weight_version: str, engine_ids: list[int] | None = None, *, advance: bool = True
     ) -> None:
         """Load a HF directory into engines, then verify them against the files' own fingerprints."""
-        self.pool.on_all("update_weights_from_disk", self._running(engine_ids), path, weight_version=weight_version)
-        self.verify_checkpoint(path, weight_version, engine_ids, advance=advance)
+        with self.recovery.paused():  # a push never overlaps a restore
+            self.pool.on_all("update_weights_from_disk", self._running(engine_ids), path, weight_version=weight_version)
+            self.verify_checkpoint(path, weight_version, engine_ids, advance=advance)
 
     def verify_checkpoint(
         self, path: str, weight_version: str, engine_ids: list[int] | None = None, *, advance: bool = True
@@ -361,10 +366,10 @@ class Fleet:
             slot = self.slots[engine_id]
             if engine_id in failed:
                 slot.version = ""
-                slot.lifecycle.to(EngineState.INACTIVE, f"weights not verified: {failed[engine_id]}")
+                self.recovery.to(slot, EngineState.INACTIVE, f"weights not verified: {failed[engine_id]}")
             else:
                 slot.version = report.version
-                slot.lifecycle.to(EngineState.ACTIVE, f"verified at version {report.version!r}")
+                self.recovery.to(slot, EngineState.ACTIVE, f"verified at version {report.version!r}")
         report.verified = [e for e in report.engine_ids if e not in failed]
         if advance and report.verified:
             self.version = report.version

@@ -7,7 +7,9 @@
                       v
                   RECOVERING -> AWAITING_WEIGHTS -> ACTIVE   (restart with dummy weights, restore, verify)
 
-ACTIVE or SLEEPING -> AWAITING_WEIGHTS: its weights were released, or a push to it failed part-way.
+ACTIVE or SLEEPING -> AWAITING_WEIGHTS: its weights were released, a push to it failed part-way, or
+an explicit restore replaces them. AWAITING_WEIGHTS -> ACTIVE only once its weights are verified (a
+push, or a restore); AWAITING_WEIGHTS -> INACTIVE when it dies or hangs (probes cover it too).
 Only ACTIVE engines take generate traffic. AWAITING_WEIGHTS engines are up but hold no verified
 weights of the fleet's version; the embedded engine also refuses generate itself until weights
 arrive (a dummy start is not ready). `EngineSlot` is the fleet's record of one engine: where it

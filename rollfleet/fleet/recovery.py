@@ -1,18 +1,24 @@
 """Recovery of dead engines, all under one lock: a death watch, health probes, restarts (also in the
-background) and the restore sources.
+background) and restores (rollfleet.fleet.restore holds the sources).
 
 Ordering, stated once:
-- Detection marks an engine INACTIVE (death watch: its process exited, seen at once; probes:
-  `probe_failures` consecutive /health probes slower than `probe_timeout_s`, then the process is
-  killed so the restart starts clean). Only a running engine whose url is still the one watched
-  changes: an engine being restarted on purpose is RECOVERING and stays so.
+- Detection marks an engine INACTIVE (death watch: its process exited, seen at once; probes of every
+  ACTIVE or AWAITING_WEIGHTS engine, so also of one being restored: `probe_failures` consecutive
+  /health probes slower than `probe_timeout_s`, then the process is killed so the restart starts
+  clean). Only an engine whose url is still the one watched changes: an engine being restarted on
+  purpose is RECOVERING and stays so.
 - One restart at a time (`restart_inactive`, from the caller or the background thread): INACTIVE ->
   RECOVERING -> new process with the transport's restart load format -> AWAITING_WEIGHTS (no
-  traffic; the engine itself refuses generate) -> restore of the fleet's version from a checkpoint
-  holding exactly that version, verified -> ACTIVE. Without such a checkpoint the engine waits for
-  the trainer's next push.
-- `paused()` waits for a restart under way and keeps the background thread from starting one (a
-  colocated trainer holds the GPUs).
+  traffic; the engine itself refuses generate). Then every AWAITING_WEIGHTS engine (restarted, or
+  left by a push that failed part-way) is restored: the sources in order, each engine verified on
+  its own and ACTIVE once verified, whatever happens to the others. A source that fails an engine
+  while no engine of its restore died is not tried again for that engine at that version; with no
+  source left the engine waits for the trainer's next push.
+- Every call of a restart is bounded: process starts by `startup_timeout_s`, restores by
+  `restore_timeout_s`, after which the engines that do not answer /health are killed (INACTIVE) and
+  the others keep waiting. No call blocks while the lock is held.
+- `paused()` waits for a restart under way (so at most its timeouts) and keeps the background thread
+  from starting one: a colocated trainer holds the GPUs, and a push never overlaps a restore.
 """
 
 from __future__ import annotations
@@ -25,15 +31,15 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from rollfleet.config import TensorSync
 from rollfleet.fleet.lifecycle import FAILED, EngineSlot, EngineState
-from rollfleet.weights.checkpoint import CheckpointSource
+from rollfleet.fleet.restore import CheckpointRestore, RestoreError, RestoreSource, WaitForPush, run_before, verify_each
 from rollfleet.weights.transports.base import transport_class
 
 if TYPE_CHECKING:
     from rollfleet.fleet.fleet import Fleet
 
 log = logging.getLogger("rollfleet.recovery")
+STOP_TIMEOUT_S = 60.0  # a stop is SIGTERM, then SIGKILL after a grace: bounded well below this
 
 
 class Recovery:
@@ -43,6 +49,9 @@ class Recovery:
         self._restarting = False
         self._pauses = 0
         self._checkpoints: dict[str, str] = {}  # version -> HF directory (insertion order)
+        # in order; the first that is available for an engine is tried (a peer source goes in front)
+        self.sources: list[RestoreSource] = [CheckpointRestore(fleet, self.checkpoint_for), WaitForPush()]
+        self.failed_restores: set[tuple[str, str, str]] = set()  # (source, version, engine url): not again
         self._closing = threading.Event()
         self._threads = [
             threading.Thread(target=target, name=f"rollfleet-{name}", daemon=True)
@@ -60,11 +69,21 @@ class Recovery:
         for thread in self._threads:
             thread.join(timeout=60)
 
-    def mark_dead(self, slot: EngineSlot, why: str, *, url: str | None = None) -> None:
-        """INACTIVE, unless it is already failed or (with `url`) has been restarted since."""
+    def to(self, slot: EngineSlot, state: EngineState, why: str) -> None:
+        """A state change made outside this module (the fleet's pushes, sleep, wake), under the lock."""
         with self._lock:
-            if slot.state not in FAILED and (url is None or slot.url == url):
-                slot.lifecycle.to(EngineState.INACTIVE, why)
+            slot.lifecycle.to(state, why)
+
+    def mark_dead(self, slot: EngineSlot, why: str, *, url: str | None = None, kill: bool = False) -> bool:
+        """INACTIVE, unless it is already failed or (with `url`) has been restarted since; with `kill`
+        its process is killed too (a hung one ignores a polite stop). Whether it was marked."""
+        with self._lock:
+            if slot.state in FAILED or (url is not None and slot.url != url):
+                return False
+            slot.lifecycle.to(EngineState.INACTIVE, why)
+            if kill:
+                slot.head.kill_engine.remote()  # not waited for: nothing blocks under the lock
+            return True
 
     # ---- detection ------------------------------------------------------------------------------
     def _watch_exits(self) -> None:
@@ -89,21 +108,18 @@ class Recovery:
                     self.mark_dead(self.fleet.slots[engine_id], f"engine process exited (code {code})", url=url)
 
     def _probe(self) -> None:
-        """Catch hung engines (alive but not answering): `probe_failures` consecutive /health probes
-        slower than `probe_timeout_s` mark an ACTIVE engine INACTIVE and stop its process."""
-        failures: dict[int, int] = {}
+        """Catch hung engines (alive but not answering), serving or being restored: `probe_failures`
+        consecutive /health probes slower than `probe_timeout_s` mark it INACTIVE and kill its process."""
+        failures: dict[str, int] = {}  # by url: a restarted engine starts from zero
+        watched = (EngineState.ACTIVE, EngineState.AWAITING_WEIGHTS)
         while not self._closing.wait(self.rollout.probe_interval_s):
-            active = [s for s in self.fleet.slots if s.state == EngineState.ACTIVE]
-            answers = self.fleet.pool.on_all("health", [s.engine_id for s in active], self.rollout.probe_timeout_s)
-            for slot, ok in zip(active, answers):
-                failures[slot.engine_id] = 0 if ok else failures.get(slot.engine_id, 0) + 1
-                if failures[slot.engine_id] < self.rollout.probe_failures:
-                    continue
-                with self._lock:
-                    if slot.state == EngineState.ACTIVE:
-                        slot.lifecycle.to(EngineState.INACTIVE, f"{failures[slot.engine_id]} health probes failed")
-                        slot.head.kill_engine.remote()  # a hung process is ended, so the restart starts clean
-                failures[slot.engine_id] = 0
+            slots = [(s, s.url) for s in self.fleet.slots if s.state in watched]
+            answers = self.fleet.pool.on_all("health", [s.engine_id for s, _ in slots], self.rollout.probe_timeout_s)
+            failures = {url: 0 if ok else failures.get(url, 0) + 1 for (_, url), ok in zip(slots, answers)}
+            for slot, url in slots:
+                if failures[url] >= self.rollout.probe_failures:
+                    self.mark_dead(slot, f"{failures[url]} health probes failed", url=url, kill=True)
+                    failures[url] = 0
 
     # ---- restarts -------------------------------------------------------------------------------
     def _restart_in_background(self) -> None:
@@ -131,60 +147,163 @@ class Recovery:
         self, restore_from: str | None = None, *, restore: bool = True, background: bool = False
     ) -> list[int]:
         """Restart every INACTIVE engine with the transport's restart load format (AWAITING_WEIGHTS:
-        not ready, no traffic), then restore the fleet's current version from `restore_from` or a
-        checkpoint of exactly that version, sent only to them, and verify; without one they wait for
-        the trainer's next push. Returns the restarted engine ids."""
+        not ready, no traffic), then (with `restore`) restore every AWAITING_WEIGHTS engine to the
+        fleet's version: from `restore_from` if given, else from the sources in order. Never raises
+        for an engine's or a source's failure (they are logged, and in the engines' histories).
+        Returns the restarted engine ids."""
         with self._lock:
-            if background and self._pauses:
-                return []
             self._lock.wait_for(lambda: not self._restarting)
+            if background and self._pauses:  # checked after the wait: a pause may have begun meanwhile
+                return []
             slots = [s for s in self.fleet.slots if s.state == EngineState.INACTIVE]
-            if not slots:
+            if not slots and not (restore and self._restorable(self.fleet.version, restore_from)):
                 return []
             self._restarting = True
             for slot in slots:
                 slot.lifecycle.to(EngineState.RECOVERING, "restart")
         try:
-            restarted = self._start_again(slots)
-            directory = restore_from or self.checkpoint_for(self.fleet.version)
-            if restarted and directory and restore:
-                self.restore(directory, self.fleet.version, restarted)
+            restarted = self._start_again(slots) if slots else []
+            if restore:
+                sources = self._sources(restore_from)
+                self._restore([s for s in self.fleet.slots if s.state == EngineState.AWAITING_WEIGHTS], sources)
             return restarted
         finally:
             with self._lock:
+                for slot in slots:  # an error nobody expected: the engine is not left half-restarted
+                    if slot.state == EngineState.RECOVERING:
+                        slot.lifecycle.to(EngineState.INACTIVE, "restart failed: interrupted")
                 self._restarting = False
                 self._lock.notify_all()
 
     def _start_again(self, slots: list[EngineSlot]) -> list[int]:
-        ray.get([s.head.stop_engine.remote() for s in slots])
+        """Stop, then start each engine (in parallel across engines); a call that fails or outlives
+        its timeout leaves its engine INACTIVE ("restart failed")."""
         load_format = transport_class(self.fleet.cfg.weight_sync).restart_load_format
-        starts = [s.head.start_engine.remote(s.gpu_ids, load_format) for s in slots]
+        stops = [s.head.stop_engine.remote() for s in slots]
+        stopped = [s for s, stop in zip(slots, stops) if self._wait(s, stop, STOP_TIMEOUT_S)]
+        starts = [s.head.start_engine.remote(s.gpu_ids, load_format) for s in stopped]
         restarted = []
-        for slot, start in zip(slots, starts):
-            try:
-                url = ray.get(start)["url"]
-            except ray.exceptions.RayError as exc:
-                with self._lock:
-                    slot.lifecycle.to(EngineState.INACTIVE, f"restart failed: {exc}")
-                continue
-            self.fleet.engine_started(slot, url)
-            with self._lock:
-                slot.lifecycle.to(EngineState.AWAITING_WEIGHTS, f"restarted with {load_format} weights")
-            restarted.append(slot.engine_id)
+        for slot, start in zip(stopped, starts):
+            info = self._wait(slot, start, STOP_TIMEOUT_S + self.rollout.startup_timeout_s)
+            if info:
+                self.fleet.engine_started(slot, info["url"])
+                self.to(slot, EngineState.AWAITING_WEIGHTS, f"restarted with {load_format} weights")
+                restarted.append(slot.engine_id)
         return restarted
 
-    def restore(self, directory: str, version: str, engine_ids: list[int], *, fan_out: bool | None = None) -> None:
-        """Load a checkpoint into some engines and verify them (never advancing the fleet's version).
-        With several engines the files are read once here and the tensors fanned out over the tensor
-        transport (shared memory on CPU, CUDA IPC on GPU; same node), instead of each engine reading."""
-        if fan_out if fan_out is not None else len(engine_ids) > 1:
-            self.fleet.sync_weights(
-                CheckpointSource(directory), version, engine_ids=engine_ids, transport=TensorSync(), advance=False
-            )
-        else:
-            self.fleet.update_weights_from_disk(directory, version, engine_ids=engine_ids, advance=False)
+    def _wait(self, slot: EngineSlot, call: ray.ObjectRef, timeout_s: float):
+        """The call's answer (True for None); False, with the engine INACTIVE, if it failed or timed out."""
+        try:
+            answer = ray.get(call, timeout=timeout_s)
+        except ray.exceptions.RayError as exc:  # GetTimeoutError included
+            self.to(slot, EngineState.INACTIVE, f"restart failed: {exc!r:.300}")
+            return False
+        return True if answer is None else answer
 
-    # ---- restore sources ------------------------------------------------------------------------
+    # ---- restores -------------------------------------------------------------------------------
+    def _sources(self, directory: str | None) -> list[RestoreSource]:
+        return self.sources if directory is None else [CheckpointRestore(self.fleet, lambda v: directory)]
+
+    def _restorable(self, version: str, directory: str | None) -> bool:
+        """Whether a source (other than waiting) may restore an AWAITING_WEIGHTS engine now."""
+        sources = [s for s in self._sources(directory) if not isinstance(s, WaitForPush)]
+        awaiting = [s for s in self.fleet.slots if s.state == EngineState.AWAITING_WEIGHTS]
+        return any(self._may_try(source, version, slot) for source in sources for slot in awaiting)
+
+    def _may_try(self, source: RestoreSource, version: str, slot: EngineSlot) -> bool:
+        return (source.name, version, slot.url) not in self.failed_restores and source.available(version, slot)
+
+    def restore(self, directory: str, version: str, engine_ids: list[int], *, fan_out: bool | None = None) -> None:
+        """Load a checkpoint into some engines (out of rotation meanwhile) and verify each; never
+        advances the fleet's version. Raises RestoreError naming the engines not verified."""
+        slots = [self.fleet.slots[e] for e in engine_ids]
+        with self._lock:
+            self._lock.wait_for(lambda: not self._restarting)
+            self._restarting = True
+            for slot in slots:
+                if slot.state in (EngineState.ACTIVE, EngineState.SLEEPING):
+                    slot.lifecycle.to(EngineState.AWAITING_WEIGHTS, f"restore of version {version!r}")
+        try:
+            source = CheckpointRestore(self.fleet, lambda v: directory, fan_out)
+            left = self._restore(slots, [source], version, remember=False)
+        finally:
+            with self._lock:
+                self._restarting = False
+                self._lock.notify_all()
+        if left:
+            raise RestoreError(f"restore of version {version!r} from {directory} left engines {left} unverified")
+
+    def _restore(
+        self, slots: list[EngineSlot], sources: list[RestoreSource], version: str | None = None, *, remember=True
+    ) -> list[int]:
+        """Each source in turn for the engines it is available to, until every engine is verified;
+        all under one deadline. The engines left unverified (still AWAITING_WEIGHTS, or INACTIVE)."""
+        version = self.fleet.version if version is None else version
+        deadline = time.monotonic() + self.rollout.restore_timeout_s
+        self.failed_restores = {key for key in self.failed_restores if key[1] == version}
+        pending = list(slots)
+        for source in sources:
+            for _ in range(2):  # a second go only for the survivors of an engine that died meanwhile
+                batch = [s for s in pending if s.state == EngineState.AWAITING_WEIGHTS]
+                batch = [s for s in batch if self._may_try(source, version, s)]
+                if not batch or time.monotonic() >= deadline:
+                    break
+                verified, died = self._restore_batch(source, batch, version, deadline, remember)
+                pending = [s for s in pending if s.engine_id not in verified]
+                if not died:
+                    break
+        return [s.engine_id for s in pending]
+
+    def _restore_batch(
+        self, source: RestoreSource, batch: list[EngineSlot], version: str, deadline: float, remember: bool
+    ) -> tuple[list[int], bool]:
+        """One source for some engines: load, verify each, and (under the lock) ACTIVE for each verified
+        engine still waiting at the url it was restored at. The verified ids, and whether an engine
+        of the batch failed meanwhile (then the others are not to blame)."""
+        urls = {s.engine_id: s.url for s in batch}
+        marks = {s.engine_id: s.lifecycle.mark() for s in batch}
+        ids = list(urls)
+
+        def load_and_verify():
+            report = source.restore(batch, version, deadline)
+            return None if report is None else verify_each(self.fleet, report, ids)
+
+        future, thread = run_before(load_and_verify, deadline)
+        if not future.done():
+            self._give_up(batch, urls, f"restore from {source.name} not done in {self.rollout.restore_timeout_s} s")
+            thread.join(timeout=2 * self.rollout.probe_timeout_s)  # its calls fail now that the hung engine is gone
+            problems = {e: "restore timed out" for e in ids}
+        elif future.exception() is not None:
+            problems = {e: f"{source.name} failed: {future.exception()!r:.300}" for e in ids}
+        elif (problems := future.result()) is None:
+            log.info("engines %s wait for the trainer's next push (no source restored them)", ids)
+            return [], False
+        died = any(s.lifecycle.failed_since(marks[s.engine_id]) for s in batch)
+        verified = []
+        with self._lock:
+            for slot in batch:
+                problem, same = problems[slot.engine_id], slot.url == urls[slot.engine_id]
+                if problem is None and same and slot.state == EngineState.AWAITING_WEIGHTS:
+                    slot.version = version
+                    slot.lifecycle.to(EngineState.ACTIVE, f"verified at version {version!r} ({source.name})")
+                    verified.append(slot.engine_id)
+                elif problem is not None:
+                    log.warning("engine %d: restore from %s failed: %s", slot.engine_id, source.name, problem)
+                    if same and not died and remember:  # this source's fault: not tried again at this version
+                        self.failed_restores.add((source.name, version, slot.url))
+        return verified, died
+
+    def _give_up(self, batch: list[EngineSlot], urls: dict[int, str], why: str) -> None:
+        """A restore past its deadline: the engines that do not answer /health are hung, so killed
+        (INACTIVE); the others keep waiting for a restore or the next push."""
+        ids = [s.engine_id for s in batch]
+        answers = self.fleet.pool.on_all("health", ids, self.rollout.probe_timeout_s)
+        for slot, ok in zip(batch, answers):
+            if not ok:
+                self.mark_dead(slot, f"{why}; /health did not answer", url=urls[slot.engine_id], kill=True)
+        log.warning("%s: engines %s", why, ids)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
     def register_checkpoint(self, version: str, directory: str) -> None:
         """A HF directory holding `version` (the trainer saves one for recovery); the newest two are kept."""
         with self._lock:

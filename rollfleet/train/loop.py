@@ -9,6 +9,7 @@ trainer trains and get weights pushed again after resuming them (`Fleet.trainer_
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from rollfleet.train.worker import TrainerGroup
 from rollfleet.weights.checkpoint import atomic_directory
 from rollfleet.weights.transports.base import transport_class
 
+log = logging.getLogger("rollfleet.loop")
 Observer = Callable[[int, list[PromptItem], list[Sample]], None]
 
 
@@ -142,7 +144,7 @@ def _resume_point(run: Run, resume: bool, console: Console) -> tuple[int, str]:
 def _step(run: Run, step: int, version: str) -> dict:
     cfg, fleet, trainers, clock = run.cfg, run.fleet, run.trainers, StepClock()
     with clock.phase("recovery"):
-        fleet.restart_inactive()  # dead engines restart at the step boundary: restored, or they take this push
+        recovery_errors = _restart_inactive(fleet)
     items = run.dataset.batch(step, cfg.grpo.prompts_per_step, seed=cfg.grpo.seed)
     retries = fleet.router.retries
     samples = _generate_and_reward(run, items, clock)
@@ -164,7 +166,7 @@ def _step(run: Run, step: int, version: str) -> dict:
     recovery = {**snapshot, "snapshots_written": run.snapshots.take_written()}
     events, retries = fleet.take_events(), fleet.router.retries - retries
     metrics = step_metrics(samples, train_metrics, report, events, clock, retries, sleep_wake=moves, recovery=recovery)
-    return {**metrics, **_against_copy_ceiling(run, moves)}
+    return {**metrics, **_against_copy_ceiling(run, moves), "recovery_errors": recovery_errors}
 
 
 def _against_copy_ceiling(run: Run, moves: dict) -> dict:
@@ -174,6 +176,18 @@ def _against_copy_ceiling(run: Run, moves: dict) -> dict:
     if moved and run.copy_ceiling is None:
         run.copy_ceiling = run.trainers.copy_ceiling(moved)
     return sleep_wake_figures(moves, run.copy_ceiling)
+
+
+def _restart_inactive(fleet: Fleet) -> int:
+    """Dead engines restart at the step boundary: restored, or they take this step's push. A failure
+    here never ends the run (the engines stay out of rotation; the background restarter and the next
+    step try again): it is logged and counted in the step's metrics."""
+    try:
+        fleet.restart_inactive()
+    except Exception:  # noqa: BLE001 - logged and counted, not swallowed
+        log.exception("restarting engines failed; the step goes on with the engines that are ACTIVE")
+        return 1
+    return 0
 
 
 def _generate_and_reward(run: Run, items: list[PromptItem], clock: StepClock) -> list[Sample]:

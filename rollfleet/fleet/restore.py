@@ -1,0 +1,125 @@
+"""Restore sources: where an engine that holds no verified weights (restarted, or left by a failed push)
+gets the fleet's version from, tried in order by `Recovery`.
+
+A source only *loads* weights into engines and says what they must then report (a `SyncReport`);
+it changes no state. Recovery runs it under the restore's deadline (`rollout.restore_timeout_s`),
+verifies every engine on its own, and moves each verified one to ACTIVE under its lock. The order
+today: a checkpoint of exactly the fleet's version (registered by the trainer, or left by the disk
+transport), then "wait for the trainer's next push" (loads nothing). A source that goes first (a
+peer engine of the same layout, say) is one more `RestoreSource` at the front of `Recovery.sources`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Protocol
+
+from rollfleet.config import TensorSync
+from rollfleet.fleet.lifecycle import EngineSlot
+from rollfleet.weights.checkpoint import CheckpointSource
+from rollfleet.weights.transports import SyncReport
+from rollfleet.weights.verify import find_unverified
+
+if TYPE_CHECKING:
+    from rollfleet.fleet.fleet import Fleet
+
+
+class RestoreError(RuntimeError):
+    """An explicit restore (`Fleet.restore`) left engines unverified."""
+
+
+class RestoreSource(Protocol):
+    name: str  # for logs and for remembering which source failed which engine at which version
+
+    def available(self, version: str, slot: EngineSlot) -> bool:
+        """Whether this source can give `slot` the weights of `version` now (cheap: no engine call)."""
+        ...
+
+    def restore(self, slots: list[EngineSlot], version: str, deadline: float) -> SyncReport | None:
+        """Load `version` into the engines (raising on failure); what they must now report, or None
+        when this source loads nothing (the engines wait). `deadline` is a `time.monotonic()` time:
+        Recovery gives up on the call then, so a source may use it to size its own timeouts."""
+        ...
+
+
+class CheckpointRestore:
+    """A HF directory holding exactly the version. One engine loads it itself
+    (`/update_weights_from_disk`); several get it read once here and fanned out over the tensor
+    transport (shared memory on CPU, CUDA IPC on GPU; same node)."""
+
+    name = "checkpoint"
+
+    def __init__(self, fleet: Fleet, directory_for: Callable[[str], str | None], fan_out: bool | None = None):
+        self.fleet, self.directory_for, self.fan_out = fleet, directory_for, fan_out
+
+    def available(self, version: str, slot: EngineSlot) -> bool:
+        return self.directory_for(version) is not None
+
+    def restore(self, slots: list[EngineSlot], version: str, deadline: float) -> SyncReport:
+        directory = self.directory_for(version)
+        if directory is None:
+            raise RestoreError(f"no checkpoint holds version {version!r} any more")
+        engine_ids = [s.engine_id for s in slots]
+        if self.fan_out if self.fan_out is not None else len(engine_ids) > 1:
+            source, targets = CheckpointSource(directory), self.fleet.weight_targets(engine_ids)
+            timeout_s = max(1.0, deadline - time.monotonic())
+            return self.fleet.send_weights(source, version, targets, TensorSync(), timeout_s=timeout_s)
+        self.fleet.pool.on_all("update_weights_from_disk", engine_ids, directory, weight_version=version)
+        return self.fleet.expected_from_checkpoint(directory, version, engine_ids)
+
+
+class WaitForPush:
+    """The last resort: nothing is loaded; the engines stay AWAITING_WEIGHTS (no traffic) and take
+    the trainer's next push, verified like any push."""
+
+    name = "next push"
+
+    def available(self, version: str, slot: EngineSlot) -> bool:
+        return True
+
+    def restore(self, slots: list[EngineSlot], version: str, deadline: float) -> None:
+        return None
+
+
+def run_before(fn: Callable[[], object], deadline: float) -> tuple[Future, threading.Thread]:
+    """Run `fn` in a thread of its own and wait for it until `deadline` (`time.monotonic()`); the
+    future raises `TimeoutError` then, and the thread is left to end on its own (the caller makes
+    sure it does, by killing the engine it waits on)."""
+    future: Future = Future()
+
+    def go():
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(exc)
+
+    thread = threading.Thread(target=go, name="rollfleet-restore", daemon=True)
+    thread.start()
+    try:
+        future.result(timeout=max(0.0, deadline - time.monotonic()))
+    except BaseException:  # noqa: BLE001 - the caller reads the future
+        pass
+    return future, thread
+
+
+def verify_each(fleet: Fleet, report: SyncReport, engine_ids: list[int]) -> dict[int, str | None]:
+    """Engine id -> what is wrong with it (None: verified), each engine checked on its own, so one
+    that does not answer fails only itself."""
+    mode = fleet.cfg.verify_mode
+
+    async def one(engine_id: int) -> str | None:
+        alone = dataclasses.replace(report, engine_ids=[engine_id])
+        try:
+            return (await find_unverified(alone, {engine_id: fleet.pool.client(engine_id)}, mode)).get(engine_id)
+        except Exception as exc:  # noqa: BLE001 - a dead or hung engine: its own verification fails
+            return f"not answering: {exc!r:.200}"
+
+    async def every():
+        return await asyncio.gather(*(one(e) for e in engine_ids))
+
+    return dict(zip(engine_ids, fleet.pool.run(every())))
