@@ -57,6 +57,7 @@ class EngineService:
     tokenizer: Any
     call_order: CallOrder = field(default_factory=CallOrder)
     unloading: set[str] = field(default_factory=set)  # adapters being unloaded: new requests refused
+    start_breakdown: dict = field(default_factory=dict)  # start_timing.StartTimer.breakdown(), once listening
     sessions: WeightSessions = field(init=False)
 
     def __post_init__(self):

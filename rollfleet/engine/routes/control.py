@@ -47,6 +47,7 @@ async def server_info(engine: Engine):
         "rollfleet_ordered_weight_calls": True,
         "rollfleet_weight_calls_waiting": engine.call_order.waiting,
         "rollfleet_weight_update_sessions": True,
+        "start_breakdown": engine.start_breakdown,  # seconds per phase of this engine's start
     }
 
 
