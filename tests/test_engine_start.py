@@ -4,8 +4,7 @@ weight file (real engine processes, tp=1, tp=2, tp=2 + ep=2 MoE).
 Dummy engines start on copies of the model directories whose safetensors files were removed, so
 any read of a weight file fails their start. They must come up not ready, refuse weight reads,
 and after a push of the checkpoint's tensors hold exactly the shards of a normal load and generate
-exactly what it generates (same tokens, same logprobs: the rotary buffers were computed, not left
-empty)."""
+what it generates (same tokens, same logprobs: the rotary buffers were computed, not left empty)."""
 
 from __future__ import annotations
 
@@ -106,7 +105,13 @@ def test_dummy_start_then_push_equals_a_normal_load(engines, qwen3_dir, tp):
     push_checkpoint(dummy, qwen3_dir, tp, "pushed")
     assert call(dummy, "get_model_info")["weights_ready"] is True
     assert call(dummy, "shard_fingerprints") == call(normal, "shard_fingerprints")
-    assert generated(dummy) == generated(normal)
+    got, want = generated(dummy), generated(normal)
+    assert [g["ids"] for g in got] == [w["ids"] for w in want]
+    if tp == 1:
+        assert got == want  # bit for bit
+    else:  # two calls on one tp=2 engine already differ in the last bits of a logprob (seen on gloo)
+        for g, w in zip(got, want):
+            assert [lp for lp, _, _ in g["logprobs"]] == pytest.approx([lp for lp, _, _ in w["logprobs"]], abs=1e-5)
     assert [g["ids"] for g in generated(dummy)] == [reference_greedy(qwen3_dir, p, 8)[0] for p in PROMPTS]
 
 

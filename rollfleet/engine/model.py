@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, DynamicCache
+from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.distributed import DistributedConfig
 
 from rollfleet.engine.load_prints import LoadPrints
@@ -127,6 +128,9 @@ class ModelRunner:
             model = model_class(config).from_pretrained(None, config=config, state_dict={}, dtype=dtype, **placement)
         on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         assert not on_meta, f"dummy start left tensors on the meta device: {on_meta[:5]}"
+        # The loader keeps the weight conversions it used, none here: keep every one the model has,
+        # or checkpoint names that fuse (MoE experts) would be unknown to the weight schema.
+        model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
         return model
 
     # ---- generation (lockstep) ----------------------------------------------------------
