@@ -11,6 +11,11 @@ The phases are the fleet's own steps, timed apart: `restore` is the load (or the
 the fleet's fingerprint check (fleet.verify), `expected` computing the fingerprints expected from the
 checkpoint's files, and `setup` building, connecting and tearing down a transport (push and fan-out
 only). `total` (kill to ACTIVE) is the sum of all of them.
+
+`restart` is split again by the restarted engine itself (its /get_server_info "start_breakdown",
+engine/start_timing.py; the slowest engine when two restart): spawn, imports, model code, device and
+process group, model build (construction + weight allocation), tokenizer, server set-up, listening;
+`outside` is the rest of `restart` (stopping the dead process, Ray calls, seeing the engine up).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ PATHS = (
 )
 
 
-def _kill_and_restart(fleet: Fleet, engine_ids: list[int]) -> dict[str, float]:
+def _kill_and_restart(fleet: Fleet, engine_ids: list[int]) -> tuple[dict[str, float], dict[str, float]]:
+    """Phase times, and the restart's split by the slowest restarted engine's own start breakdown."""
     start = time.perf_counter()
     for engine_id in engine_ids:
         os.killpg(ray.get(fleet.slots[engine_id].head.engine_pid.remote()), signal.SIGKILL)
@@ -51,7 +57,11 @@ def _kill_and_restart(fleet: Fleet, engine_ids: list[int]) -> dict[str, float]:
         time.sleep(0.005)
     detected = time.perf_counter()
     fleet.restart_inactive(restore=False)
-    return {"detect": detected - start, "restart": time.perf_counter() - detected}
+    times = {"detect": detected - start, "restart": time.perf_counter() - detected}
+    infos = fleet.pool.on_all("get_server_info", engine_ids)
+    slowest = max((info.get("start_breakdown") or {"total_s": 0.0} for info in infos), key=lambda b: b["total_s"])
+    split = {**slowest.get("phases", {}), "outside": max(0.0, times["restart"] - slowest["total_s"])}
+    return times, split
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -86,7 +96,7 @@ def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
     rows = []
     for path in PATHS:
         engines = [1] if path.startswith("1 engine") else [0, 1]
-        times = _kill_and_restart(fleet, engines)
+        times, start_split = _kill_and_restart(fleet, engines)
         if path == PATHS[0] or path == PATHS[2]:
             times |= _from_disk(fleet, checkpoint, "v1", engines)
         elif path == PATHS[1]:
@@ -95,7 +105,8 @@ def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
             times |= _push(fleet, CheckpointSource(checkpoint), "v1", engines)
         states = [s.state.value for s in fleet.slots]
         assert states == ["ACTIVE", "ACTIVE"], f"{path}: engines {states} after recovery"
-        rows.append({"path": path, **{k: times.get(k, 0.0) for k in PHASES}, "total": sum(times.values())})
+        row = {"path": path, **{k: times.get(k, 0.0) for k in PHASES}, "total": sum(times.values())}
+        rows.append({**row, "restart_split": start_split})
     return rows
 
 
@@ -146,11 +157,23 @@ def _run(args) -> tuple[list[dict], float, bool]:
 
 
 def _summary(rows: list[dict], size_mb: float, gpu: bool) -> dict:
-    per_path = {}
+    per_path, splits = {}, {}
     for path in PATHS:
         mine = [r for r in rows if r["path"] == path]
         per_path[path] = {k: spread([r[k] for r in mine]) for k in (*PHASES, "total")}
-    return {"device": "GPU" if gpu else "CPU", "checkpoint_mb": size_mb, "paths": per_path}
+        names = dict.fromkeys(name for r in mine for name in r["restart_split"])  # start order
+        splits[path] = {name: spread([r["restart_split"].get(name, 0.0) for r in mine]) for name in names}
+    return {"device": "GPU" if gpu else "CPU", "checkpoint_mb": size_mb, "paths": per_path, "restart_split": splits}
+
+
+def _print_restart_split(summary: dict) -> None:
+    """The restart column again, split by the engine's own start phases (medians, seconds)."""
+    splits = summary["restart_split"]
+    names = list(dict.fromkeys(name for split in splits.values() for name in split))
+    print("  restart, split by the restarted engine's start breakdown (slowest engine; outside = not in the engine)")
+    print(f"  {'path':40}" + "".join(f"{name[:11]:>12}" for name in names))
+    for path, split in splits.items():
+        print(f"  {path:40}" + "".join(f"{split[n]['median'] if n in split else 0.0:12.3f}" for n in names))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  {'path':40}" + "".join(f"{k:>9}" for k in (*PHASES, "total")))
     for path, figures in summary["paths"].items():
         print(f"  {path:40}" + "".join(f"{figures[k]['median']:9.3f}" for k in (*PHASES, "total")))
+    _print_restart_split(summary)
     print("  targets on CPU: detect < 2 s, total < 20 s")
     config = {k: v for k, v in vars(args).items() if k != "json"}
     write_record(args.json, make_record("recovery", command, config, rows, summary, True, started=started))

@@ -10,16 +10,17 @@ which is also the only handle on the parameters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-import shutil
-import tempfile
 import time
+from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from torch.distributed.tensor import DTensor
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, DynamicCache
+from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.distributed import DistributedConfig
 
 from rollfleet.engine.load_prints import LoadPrints
@@ -48,12 +49,15 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         dummy: bool = False,
         group=None,
-        seed: int = 0,
         lora: LoraLimits | None = None,
+        mark: Callable[[str], object] | None = None,
     ):
+        """`mark(phase)`: called as each phase of the build ends (the engine's start timing)."""
+        mark = mark or (lambda phase: None)
         self.tp_size, self.ep_size, self.device = tp_size, ep_size, torch.device(device)
         self.ranks = Ranks(group)  # gloo group of this engine's ranks (None when tp_size == 1)
-        self.model = self._load(model_path, dtype, dummy, seed).eval().requires_grad_(False)
+        self.model = self._load(model_path, dtype, dummy).eval().requires_grad_(False)
+        mark("model_build")
         params = dict(self.model.named_parameters(remove_duplicate=False))
         self.dtype = next(iter(params.values())).dtype
         self.schema = WeightSchema.of(self.model, params)
@@ -75,6 +79,7 @@ class ModelRunner:
         self.remote = RemoteInstance(self.model, self.lora, self.weights, self.load_prints, self.ranks)
         self.cache: DynamicCache | None = None
         self._weight_backup: list[torch.UntypedStorage] | None = None  # released weights' host copy
+        mark("model_prepare")
 
     @property
     def weights_ready(self) -> bool:
@@ -83,12 +88,20 @@ class ModelRunner:
     def weights_released(self) -> bool:
         return any(storage.nbytes() == 0 for storage, _ in self._storages)
 
-    def _refuse_if_released(self) -> None:
-        """Reads of released weights would touch freed memory (a SIGSEGV on CPU): refuse them. Every
-        rank released in lockstep, so every rank refuses alike, before any collective."""
+    def _refuse_unloaded_reads(self) -> None:
+        """Weight reads see only loaded values. Released weights would touch freed memory (a SIGSEGV
+        on CPU); weights not loaded since start or release (a dummy start, a resume) hold no values
+        yet, and must not pass for a model. Every rank holds the same state (lockstep), so every rank
+        refuses alike, before any collective."""
         if self.weights_released():
             raise WeightUpdateError(
                 f"weights are released: call /resume_memory_occupation with tags {[WEIGHT_TAG]} first"
+            )
+        if not self.weights.ready:
+            missing = sorted(self.schema.required_names - self.weights.loaded_names)
+            raise WeightUpdateError(
+                f"weights are not loaded: {len(missing)} tensors have had no values since the start (dummy) or "
+                f"the last release, e.g. {missing[:3]}: push every weight (or /update_weights_from_disk) first"
             )
 
     # ---- loading -------------------------------------------------------------------------
@@ -99,34 +112,29 @@ class ModelRunner:
             return DistributedConfig(tp_size=self.tp_size, ep_size=self.ep_size)
         return DistributedConfig(tp_size=self.tp_size, tp_plan="auto")
 
-    def _load(self, model_path: str, dtype: torch.dtype, dummy: bool, seed: int):
-        if not dummy:
-            return self._from_pretrained(model_path, dtype)
-        # Random weights (`--load-format dummy`): write one random checkpoint and let transformers'
-        # own loader shard it, so every rank holds exactly the layout a real load gives it.
-        group, rank = self.ranks.group, self.ranks.rank
-        scratch = [tempfile.mkdtemp(prefix="rollfleet-dummy-")] if rank == 0 else [None]
-        if rank == 0:
-            torch.manual_seed(seed)
-            config = AutoConfig.from_pretrained(model_path)
-            AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(scratch[0])
-        if group is not None:
-            dist.broadcast_object_list(scratch, src=dist.get_global_rank(group, 0), group=group)
-        try:
-            return self._from_pretrained(scratch[0], dtype)
-        finally:
-            if group is not None:
-                dist.barrier(group=group)
-            if rank == 0:
-                shutil.rmtree(scratch[0], ignore_errors=True)
-
-    def _from_pretrained(self, path: str, dtype: torch.dtype):
+    def _load(self, model_path: str, dtype: torch.dtype, dummy: bool):
+        """The model, laid out as transformers' TP/EP plan gives this rank (DTensor shards), on this
+        rank's device in `dtype`: from the checkpoint's files, or (`dummy`) without values and
+        without reading any weight file (`_parameters_left_unset`)."""
+        config = AutoConfig.from_pretrained(model_path)
         distributed = self._distributed_config()
-        if distributed is None:
-            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, disable_mmap=True).to(self.device)
-        return AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, distributed_config=distributed, disable_mmap=True
-        )
+        placement = {"device_map": {"": self.device}} if distributed is None else {"distributed_config": distributed}
+        if not dummy:
+            return model_class(config).from_pretrained(
+                model_path, config=config, dtype=dtype, disable_mmap=True, **placement
+            )
+        # transformers' own loader lays out the model (meta device, then each missing key allocated
+        # empty on its device: the shards, in `dtype`), given no tensors; it still computes the
+        # buffers that are not weights (rotary inv_freq) as it does for any missing key. The engine
+        # stays not ready, and weight reads are refused (`_refuse_unloaded_reads`), until weights arrive.
+        with _parameters_left_unset(), _quiet_load_report():
+            model = model_class(config).from_pretrained(None, config=config, state_dict={}, dtype=dtype, **placement)
+        on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        assert not on_meta, f"dummy start left tensors on the meta device: {on_meta[:5]}"
+        # The loader keeps the weight conversions it used, none here: keep every one the model has,
+        # or checkpoint names that fuse (MoE experts) would be unknown to the weight schema.
+        model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
+        return model
 
     # ---- generation (lockstep) ----------------------------------------------------------
     @torch.inference_mode()
@@ -178,7 +186,7 @@ class ModelRunner:
     # ---- weight reads (lockstep) ----------------------------------------------------------
     def get_weights_by_name(self, name: str, truncate_size: int) -> list[float]:
         """First values of a parameter, by checkpoint name (per expert for MoE) or in-memory name."""
-        self._refuse_if_released()
+        self._refuse_unloaded_reads()
         params = self.lora.base_params()
         if name in params:
             full = full_of(params[name])
@@ -191,14 +199,14 @@ class ModelRunner:
 
     def shard_fingerprints(self) -> list[dict[str, str]]:
         """Per rank: in-memory parameter name -> sha256 of this rank's local shard bytes."""
-        self._refuse_if_released()
+        self._refuse_unloaded_reads()
         params = self.lora.base_params()
         return self.ranks.gather({name: tensor_sha256(local_of(p)) for name, p in params.items()})
 
     def weights_fingerprint(self, names: list[str] | None, samples: int) -> dict[str, str]:
         """Checkpoint name -> fingerprint of the full tensor (rollfleet.wire.fingerprint), for the
         given names (all when None); the sender computes the same over what it sent."""
-        self._refuse_if_released()
+        self._refuse_unloaded_reads()
         params, schema = self.lora.base_params(), self.schema
         wanted = set(schema.checkpoint_to_param) if names is None else set(names)
         unknown = sorted(wanted - set(schema.checkpoint_to_param))
@@ -299,6 +307,36 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def _parameters_left_unset():
+    """transformers initialises every key a load did not provide, skipping each tensor flagged
+    `_is_hf_initialized` (transformers.initialization). Flag every parameter (plain or DTensor, the
+    class attribute) for the length of a dummy build: parameters keep their allocation without
+    values (no random fill, whose cost grows with the model), while buffers, which are plain
+    tensors, are still computed. The flag is gone again on exit."""
+    classes = (torch.nn.Parameter, DTensor)
+    for cls in classes:
+        cls._is_hf_initialized = True
+    try:
+        yield
+    finally:
+        for cls in classes:
+            del cls._is_hf_initialized
+
+
+@contextlib.contextmanager
+def _quiet_load_report():
+    """A dummy build lists every weight as MISSING in transformers' load report: expected, not worth
+    a table in the engine's log."""
+    report = logging.getLogger("transformers.modeling_utils")
+    level = report.level
+    report.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        report.setLevel(level)
+
+
 @torch.no_grad()
 def _own_storages(params: dict[str, torch.Tensor]) -> None:
     """Give every parameter a storage of its own: loaded tensors may alias a file buffer, which
@@ -320,6 +358,15 @@ def _unique_storages(params: dict[str, torch.Tensor]) -> list[tuple[torch.Untype
         storage = local_of(param).untyped_storage()
         seen.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
     return list(seen.values())
+
+
+def model_class(config_or_path) -> type:
+    """The causal LM class of a config (or of a model directory's config.json); the first call for
+    an architecture imports its code, which takes seconds."""
+    config = config_or_path
+    if isinstance(config, str | os.PathLike):
+        config = AutoConfig.from_pretrained(config)
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
 def local_device(device_type: str, base_gpu_id: int, tp_rank: int) -> str:

@@ -10,8 +10,11 @@ keeps serving.
 
 from __future__ import annotations
 
+# first: the imports below are a timed phase of the start (start_timing.py)
+from rollfleet.engine.start_timing import StartTimer
+
+# isort: split
 import argparse
-import json
 import logging
 import multiprocessing
 import os
@@ -24,9 +27,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from rollfleet.engine.http_server import RequestBodyLimit, run_server
 from rollfleet.engine.lockstep import Action, Lockstep, follow
 from rollfleet.engine.lora import LoraLimits
-from rollfleet.engine.model import ModelRunner, local_device
+from rollfleet.engine.model import ModelRunner, local_device, model_class
 from rollfleet.engine.remote_args import add_remote_instance_flags, check_remote_instance_args
 from rollfleet.engine.serving_flags import add_serving_flags
 
@@ -53,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-format",
         default="auto",
         choices=["auto", "safetensors", "dummy", "remote_instance"],
-        help="dummy = random weights; not ready until weights are pushed. remote_instance = load them from "
-        "a running engine of the same layout (R-Fork; the --remote-instance-weight-loader-* flags)",
+        help="dummy = weights allocated without values (no file read); not ready until weights are pushed. "
+        "remote_instance = load them from a running engine of the same layout "
+        "(R-Fork; the --remote-instance-weight-loader-* flags)",
     )
     p.add_argument(
         "--dtype",
@@ -68,7 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_limit_flags(p)
     add_remote_instance_flags(p)
     add_serving_flags(p)
-    p.add_argument("--random-seed", type=int, default=0, help="seed of dummy weights")
+    p.add_argument(
+        "--random-seed",
+        type=int,
+        default=None,
+        help="accepted for SGLang compatibility, ignored (a warning says so): a dummy start leaves weights "
+        "without values, and sampling seeds come per request (sampling_params.sampling_seed)",
+    )
     p.add_argument(
         "--enable-lora",
         action="store_true",
@@ -175,7 +186,7 @@ def lora_limits(args: argparse.Namespace) -> LoraLimits | None:
     return LoraLimits(max_rank=args.max_lora_rank, target_modules=targets, max_loaded=args.max_loaded_loras)
 
 
-def _make_runner(args, device: str, group) -> ModelRunner:
+def _make_runner(args, device: str, group, mark=None) -> ModelRunner:
     return ModelRunner(
         args.model_path,
         tp_size=args.tp_size,
@@ -184,12 +195,14 @@ def _make_runner(args, device: str, group) -> ModelRunner:
         dtype=resolve_dtype(args),
         dummy=args.load_format in ("dummy", "remote_instance"),  # remote_instance: received after the build
         group=group,
-        seed=args.random_seed,
         lora=lora_limits(args),
+        mark=mark,
     )
 
 
-def _follower_main(args, rank: int, store_port: int) -> None:
+def _follower_main(args, rank: int, store_port: int, spawned_at: float) -> None:
+    timer = StartTimer(spawned_at)
+    timer.mark("imports")
     # A stop signal to the process group is rank 0's to handle: it tells followers to shut down
     # in order; a follower that died first would fail rank 0's last broadcast.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -197,7 +210,10 @@ def _follower_main(args, rank: int, store_port: int) -> None:
     _exit_when_parent_dies()
     store = dist.TCPStore("127.0.0.1", store_port, args.tp_size, is_master=False)
     device, group = _init_distributed(args, rank, store)
-    follow(_make_runner(args, device, group), group)
+    timer.mark("device_and_group")
+    runner = _make_runner(args, device, group, timer.mark)
+    runner.ranks.gather(timer.phases)  # tells rank 0 this rank is ready, and how its start went
+    follow(runner, group)
     dist.destroy_process_group()
 
 
@@ -232,6 +248,8 @@ def _exit_when_a_follower_dies(procs) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    timer = StartTimer.from_env()
+    timer.mark("imports")
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -240,27 +258,44 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     dump_stacks_if_hung()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    group, device, procs = None, local_device(args.device, args.base_gpu_id, 0), []
-    if args.tp_size > 1:
-        store = dist.TCPStore("127.0.0.1", 0, args.tp_size, is_master=True, wait_for_workers=False)
-        context = multiprocessing.get_context("spawn")
-        procs = [
-            context.Process(target=_follower_main, args=(args, rank, store.port), daemon=True)
-            for rank in range(1, args.tp_size)
-        ]
-        for proc in procs:
-            proc.start()
-        _exit_when_a_follower_dies(procs)
+    if args.random_seed is not None:
+        log.warning("--random-seed %s is ignored: see --help", args.random_seed)
+    timer.mark("args")
+    store, procs = _spawn_followers(args) if args.tp_size > 1 else (None, [])
+    timer.mark("followers_spawned")
+    # Rank-local work first: it overlaps the followers' own imports, which rank 0's group init waits for.
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+    timer.mark("tokenizer")
+    model_class(args.model_path)  # imports the model's code (torch._dynamo and all): seconds
+    timer.mark("model_code")
+    group, device = None, local_device(args.device, args.base_gpu_id, 0)
+    if store is not None:
         device, group = _init_distributed(args, 0, store)
-    runner = _make_runner(args, device, group)
-    serve(args, runner, Lockstep(runner, group))
+    timer.mark("device_and_group")
+    runner = _make_runner(args, device, group, timer.mark)
+    if procs:
+        timer.followers = runner.ranks.gather(timer.phases)[1:]
+        timer.mark("followers_ready")
+    serve(args, runner, Lockstep(runner, group), tokenizer=tokenizer, timer=timer)
     for proc in procs:
         proc.join(timeout=10)
 
 
-def serve(args, runner: ModelRunner, lockstep: Lockstep) -> None:
-    import uvicorn
+def _spawn_followers(args) -> tuple[dist.TCPStore, list]:
+    """Start tp ranks 1.. as spawned processes, before rank 0's own model work, so their imports
+    overlap it; they join rank 0's group through the returned store."""
+    store = dist.TCPStore("127.0.0.1", 0, args.tp_size, is_master=True, wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    procs = []
+    for rank in range(1, args.tp_size):
+        spawned_at = time.time()
+        procs.append(context.Process(target=_follower_main, args=(args, rank, store.port, spawned_at), daemon=True))
+        procs[-1].start()
+    _exit_when_a_follower_dies(procs)
+    return store, procs
 
+
+def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: StartTimer) -> None:
     from rollfleet.engine.app import create_app
     from rollfleet.engine.remote_pull import load_at_start
     from rollfleet.engine.scheduler import Scheduler
@@ -270,7 +305,6 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep) -> None:
     # it after every socket call. 5 ms (the default) times the dozens of such calls a reply makes let a
     # busy engine delay /health by a second on a loaded host; 1 ms keeps it fast.
     sys.setswitchinterval(0.001)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
     scheduler = Scheduler(
         lockstep,
         tokenizer,
@@ -287,58 +321,18 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep) -> None:
     if args.load_format == "remote_instance":
         load_at_start(service)  # before /health answers: the engine is up either ready or with the reason
     app = RequestBodyLimit(create_app(service), args.max_request_bytes)
+    timer.mark("server_setup")
+
+    def listening() -> None:
+        timer.mark("listening")
+        service.start_breakdown.update(timer.breakdown())
+        log.warning("%s", timer.line())
+
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        run_server(app, args, on_listening=listening)
     finally:
         scheduler.stop()
         lockstep(Action.SHUTDOWN)
-
-
-class RequestBodyLimit:
-    """ASGI middleware: a request body above `max_bytes` gets 413 before the app parses it, by its
-    Content-Length; a body without one (chunked) is read here up to the limit, then handed on."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            if not length.isdigit() or int(length) > self.max_bytes:
-                return await self._refuse(send, f"content-length {length.decode('latin-1')!r}")
-            return await self.app(scope, receive, send)
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.max_bytes:
-                return await self._refuse(send, f"more than {self.max_bytes} bytes")
-        body, handed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal handed
-            if handed:
-                return await receive()  # waits for the disconnect
-            handed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send, got: str) -> None:
-        message = (
-            f"request body: {got} is over this server's limit of {self.max_bytes} bytes: split the request "
-            "(fewer prompts per call), or start the server with a larger --max-request-bytes"
-        )
-        body = json.dumps({"success": False, "message": message}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
 
 
 def _bind_thread(runner: ModelRunner) -> None:

@@ -77,6 +77,7 @@ class EngineService:
     call_order: CallOrder = field(default_factory=CallOrder)
     unloading: set[str] = field(default_factory=set)  # adapters being unloaded: new requests refused
     loaded_from: str | None = None  # the model path of the last disk update (None: the start's)
+    start_breakdown: dict = field(default_factory=dict)  # start_timing.StartTimer.breakdown(), once listening
     sessions: WeightSessions = field(init=False)
     remote: RemoteTransfers = field(default_factory=RemoteTransfers)
 

@@ -59,7 +59,14 @@ class RolloutWorker:
             except PortInUse:
                 if attempt == PORT_ATTEMPTS - 1:
                     raise
-        return {"url": self._url(port), "pid": self.engine.pid, "log": str(log_path)}
+        # up_after_s: spawn to the first /health answer, as this worker saw it (the engine's own
+        # phases are in its /get_server_info "start_breakdown")
+        return {
+            "url": self._url(port),
+            "pid": self.engine.pid,
+            "log": str(log_path),
+            "up_after_s": self.engine.up_after_s,
+        }
 
     def _url(self, port: int) -> str:
         host = self.rollout.host

@@ -50,6 +50,7 @@ async def server_info(engine: Engine):
         "rollfleet_weight_calls_waiting": engine.call_order.waiting,
         "rollfleet_weight_update_sessions": True,
         "rollfleet_remote_instance": engine.remote.report(),
+        "start_breakdown": engine.start_breakdown,  # seconds per phase of this engine's start
     }
 
 
