@@ -95,6 +95,36 @@ def recovery(records: list[tuple[str, dict]]) -> str:
     return "".join(out) or "(no records)\n"
 
 
+def grpo_step(records: list[tuple[str, dict]]) -> str:
+    phases = ("generate", "train", "sync", "sleep_wake", "recovery", "total")
+    out = []
+    for name, r in [(n, r) for n, r in records if r["benchmark"] == "grpo-step"]:
+        c, s = r["config"], r["summary"]
+        limits, pinned = s["ceilings"], s["ceilings"].get("pinned_copy_gb_per_s")
+        out.append(
+            ("\n" if out else "")
+            + f"hidden {c['hidden']}, {c['layers']} layers ({c['model_bytes'] / 1e9:.2f} GB {c['dtype']} on disk), "
+            f"{c['prompts']} prompts x n={c['n']} x {c['new_tokens']} new tokens; median seconds over steps "
+            f"{c['skip'] + 1}-{c['steps']}; record {_source(name, r)}:\n\n"
+        )
+        out.append(
+            "| run | " + " | ".join(phases) + " | sync bytes | sync ceiling s | **ceiling / sync** "
+            "| sleep/wake GB/s | **/ pinned copy** |\n|---|" + "---|" * (len(phases) + 5) + "\n"
+        )
+        for run, f in s["phases"].items():
+            limit = limits.get(f"{run}_sync", {}).get("median")
+            ratio = f"**{limit / f['sync']:.2f}**" if limit and f["sync"] else "-"
+            rate = f.get("sleep_wake_gbps")
+            pinned_rate = min(pinned["h2d_gbps"], pinned["d2h_gbps"]) if pinned else None
+            against = f"**{rate / pinned_rate:.2f}**" if rate and pinned_rate else "-"
+            cells = " | ".join(f"{f[p]:.2f}" for p in phases)
+            out.append(
+                f"| {run} | {cells} | {f.get('sync_bytes', 0) / 1e9:.2f} GB | {limit or 0:.3f} | {ratio} "
+                f"| {f'{rate:.1f}' if rate else '-'} | {against} |\n"
+            )
+    return "".join(out) or "(no records)\n"
+
+
 def batching(records: list[tuple[str, dict]]) -> str:
     head = "| one by one tokens/s | all at once tokens/s | speed-up | requests x new tokens | n | record |\n"
     rows = [head + "|---|---|---|---|---|---|\n"]
@@ -153,6 +183,7 @@ TABLES: dict[str, Callable[[list[tuple[str, dict]]], str]] = {
     "weight-sync": weight_sync,
     "recovery": recovery,
     "batching": batching,
+    "grpo-step": grpo_step,
     "demo": demo,
     "demo-summary": demo_summary,
 }

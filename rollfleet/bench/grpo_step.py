@@ -233,7 +233,7 @@ def parse(argv: list[str] | None):
     p.add_argument("--repeats", type=int, default=5, help="timed passes of each ceiling")
     p.add_argument("--run-timeout-s", type=float, default=280)
     p.add_argument("--set", action="append", default=[], help="extra config override, key.path=value")
-    p.add_argument("--out", default="runs/grpo-step")
+    p.add_argument("--out", default="runs/grpo-step", help="work folder (the model, the runs); $WORK in the record")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         None if ok else "a run failed or recorded too few steps (see repeats[].log_tail)",
         started,
     )
-    write_record(args.json, record)
+    text = json.dumps(record).replace(str(out.resolve()), "$WORK").replace(str(out), "$WORK")
+    write_record(args.json, json.loads(text))  # the work folder is a path of this machine
     if not ok:
         sys.exit(1)
