@@ -250,12 +250,13 @@ def main(argv: list[str] | None = None) -> None:
     limits = ceilings(results, args.repeats, gpu)
     text = table({name: results.get(name, {}) for name in runs}, limits)
     print(text)
+    settings = {k: v for k, v in vars(args).items() if k != "json"}  # --json: a path of the measuring machine
     model_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     ok = all(run["exit_code"] == 0 for run in runs.values()) and len(results) == len(runs)
     record = make_record(
         "grpo-step",
         command_line(["rollfleet", "bench", "grpo-step"], argv),
-        {**vars(args), "gpu": gpu, "dtype": str(dtype), "model_bytes": model_bytes},
+        {**settings, "gpu": gpu, "dtype": str(dtype), "model_bytes": model_bytes},
         [{"run": name, **run} for name, run in runs.items()],
         {"phases": results, "ceilings": limits, "table": text},
         ok,
