@@ -94,7 +94,9 @@ class PeerRestore:
     ) -> None:
         """One seed's destinations, one after another; what each must report goes into `report`."""
         try:
-            prints = await asyncio.wait_for(self._seed_prints(seed, version), max(0.1, deadline - time.monotonic()))
+            # a third of what is left: a hung seed leaves the next source time within the deadline
+            wait_s = max(0.1, (deadline - time.monotonic()) / 3)
+            prints = await asyncio.wait_for(self._seed_prints(seed, version), wait_s)
         except Exception as exc:  # noqa: BLE001 - the seed failed: so did every pull it was to serve
             report.failed.update({d.engine_id: f"seed engine {seed.engine_id}: {exc!r:.300}" for d in chain})
             return
