@@ -171,6 +171,44 @@ def test_background_restart_brings_a_dead_engine_back_without_being_asked(fleet,
     assert {s.engine_id for s in samples} == {0, 1}
 
 
+def restored_by(fleet, engine_id):
+    """The source named by the engine's last verification ("verified at version 'v' (peer)")."""
+    return fleet.slots[engine_id].lifecycle.history[-1].why.rsplit("(", 1)[-1].rstrip(")")
+
+
+def test_a_restarted_engine_is_restored_from_its_peer_and_verified_against_the_seed(fleet, qwen3_dir_b):
+    kill(fleet, 1)
+    assert wait_state(fleet, 1, "INACTIVE") == "INACTIVE"
+    assert fleet.restart_inactive() == [1]
+    assert fleet.slots[1].state.value == "ACTIVE" and restored_by(fleet, 1) == "peer"
+    assert fleet.slots[1].version == "v1" and [s.engine_id for s in fleet.recovery.peer.seeds("v1")] == [0, 1]
+    seed_prints = fleet.pool.call(0, "weights_fingerprint", None)
+    assert fleet.pool.call(1, "weights_fingerprint", None) == seed_prints
+    samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
+    assert {s.engine_id for s in samples} == {0, 1} and {s.weight_version for s in samples} == {"v1"}
+    assert [s.output_ids for s in samples[4:]] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]
+
+
+def test_a_seed_killed_during_the_pull_fails_only_that_restore_and_the_checkpoint_follows(fleet):
+    kill(fleet, 1)
+    assert wait_state(fleet, 1, "INACTIVE") == "INACTIVE"
+    assert fleet.restart_inactive(restore=False) == [1]
+    stop(fleet, 0)  # the seed hangs: the pull waits on it, then the seed is killed mid-pull
+    restore = threading.Thread(target=fleet.restart_inactive)
+    start = time.monotonic()
+    restore.start()
+    time.sleep(0.5)
+    kill(fleet, 0)
+    restore.join(timeout=60)
+    assert not restore.is_alive() and time.monotonic() - start < fleet.rollout.restore_timeout_s
+    assert fleet.slots[1].state.value == "ACTIVE" and restored_by(fleet, 1) == "checkpoint"
+    assert ("peer", "v1", fleet.slots[1].url) in fleet.recovery.failed_restores
+    assert wait_state(fleet, 0, "INACTIVE") == "INACTIVE"
+    assert fleet.restart_inactive() == [0]  # now engine 1 seeds engine 0
+    assert fleet.slots[0].state.value == "ACTIVE" and restored_by(fleet, 0) == "peer"
+    assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0, 1}
+
+
 def test_a_late_restore_of_an_older_version_does_not_move_the_fleet_back(fleet, qwen3_dir):
     """The background restarter reads the fleet's version, restarts, restores that version; if the
     trainer pushed a newer one meanwhile, the restore's verification must not set the fleet back (the
@@ -232,7 +270,10 @@ def test_probes_catch_an_engine_hung_during_a_restore_and_the_healthy_one_goes_a
     assert fleet.restart_inactive() == [1] and fleet.slots[1].state.value == "ACTIVE"
 
 
-def test_a_corrupt_checkpoint_fails_its_restore_once_and_the_next_push_verifies(fleet, qwen3_dir, tmp_path, caplog):
+def test_a_corrupt_checkpoint_fails_its_restore_once_and_the_next_push_verifies(
+    fleet, qwen3_dir, tmp_path, caplog, monkeypatch
+):
+    monkeypatch.setattr(fleet.recovery, "sources", fleet.recovery.sources[1:])  # no peer: the checkpoint first
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(fleet.checkpoint_for(fleet.version), corrupt)

@@ -3,14 +3,16 @@
     rollfleet bench recovery [--hidden 256 --layers 8 --repeats 3 --json F]
 
 A local Ray fleet of two embedded engines (CPU, or GPUs when present) holds weights of version v1
-(pushed over disk, so a checkpoint exists). Four ways back: one engine restored from the disk
-checkpoint; one engine restored by a trainer push (tensor transport); two engines restored from the
-same checkpoint, each reading the files vs reading them once and fanning out (tensor transport).
+(pushed over disk, so a checkpoint exists). Five ways back: one engine restored from the disk
+checkpoint; one engine restored by a trainer push (tensor transport); one engine restored from its
+peer (R-Fork pull from the other engine, rollfleet.fleet.peer_restore); two engines restored from
+the same checkpoint, each reading the files vs reading them once and fanning out (tensor transport).
 
-The phases are the fleet's own steps, timed apart: `restore` is the load (or the send), `verify`
-the fleet's fingerprint check (fleet.verify), `expected` computing the fingerprints expected from the
-checkpoint's files, and `setup` building, connecting and tearing down a transport (push and fan-out
-only). `total` (kill to ACTIVE) is the sum of all of them.
+The phases are the fleet's own steps, timed apart: `restore` is the load (or the send; for the peer
+path the pull, with the seed's fingerprints read first), `verify` the fleet's fingerprint check
+(fleet.verify), `expected` computing the fingerprints expected from the checkpoint's files, and
+`setup` building, connecting and tearing down a transport (push and fan-out only). `total` (kill to
+ACTIVE) is the sum of all of them.
 
 `restart` is split again by the restarted engine itself (its /get_server_info "start_breakdown",
 engine/start_timing.py; the slowest engine when two restart): spawn, imports, model code, device and
@@ -43,6 +45,7 @@ PHASES = ("detect", "restart", "setup", "restore", "expected", "verify")
 PATHS = (
     "1 engine, disk checkpoint",
     "1 engine, trainer push (tensor)",
+    "1 engine, restart + peer",
     "2 engines, each reads the files",
     "2 engines, read once + fan-out (tensor)",
 )
@@ -92,15 +95,26 @@ def _from_disk(fleet: Fleet, checkpoint: str, version: str, engine_ids: list[int
     return {"restore": restore, "expected": seconds, "verify": verify}
 
 
+def _from_peer(fleet: Fleet, version: str, engine_ids: list[int]) -> dict[str, float]:
+    """The fleet's peer restore (the source Recovery tries first), then fleet.verify of its report."""
+    slots = [fleet.slots[e] for e in engine_ids]
+    restore, report = _timed(lambda: fleet.recovery.peer.restore(slots, version, time.monotonic() + 120))
+    assert not report.failed, f"peer restore failed: {report.failed}"
+    verify, _ = _timed(lambda: fleet.verify(report, advance=False))
+    return {"restore": restore, "verify": verify}
+
+
 def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
     rows = []
     for path in PATHS:
         engines = [1] if path.startswith("1 engine") else [0, 1]
         times, start_split = _kill_and_restart(fleet, engines)
-        if path == PATHS[0] or path == PATHS[2]:
+        if path in (PATHS[0], PATHS[3]):
             times |= _from_disk(fleet, checkpoint, "v1", engines)
         elif path == PATHS[1]:
             times |= _push(fleet, ModuleSource(model), "v1", engines)
+        elif path == PATHS[2]:
+            times |= _from_peer(fleet, "v1", engines)
         else:
             times |= _push(fleet, CheckpointSource(checkpoint), "v1", engines)
         states = [s.state.value for s in fleet.slots]
@@ -180,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rollfleet bench recovery")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of the four paths")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the five paths")
     parser.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
     args = parser.parse_args(argv)
     command, started = command_line(["rollfleet", "bench", "recovery"], argv), start()

@@ -10,7 +10,8 @@ Ordering, stated once:
 - One restart at a time (`restart_inactive`, from the caller or the background thread): INACTIVE ->
   RECOVERING -> new process with the transport's restart load format -> AWAITING_WEIGHTS (no
   traffic; the engine itself refuses generate). Then every AWAITING_WEIGHTS engine (restarted, or
-  left by a push that failed part-way) is restored: the sources in order, each engine verified on
+  left by a push that failed part-way) is restored: the sources in order (a peer engine at the
+  fleet's version, a checkpoint of it, the next push), each engine verified on
   its own and ACTIVE once verified, whatever happens to the others. A source that fails an engine
   while no engine of its restore died is not tried again for that engine at that version; with no
   source left the engine waits for the trainer's next push.
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from rollfleet.fleet.lifecycle import FAILED, EngineSlot, EngineState
+from rollfleet.fleet.peer_restore import PeerRestore
 from rollfleet.fleet.restore import CheckpointRestore, RestoreError, RestoreSource, WaitForPush, run_before, verify_each
 from rollfleet.weights.transports.base import transport_class
 
@@ -49,8 +51,9 @@ class Recovery:
         self._restarting = False
         self._pauses = 0
         self._checkpoints: dict[str, str] = {}  # version -> HF directory (insertion order)
-        # in order; the first that is available for an engine is tried (a peer source goes in front)
-        self.sources: list[RestoreSource] = [CheckpointRestore(fleet, self.checkpoint_for), WaitForPush()]
+        # in order; the first that is available for an engine is tried
+        self.peer = PeerRestore(fleet)
+        self.sources: list[RestoreSource] = [self.peer, CheckpointRestore(fleet, self.checkpoint_for), WaitForPush()]
         self.failed_restores: set[tuple[str, str, str]] = set()  # (source, version, engine url): not again
         self._closing = threading.Event()
         self._threads = [
@@ -181,14 +184,18 @@ class Recovery:
         load_format = transport_class(self.fleet.cfg.weight_sync).restart_load_format
         stops = [s.head.stop_engine.remote() for s in slots]
         stopped = [s for s, stop in zip(slots, stops) if self._wait(s, stop, STOP_TIMEOUT_S)]
-        starts = [s.head.start_engine.remote(s.gpu_ids, load_format) for s in stopped]
+        version = self.fleet.version
+        seeds = self.peer.start_seeds(stopped, version)  # SGLang pulls from a peer only at start
+        starts = [s.head.start_engine.remote(s.gpu_ids, load_format, seeds.get(s.engine_id)) for s in stopped]
         restarted = []
         for slot, start in zip(stopped, starts):
             info = self._wait(slot, start, STOP_TIMEOUT_S + self.rollout.startup_timeout_s)
             if info:
                 self.fleet.engine_started(slot, info["url"])
-                self.to(slot, EngineState.AWAITING_WEIGHTS, f"restarted with {load_format} weights")
+                how = "a peer's" if slot.engine_id in seeds else load_format
+                self.to(slot, EngineState.AWAITING_WEIGHTS, f"restarted with {how} weights")
                 restarted.append(slot.engine_id)
+        self.peer.started(seeds, [self.fleet.slots[e] for e in restarted], version)
         return restarted
 
     def _wait(self, slot: EngineSlot, call: ray.ObjectRef, timeout_s: float):

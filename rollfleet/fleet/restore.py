@@ -4,9 +4,9 @@ gets the fleet's version from, tried in order by `Recovery`.
 A source only *loads* weights into engines and says what they must then report (a `SyncReport`);
 it changes no state. Recovery runs it under the restore's deadline (`rollout.restore_timeout_s`),
 verifies every engine on its own, and moves each verified one to ACTIVE under its lock. The order
-today: a checkpoint of exactly the fleet's version (registered by the trainer, or left by the disk
-transport), then "wait for the trainer's next push" (loads nothing). A source that goes first (a
-peer engine of the same layout, say) is one more `RestoreSource` at the front of `Recovery.sources`.
+today: a peer engine at the fleet's version (R-Fork, rollfleet.fleet.peer_restore), a checkpoint of
+exactly the fleet's version (registered by the trainer, or left by the disk transport), then "wait
+for the trainer's next push" (loads nothing).
 """
 
 from __future__ import annotations
@@ -113,6 +113,8 @@ def verify_each(fleet: Fleet, report: SyncReport, engine_ids: list[int]) -> dict
     mode = fleet.cfg.verify_mode
 
     async def one(engine_id: int) -> str | None:
+        if engine_id in report.failed:  # the source could not load it (a peer's pull that failed)
+            return report.failed[engine_id]
         alone = dataclasses.replace(report, engine_ids=[engine_id])
         try:
             return (await find_unverified(alone, {engine_id: fleet.pool.client(engine_id)}, mode)).get(engine_id)

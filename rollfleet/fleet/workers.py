@@ -74,6 +74,16 @@ class RolloutWorker:
             host = ray.util.get_node_ip_address()
         return f"http://{host}:{port}"
 
+    def free_ports(self, count: int) -> list[int]:
+        """`count` distinct TCP ports free on this worker's node now: an R-Fork seed's ranks serve
+        their groups' stores on them, so a destination asks the seed's worker, not its own."""
+        ports: list[int] = []
+        while len(ports) < count:
+            port = free_port()
+            if port not in ports:
+                ports.append(port)
+        return ports
+
     def engine_pid(self) -> int | None:
         return None if self.engine is None else self.engine.pid
 

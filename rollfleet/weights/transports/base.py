@@ -49,6 +49,7 @@ class SyncReport:
     fingerprints: dict[int, dict[str, str]] = field(default_factory=dict)  # engine id -> name -> fingerprint
     lora_name: str | None = None  # a LoRA sync: the adapter the fingerprints belong to (None: base weights)
     verified: list[int] = field(default_factory=list)  # engines the fleet verified against this report
+    failed: dict[int, str] = field(default_factory=dict)  # engines a restore could not load, and why
     # which sender fed what (tensor transport): engine id -> the sender rank whose buffer each of its
     # ranks read, and per sender rank what it reported (pid, device, calls, bytes packed, ...)
     feeds: dict[int, list[int]] = field(default_factory=dict)
