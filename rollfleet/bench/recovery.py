@@ -33,14 +33,15 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
+from rollfleet.bench.grpo_step import write_model
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.config import TensorSync, load_config
 from rollfleet.fleet.fleet import Fleet
-from rollfleet.tiny_models import make_tiny_model
 from rollfleet.weights.checkpoint import CheckpointSource
 from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import make_transport
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PHASES = ("detect", "restart", "setup", "restore", "expected", "verify")
 PATHS = (
     "1 engine, disk checkpoint",
@@ -125,15 +126,7 @@ def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
 
 
 def _fleet(args, scratch: Path):
-    model_dir = make_tiny_model(
-        scratch / "model",
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        intermediate_size=4 * args.hidden,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 4,
-    )
+    model_dir = write_model(scratch / "model", args.hidden, args.layers, DTYPES[args.dtype], "cpu")
     gpus = torch.cuda.device_count()
     ray.init(
         num_cpus=8, num_gpus=gpus or 2, _temp_dir=str(scratch / "ray"), include_dashboard=False, log_to_driver=False
@@ -154,7 +147,7 @@ def _run(args) -> tuple[list[dict], float, bool]:
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as scratch:
         model_dir, fleet = _fleet(args, Path(scratch))
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype])
             with torch.no_grad():
                 for param in model.parameters():
                     param.add_(1e-3)
@@ -194,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rollfleet bench recovery")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="of the checkpoint and the engines")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the five paths")
     parser.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
     args = parser.parse_args(argv)
