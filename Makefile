@@ -13,7 +13,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	touch $@
 
 test: $(VENV)/.installed lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check rollfleet tests scripts examples

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import time
 
+import httpx
 import pytest
 import ray
 import torch
@@ -46,14 +47,99 @@ def moe_dir_b(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("moeb"), "qwen3_moe", seed=1))
 
 
+# ---- lent across modules -------------------------------------------------------------------------
+# Starting Ray or an engine server costs seconds of CPU (a tp=2 engine about 15) on a 2-core machine.
+# A Lender starts one when a test first needs it and lends it to the tests after it; the hooks below
+# stop it at the end of the last module that asks for it (SHARED_UNTIL_LAST_MODULE) or, for Ray,
+# which other modules start themselves, at the end of every run of modules that ask for it (the
+# modules on it run one after the other).
+class Lender:
+    """Something expensive started on first use (`start(stack)` registers its own clean-up on the
+    ExitStack and returns the thing) and kept until `release()`; a later `get()` starts it again."""
+
+    def __init__(self, start):
+        self._start, self._stack, self._value = start, None, None
+
+    def get(self):
+        if self._stack is None:
+            with contextlib.ExitStack() as stack:  # a start that fails stops what it had started
+                self._value = self._start(stack)
+                self._stack = stack.pop_all()
+        return self._value
+
+    def release(self) -> None:
+        stack, self._stack, self._value = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+
+_LENDERS: dict[str, Lender] = {}  # session fixture name -> its lender, once a test asked for it
+SHARED_UNTIL_LAST_MODULE = {"qwen3_server_lender", "weight_servers_lender"}
+_LAST_MODULE: dict[str, str] = {}  # lender fixture name -> the last module whose tests ask for it
+_MODULE_USES: dict[str, set[str]] = {}  # module -> the lender fixtures its tests ask for
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselected what will not run
+def pytest_collection_modifyitems(items):
+    items[:] = _ray_modules_together(items)
+    for item in items:
+        _MODULE_USES.setdefault(_module(item), set()).update(n for n in item.fixturenames if n.endswith("_lender"))
+        for name in SHARED_UNTIL_LAST_MODULE & set(item.fixturenames):
+            _LAST_MODULE[name] = _module(item)
+
+
+def _ray_modules_together(items: list) -> list:
+    """The modules on conftest's Ray moved up to the first of them (each keeps its own order), so
+    one Ray start (about 10 s of CPU) serves them all."""
+    on_ray = {_module(item) for item in items if "ray_lender" in item.fixturenames}
+    first = next((i for i, item in enumerate(items) if _module(item) in on_ray), len(items))
+    moved = [item for item in items[first:] if _module(item) in on_ray]
+    rest = [item for item in items[first:] if _module(item) not in on_ray]
+    return items[:first] + moved + rest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the module's own fixtures (fleets on Ray, clients of a server) are torn down first
+    if nextitem is not None and _module(nextitem) == _module(item):
+        return
+    for name, lender in _LENDERS.items():
+        if name in SHARED_UNTIL_LAST_MODULE:
+            done = _LAST_MODULE.get(name) == _module(item) or nextitem is None
+        else:  # Ray: other modules call ray.init themselves, so it never outlives a run of its users
+            done = nextitem is None or name not in _MODULE_USES.get(_module(nextitem), ())
+        if done:
+            lender.release()
+
+
+def lend(name: str, start):
+    """The body of a session fixture `name` whose value lives as the hooks above say."""
+    lender = _LENDERS[name] = Lender(start)
+    yield lender
+    lender.release()
+
+
+@pytest.fixture(scope="session")
+def ray_lender():
+    def start(stack):
+        temp = tempfile.mkdtemp(prefix="rf-ray-")
+        stack.callback(shutil.rmtree, temp, ignore_errors=True)
+        ray.init(num_cpus=8, num_gpus=4, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+        stack.callback(ray.shutdown)
+
+    yield from lend("ray_lender", start)
+
+
 @pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray told it has 4 GPUs (engines still run on the CPU), in a temp dir of its own."""
-    temp = tempfile.mkdtemp(prefix="rf-ray-")
-    ray.init(num_cpus=8, num_gpus=4, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+def local_ray(ray_lender):
+    """A local Ray told it has 4 GPUs (engines still run on the CPU), in a temp dir of its own; one
+    Ray serves consecutive modules that ask for it (each module's fleets are shut down at its end)."""
+    ray_lender.get()
     yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -93,6 +179,67 @@ def engine_servers(plan: dict[str, tuple[str, dict]], log_dir):
     finally:
         for proc in procs.values():
             proc.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen3_server_lender(qwen3_dir, tmp_path_factory):
+    def start(stack):
+        return stack.enter_context(engine_server(qwen3_dir, tmp_path_factory.mktemp("qwen3-server")))
+
+    yield from lend("qwen3_server_lender", start)
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(qwen3_server_lender, qwen3_dir):
+    """A plain tp=1 server of qwen3_dir shared by the modules that ask for it: each module gets it in
+    a fresh server's state (qwen3_dir's weights, version "default", generating) and leaves it so."""
+    proc = qwen3_server_lender.get()
+    if not proc.is_alive():  # a module before killed it: a server of its own for this one
+        qwen3_server_lender.release()
+        proc = qwen3_server_lender.get()
+    reset_server(proc, qwen3_dir)
+    yield proc
+    reset_server(proc, qwen3_dir)
+
+
+def reset_server(proc: EngineProcess, model_dir: str) -> None:
+    """Undo what a module may have left on a shared server (an open weight-update session, paused
+    generation, released memory, other weights or version); the refusals of what was not there are
+    expected."""
+    for route, body in (
+        ("/end_weight_update", {}),
+        ("/abort_request", {"abort_all": True}),
+        ("/continue_generation", {}),
+        ("/resume_memory_occupation", {}),
+    ):
+        httpx.post(proc.url + route, json=body, timeout=60)
+    call(proc, "update_weights_from_disk", model_dir, weight_version="default")
+    info = call(proc, "get_model_info")
+    assert info["weights_ready"] and info["weight_version"] == "default", info
+
+
+@pytest.fixture(scope="session")
+def weight_servers_lender(qwen3_dir, qwen3_dir_b, moe_dir, moe_dir_b, tmp_path_factory):
+    """tp=1 and tp=2 targets that start from dummy (qwen3) or their own (MoE) weights, and references
+    started from qwen3_dir_b / moe_dir_b that no test changes (test_engine_tp, test_engine_weight_routes)."""
+    plan = {
+        "tp1": (qwen3_dir, {"load_format": "dummy"}),
+        "tp2": (qwen3_dir, {"tp_size": 2, "load_format": "dummy"}),
+        "ref1": (qwen3_dir_b, {}),
+        "ref2": (qwen3_dir_b, {"tp_size": 2}),
+        "moe": (moe_dir, {"tp_size": 2, "ep_size": 2}),
+        "moe_ref": (moe_dir_b, {"tp_size": 2, "ep_size": 2}),
+    }
+
+    def start(stack):
+        return stack.enter_context(engine_servers(plan, tmp_path_factory.mktemp("weight-servers")))
+
+    yield from lend("weight_servers_lender", start)
+
+
+@pytest.fixture(scope="module")
+def weight_servers(weight_servers_lender) -> dict[str, EngineProcess]:
+    return weight_servers_lender.get()
 
 
 def client_for(proc: EngineProcess, **kwargs) -> EngineClient:

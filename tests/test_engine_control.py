@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import client_for, engine_server, run, scheduler_stats_when
+from conftest import client_for, run, scheduler_stats_when
 
 from rollfleet.wire.client import EngineError
 
@@ -13,9 +13,9 @@ LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir, tmp_path_factory):
-    with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs")) as proc:
-        yield proc
+def server(qwen3_server):
+    """conftest's plain qwen3 server, shared with the other engine modules (reset for each)."""
+    return qwen3_server
 
 
 async def _started(client, rid):

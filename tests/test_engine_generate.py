@@ -6,16 +6,16 @@ import asyncio
 
 import pytest
 import torch
-from conftest import call, client_for, engine_server, reference_greedy, run
+from conftest import call, client_for, reference_greedy, run
 from transformers import AutoModelForCausalLM
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir, tmp_path_factory):
-    with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs")) as proc:
-        yield proc
+def server(qwen3_server):
+    """conftest's plain qwen3 server, shared with the other engine modules (reset for each)."""
+    return qwen3_server
 
 
 def test_single_text_prompt_returns_one_object_with_meta_info(server):
@@ -109,11 +109,15 @@ def test_stop_token_ids_and_stop_strings(server):
 
 
 def test_eos_stops_unless_ignore_eos(server):
-    """Seed-sample until some output hits EOS (id 0), then check ignore_eos runs past it."""
-    for seed in range(200):
-        params = {"max_new_tokens": 64, "temperature": 1.0, "sampling_seed": seed}
-        out = call(server, "generate", input_ids=[1], sampling_params=params)
-        if out["meta_info"]["finish_reason"]["type"] == "stop":
+    """Seed-sample until some output hits EOS (id 0), then check ignore_eos runs past it. The seeds go
+    25 to a batch (one batch decodes about as fast as one request; a seeded sample draws the same
+    tokens whatever shares its batch)."""
+    for first in range(0, 200, 25):
+        batch = [{"max_new_tokens": 64, "temperature": 1.0, "sampling_seed": seed} for seed in range(first, first + 25)]
+        outs = call(server, "generate", input_ids=[[1]] * len(batch), sampling_params=batch)
+        stopped = [(p, o) for p, o in zip(batch, outs) if o["meta_info"]["finish_reason"]["type"] == "stop"]
+        if stopped:
+            params, out = stopped[0]
             assert out["output_ids"][-1] == 0 and out["meta_info"]["finish_reason"]["matched"] == 0
             longer = call(server, "generate", input_ids=[1], sampling_params={**params, "ignore_eos": True})
             assert len(longer["output_ids"]) == 64

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import engine_server
 
 from rollfleet.config import TensorSync
 from rollfleet.weights.transports import EngineTarget, make_transport
@@ -34,9 +33,9 @@ def test_weight_update_sessions_where_the_engine_has_them(info, uses):
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir, tmp_path_factory):
-    with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs")) as proc:
-        yield proc
+def server(qwen3_server):
+    """conftest's plain qwen3 server, shared with the other engine modules (reset for each)."""
+    return qwen3_server
 
 
 def test_one_client_per_engine_calls_each_and_replaced_urls(server):

@@ -15,7 +15,6 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import engine_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.multiprocessing import reductions
@@ -37,9 +36,9 @@ SHORT = {"max_new_tokens": 2, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir, tmp_path_factory):
-    with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs")) as proc:
-        yield proc
+def server(qwen3_server):
+    """conftest's plain qwen3 server, shared with the other engine modules (reset for each)."""
+    return qwen3_server
 
 
 def post(server, route, body=None, raw: bytes | None = None, timeout=60):

@@ -13,7 +13,7 @@ import asyncio
 
 import httpx
 import pytest
-from conftest import call, client_for, engine_server, reference_greedy, run, scheduler_stats_when
+from conftest import call, client_for, reference_greedy, run, scheduler_stats_when
 from safetensors.torch import load_file
 
 from rollfleet.wire.buckets import iter_buckets
@@ -27,9 +27,9 @@ LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir, tmp_path_factory):
-    with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs")) as proc:
-        yield proc
+def server(qwen3_server):
+    """conftest's plain qwen3 server, shared with the other engine modules (reset for each)."""
+    return qwen3_server
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import call, engine_servers, reference_greedy
+from conftest import call, reference_greedy
 from safetensors.torch import load_file
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
@@ -35,18 +35,10 @@ BUCKET_BYTES = 48 * 1024  # the tiny models then need several buckets, one of th
 
 
 @pytest.fixture(scope="module")
-def servers(qwen3_dir, qwen3_dir_b, moe_dir, tmp_path_factory):
-    """Targets start from dummy (qwen3) or other (MoE) weights; refs start from qwen3_dir_b."""
-    logs = tmp_path_factory.mktemp("logs")
-    plan = {
-        "tp1": (qwen3_dir, {"load_format": "dummy"}),
-        "tp2": (qwen3_dir, {"tp_size": 2, "load_format": "dummy"}),
-        "ref1": (qwen3_dir_b, {}),
-        "ref2": (qwen3_dir_b, {"tp_size": 2}),
-        "moe": (moe_dir, {"tp_size": 2, "ep_size": 2}),
-    }
-    with engine_servers(plan, logs) as procs:
-        yield procs
+def servers(weight_servers):
+    """conftest's weight_servers (shared with test_engine_tp): targets tp1 / tp2 start from dummy
+    weights, moe from moe_dir; ref1 / ref2 started from qwen3_dir_b. Each test first loads what it needs."""
+    return weight_servers
 
 
 def tp_of(key: str) -> int:

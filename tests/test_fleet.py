@@ -1,6 +1,6 @@
 """The fleet on a real local Ray with 4 fake GPUs: layout, device exposure, routing, sleep/wake,
 the colocated trainer group sharing each GPU, and an engine killed mid-batch (every result still
-arrives exactly once)."""
+arrives exactly once). A tp=2 ep=2 MoE fleet generates in test_weight_sync (its moe_fleet)."""
 
 from __future__ import annotations
 
@@ -37,16 +37,6 @@ def config(model_dir, log_dir, *overrides):
 def engine_env(pid: int) -> dict[str, str]:
     raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
-
-
-def test_moe_fleet_tp2_ep2_generates(local_ray, moe_dir, tmp_path):
-    fleet = Fleet.from_config(config(moe_dir, tmp_path, "rollout.tp_size=2", "rollout.ep_size=2"))
-    try:
-        samples = fleet.generate([[1, 2, 3], [4, 5]], n=4, sampling={"max_new_tokens": 5, "ignore_eos": True})
-        assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, k) for p in range(2) for k in range(4)]
-        assert all(len(s.output_ids) == 5 == len(s.logprobs) for s in samples)
-    finally:
-        fleet.shutdown()
 
 
 def test_colocated_trainer_group_shares_each_gpu_with_its_rollout_worker(local_ray, qwen3_dir, tmp_path):
@@ -148,7 +138,7 @@ def test_engine_killed_mid_batch_loses_no_result(fleet, qwen3_dir):
     pid = ray.get(victim.head.engine_pid.remote())
     busy = threading.Event()
 
-    def kill_mid_batch():  # once engine 1 holds requests in flight (its batch runs 200 tokens)
+    def kill_mid_batch():  # once engine 1 holds requests in flight (its batch runs 100 tokens: far past one poll)
         deadline = time.monotonic() + 60
         while victim.outstanding < 5 and time.monotonic() < deadline:
             busy.wait(0.01)
@@ -159,11 +149,11 @@ def test_engine_killed_mid_batch_loses_no_result(fleet, qwen3_dir):
     killer.start()
     prompts = [[i + 1, 2, 3] for i in range(40)]
     retries = fleet.router.retries
-    samples = fleet.generate(prompts, n=2, sampling={"max_new_tokens": 200, "ignore_eos": True, "temperature": 0})
+    samples = fleet.generate(prompts, n=2, sampling={"max_new_tokens": 100, "ignore_eos": True, "temperature": 0})
     killer.join()
     assert busy.is_set() and fleet.router.retries > retries  # the kill hit requests in flight
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, k) for p in range(40) for k in range(2)]
-    assert all(len(s.output_ids) == 200 for s in samples)
+    assert all(len(s.output_ids) == 100 for s in samples)
     # every prompt's answer, recorded here, is that prompt's own greedy continuation
     assert [s.output_ids[:4] for s in samples] == [
         reference_greedy(qwen3_dir, p, 4)[0] for p in prompts for _ in range(2)

@@ -145,7 +145,6 @@ def servers(qwen3_dir, moe_dir, tmp_path_factory):
         "tp1": (qwen3_dir, {"extra": [*LORA_FLAGS, "--max-loaded-loras", "2"]}),
         "tp2": (qwen3_dir, {"tp_size": 2, "extra": LORA_FLAGS}),
         "moe": (moe_dir, {"tp_size": 2, "ep_size": 2, "extra": ["--enable-lora"]}),
-        "off": (qwen3_dir, {}),
     }
     with engine_servers(plan, logs) as procs:
         yield procs
@@ -391,8 +390,8 @@ def test_moe_tp2_ep2_serves_an_attention_adapter_and_refuses_experts(servers, mo
 
 
 # ---- an engine without --enable-lora -------------------------------------------------------------------
-def test_lora_routes_need_enable_lora(servers, adapter):
-    proc = servers["off"]
+def test_lora_routes_need_enable_lora(qwen3_server, adapter):
+    proc = qwen3_server  # conftest's plain server, shared with the engine modules
     source = LoraSource(adapter[0])
     for route, args in (
         ("load_lora_adapter", ("x", "/nowhere")),

@@ -65,6 +65,14 @@ def test_dense_sync_to_two_engines(dense_fleet, qwen3_dir, qwen3_dir_b, name, tm
         assert outputs == [reference_greedy(model_dir, p, 8)[0] for p in PROMPTS]
 
 
+def test_moe_fleet_tp2_ep2_generates(moe_fleet):
+    """Before any sync: n samples per prompt, in order, each with its logprobs (from test_fleet, on
+    this module's MoE fleet rather than one of its own)."""
+    samples = moe_fleet.generate([[1, 2, 3], [4, 5]], n=4, sampling={"max_new_tokens": 5, "ignore_eos": True})
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, k) for p in range(2) for k in range(4)]
+    assert all(len(s.output_ids) == 5 == len(s.logprobs) for s in samples)
+
+
 @pytest.mark.parametrize("name", ["tensor", "nccl", "disk"])
 def test_moe_sync_into_tp2_ep2(moe_fleet, moe_dir, moe_dir_b, name, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(moe_dir_b, dtype=torch.float32)

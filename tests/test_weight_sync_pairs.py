@@ -12,6 +12,10 @@ from transformers import AutoModelForCausalLM
 
 from rollfleet.weights.source import ModuleSource
 
+# the test takes its fleet by name (request.getfixturevalue): this tells conftest that it runs on
+# Ray, so the Ray of test_weight_sync, just before, carries on instead of a new one
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 
 @pytest.fixture(scope="module")
 def dense_tp2_fleet(local_ray, qwen3_dir, tmp_path_factory):
