@@ -156,7 +156,7 @@ class Fleet:
     def restart_inactive(self, restore_from: str | None = None, *, restore: bool = True) -> list[int]:
         return self.recovery.restart_inactive(restore_from, restore=restore)
 
-    def restore(self, directory: str, version: str, engine_ids: list[int], *, fan_out: bool | None = None) -> None:
+    def restore(self, directory: str, version: str, engine_ids: list[int], *, fan_out: bool = False) -> None:
         self.recovery.restore(directory, version, engine_ids, fan_out=fan_out)
 
     def register_checkpoint(self, version: str, directory: str) -> None:

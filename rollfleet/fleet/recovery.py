@@ -220,7 +220,7 @@ class Recovery:
     def _may_try(self, source: RestoreSource, version: str, slot: EngineSlot) -> bool:
         return (source.name, version, slot.url) not in self.failed_restores and source.available(version, slot)
 
-    def restore(self, directory: str, version: str, engine_ids: list[int], *, fan_out: bool | None = None) -> None:
+    def restore(self, directory: str, version: str, engine_ids: list[int], *, fan_out: bool = False) -> None:
         """Load a checkpoint into some engines (out of rotation meanwhile) and verify each; never
         advances the fleet's version. Raises RestoreError naming the engines not verified."""
         slots = [self.fleet.slots[e] for e in engine_ids]
