@@ -3,10 +3,14 @@
     rollfleet bench recovery [--hidden 256 --layers 8 --repeats 3 --json F]
 
 A local Ray fleet of two embedded engines (CPU, or GPUs when present) holds weights of version v1
-(pushed over disk, so a checkpoint exists). Five ways back: one engine restored from the disk
+(pushed over disk, so a checkpoint exists). Six ways back: one engine restored from the disk
 checkpoint; one engine restored by a trainer push (tensor transport); one engine restored from its
 peer (R-Fork pull from the other engine, rollfleet.fleet.peer_restore); two engines restored from
-the same checkpoint, each reading the files vs reading them once and fanning out (tensor transport).
+the same checkpoint, each reading the files vs reading them once and fanning out (tensor transport);
+and, on a second fleet of two engines and one warm standby (rollfleet.fleet.standby; it needs 3
+GPUs, skipped with fewer), a standby taking the dead engine's place, restored from the peer: no
+restart on the critical path (`restart` 0; `setup` is the role swap; the dead slot restarts as
+the new standby afterwards, untimed).
 
 The phases are the fleet's own steps, timed apart: `restore` is the load (or the send; for the peer
 path the pull, with the seed's fingerprints read first), `verify` the fleet's fingerprint check
@@ -49,7 +53,9 @@ PATHS = (
     "1 engine, restart + peer",
     "2 engines, each reads the files",
     "2 engines, read once + fan-out (tensor)",
+    "standby + peer",
 )
+STANDBY_PATH = PATHS[-1]
 
 
 def _kill_and_restart(fleet: Fleet, engine_ids: list[int]) -> tuple[dict[str, float], dict[str, float]]:
@@ -107,7 +113,7 @@ def _from_peer(fleet: Fleet, version: str, engine_ids: list[int]) -> dict[str, f
 
 def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
     rows = []
-    for path in PATHS:
+    for path in PATHS[:-1]:
         engines = [1] if path.startswith("1 engine") else [0, 1]
         times, start_split = _kill_and_restart(fleet, engines)
         if path in (PATHS[0], PATHS[3]):
@@ -125,48 +131,86 @@ def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
     return rows
 
 
-def _fleet(args, scratch: Path):
-    model_dir = write_model(scratch / "model", args.hidden, args.layers, DTYPES[args.dtype], "cpu")
-    gpus = torch.cuda.device_count()
-    ray.init(
-        num_cpus=8, num_gpus=gpus or 2, _temp_dir=str(scratch / "ray"), include_dashboard=False, log_to_driver=False
-    )
+def _standby_round(fleet: Fleet) -> dict:
+    """Kill a serving engine; a standby takes its place (role swap), restored from the peer and
+    verified; then the dead slot restarts as the new standby (untimed: not on the critical path)."""
+    victim = next(s.engine_id for s in fleet.slots if s.state.value == "ACTIVE")
+    start = time.perf_counter()
+    os.killpg(ray.get(fleet.slots[victim].head.engine_pid.remote()), signal.SIGKILL)
+    while fleet.slots[victim].state.value != "INACTIVE":
+        time.sleep(0.005)
+    times = {"detect": time.perf_counter() - start}
+    times["setup"], promoted = _timed(fleet.recovery.promote_standbys)
+    assert len(promoted) == 1, f"no standby took engine {victim}'s place"
+    times |= _from_peer(fleet, "v1", [promoted[0].engine_id])
+    fleet.restart_inactive(restore=False)
+    roles = sorted((s.state.value, s.standby) for s in fleet.slots)
+    assert roles == [("ACTIVE", False)] * 2 + [("AWAITING_WEIGHTS", True)], f"after the take-over: {roles}"
+    row = {"path": STANDBY_PATH, **{k: times.get(k, 0.0) for k in PHASES}, "total": sum(times.values())}
+    return {**row, "restart_split": {}}
+
+
+def _model(args, scratch: Path) -> Path:
+    return write_model(scratch / "model", args.hidden, args.layers, DTYPES[args.dtype], "cpu")
+
+
+def _fleet(model_dir: Path, scratch: Path, standby_engines: int = 0) -> Fleet:
     overrides = [
         f"rollout.model_path={model_dir}",
         "rollout.use_gpu=true",
         "rollout.num_engines=2",
+        f"rollout.standby_engines={standby_engines}",
         "rollout.auto_restart=false",  # the benchmark times each restart itself
         f"rollout.log_dir={scratch}/logs",
         "weight_sync.transport=disk",
         f"weight_sync.path={scratch}/sync",
     ]
-    return model_dir, Fleet.from_config(load_config(None, overrides))
+    return Fleet.from_config(load_config(None, overrides))
+
+
+def _rounds(fleet: Fleet, model_dir: Path, args, one_round) -> tuple[list[dict], str]:
+    """Push v1 (a perturbed copy of the model: not what a dummy start holds), then the rounds."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype])
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(1e-3)
+        fleet.sync_weights(ModuleSource(model), "v1", config_dir=str(model_dir))
+        checkpoint = fleet.checkpoint_for("v1")
+        rows = []
+        for repeat in range(args.repeats):
+            rows += [{"repeat": repeat + 1, **row} for row in one_round(fleet, model, checkpoint)]
+        return rows, checkpoint
+    finally:
+        fleet.shutdown()
 
 
 def _run(args) -> tuple[list[dict], float, bool]:
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as scratch:
-        model_dir, fleet = _fleet(args, Path(scratch))
+        scratch = Path(scratch)
+        model_dir, gpus = _model(args, scratch), torch.cuda.device_count()
+        ray.init(
+            num_cpus=8, num_gpus=gpus or 3, _temp_dir=str(scratch / "ray"), include_dashboard=False, log_to_driver=False
+        )
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype])
-            with torch.no_grad():
-                for param in model.parameters():
-                    param.add_(1e-3)
-            fleet.sync_weights(ModuleSource(model), "v1", config_dir=str(model_dir))
-            checkpoint = fleet.checkpoint_for("v1")
+            rows, checkpoint = _rounds(_fleet(model_dir, scratch / "a"), model_dir, args, _one_round)
             size_mb = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors")) / 1e6
-            rows = []
-            for repeat in range(args.repeats):
-                rows += [{"repeat": repeat + 1, **row} for row in _one_round(fleet, model, checkpoint)]
+            if (gpus or 3) >= 3:
+                standby_fleet = _fleet(model_dir, scratch / "b", standby_engines=1)
+                rows += _rounds(standby_fleet, model_dir, args, lambda f, m, c: [_standby_round(f)])[0]
+            else:
+                print(f"  {STANDBY_PATH}: skipped, it needs 3 GPUs (2 engines and a standby), this machine has {gpus}")
         finally:
-            fleet.shutdown()
             ray.shutdown()
-    return rows, size_mb, torch.cuda.device_count() > 0
+    return rows, size_mb, gpus > 0
 
 
 def _summary(rows: list[dict], size_mb: float, gpu: bool) -> dict:
     per_path, splits = {}, {}
     for path in PATHS:
         mine = [r for r in rows if r["path"] == path]
+        if not mine:  # the standby path on a machine with too few GPUs
+            continue
         per_path[path] = {k: spread([r[k] for r in mine]) for k in (*PHASES, "total")}
         names = dict.fromkeys(name for r in mine for name in r["restart_split"])  # start order
         splits[path] = {name: spread([r["restart_split"].get(name, 0.0) for r in mine]) for name in names}
@@ -180,6 +224,8 @@ def _print_restart_split(summary: dict) -> None:
     print("  restart, split by the restarted engine's start breakdown (slowest engine; outside = not in the engine)")
     print(f"  {'path':40}" + "".join(f"{name[:11]:>12}" for name in names))
     for path, split in splits.items():
+        if not split:  # no restart on this path (standby)
+            continue
         print(f"  {path:40}" + "".join(f"{split[n]['median'] if n in split else 0.0:12.3f}" for n in names))
 
 
@@ -188,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="of the checkpoint and the engines")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of the five paths")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the six paths")
     parser.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
     args = parser.parse_args(argv)
     command, started = command_line(["rollfleet", "bench", "recovery"], argv), start()

@@ -47,6 +47,9 @@ class RolloutConfig(_Section):
     )
     model_path: str = Field(min_length=1, description="HF model directory (or hub id) the engines load.")
     num_engines: int = Field(1, ge=1, description="Number of engine replicas (data parallel size).")
+    standby_engines: int = Field(
+        0, ge=0, description="Extra engines started without weights that take a dead engine's place (disaggregated)."
+    )
     tp_size: int = Field(1, ge=1, description="Tensor parallel size of one engine.")
     pp_size: int = Field(1, ge=1, description="Pipeline parallel size of one engine (SGLang only).")
     ep_size: int = Field(1, ge=1, description="Expert parallel size inside one engine's TP group; divides tp_size.")
@@ -112,6 +115,14 @@ class RolloutConfig(_Section):
                 "set rollout.backend=sglang, or rollout.pp_size=1",
                 field="pp_size",
                 value=self.pp_size,
+            )
+        if self.standby_engines and self.placement == "colocated":
+            raise FieldProblem(
+                "standby engines need GPUs of their own (placement=disaggregated); a standby beside a colocated "
+                "engine, with its memory released, is not built",
+                "set rollout.standby_engines=0, or rollout.placement=disaggregated",
+                field="standby_engines",
+                value=self.standby_engines,
             )
         if not self.use_gpu and "gpus_per_worker" in self.model_fields_set:
             warnings.warn("rollout.gpus_per_worker is ignored because rollout.use_gpu is false", stacklevel=2)

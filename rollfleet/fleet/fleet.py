@@ -30,7 +30,7 @@ from rich.progress import Progress
 from transformers import AutoConfig, AutoTokenizer
 
 from rollfleet.config import RunConfig
-from rollfleet.fleet import colocation
+from rollfleet.fleet import colocation, standby
 from rollfleet.fleet.lifecycle import EngineSlot, EngineState
 from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, worker_options
 from rollfleet.fleet.recovery import Recovery
@@ -98,8 +98,9 @@ class Fleet:
             AutoConfig.from_pretrained(rollout.model_path), allow_kv_head_replication=rollout.backend == "sglang"
         )
         ensure_ray(cfg)
-        ranks = layout.ranks()
-        group = create_placement_group(rollout)
+        placed = standby.with_standbys(rollout)  # serving engines, then standbys on bundles of their own
+        ranks = placed.layout.ranks()
+        group = create_placement_group(placed)
         log_dir = str(Path(rollout.log_dir).resolve())
         # engines serve what the transport sends (a LoRA run: --enable-lora ...)
         extras = [*transport_class(cfg.weight_sync).server_args(cfg.weight_sync), *rollout.server_extras]
@@ -111,12 +112,9 @@ class Fleet:
         try:
             placements = ray.get([w.placement.remote() for w in workers])
             check_engines_on_one_node(ranks, {p["rank"]: p["node_id"] for p in placements})
-            slots = cls._start_engines(ranks, workers, placements, load_format)
-            for slot in slots:
-                slot.lifecycle.to(
-                    EngineState.AWAITING_WEIGHTS if load_format == "dummy" else EngineState.ACTIVE,
-                    f"started ({load_format} weights)",
-                )
+            formats = partial(standby.start_format, num_engines=rollout.num_engines, load_format=load_format)
+            slots = cls._start_engines(ranks, workers, placements, formats)
+            standby.mark_started(slots, rollout.num_engines, load_format)
         except BaseException:
             cls._teardown(workers, group)
             raise
@@ -124,13 +122,13 @@ class Fleet:
         return cls(cfg, group, workers, slots, tokenizer)
 
     @staticmethod
-    def _start_engines(ranks, workers, placements, load_format) -> list[EngineSlot]:
+    def _start_engines(ranks, workers, placements, load_format_of: Callable[[int], str]) -> list[EngineSlot]:
         slots, starts = [], []
         for engine_id, members in sorted(engine_rank_groups(ranks).items()):
             gpu_ids = [g for m in members for g in placements[m.rank]["gpu_ids"]]
             head = workers[members[0].rank]
             slots.append(EngineSlot(engine_id, "", head, gpu_ids=gpu_ids))
-            starts.append(head.start_engine.remote(gpu_ids, load_format))
+            starts.append(head.start_engine.remote(gpu_ids, load_format_of(engine_id)))
         for slot, info in zip(slots, ray.get(starts)):  # engines start in parallel; a failure raises with its log
             slot.url = info["url"]
         return slots
@@ -243,7 +241,9 @@ class Fleet:
         return colocation.trainer_turn(self, trainers, timed, moves)
 
     def _running(self, engine_ids: list[int] | None = None) -> list[int]:
-        return [s.engine_id for s in self.slots if s.is_running and (engine_ids is None or s.engine_id in engine_ids)]
+        """Serving engines that are up (standbys left out: they take no pushes, sleep or wake)."""
+        slots = standby.in_rotation(self.slots)
+        return [s.engine_id for s in slots if s.is_running and (engine_ids is None or s.engine_id in engine_ids)]
 
     # ---- weight sync ----------------------------------------------------------------------------
     def weight_targets(self, engine_ids: list[int] | None = None) -> list[EngineTarget]:

@@ -120,6 +120,7 @@ class EngineSlot:
     version: str = "default"  # the weight version last verified on it ("" when it holds none)
     dtype: str | None = None  # parameter dtype as the engine reports it (asked once)
     outstanding: int = 0  # generate requests in flight
+    standby: bool = False  # a warm standby: up, no weights, no traffic, no pushes (rollfleet.fleet.standby)
     lifecycle: Lifecycle = None  # set in __post_init__
 
     def __post_init__(self):

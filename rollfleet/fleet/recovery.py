@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from rollfleet.fleet import standby
 from rollfleet.fleet.lifecycle import FAILED, EngineSlot, EngineState
 from rollfleet.fleet.peer_restore import PeerRestore
 from rollfleet.fleet.restore import CheckpointRestore, RestoreError, RestoreSource, WaitForPush, run_before, verify_each
@@ -56,6 +57,7 @@ class Recovery:
         self.sources: list[RestoreSource] = [self.peer, CheckpointRestore(fleet, self.checkpoint_for), WaitForPush()]
         self.failed_restores: set[tuple[str, str, str]] = set()  # (source, version, engine url): not again
         self._closing = threading.Event()
+        self._kick = threading.Event()  # an engine died and a standby may take over: the restarter reacts now
         self._threads = [
             threading.Thread(target=target, name=f"rollfleet-{name}", daemon=True)
             for name, target in (
@@ -69,6 +71,7 @@ class Recovery:
 
     def close(self) -> None:
         self._closing.set()
+        self._kick.set()
         for thread in self._threads:
             thread.join(timeout=60)
 
@@ -84,6 +87,8 @@ class Recovery:
             if slot.state in FAILED or (url is not None and slot.url != url):
                 return False
             slot.lifecycle.to(EngineState.INACTIVE, why)
+            if self.rollout.standby_engines:  # a standby takes over now, not at the next probe interval
+                self._kick.set()
             if kill:
                 slot.head.kill_engine.remote()  # not waited for: nothing blocks under the lock
             return True
@@ -125,9 +130,19 @@ class Recovery:
                     failures[url] = 0
 
     # ---- restarts -------------------------------------------------------------------------------
+    def promote_standbys(self) -> list[EngineSlot]:
+        """Give each dead serving engine's place to a standby that is up (rollfleet.fleet.standby);
+        the promoted engines wait (AWAITING_WEIGHTS) for a restore or a push. `restart_inactive`
+        does this itself; a caller that times the steps apart (the recovery benchmark) calls it."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._restarting)
+            return standby.promote(self.fleet.slots)
+
     def _restart_in_background(self) -> None:
-        while not self._closing.wait(self.rollout.probe_interval_s):
-            if not self.rollout.auto_restart:
+        while not self._closing.is_set():
+            self._kick.wait(self.rollout.probe_interval_s)  # a death kicks it: a standby takes over at once
+            self._kick.clear()
+            if self._closing.is_set() or not self.rollout.auto_restart:
                 continue
             try:
                 self.restart_inactive(background=True)
@@ -151,13 +166,16 @@ class Recovery:
     ) -> list[int]:
         """Restart every INACTIVE engine with the transport's restart load format (AWAITING_WEIGHTS:
         not ready, no traffic), then (with `restore`) restore every AWAITING_WEIGHTS engine to the
-        fleet's version: from `restore_from` if given, else from the sources in order. Never raises
+        fleet's version: from `restore_from` if given, else from the sources in order. A standby first
+        takes each dead serving engine's place (rollfleet.fleet.standby) and is restored before any
+        restart; the dead slot restarts as the standby. Never raises
         for an engine's or a source's failure (they are logged, and in the engines' histories).
         Returns the restarted engine ids."""
         with self._lock:
             self._lock.wait_for(lambda: not self._restarting)
             if background and self._pauses:  # checked after the wait: a pause may have begun meanwhile
                 return []
+            promoted = standby.promote(self.fleet.slots)
             slots = [s for s in self.fleet.slots if s.state == EngineState.INACTIVE]
             if not slots and not (restore and self._restorable(self.fleet.version, restore_from)):
                 return []
@@ -165,10 +183,11 @@ class Recovery:
             for slot in slots:
                 slot.lifecycle.to(EngineState.RECOVERING, "restart")
         try:
+            if restore and promoted:  # the critical path: a standby serves again before any restart
+                self._restore(promoted, self._sources(restore_from))
             restarted = self._start_again(slots) if slots else []
             if restore:
-                sources = self._sources(restore_from)
-                self._restore([s for s in self.fleet.slots if s.state == EngineState.AWAITING_WEIGHTS], sources)
+                self._restore(self._awaiting(), self._sources(restore_from))
             return restarted
         finally:
             with self._lock:
@@ -185,15 +204,17 @@ class Recovery:
         stops = [s.head.stop_engine.remote() for s in slots]
         stopped = [s for s, stop in zip(slots, stops) if self._wait(s, stop, STOP_TIMEOUT_S)]
         version = self.fleet.version
-        seeds = self.peer.start_seeds(stopped, version)  # SGLang pulls from a peer only at start
-        starts = [s.head.start_engine.remote(s.gpu_ids, load_format, seeds.get(s.engine_id)) for s in stopped]
+        seeds = self.peer.start_seeds(standby.in_rotation(stopped), version)  # SGLang pulls only at start
+        formats = {s.engine_id: standby.STANDBY_LOAD_FORMAT if s.standby else load_format for s in stopped}
+        starts = [s.head.start_engine.remote(s.gpu_ids, formats[s.engine_id], seeds.get(s.engine_id)) for s in stopped]
         restarted = []
         for slot, start in zip(stopped, starts):
             info = self._wait(slot, start, STOP_TIMEOUT_S + self.rollout.startup_timeout_s)
             if info:
                 self.fleet.engine_started(slot, info["url"])
-                how = "a peer's" if slot.engine_id in seeds else load_format
-                self.to(slot, EngineState.AWAITING_WEIGHTS, f"restarted with {how} weights")
+                how = "a peer's" if slot.engine_id in seeds else formats[slot.engine_id]
+                role = " as a standby" if slot.standby else ""
+                self.to(slot, EngineState.AWAITING_WEIGHTS, f"restarted{role} with {how} weights")
                 restarted.append(slot.engine_id)
         self.peer.started(seeds, [self.fleet.slots[e] for e in restarted], version)
         return restarted
@@ -214,8 +235,11 @@ class Recovery:
     def _restorable(self, version: str, directory: str | None) -> bool:
         """Whether a source (other than waiting) may restore an AWAITING_WEIGHTS engine now."""
         sources = [s for s in self._sources(directory) if not isinstance(s, WaitForPush)]
-        awaiting = [s for s in self.fleet.slots if s.state == EngineState.AWAITING_WEIGHTS]
-        return any(self._may_try(source, version, slot) for source in sources for slot in awaiting)
+        return any(self._may_try(source, version, slot) for source in sources for slot in self._awaiting())
+
+    def _awaiting(self) -> list[EngineSlot]:
+        """Serving engines waiting for weights (standbys wait for a place, not for weights)."""
+        return [s for s in standby.in_rotation(self.fleet.slots) if s.state == EngineState.AWAITING_WEIGHTS]
 
     def _may_try(self, source: RestoreSource, version: str, slot: EngineSlot) -> bool:
         return (source.name, version, slot.url) not in self.failed_restores and source.available(version, slot)

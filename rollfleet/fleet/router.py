@@ -86,7 +86,7 @@ class Router:
                 alive = await self._on_engine_failure(slot, exc)
                 (refused if alive else tried).add(slot.engine_id)
                 self.retries += 1
-                live = {s.engine_id for s in self.slots if s.state not in FAILED}
+                live = {s.engine_id for s in self.slots if s.state not in FAILED and not s.standby}
                 if live and live <= refused:
                     raise exc  # every live engine failed this very request: it is the request, not them
             finally:
