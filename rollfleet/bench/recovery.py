@@ -54,8 +54,9 @@ PATHS = (
     "2 engines, each reads the files",
     "2 engines, read once + fan-out (tensor)",
     "standby + peer",
+    "standby + checkpoint (1 engine, no peer)",
 )
-STANDBY_PATH = PATHS[-1]
+STANDBY_PATH, LONE_STANDBY_PATH = PATHS[-2:]
 
 
 def _kill_and_restart(fleet: Fleet, engine_ids: list[int]) -> tuple[dict[str, float], dict[str, float]]:
@@ -131,7 +132,7 @@ def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
     return rows
 
 
-def _standby_round(fleet: Fleet) -> dict:
+def _standby_round(fleet: Fleet, checkpoint: str | None = None) -> dict:
     """Kill a serving engine; a standby takes its place (role swap), restored from the peer and
     verified; then the dead slot restarts as the new standby (untimed: not on the critical path)."""
     victim = next(s.engine_id for s in fleet.slots if s.state.value == "ACTIVE")
@@ -142,11 +143,16 @@ def _standby_round(fleet: Fleet) -> dict:
     times = {"detect": time.perf_counter() - start}
     times["setup"], promoted = _timed(fleet.recovery.promote_standbys)
     assert len(promoted) == 1, f"no standby took engine {victim}'s place"
-    times |= _from_peer(fleet, "v1", [promoted[0].engine_id])
+    if checkpoint is None:
+        times |= _from_peer(fleet, "v1", [promoted[0].engine_id])
+    else:  # a lone engine's standby has no peer: the checkpoint restores it
+        times |= _from_disk(fleet, checkpoint, "v1", [promoted[0].engine_id])
     fleet.restart_inactive(restore=False)
     roles = sorted((s.state.value, s.standby) for s in fleet.slots)
-    assert roles == [("ACTIVE", False)] * 2 + [("AWAITING_WEIGHTS", True)], f"after the take-over: {roles}"
-    row = {"path": STANDBY_PATH, **{k: times.get(k, 0.0) for k in PHASES}, "total": sum(times.values())}
+    serving = len(fleet.slots) - 1
+    assert roles == [("ACTIVE", False)] * serving + [("AWAITING_WEIGHTS", True)], f"after the take-over: {roles}"
+    path = STANDBY_PATH if checkpoint is None else LONE_STANDBY_PATH
+    row = {"path": path, **{k: times.get(k, 0.0) for k in PHASES}, "total": sum(times.values())}
     return {**row, "restart_split": {}}
 
 
@@ -154,11 +160,11 @@ def _model(args, scratch: Path) -> Path:
     return write_model(scratch / "model", args.hidden, args.layers, DTYPES[args.dtype], "cpu")
 
 
-def _fleet(model_dir: Path, scratch: Path, standby_engines: int = 0) -> Fleet:
+def _fleet(model_dir: Path, scratch: Path, standby_engines: int = 0, engines: int = 2) -> Fleet:
     overrides = [
         f"rollout.model_path={model_dir}",
         "rollout.use_gpu=true",
-        "rollout.num_engines=2",
+        f"rollout.num_engines={engines}",
         f"rollout.standby_engines={standby_engines}",
         "rollout.auto_restart=false",  # the benchmark times each restart itself
         f"rollout.log_dir={scratch}/logs",
@@ -198,8 +204,10 @@ def _run(args) -> tuple[list[dict], float, bool]:
             if (gpus or 3) >= 3:
                 standby_fleet = _fleet(model_dir, scratch / "b", standby_engines=1)
                 rows += _rounds(standby_fleet, model_dir, args, lambda f, m, c: [_standby_round(f)])[0]
-            else:
+            else:  # 2 GPUs: one engine and its standby (no peer: the checkpoint restores the standby)
                 print(f"  {STANDBY_PATH}: skipped, it needs 3 GPUs (2 engines and a standby), this machine has {gpus}")
+                lone = _fleet(model_dir, scratch / "b", standby_engines=1, engines=1)
+                rows += _rounds(lone, model_dir, args, lambda f, m, c: [_standby_round(f, checkpoint=c)])[0]
         finally:
             ray.shutdown()
     return rows, size_mb, gpus > 0
