@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from conftest import call, engine_servers, reference_greedy
 from safetensors.torch import load_file
 
@@ -120,5 +121,5 @@ def test_dummy_moe_start_with_expert_parallel_then_push_equals_the_checkpoint(en
     push_checkpoint(engine, moe_dir, 2, "pushed")
     assert [g["ids"] for g in generated(engine)] == [reference_greedy(moe_dir, p, 8)[0] for p in PROMPTS]
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
-    expected = load_file(f"{moe_dir}/model.safetensors")[name].flatten()[:7].tolist()
-    assert call(engine, "get_weights_by_name", name, truncate_size=7) == pytest.approx(expected)
+    expected = load_file(f"{moe_dir}/model.safetensors")[name][:7]  # the first rows, as SGLang answers
+    assert torch.allclose(torch.tensor(call(engine, "get_weights_by_name", name, truncate_size=7)), expected)

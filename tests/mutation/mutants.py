@@ -81,8 +81,9 @@ MUTANTS: list[Mutant] = [
         id="failed-push-keeps-serving",
         claim="a push that fails part-way takes every target out of rotation",
         file="rollfleet/fleet/fleet.py",
-        old='                if slot.is_running:\n                    slot.version = ""\n',
-        new='                if False:\n                    slot.version = ""\n',
+        old="                for slot in (self.slots[t.engine_id] for t in targets if self.slots[t.engine_id]"
+        ".is_running):\n",
+        new="                for slot in ():\n",
         tests=(f"{FLEET_SYNC}::test_a_push_that_fails_part_way_leaves_no_engine_serving",),
     ),
     Mutant(
