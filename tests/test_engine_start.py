@@ -108,11 +108,10 @@ def test_dummy_start_then_push_equals_a_normal_load(engines, qwen3_dir, tp):
     assert call(dummy, "shard_fingerprints") == call(normal, "shard_fingerprints")
     got, want = generated(dummy), generated(normal)
     assert [g["ids"] for g in got] == [w["ids"] for w in want]
-    if tp == 1:
-        assert got == want  # bit for bit
-    else:  # two calls on one tp=2 engine already differ in the last bits of a logprob (seen on gloo)
-        for g, w in zip(got, want):
-            assert [lp for lp, _, _ in g["logprobs"]] == pytest.approx([lp for lp, _, _ in w["logprobs"]], abs=1e-5)
+    # the weights are equal bit for bit (fingerprints above); a logprob's last bits depend on how the
+    # engine batched the prompts (seen at tp=1 under load) and, at tp=2, on gloo's reduction order
+    for g, w in zip(got, want):
+        assert [lp for lp, _, _ in g["logprobs"]] == pytest.approx([lp for lp, _, _ in w["logprobs"]], abs=1e-5)
     assert [g["ids"] for g in generated(dummy)] == [reference_greedy(qwen3_dir, p, 8)[0] for p in PROMPTS]
 
 
