@@ -65,13 +65,15 @@ def tiny_config(kind: str = "qwen3", vocab_size: int = 320, **overrides):
     raise ValueError(f"kind={kind!r}: use 'qwen3' or 'qwen3_moe'")
 
 
-def make_tiny_model(directory: str | Path, kind: str = "qwen3", seed: int = 0, **overrides) -> Path:
-    """Write a tiny HF model directory and return its path."""
+def make_tiny_model(
+    directory: str | Path, kind: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> Path:
+    """Write a tiny HF model directory (weights in `dtype`) and return its path."""
     directory = Path(directory)
     tokenizer = make_tokenizer()
     torch.manual_seed(seed)
     config = tiny_config(kind, vocab_size=len(tokenizer), **overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(

@@ -76,7 +76,7 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     work = Path(tempfile.mkdtemp(prefix="hang-sync-"))
     dtype = torch.bfloat16 if gpu else torch.float32
-    model_dir = write_model(work / "model", args.hidden, args.layers, dtype, "cpu")
+    model_dir = write_model(work / "model", args.hidden, args.layers, dtype)
     cfg = load_config(
         None,
         [

@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import os
 import shutil
+import signal
 import tempfile
 import time
 
@@ -18,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
 from rollfleet.tiny_models import make_tiny_model
+from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.client import EngineClient
 from rollfleet.wire.net import free_port
 
@@ -291,3 +294,27 @@ async def scheduler_stats_when(client: EngineClient, condition, timeout: float =
             return stats
         assert time.monotonic() < deadline, f"not reached within {timeout} s: {stats}"
         await asyncio.sleep(0.005)
+
+
+def kill(fleet, engine_id: int) -> float:
+    """SIGKILL an engine's process group (its tp followers too); returns when it was sent."""
+    os.killpg(ray.get(fleet.slots[engine_id].head.engine_pid.remote()), signal.SIGKILL)
+    return time.monotonic()
+
+
+def stop(fleet, engine_id: int) -> None:
+    """Hang the engine: its process lives but answers nothing."""
+    os.killpg(ray.get(fleet.slots[engine_id].head.engine_pid.remote()), signal.SIGSTOP)
+
+
+class FailsAfter:
+    """A source that raises after yielding `count` tensors (a trainer rank dying mid-push)."""
+
+    def __init__(self, module, count: int):
+        self.inner, self.count = ModuleSource(module), count
+
+    def named_tensors(self):
+        for index, item in enumerate(self.inner.named_tensors()):
+            if index == self.count:
+                raise RuntimeError("source failed part-way")
+            yield item

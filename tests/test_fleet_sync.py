@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import reference_greedy
+from conftest import FailsAfter, reference_greedy
 from test_weight_sync import running_fleet
 from transformers import AutoModelForCausalLM
 
@@ -53,19 +53,6 @@ def states(fleet) -> list[str]:
 
 def model(path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-
-class FailsAfter:
-    """A source that raises after yielding `count` tensors (a trainer rank dying mid-push)."""
-
-    def __init__(self, module, count: int):
-        self.inner, self.count = ModuleSource(module), count
-
-    def named_tensors(self):
-        for index, item in enumerate(self.inner.named_tensors()):
-            if index == self.count:
-                raise RuntimeError("source failed part-way")
-            yield item
 
 
 class LeavesOut:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import ray
 import torch
-from conftest import reference_greedy
+from conftest import FailsAfter, kill, reference_greedy, stop
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import TensorSync, load_config
@@ -53,30 +53,6 @@ def fleet(qwen3_dir, tmp_path_factory):
     fleet.shutdown()
     ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)
-
-
-def kill(fleet, engine_id):
-    pid = ray.get(fleet.slots[engine_id].head.engine_pid.remote())
-    os.killpg(pid, signal.SIGKILL)
-    return time.monotonic()
-
-
-def stop(fleet, engine_id):
-    """Hang the engine: its process lives but answers nothing."""
-    os.killpg(ray.get(fleet.slots[engine_id].head.engine_pid.remote()), signal.SIGSTOP)
-
-
-class FailsAfter:
-    """A source that raises after yielding `count` tensors (a trainer rank dying mid-push)."""
-
-    def __init__(self, module, count: int):
-        self.inner, self.count = ModuleSource(module), count
-
-    def named_tensors(self):
-        for index, item in enumerate(self.inner.named_tensors()):
-            if index == self.count:
-                raise RuntimeError("source failed part-way")
-            yield item
 
 
 def fail_a_push(fleet, model, engine_ids=None):

@@ -5,16 +5,14 @@ and pushes go to the serving engines only."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
 
 import pytest
 import ray
-from conftest import reference_greedy
+from conftest import kill, reference_greedy
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import ConfigError, load_config
@@ -51,11 +49,6 @@ def fleet(qwen3_dir, tmp_path_factory):
     fleet.shutdown()
     ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)
-
-
-def kill(fleet, engine_id):
-    os.killpg(ray.get(fleet.slots[engine_id].head.engine_pid.remote()), signal.SIGKILL)
-    return time.monotonic()
 
 
 def wait_for(condition, timeout=30.0):

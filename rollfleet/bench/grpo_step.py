@@ -32,11 +32,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, GenerationConfig
 
 from rollfleet.bench.raw_ceiling import raw_broadcast
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
-from rollfleet.tiny_models import make_tokenizer, tiny_config
+from rollfleet.tiny_models import make_tiny_model
 from rollfleet.train.host_copy import pinned_copy_ceiling
 from rollfleet.wire.net import free_port
 
@@ -58,15 +57,14 @@ LAYOUTS = {
 }
 
 
-def write_model(directory: Path, hidden: int, layers: int, dtype: torch.dtype, device: str) -> Path:
+def write_model(directory: Path, hidden: int, layers: int, dtype: torch.dtype) -> Path:
     """A Qwen3-shaped model in `dtype` (intermediate 4 x hidden, head_dim 128 from hidden 1024 up)."""
     if (directory / "config.json").exists():
         return directory
-    tokenizer = make_tokenizer()
     big = hidden >= 1024
-    config = tiny_config(
-        "qwen3",
-        vocab_size=len(tokenizer),
+    return make_tiny_model(
+        directory,
+        dtype=dtype,
         hidden_size=hidden,
         num_hidden_layers=layers,
         intermediate_size=4 * hidden,
@@ -74,15 +72,6 @@ def write_model(directory: Path, hidden: int, layers: int, dtype: torch.dtype, d
         num_key_value_heads=max(2, hidden // 512),
         head_dim=128 if big else hidden // 4,
     )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(
-        directory
-    )
-    return directory
 
 
 def run_layout(name: str, model: Path, out: Path, args, gpu: bool) -> dict:
@@ -244,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if gpu else torch.float32
-    model = write_model(out / f"qwen3-h{args.hidden}-l{args.layers}", args.hidden, args.layers, dtype, "cpu")
+    model = write_model(out / f"qwen3-h{args.hidden}-l{args.layers}", args.hidden, args.layers, dtype)
     runs = {name: run_layout(name, model, out, args, gpu) for name in args.runs.split(",")}
     results = {name: steady(run["rows"], args.skip) for name, run in runs.items() if len(run["rows"]) > args.skip}
     limits = ceilings(results, args.repeats, gpu)

@@ -157,7 +157,7 @@ def _standby_round(fleet: Fleet, checkpoint: str | None = None) -> dict:
 
 
 def _model(args, scratch: Path) -> Path:
-    return write_model(scratch / "model", args.hidden, args.layers, DTYPES[args.dtype], "cpu")
+    return write_model(scratch / "model", args.hidden, args.layers, DTYPES[args.dtype])
 
 
 def _fleet(model_dir: Path, scratch: Path, standby_engines: int = 0, engines: int = 2) -> Fleet:
