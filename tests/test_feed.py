@@ -5,25 +5,15 @@ a call refused mid-push and a rank whose source fails stop every rank, in bounde
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import time
-
 import pytest
-import torch
-import torch.distributed as dist
-from conftest import engine_servers, run
-from transformers import AutoModelForCausalLM
+from conftest import run
+from feed_senders import SenderRanks
 
-from rollfleet.config import TensorSync
 from rollfleet.layout import Layout, colocated_feeders
-from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import EngineTarget
-from rollfleet.weights.transports.feed import RankFeed
-from rollfleet.weights.transports.tensor import DONE, FAILED, GO, TensorTransport, _decide
+from rollfleet.weights.transports.tensor import DONE, FAILED, GO, _decide
 from rollfleet.weights.verify import find_unverified
 from rollfleet.wire.client import EngineClient
-from rollfleet.wire.net import free_port
 
 # ---- the mapping and the decision (unit) ----------------------------------------------------------
 
@@ -63,96 +53,21 @@ def test_every_rank_decides_the_same_from_every_rank_state():
 
 # ---- pushes from two sender processes (integration) -----------------------------------------------
 
-WORLD = 2
-ENGINES = {"a": {}, "b": {}, "c": {"tp_size": 2}}  # engine ids 0, 1, 2 in this order
-FEEDERS = {0: (0,), 1: (1,), 2: (0, 1)}  # engine 2's tp rank 1 reads rank 1's buffer
 
-
-class BrokenOnRank:
-    """A source that raises on one rank only, after some tensors (the others' sources are fine)."""
-
-    def __init__(self, model, rank: int, broken_rank: int):
-        self.inner, self.rank, self.broken_rank = ModuleSource(model), rank, broken_rank
-
-    def named_tensors(self):
-        for count, item in enumerate(self.inner.named_tensors()):
-            if self.rank == self.broken_rank and count == 8:
-                raise OSError("the disk under this rank's source went away")
-            yield item
-
-
-class LastLayerWrong:
-    """Every rank sends the same tensor of a wrong shape in the last decoder layer: a late call is refused."""
-
-    def __init__(self, model, rank: int):
-        self.inner = ModuleSource(model)
-
-    def named_tensors(self):
-        for name, tensor in self.inner.named_tensors():
-            yield (name, tensor[:-1]) if name.endswith("layers.1.mlp.down_proj.weight") else (name, tensor)
-
-
-SOURCES = {
-    "good": lambda model, rank: ModuleSource(model),
-    "refused": LastLayerWrong,
-    "broken": lambda model, rank: BrokenOnRank(model, rank, broken_rank=1),
-}
-
-
-def sender_rank(rank, port, model_dir, targets, pushes, results):
-    """One sender process: joins the gloo group, pushes `pushes` (source kind, version) in order with
-    one connected transport, and puts (rank, pid, [(outcome, report or error, seconds, each engine's
-    weight version after it)])."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    feed = RankFeed(rank, WORLD, FEEDERS, RankFeed.new_group(120), {"sender": f"process {rank}"})
-    transport = TensorTransport(TensorSync(bucket_mb=0.1), targets, feed=feed, timeout_s=60)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    outcomes = []
-    for kind, version in pushes:
-        start = time.monotonic()
-        try:
-            outcome = ("ok", transport.send(SOURCES[kind](model, rank), version))
-        except Exception as exc:  # noqa: BLE001  (the test reads it)
-            outcome = ("error", f"{type(exc).__name__}: {exc}")
-        seconds = time.monotonic() - start
-        held = [transport.pool.call(t.engine_id, "get_model_info")["weight_version"] for t in targets]
-        outcomes.append((*outcome, seconds, held))
-    transport.disconnect()
-    dist.destroy_process_group()
-    results.put((rank, os.getpid(), outcomes))
-
-
-def push_from_two_ranks(model_dir, targets, pushes, timeout=300):
-    """Every rank's (pid, outcomes), by rank; fails if a rank does not finish within `timeout`."""
-    context = multiprocessing.get_context("spawn")
-    results, port = context.Queue(), free_port()
-    procs = [
-        context.Process(target=sender_rank, args=(rank, port, model_dir, targets, pushes, results))
-        for rank in range(WORLD)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        answers = {}
-        for _ in procs:
-            rank, pid, outcomes = results.get(timeout=timeout)  # a rank left hanging fails the test here
-            answers[rank] = (pid, outcomes)
-        return answers
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+@pytest.fixture(scope="module")
+def engines(qwen3_server, weight_servers):
+    """Engine ids 0 and 1 (tp=1) and 2 (tp=2), as feed_senders.FEEDERS has them: conftest's shared
+    servers (whatever weights they hold, each test pushes the ones it checks)."""
+    procs = [(qwen3_server, 1), (weight_servers["tp1"], 1), (weight_servers["tp2"], 2)]
+    return [EngineTarget(engine_id=i, url=proc.url, num_ranks=tp, rank_offset=0) for i, (proc, tp) in enumerate(procs)]
 
 
 @pytest.fixture(scope="module")
-def engines(qwen3_dir, tmp_path_factory):
-    plan = {key: (qwen3_dir, kwargs) for key, kwargs in ENGINES.items()}
-    with engine_servers(plan, tmp_path_factory.mktemp("logs")) as procs:
-        yield [
-            EngineTarget(engine_id=i, url=procs[key].url, num_ranks=kwargs.get("tp_size", 1), rank_offset=0)
-            for i, (key, kwargs) in enumerate(ENGINES.items())
-        ]
+def senders(engines):
+    """The two sender ranks, spawned once for the module's pushes."""
+    ranks = SenderRanks(engines)
+    yield ranks
+    ranks.close()
 
 
 def unverified(report, targets) -> dict[int, str]:
@@ -178,8 +93,8 @@ def versions(targets) -> list[str]:
     return run(ask())
 
 
-def test_each_engine_rank_reads_the_buffer_of_the_rank_on_its_device(engines, qwen3_dir_b):
-    answers = push_from_two_ranks(qwen3_dir_b, engines, [("good", "fed-by-two")])
+def test_each_engine_rank_reads_the_buffer_of_the_rank_on_its_device(engines, senders, qwen3_dir_b):
+    answers = senders.push(qwen3_dir_b, [("good", "fed-by-two")])
     (pid0, [(outcome, report, _, _)]), (pid1, [(outcome1, *_)]) = answers[0], answers[1]
     assert outcome == outcome1 == "ok"
     assert report.feeds == {0: [0], 1: [1], 2: [0, 1]}  # whose handles each engine rank got
@@ -191,11 +106,11 @@ def test_each_engine_rank_reads_the_buffer_of_the_rank_on_its_device(engines, qw
 
 
 @pytest.mark.parametrize("failure", ["refused", "broken"])
-def test_a_failure_on_any_rank_stops_every_rank_and_the_next_push_verifies(engines, qwen3_dir, failure):
+def test_a_failure_on_any_rank_stops_every_rank_and_the_next_push_verifies(engines, senders, qwen3_dir, failure):
     """A call refused mid-push (rank 0 sees it) or a source failing on rank 1 only: both ranks raise
     within the engines' answer time, no engine takes the version, and the next push verifies."""
     before = versions(engines)
-    answers = push_from_two_ranks(qwen3_dir, engines, [(failure, f"bad-{failure}"), ("good", f"after-{failure}")])
+    answers = senders.push(qwen3_dir, [(failure, f"bad-{failure}"), ("good", f"after-{failure}")])
     (_, [failed0, good0]), (_, [failed1, good1]) = answers[0], answers[1]
     assert failed0[0] == failed1[0] == "error" and failed0[2] < 60 and failed1[2] < 60
     if failure == "refused":
