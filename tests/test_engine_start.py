@@ -33,18 +33,24 @@ def without_weight_files(src: str, dst: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def engines(qwen3_dir, moe_dir, tmp_path_factory):
+def engines(qwen3_dir, moe_dir, qwen3_server, weight_servers, tmp_path_factory):
+    """The dummy starts made here, and normal loads lent by conftest (qwen3_dir at tp=1, qwen3_dir_b
+    at tp=2: see normal_models), whose starts were made the same way."""
     scratch = tmp_path_factory.mktemp("start")
     bare, bare_moe = without_weight_files(qwen3_dir, scratch / "qwen3"), without_weight_files(moe_dir, scratch / "moe")
     plan = {
         "dummy1": (bare, {"load_format": "dummy", "extra": ["--random-seed", "3"]}),
         "dummy2": (bare, {"tp_size": 2, "load_format": "dummy"}),
         "dummy_moe": (bare_moe, {"tp_size": 2, "ep_size": 2, "load_format": "dummy"}),
-        "normal1": (qwen3_dir, {}),
-        "normal2": (qwen3_dir, {"tp_size": 2}),
     }
     with engine_servers(plan, scratch / "logs") as procs:
-        yield procs
+        yield {**procs, "normal1": qwen3_server, "normal2": weight_servers["ref2"]}
+
+
+@pytest.fixture(scope="module")
+def normal_models(qwen3_dir, qwen3_dir_b) -> dict[int, str]:
+    """The checkpoint each normal load serves, by tp size (no test changes what they serve)."""
+    return {1: qwen3_dir, 2: qwen3_dir_b}
 
 
 def push_checkpoint(proc, model_dir: str, tp: int, version: str) -> None:
@@ -101,9 +107,9 @@ def test_dummy_start_reads_no_weight_file_and_serves_nothing_before_weights(engi
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_dummy_start_then_push_equals_a_normal_load(engines, qwen3_dir, tp):
-    dummy, normal = engines[f"dummy{tp}"], engines[f"normal{tp}"]
-    push_checkpoint(dummy, qwen3_dir, tp, "pushed")
+def test_dummy_start_then_push_equals_a_normal_load(engines, normal_models, tp):
+    dummy, normal, model_dir = engines[f"dummy{tp}"], engines[f"normal{tp}"], normal_models[tp]
+    push_checkpoint(dummy, model_dir, tp, "pushed")
     assert call(dummy, "get_model_info")["weights_ready"] is True
     assert call(dummy, "shard_fingerprints") == call(normal, "shard_fingerprints")
     got, want = generated(dummy), generated(normal)
@@ -112,7 +118,7 @@ def test_dummy_start_then_push_equals_a_normal_load(engines, qwen3_dir, tp):
     # engine batched the prompts (seen at tp=1 under load) and, at tp=2, on gloo's reduction order
     for g, w in zip(got, want):
         assert [lp for lp, _, _ in g["logprobs"]] == pytest.approx([lp for lp, _, _ in w["logprobs"]], abs=1e-5)
-    assert [g["ids"] for g in generated(dummy)] == [reference_greedy(qwen3_dir, p, 8)[0] for p in PROMPTS]
+    assert [g["ids"] for g in generated(dummy)] == [reference_greedy(model_dir, p, 8)[0] for p in PROMPTS]
 
 
 def test_dummy_moe_start_with_expert_parallel_then_push_equals_the_checkpoint(engines, moe_dir):
