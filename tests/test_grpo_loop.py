@@ -147,10 +147,14 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     import signal
     import subprocess
     import threading
+    import time
 
     model_dir = tmp_path / "chaos-model"
     shutil.copytree(qwen3_dir, model_dir)  # a path of its own, to find this run's engines
-    steps, hang_at = 70, 4  # long enough for the last engine to come back
+    # the loop waits at each step from `settle_from` on, once the kill is done, until both engines
+    # serve again (see settled): the run then ends a few steps after the last recovery, not after a
+    # fixed budget of steps sized for a loaded machine
+    steps, hang_at, settle_from = 30, 4, 12
     cfg, temp = run_config(
         model_dir,
         tmp_path / "out",
@@ -197,6 +201,16 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
             if step == hang_at:  # (b): train, then the push meets the hung engine
                 os.killpg(rng.choice(sorted(engines())), signal.SIGSTOP)
                 faults.append("hang before a push")
+            if step >= settle_from and "kill" in faults:  # the rest needs no step of the loop's
+                settled(str(step))
+
+    def settled(version: str, timeout: float = 300) -> None:
+        """Waits until every fault was made and both engines (replacements included) serve `version`:
+        the recoveries run in the fleet's background, outside the loop's thread."""
+        deadline = time.monotonic() + timeout
+        while len(faults) < 4 or sorted(_versions(engines().values())) != [version, version]:
+            assert time.monotonic() < deadline, (faults, engines(), _versions(engines().values()))
+            time.sleep(0.2)
 
     def kill_then_hang_the_replacement():
         wait_for(1)  # the engine hung before the push is back
@@ -245,6 +259,17 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     assert sum(r["recovery_errors"] for r in rows) == 0
     last = {e["engine_id"]: e["to"] for e in events}
     assert set(last.values()) == {"ACTIVE"}, last
+
+
+def _versions(ports) -> list[str]:
+    """The weight version of each engine that answers at once (a hung one does not)."""
+    versions = []
+    for port in ports:
+        try:
+            versions.append(httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=1).json()["weight_version"])
+        except httpx.HTTPError:
+            pass
+    return versions
 
 
 def _answers(url: str) -> bool:
