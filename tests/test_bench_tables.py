@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 
@@ -51,16 +52,32 @@ def test_bench_modules_stay_small():
                 assert node.end_lineno - node.lineno + 1 <= 60, f"{module.name}:{node.name} is over 60 lines"
 
 
-def _weight_sync(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
-    record = tmp_path / "record.json"
-    args = ["--transport", "nccl", "--size-gb", "0.002", "--device", "cpu", "--repeats", "2", "--json", str(record)]
-    out = _run("-m", "rollfleet", "bench", "weight-sync", *args, *extra)
-    assert record.exists(), out.stdout[-2000:] + out.stderr[-2000:]
-    return out, json.loads(record.read_text())
+@pytest.fixture(scope="module")
+def weight_sync_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, dict]]:
+    """The weight-sync benchmark run twice at a tiny CPU size, honest and with its verification forced
+    to fail: both at once (each mostly waits on its own engine and imports), by run name."""
+    args = ["--transport", "nccl", "--size-gb", "0.002", "--device", "cpu", "--repeats", "2"]
+    runs = {}
+    for name, extra in (("honest", []), ("tampered", ["--tamper-for-test"])):
+        record = tmp_path_factory.mktemp(name) / "record.json"
+        command = [sys.executable, "-m", "rollfleet", "bench", "weight-sync", *args, "--json", str(record), *extra]
+        runs[name] = (subprocess.Popen(command, cwd=REPO, stdout=PIPE, stderr=PIPE, text=True), record)
+    answers = {}
+    try:
+        for name, (proc, record) in runs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+            assert record.exists(), stdout[-2000:] + stderr[-2000:]
+            answers[name] = (out, json.loads(record.read_text()))
+    finally:
+        for proc, _ in runs.values():
+            if proc.poll() is None:  # the other run, when one failed
+                proc.kill()
+    return answers
 
 
-def test_weight_sync_benchmark_writes_a_complete_record(tmp_path):
-    out, record = _weight_sync(tmp_path)
+def test_weight_sync_benchmark_writes_a_complete_record(weight_sync_runs):
+    out, record = weight_sync_runs["honest"]
     assert out.returncode == 0, out.stderr[-2000:]
     assert RECORD_KEYS <= set(record) and record["ok"] is True and record["benchmark"] == "weight-sync"
     assert record["command"].startswith("rollfleet bench weight-sync --transport nccl")
@@ -74,8 +91,8 @@ def test_weight_sync_benchmark_writes_a_complete_record(tmp_path):
     assert "ratio sync / raw" in out.stdout
 
 
-def test_weight_sync_benchmark_refuses_figures_when_verification_fails(tmp_path):
-    out, record = _weight_sync(tmp_path, "--tamper-for-test")
+def test_weight_sync_benchmark_refuses_figures_when_verification_fails(weight_sync_runs):
+    out, record = weight_sync_runs["tampered"]
     assert out.returncode != 0
     assert "ratio" not in out.stdout.lower() and "verification FAILED" in out.stderr
     assert record["ok"] is False and record["summary"]["verified"] is False
