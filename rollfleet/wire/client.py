@@ -25,6 +25,37 @@ class EngineTimeout(EngineError):
 
 
 SESSIONS_SINCE_SGLANG = (0, 5, 21)  # SGLang refuses tensor and distributed weight updates outside a session since
+# The SGLang releases whose weight-update protocol the senders speak, proven by tests/test_sglang_contract.py
+# against that release's own receiving code (Makefile: SGLANG_VERSION). Outside it a sender refuses to start.
+SUPPORTED_SGLANG = ((0, 5, 21), (0, 5, 23))
+
+
+class UnsupportedEngine(ValueError):
+    """An engine whose protocol the senders do not speak (an SGLang release outside SUPPORTED_SGLANG)."""
+
+
+def is_embedded(server_info: dict) -> bool:
+    return server_info.get("engine") == "rollfleet-embedded" or "rollfleet_weight_update_sessions" in server_info
+
+
+def sglang_release(server_info: dict) -> tuple[int, ...]:
+    """SGLang's release from `/get_server_info` (`version`); () for the embedded engine."""
+    return () if is_embedded(server_info) else _release(str(server_info.get("version", "")))
+
+
+def check_supported(server_info: dict, url: str = "the engine") -> None:
+    """UnsupportedEngine naming the supported range when `url` runs an SGLang release the senders
+    were not proven against (its payload shapes, sessions and routes differ between releases)."""
+    if is_embedded(server_info):
+        return
+    release = sglang_release(server_info)
+    low, high = SUPPORTED_SGLANG
+    if not release or not low <= release[:3] <= high:
+        span = f"{'.'.join(map(str, low))} to {'.'.join(map(str, high))}"
+        raise UnsupportedEngine(
+            f"{url} runs SGLang version={server_info.get('version')!r}; rollfleet's weight senders speak SGLang "
+            f"{span} (checked against its code by tests/test_sglang_contract.py): run a release in that range"
+        )
 
 
 def uses_weight_update_sessions(server_info: dict) -> bool:
@@ -58,6 +89,7 @@ def _message_of(response: httpx.Response) -> str:
 class EngineClient:
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 300.0):
         self.base_url = base_url.rstrip("/")
+        self._server_info: dict | None = None  # server_protocol's answer, once read
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # An https engine gets httpx's default certificate checks; plain http needs no TLS context,
         # and building one (loading the CA bundle) costs 15-30 ms per client.
@@ -139,6 +171,16 @@ class EngineClient:
 
     async def get_server_info(self) -> dict:
         return await self._call("GET", "/get_server_info")
+
+    async def server_protocol(self) -> dict:
+        """`/get_server_info`, read once per client (the engine's kind and release do not change while
+        it runs), after `check_supported`: raises UnsupportedEngine for an SGLang release outside
+        SUPPORTED_SGLANG."""
+        if self._server_info is None:
+            info = await self.get_server_info()
+            check_supported(info, self.base_url)
+            self._server_info = info
+        return self._server_info
 
     async def flush_cache(self) -> str:
         return await self._call("POST", "/flush_cache")
