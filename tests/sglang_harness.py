@@ -24,12 +24,12 @@ from types import SimpleNamespace
 from typing import Annotated
 
 sys.path.insert(0, os.path.dirname(__file__))
-import sglang_stubs  # noqa: E402,F401  (before any sglang module)
-
 import httpx  # noqa: E402
 import sglang  # noqa: E402
+import sglang_stubs  # noqa: E402,F401  (before any sglang module)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing.reductions  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi import Body, FastAPI  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
@@ -198,6 +198,12 @@ def feed(spec: dict):
     to the engine at `spec["url"]` as SGLang's clients send them (FlattenedTensorBucket +
     MultiprocessingSerializer, its request structs as JSON, inside a weight-update session), in
     `spec["load_format"]` ("flattened_bucket" or "direct"). Answers rollfleet's fingerprints of what was sent."""
+    # SGLang's receive path patched torch's reductions for CUDA tensors in this process
+    # (monkey_patch_torch_reductions); the patched reducer cannot pickle CPU tensors, so a CPU client
+    # pickles with torch's own (the patched CUDA form is the engine allowlist's concern)
+    reductions = torch.multiprocessing.reductions
+    reductions.reduce_tensor = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
+    reductions.init_reductions()
     generator = torch.Generator().manual_seed(spec["seed"])
     named = [(n, torch.randn(shape, generator=generator).to(DTYPES[dtype])) for n, shape, dtype in spec["tensors"]]
     if spec["load_format"] == "flattened_bucket":

@@ -64,7 +64,9 @@ class LoraTransport(Transport):
                 device = tensors[0][1].device if tensors else torch.device("cpu")
                 # copies, see the docstring: the trainer's own parameter storages never become shared memory
                 # one bucket dict per entry, as SGLang's tp worker indexes it (`data["flattened_tensor"]`)
-                payload = pack_call(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8, device=device)).to_payload()
+                payload = pack_call(
+                    tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8, device=device)
+                ).to_payload()
                 report.buckets = 1
                 self._each(
                     "load_lora_adapter_from_tensors",

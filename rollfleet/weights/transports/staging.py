@@ -119,7 +119,9 @@ def pack_call(call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> Buc
         nbytes = tensor.numel() * tensor.element_size()
         target = buffer[offset : offset + nbytes]
         target.copy_(tensor.detach().reshape(-1).view(torch.uint8))
-        metadata.append(FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, offset, offset + nbytes, nbytes))
+        metadata.append(
+            FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, offset, offset + nbytes, nbytes)
+        )
         offset += _aligned(nbytes)
     return Bucket(buffer[:offset], metadata)
 
