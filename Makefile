@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint mutants bench-batching clean
+.PHONY: demo test lint mutants bench-batching clean sglang-site
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,8 +12,17 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-test: $(VENV)/.installed lint
+test: $(VENV)/.installed lint sglang-site
 	$(PY) -m pytest -q --durations=15
+
+# SGLang's own code for tests/test_sglang_contract.py (pure Python for its weight-update path, no GPU
+# toolchain): a folder on PYTHONPATH of the test's subprocess only. A failed install (no registry)
+# leaves no folder, and the contract test skips saying so.
+sglang-site: .sglang-site/.installed
+.sglang-site/.installed: requirements-sglang.txt $(VENV)/.installed
+	rm -rf .sglang-site
+	$(PY) -m pip install -q --no-deps --target .sglang-site -r requirements-sglang.txt || rm -rf .sglang-site
+	test ! -d .sglang-site || touch $@
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check rollfleet tests scripts examples
@@ -30,4 +39,4 @@ bench-batching: $(VENV)/.installed
 	$(PY) -m rollfleet bench batching
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .sglang-site

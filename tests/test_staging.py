@@ -136,3 +136,27 @@ def test_plain_names_leave_out_fused_experts_only():
     assert sorted(set(names) - set(plain)) == sorted(n for n in names if ".mlp.experts." in n)
     assert all(plain[n] == n for n in plain)  # Qwen3's checkpoint names are its in-memory names
     assert plain_names(moe) is plain  # computed once per model
+
+
+def test_pack_call_is_one_byte_form_bucket_at_aligned_offsets_that_unpacks_bit_exact():
+    from rollfleet.weights.transports.staging import pack_call
+
+    call = _call([((3, 5), torch.float32), ((7,), torch.bfloat16), ((9,), torch.float16), ((3,), torch.float64)])
+    bucket = pack_call(call, torch.empty(call_bytes(call), dtype=torch.uint8))
+    assert bucket.flattened_tensor.dtype == torch.uint8
+    assert all(m.start_idx % ALIGN == 0 and m.numel == m.end_idx - m.start_idx for m in bucket.metadata)
+    unpacked = bucket.unpack()
+    for name, tensor in call:
+        assert unpacked[name].dtype == tensor.dtype and torch.equal(unpacked[name], tensor)
+
+
+def test_aligned_order_puts_every_tensor_at_a_multiple_of_its_element_size_when_packed_back_to_back():
+    from rollfleet.weights.transports.staging import aligned_order
+
+    call = aligned_order(
+        _call([((7,), torch.bfloat16), ((3,), torch.float32), ((5,), torch.uint8), ((1,), torch.float64)])
+    )
+    offset = 0
+    for _, tensor in call:
+        assert offset % tensor.element_size() == 0
+        offset += tensor.numel() * tensor.element_size()

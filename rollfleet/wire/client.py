@@ -6,11 +6,19 @@ the server's own message; a slow answer raises `EngineTimeout` after `timeout` s
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import httpx
 
+from rollfleet.wire.protocol_versions import (  # noqa: F401  (EngineClient's callers import them here)
+    SESSIONS_SINCE_SGLANG,
+    SUPPORTED_SGLANG,
+    UnsupportedEngine,
+    check_supported,
+    is_embedded,
+    sglang_release,
+    uses_weight_update_sessions,
+)
 from rollfleet.wire.remote_instance import INIT_ROUTE, LAYOUT_ROUTE, LOAD_ROUTE, SEND_ROUTE, format_ports
 
 
@@ -22,26 +30,6 @@ class EngineError(RuntimeError):
 
 class EngineTimeout(EngineError):
     pass
-
-
-SESSIONS_SINCE_SGLANG = (0, 5, 21)  # SGLang refuses tensor and distributed weight updates outside a session since
-
-
-def uses_weight_update_sessions(server_info: dict) -> bool:
-    """Whether an engine takes (and then needs) `/begin_weight_update` ... `/end_weight_update` around
-    tensor and distributed weight updates, from its `/get_server_info`: the embedded engine says so
-    (`rollfleet_weight_update_sessions`); SGLang has them from 0.5.21 on; older SGLang has no such routes."""
-    if "rollfleet_weight_update_sessions" in server_info:
-        return server_info["rollfleet_weight_update_sessions"] is True
-    if server_info.get("engine") == "rollfleet-embedded":
-        return False  # an embedded engine from before sessions: its `version` is rollfleet's, not SGLang's
-    return _release(str(server_info.get("version", ""))) >= SESSIONS_SINCE_SGLANG
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """(0, 5, 21) of "0.5.21", "0.5.21.post1" or "0.5.21rc0"; () when it is not a release number."""
-    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
-    return tuple(int(part) for part in match.groups()) if match else ()
 
 
 def _message_of(response: httpx.Response) -> str:
@@ -58,6 +46,7 @@ def _message_of(response: httpx.Response) -> str:
 class EngineClient:
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 300.0):
         self.base_url = base_url.rstrip("/")
+        self._server_info: dict | None = None  # server_protocol's answer, once read
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # An https engine gets httpx's default certificate checks; plain http needs no TLS context,
         # and building one (loading the CA bundle) costs 15-30 ms per client.
@@ -139,6 +128,16 @@ class EngineClient:
 
     async def get_server_info(self) -> dict:
         return await self._call("GET", "/get_server_info")
+
+    async def server_protocol(self) -> dict:
+        """`/get_server_info`, read once per client (the engine's kind and release do not change while
+        it runs), after `check_supported`: raises UnsupportedEngine for an SGLang release outside
+        SUPPORTED_SGLANG."""
+        if self._server_info is None:
+            info = await self.get_server_info()
+            check_supported(info, self.base_url)
+            self._server_info = info
+        return self._server_info
 
     async def flush_cache(self) -> str:
         return await self._call("POST", "/flush_cache")

@@ -98,8 +98,10 @@ class Transport(ABC):
         )
         self.session_engines: set[int] | None = None  # engines that take weight-update sessions (asked once)
 
-    def connect(self) -> None:  # noqa: B027 (optional hook: most transports need no set-up)
-        """Set up what the transport needs before its first send (a process group, a directory)."""
+    def connect(self) -> None:
+        """Set up what the transport needs before its first send (a process group, a directory).
+        Here: read every engine's protocol once, refusing an SGLang release the senders do not speak."""
+        self._server_infos()
 
     @abstractmethod
     def send(self, source: WeightSource, version: str) -> SyncReport:
@@ -120,8 +122,9 @@ class Transport(ABC):
         return self.pool.each(verb, {t.engine_id: make_args(t) for t in chosen})
 
     def _server_infos(self) -> list[dict]:
-        """Every target's /get_server_info; notes which engines take weight-update sessions."""
-        infos = self._each("get_server_info", lambda t: ((), {})).result()
+        """Every target's /get_server_info (read once per engine client); notes which engines take
+        weight-update sessions. Raises UnsupportedEngine for an SGLang release the senders do not speak."""
+        infos = self._each("server_protocol", lambda t: ((), {})).result()
         self.session_engines = {
             t.engine_id for t, info in zip(self.targets, infos) if uses_weight_update_sessions(info)
         }

@@ -2,7 +2,7 @@
 
 Per sync, on every engine: unload the adapter name where it is loaded (SGLang refuses to load a
 name twice), load the new adapter under that name, then set the weight version. source=tensors:
-one /load_lora_adapter_from_tensors call whose payload (flattened buckets: the trainer's own
+one /load_lora_adapter_from_tensors call whose payload (one flattened bucket in SGLang's byte form: the trainer's own
 parameter storages never become shared memory) is serialized once per engine rank;
 source=directory: the adapter is written as a peft directory under `<path>/version-<v>` (the
 newest KEEP_LAST stay) and loaded with /load_lora_adapter. Between the unload and the load the
@@ -20,7 +20,7 @@ from rollfleet.weights.adapter import LoraSource, save_adapter
 from rollfleet.weights.checkpoint import prune_versions
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
 from rollfleet.weights.transports.disk import version_dir
-from rollfleet.weights.transports.staging import call_bytes, pack_buckets
+from rollfleet.weights.transports.staging import call_bytes, pack_call
 from rollfleet.wire.fingerprint import fingerprints
 from rollfleet.wire.serialize import serialize
 
@@ -63,9 +63,11 @@ class LoraTransport(Transport):
             if self.spec.source == "tensors":
                 device = tensors[0][1].device if tensors else torch.device("cpu")
                 # copies, see the docstring: the trainer's own parameter storages never become shared memory
-                buckets = pack_buckets(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8, device=device))
-                payload = [b.to_payload() for b in buckets]
-                report.buckets = len(buckets)
+                # one bucket dict per entry, as SGLang's tp worker indexes it (`data["flattened_tensor"]`)
+                payload = pack_call(
+                    tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8, device=device)
+                ).to_payload()
+                report.buckets = 1
                 self._each(
                     "load_lora_adapter_from_tensors",
                     lambda t: (

@@ -29,7 +29,7 @@ from torch.distributed.distributed_c10d import _abort_process_group
 from rollfleet.layout import weight_update_group
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
-from rollfleet.weights.transports.staging import DoubleBuffer, call_bytes, pack_bytes, wait_all
+from rollfleet.weights.transports.staging import DoubleBuffer, aligned_order, call_bytes, pack_bytes, wait_all
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.group import join_weight_update_group
 from rollfleet.wire.net import free_port
@@ -61,6 +61,7 @@ class NcclTransport(Transport):
         self.buffers = DoubleBuffer(self.spec.bucket_bytes)
 
     def connect(self) -> None:
+        infos = self._server_infos()  # before the group: an unsupported engine is refused, not joined
         port = self.spec.master_port or free_port()
         where = f"{self.spec.master_address}:{port}"
         joins = self._each(
@@ -81,7 +82,6 @@ class NcclTransport(Transport):
                 timedelta(seconds=self.spec.join_timeout_s),
             )
             joins.result(timeout=self.spec.join_timeout_s + 30)
-            infos = self._server_infos()
         except Exception as exc:
             ranks = {t.engine_id: list(range(t.rank_offset, t.rank_offset + t.num_ranks)) for t in self.targets}
             raise RuntimeError(
@@ -122,6 +122,7 @@ class NcclTransport(Transport):
             for index, call in enumerate(
                 iter_calls(self._recorded(source, report, collectors), self.spec.bucket_bytes)
             ):
+                call = aligned_order(call)  # SGLang's receive bucket refuses unaligned tensors
                 slot = index % 2
                 with timed(report, "pack"):
                     if broadcasts[slot] is not None:  # reuse the buffer once its broadcast has left it

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 import torch
 
-from rollfleet.wire.buckets import Bucket
+from rollfleet.wire.buckets import Bucket, FlattenedTensorMetadata
 
 ALIGN = 64  # bytes: every dtype view of a slice starts aligned
 
@@ -100,6 +100,30 @@ def pack_bytes(call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> to
     flat = buffer[:total]
     torch.cat(parts, out=flat)
     return flat
+
+
+def aligned_order(call: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The call's tensors by element size, largest first (stable), so that packed back to back each
+    starts at a multiple of its element size: SGLang sizes its receive bucket from the announced
+    names, dtypes and shapes without padding and refuses an unaligned tensor."""
+    return sorted(call, key=lambda item: -item[1].element_size())
+
+
+def pack_call(call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> Bucket:
+    """The whole call as ONE bucket in SGLang's byte form (its `FlattenedTensorBucket`,
+    `supports_multi_dtypes`): a uint8 tensor, each tensor's bytes at an ALIGN-aligned offset, and
+    metadata in bytes. SGLang reads one `{"flattened_tensor", "metadata"}` dict per tp rank's entry
+    (`payload["flattened_tensor"]`); a list of buckets there is a TypeError its scheduler does not catch."""
+    metadata, offset = [], 0
+    for name, tensor in call:
+        nbytes = tensor.numel() * tensor.element_size()
+        target = buffer[offset : offset + nbytes]
+        target.copy_(tensor.detach().reshape(-1).view(torch.uint8))
+        metadata.append(
+            FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, offset, offset + nbytes, nbytes)
+        )
+        offset += _aligned(nbytes)
+    return Bucket(buffer[:offset], metadata)
 
 
 def pack_buckets(call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> list[Bucket]:

@@ -1,6 +1,7 @@
 """tensor (colocated): flattened buckets as CUDA IPC handles (GPU) or shared-memory handles (CPU)
-through /update_weights_from_tensor. Each call carries whole decoder layers (one bucket per dtype
-in it), packed into one of two reusable buffers: call k+1 is packed while the engines load call k,
+through /update_weights_from_tensor. Each call carries whole decoder layers as ONE bucket in SGLang's
+byte form (every dtype in one uint8 tensor; an entry is one `{"flattened_tensor", "metadata"}` dict),
+packed into one of two reusable buffers: call k+1 is packed while the engines load call k,
 so a sender's extra memory is two buckets. Every rank of an engine gets its own serialization of
 the buckets (handles are reference-counted per unpickling: one string read by two ranks would be
 released twice) and slices its own shard.
@@ -28,7 +29,7 @@ import torch
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
 from rollfleet.weights.transports.feed import SoloFeed
-from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, call_bytes, pack_buckets, wait_all
+from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, call_bytes, pack_call, wait_all
 from rollfleet.wire.serialize import serialize
 
 GO, DONE, FAILED = "go", "done", "failed"
@@ -137,14 +138,13 @@ class TensorTransport(Transport):
         try:
             device = call[0][1].device
             with timed(report, "pack"):
-                buckets = pack_buckets(call, buffers.take(index, call_bytes(call), device))
+                buckets = [pack_call(call, buffers.take(index, call_bytes(call), device))]
                 if device.type == "cuda":
                     # An engine that still holds this buffer's IPC handle from an earlier call
                     # reads it without waiting on our stream: the packing must be finished first.
                     torch.cuda.current_stream(device).synchronize()
             with timed(report, "serialize"):
-                payload = [b.to_payload() for b in buckets]
-                entries = {key: serialize(payload) for key in self.mine}
+                entries = {key: serialize(buckets[0].to_payload()) for key in self.mine}  # one dict per entry
         except Exception as exc:  # noqa: BLE001  (rank 0 stops every rank at the next step)
             return {"error": f"call {index}: {type(exc).__name__}: {exc}"}, []
         packed = sum(b.nbytes for b in buckets)

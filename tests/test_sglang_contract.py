@@ -1,0 +1,159 @@
+"""Contract test against SGLang's own code (`make sglang-site` installs the pinned wheel into
+.sglang-site; `make test` runs it first). tests/sglang_harness.py serves SGLang's receiving path
+(its request structs, payload normalisation, scheduler and tp-worker weight updaters, model-runner
+WeightUpdater with the gloo group) with a recording model; every rollfleet transport sends to it
+and what SGLang's code hands the model must be bit-exact. The other way, SGLang's own client payloads
+(FlattenedTensorBucket + MultiprocessingSerializer, its request structs as JSON) must load into
+the embedded engine bit-exact. Skipped, with the reason, only when the wheel is not installed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rollfleet.config.models import DiskSync, LoraSync, NcclSync, TensorSync
+from rollfleet.weights.adapter import LoraSource
+from rollfleet.weights.transports.base import EngineTarget, make_transport
+from rollfleet.wire.client import SUPPORTED_SGLANG, UnsupportedEngine, check_supported
+from tests.conftest import call
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = ROOT / ".sglang-site"
+START_TIMEOUT_S = 300  # importing SGLang's modules on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def sglang_url(tmp_path_factory):
+    if not (SITE / "sglang" / "version.py").exists():
+        pytest.skip(f"the sglang wheel is not installed in {SITE}: run `make sglang-site` (needs the package registry)")
+    env = {**os.environ, "PYTHONPATH": f"{SITE}{os.pathsep}{ROOT}", "PYTHONWARNINGS": "ignore"}
+    log = tmp_path_factory.mktemp("sglang") / "harness.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "sglang_harness.py")], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        yield f"http://127.0.0.1:{_listening_port(proc, log)}"
+    finally:
+        proc.kill()
+        proc.wait(30)
+        print(f"SGLang harness log: {log}\n{log.read_text()[-4000:]}")
+
+
+def _listening_port(proc: subprocess.Popen, log: Path) -> int:
+    """The port the harness printed, once it answers (its log's tail in the error otherwise)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        ports = [line.split()[1] for line in log.read_text().splitlines() if line.startswith("LISTENING ")]
+        if ports:
+            try:
+                httpx.get(f"http://127.0.0.1:{ports[0]}/get_server_info", timeout=5)
+                return int(ports[0])
+            except httpx.TransportError:
+                pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the SGLang harness did not start: {log.read_text()[-3000:]}")
+
+
+def describe(tensor: torch.Tensor) -> list:
+    """[dtype, shape, sha256 of the bytes], as the harness records what SGLang's code loaded."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), hashlib.sha256(data).hexdigest()]
+
+
+class Named:
+    """A WeightSource of fixed tensors."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def named_tensors(self):
+        yield from self.tensors.items()
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    """Mixed dtypes and odd sizes, two decoder layers: alignment and call splitting both matter."""
+    g = torch.Generator().manual_seed(7)
+    return {
+        "model.embed_tokens.weight": torch.randn(33, 8, generator=g),
+        "model.layers.0.input_layernorm.weight": torch.randn(7, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.gate.weight": torch.randn(3, 5, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(9, 8, generator=g).to(torch.bfloat16),
+        "model.layers.1.mlp.e_score_correction_bias": torch.randn(5, generator=g).to(torch.float64),
+        "model.layers.1.self_attn.o_proj.weight": torch.randn(8, 9, generator=g).to(torch.float16),
+    }
+
+
+def _send(url: str, spec, version: str, source, **options) -> dict:
+    httpx.post(f"{url}/contract/reset")
+    target = EngineTarget(engine_id=0, url=url, num_ranks=1, rank_offset=1, dtype=torch.float32)
+    transport = make_transport(spec, [target], **options)
+    transport.connect()
+    try:
+        transport.send(source, version)
+    finally:
+        transport.disconnect()
+    return httpx.get(f"{url}/contract/recorded").json()
+
+
+@pytest.mark.parametrize("spec", [TensorSync(bucket_mb=0.0005), NcclSync(bucket_mb=0.0005)], ids=["tensor", "nccl"])
+def test_rollfleet_transports_load_bit_exact_through_sglangs_own_updaters(sglang_url, spec):
+    weights = _weights()
+    options = {"device": "cpu"} if spec.transport == "nccl" else {}
+    recorded = _send(sglang_url, spec, "v7", Named(weights), **options)
+    assert recorded["weights"] == {name: describe(t) for name, t in weights.items()}
+    assert recorded["versions"][-1] == "v7"  # in a session: each call carries the version
+
+
+def test_disk_transport_loads_bit_exact_through_sglangs_safetensors_reader(sglang_url, tmp_path):
+    weights = _weights()
+    recorded = _send(sglang_url, DiskSync(path=str(tmp_path)), "3", Named(weights))
+    assert recorded["weights"] == {name: describe(t) for name, t in weights.items()}
+    assert recorded["versions"] == ["3"]
+
+
+def test_lora_transport_loads_one_bucket_dict_through_sglangs_tp_worker(sglang_url, qwen3_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(qwen3_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    )
+    source = LoraSource(peft_model)
+    recorded = _send(sglang_url, LoraSync(adapter_name="policy"), "2", source)
+    adapter = recorded["adapters"]["policy"]
+    assert adapter["tensors"] == {name: describe(t) for name, t in source.named_tensors()}
+    assert adapter["config"]["r"] == 4 and recorded["versions"] == ["2"]
+
+
+@pytest.mark.parametrize("load_format", ["flattened_bucket", "direct"])
+def test_sglangs_own_client_payloads_load_into_the_embedded_engine_bit_exact(sglang_url, qwen3_server, load_format):
+    layout = call(qwen3_server, "weight_layout")
+    chosen = [
+        [name, shape, "float32"] for name, shape, _ in layout["parameters"]
+    ]  # a session commits only a complete update
+    spec = {"url": qwen3_server.url, "tensors": chosen, "seed": 3, "load_format": load_format, "version": "sg1"}
+    answer = httpx.post(f"{sglang_url}/contract/feed", json=spec, timeout=300)
+    assert answer.status_code == 200, answer.text
+    sent = answer.json()["fingerprints"]
+    held = call(qwen3_server, "weights_fingerprint", [name for name, _, _ in chosen], samples=1 << 20)
+    assert held == sent
+    assert call(qwen3_server, "get_model_info")["weight_version"] == "sg1"
+
+
+def test_an_sglang_release_outside_the_proven_range_is_refused_naming_the_range():
+    low, high = (".".join(map(str, v)) for v in SUPPORTED_SGLANG)
+    check_supported({"version": high})
+    check_supported({"version": f"{low}.post1"})
+    check_supported({"engine": "rollfleet-embedded", "rollfleet_weight_update_sessions": True, "version": "0.1"})
+    for version in ("0.5.20", "0.6.0", "", None):
+        with pytest.raises(UnsupportedEngine, match=f"{low} to {high}"):
+            check_supported({"version": version}, "http://e")
