@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 import math
@@ -197,3 +198,151 @@ def test_sglang_pickled_metadata_records_are_read(monkeypatch):
     monkeypatch.delitem(sys.modules, module.__name__)  # the engine has no SGLang installed
     out = Bucket.from_payload(safe_loads(buffer.getvalue())).unpack()
     assert torch.equal(out["t"], t)
+
+
+# ---- SGLang's own payload forms: verl's LocalSerializedTensor, the patched CUDA rebuild --------------
+def sglang_module(monkeypatch, dotted: str) -> types.ModuleType:
+    """A module under SGLang's name in this process only, so objects pickle by SGLang's names (the
+    engine has no SGLang; sglang 0.5.23 itself needs CUDA torch and cannot be installed here)."""
+    parts = dotted.split(".")
+    for i in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    return sys.modules[dotted]
+
+
+def sglang_local_serialized_tensor(monkeypatch, module: str):
+    """A dataclass shaped as SGLang's LocalSerializedTensor (`values: List[bytes]`), under `module`."""
+
+    @dataclasses.dataclass
+    class LocalSerializedTensor:
+        values: list
+
+    LocalSerializedTensor.__module__ = module
+    LocalSerializedTensor.__qualname__ = "LocalSerializedTensor"
+    sglang_module(monkeypatch, module).LocalSerializedTensor = LocalSerializedTensor
+    return LocalSerializedTensor
+
+
+def raw_pickle(obj) -> bytes:
+    """MultiprocessingSerializer.serialize(obj): ForkingPickler bytes, not base64."""
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["sglang.srt.model_executor.model_runner_components.weight_updater", "sglang.srt.model_executor.model_runner"],
+)
+def test_verl_local_serialized_tensors_give_each_rank_its_own_tensor(monkeypatch, module):
+    from rollfleet.engine.payloads import PayloadError, named_tensors
+
+    wrapper = sglang_local_serialized_tensor(monkeypatch, module)
+    per_rank = [torch.randn(3, 2), torch.randn(3, 2)]
+    # verl (sglang.srt.weight_sync.utils.update_weights): each rank's tensor serialized on its own, the
+    # list of (name, LocalSerializedTensor) serialized again once per tp rank
+    pairs = [
+        ("w", wrapper(values=[raw_pickle(t) for t in per_rank])),
+        ("b", wrapper(values=[raw_pickle(t) for t in per_rank])),
+    ]
+    entries = [base64.b64encode(raw_pickle(pairs)).decode() for _ in range(2)]
+    monkeypatch.delitem(sys.modules, module)  # the engine reads it without SGLang
+    for rank in (0, 1):
+        tensors = named_tensors(safe_loads(entries[rank]), None, rank)
+        assert sorted(tensors) == ["b", "w"] and torch.equal(tensors["w"], per_rank[rank])
+    with pytest.raises(PayloadError, match="w: .*holds 2 values, tp rank 2 has none"):
+        named_tensors(safe_loads(entries[0]), "direct", 2)
+
+
+def test_local_serialized_tensor_refusals(monkeypatch):
+    from rollfleet.engine.payloads import PayloadError, named_tensors
+
+    module = "sglang.srt.model_executor.model_runner_components.weight_updater"
+    wrapper = sglang_local_serialized_tensor(monkeypatch, module)
+    not_a_tensor = safe_loads(raw_pickle([("w", wrapper(values=[raw_pickle({"x": 1})]))]))
+    with pytest.raises(PayloadError, match=r"w: UnpicklingError: .*values\[0\] holds a dict, not a tensor"):
+        named_tensors(not_a_tensor, None, 0)
+    evil_inside = safe_loads(raw_pickle([("w", wrapper(values=[pickle.dumps(RunsAShellCommand())]))]))
+    with pytest.raises(PayloadError, match=r"refused global '(posix|os)\.system'"):
+        named_tensors(evil_inside, None, 0)
+    for values in ([1, 2], "abc", None):
+        with pytest.raises(pickle.UnpicklingError, match="state must be"):
+            safe_loads(raw_pickle(wrapper(values=values)))
+    with pytest.raises(pickle.UnpicklingError, match="only metadata records may be made"):  # NEWOBJ with arguments
+        safe_loads(b"\x80\x04c" + module.encode() + b"\nLocalSerializedTensor\nK\x01\x85\x81.")
+    assert not os.path.exists("/tmp/rollfleet-should-not-exist")
+
+
+def test_cuda_devices_by_index_or_uuid():
+    from rollfleet.wire.serialize import cuda_device_index, with_device_uuid
+
+    uuids = ["GPU-aaaa", "GPU-bbbb"]
+    assert cuda_device_index(1, uuids) == 1 and cuda_device_index("GPU-bbbb", uuids) == 1
+    assert cuda_device_index("GPU-aaaa", uuids) == 0
+    with pytest.raises(
+        pickle.UnpicklingError, match=r"GPU GPU-cccc is not visible to this process \(its GPUs: \['GPU-aaaa'"
+    ):
+        cuda_device_index("GPU-cccc", uuids)
+    with pytest.raises(pickle.UnpicklingError, match="device index 2, this process has 2 CUDA devices"):
+        cuda_device_index(2, uuids)
+    for bad in (True, 1.0, None, b"GPU-aaaa"):
+        with pytest.raises(pickle.UnpicklingError, match="neither a device index nor a GPU UUID"):
+            cuda_device_index(bad, uuids)
+    args = (torch.Tensor, (2,), (1,), 0, torch.UntypedStorage, torch.float32, 1, b"h", 8, 0, False, b"r", 0, b"e", True)
+    assert with_device_uuid(args, uuids) == (*args[:6], "GPU-bbbb", *args[7:])
+    assert with_device_uuid(with_device_uuid(args, uuids), ["GPU-other"]) == with_device_uuid(args, uuids)
+
+
+class CudaTensorAsPickled:
+    """Pickles as torch's reduction of a CUDA tensor with SGLang's patch on: the rebuild function
+    named `rebuild`, the device at argument 6 as a UUID (sglang/srt/utils/patch_torch.py). SGLang's
+    patch cannot pickle a CPU tensor (torch's CPU reduction has 3 arguments, the patch edits the 7th),
+    so the stream is made here with made-up IPC handles: on a CPU machine it cannot be opened anyway."""
+
+    def __init__(self, rebuild, device, storage_bytes: int = 24):
+        self.rebuild, self.device, self.storage_bytes = rebuild, device, storage_bytes
+
+    def __reduce__(self):
+        size, stride = torch.Size([2, 3]), (3, 1)
+        return self.rebuild, (
+            torch.Tensor,
+            size,
+            stride,
+            0,
+            torch.UntypedStorage,
+            torch.float32,
+            self.device,
+            b"ipc-handle",
+            self.storage_bytes,
+            0,
+            False,
+            b"ref-counter",
+            0,
+            b"event",
+            True,
+        )
+
+
+def test_sglang_patched_cuda_rebuild_is_allowed_and_maps_the_uuid(monkeypatch):
+    from torch.multiprocessing import reductions
+
+    module = sglang_module(monkeypatch, "sglang.srt.utils.patch_torch")
+
+    def _rebuild_cuda_tensor_modified(*args):
+        raise AssertionError("never called: the reader resolves the name to its own rebuild")
+
+    _rebuild_cuda_tensor_modified.__module__ = module.__name__
+    _rebuild_cuda_tensor_modified.__qualname__ = "_rebuild_cuda_tensor_modified"
+    module._rebuild_cuda_tensor_modified = _rebuild_cuda_tensor_modified
+    patched = raw_pickle([("w", CudaTensorAsPickled(_rebuild_cuda_tensor_modified, "GPU-1234"))])
+    assert b"sglang.srt.utils.patch_torch" in patched and b"_rebuild_cuda_tensor_modified" in patched
+    torch_named = raw_pickle([("w", CudaTensorAsPickled(reductions.rebuild_cuda_tensor, "GPU-1234"))])
+    monkeypatch.delitem(sys.modules, module.__name__)
+    for payload in (patched, torch_named):  # both names: allowed, checked, and the UUID looked up here
+        with pytest.raises(
+            pickle.UnpicklingError, match=r"GPU GPU-1234 is not visible to this process \(its GPUs: \[\]\)"
+        ):
+            safe_loads(payload)
+    too_small = raw_pickle([("w", CudaTensorAsPickled(reductions.rebuild_cuda_tensor, "GPU-1234", storage_bytes=8))])
+    with pytest.raises(pickle.UnpicklingError, match="needs 24 bytes, its storage holds 8"):
+        safe_loads(too_small)  # the extent check comes before any device is touched

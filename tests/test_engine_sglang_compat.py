@@ -190,3 +190,51 @@ def test_bad_logprob_fields_are_refused_and_the_server_keeps_serving(server):
         response = httpx.post(server.url + "/generate", json=body, timeout=30)
         assert response.status_code == 400 and needle in response.json()["message"], response.text
     assert generate(server, input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+
+
+def test_engine_client_sends_every_generate_field(server):
+    """EngineClient.generate / generate_stream: the same answers as the raw HTTP bodies above."""
+    from conftest import client_for, run
+
+    from rollfleet.wire.client import EngineError
+
+    fields = {
+        "input_ids": PROMPT,
+        "sampling_params": {**GREEDY, "stop": ["zz"], "no_stop_trim": True},
+        "return_logprob": True,
+        "logprob_start_len": 1,
+        "top_logprobs_num": 2,
+        "token_ids_logprob": [3, 9],
+        "return_text_in_logprobs": True,
+    }
+
+    async def go():
+        async with client_for(server) as client:
+            answer = await client.generate(**fields)
+            events = [event async for event in client.generate_stream(**fields)]
+            with pytest.raises(EngineError) as err:
+                await client.generate(input_ids=PROMPT, top_logprobs_num=-1)
+            with pytest.raises(EngineError) as stream_err:
+                _ = [event async for event in client.generate_stream(input_ids=PROMPT, logprob_start_len=-2)]
+            return answer, events, err.value, stream_err.value
+
+    answer, events, err, stream_err = run(go())
+    raw = generate(server, **fields)
+
+    def stable(out: dict) -> dict:  # without the request's id and timings
+        meta = {k: v for k, v in out["meta_info"].items() if k != "id" and "latency" not in k and "time" not in k}
+        return {**out, "meta_info": meta}
+
+    assert stable(answer) == stable(raw) and set(raw["meta_info"]) >= {
+        "input_token_logprobs",
+        "input_top_logprobs",
+        "input_token_ids_logprobs",
+        "output_top_logprobs",
+        "output_token_ids_logprobs",
+    }
+    assert len(answer["meta_info"]["input_token_logprobs"]) == len(PROMPT) - 1
+    assert answer["meta_info"]["output_token_logprobs"][0][2] is not None  # return_text_in_logprobs arrived
+    assert events[-1]["output_ids"] == raw["output_ids"] and events[-1]["meta_info"]["finish_reason"] is not None
+    assert len(events) == len(raw["output_ids"])  # one event per token, each cumulative
+    assert err.status_code == 400 and "top_logprobs_num" in err.message
+    assert stream_err.status_code == 400 and "logprob_start_len" in stream_err.message

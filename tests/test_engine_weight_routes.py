@@ -94,6 +94,48 @@ def test_tensor_route_direct_pairs(servers, qwen3_dir, qwen3_dir_b):
     assert call(engine, "shard_fingerprints") == call(servers["ref2"], "shard_fingerprints")
 
 
+def test_tensor_route_verl_local_serialized_tensors(servers, qwen3_dir, qwen3_dir_b, monkeypatch):
+    """verl's payload (sglang.srt.weight_sync.utils.update_weights): every tensor wrapped in SGLang's
+    LocalSerializedTensor with one value per tp rank, the pair list serialized once per rank."""
+    import dataclasses
+    import io
+    import sys
+    import types
+    from multiprocessing.reduction import ForkingPickler
+
+    module = "sglang.srt.model_executor.model_runner_components.weight_updater"
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):  # SGLang's class name in this process only: the engine has no SGLang
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+
+    @dataclasses.dataclass
+    class LocalSerializedTensor:  # SGLang's: values[i] is tp rank i's serialized tensor
+        values: list
+
+    LocalSerializedTensor.__module__, LocalSerializedTensor.__qualname__ = module, "LocalSerializedTensor"
+    sys.modules[module].LocalSerializedTensor = LocalSerializedTensor
+
+    def raw(obj) -> bytes:  # MultiprocessingSerializer.serialize
+        buffer = io.BytesIO()
+        ForkingPickler(buffer).dump(obj)
+        return buffer.getvalue()
+
+    def verl_payloads(tensors: dict, ranks: int) -> list[str]:
+        wrapped = [(name, LocalSerializedTensor([raw(t) for _ in range(ranks)])) for name, t in tensors.items()]
+        return [base64.b64encode(raw(wrapped)).decode() for _ in range(2)]
+
+    engine = servers["tp2"]
+    call(engine, "update_weights_from_disk", qwen3_dir, weight_version="a")
+    before = state(engine)
+    tensors = checkpoint(qwen3_dir_b)
+    with pytest.raises(EngineError) as err:  # one value for two ranks: rank 1 has none, nothing applies
+        call(engine, "update_weights_from_tensor", verl_payloads(tensors, 1), weight_version="bad")
+    assert err.value.status_code == 400 and "tp rank 1 has none" in err.value.message, err.value.message
+    assert state(engine) == before
+    call(engine, "update_weights_from_tensor", verl_payloads(tensors, 2), weight_version="verl-b")
+    assert state(engine) == (call(servers["ref2"], "shard_fingerprints"), "verl-b")
+
+
 def test_bad_tensor_updates_change_nothing(servers, qwen3_dir, qwen3_dir_b):
     engine = servers["tp2"]
     call(engine, "update_weights_from_disk", qwen3_dir, weight_version="good")

@@ -247,12 +247,13 @@ def test_unload_and_unknown_adapters(servers, adapter, base_expected, tmp_path):
     directory = save_adapter(source.named_tensors(), source.config_dict(), tmp_path / "extra")
     out = call(proc, "load_lora_adapter", "extra", str(directory))
     assert out["success"] is True and out["loaded_adapters"] == {"policy": "<tensors>", "extra": str(directory)}
-    with pytest.raises(EngineError) as err:
-        call(proc, "load_lora_adapter", "third", str(directory))
-    assert "--max-loaded-loras is 2" in err.value.message and loaded(proc) == out["loaded_adapters"]
-    assert_matches(generate(proc, "extra"), want)
-    out = call(proc, "unload_lora_adapter", "extra")
-    assert out["success"] is True and "extra" not in out["loaded_adapters"]
+    assert_matches(generate(proc, "policy"), want)  # loaded first, used last: "extra" is the least recently used
+    out = call(proc, "load_lora_adapter", "third", str(directory))  # past --max-loaded-loras: SGLang's LRU eviction
+    assert out["success"] is True and out["loaded_adapters"] == {"policy": "<tensors>", "third": str(directory)}
+    assert loaded(proc) == out["loaded_adapters"]
+    assert_matches(generate(proc, "third"), want)
+    out = call(proc, "unload_lora_adapter", "third")
+    assert out["success"] is True and "third" not in out["loaded_adapters"]
     for request in ({"lora_path": "extra"}, {"lora_path": ["extra", None]}):
         with pytest.raises(EngineError) as err:
             call(proc, "generate", input_ids=PROMPTS, sampling_params=GREEDY, **request)
@@ -292,6 +293,83 @@ def test_unload_waits_for_the_requests_that_use_the_adapter(servers, adapter, tm
             call(proc, "continue_generation")
         assert_matches(queued.result(), want)
         assert "slow" not in unloading.result()["loaded_adapters"]
+
+
+def unload_all(proc) -> None:
+    for name in loaded(proc):
+        call(proc, "unload_lora_adapter", name)
+
+
+def test_eviction_spares_pinned_adapters_and_waits_for_requests(servers, adapter, tmp_path):
+    """SGLang's rule past --max-loaded-loras: the least recently used adapter that is not pinned goes,
+    once the requests already using it finished; a pinned load may not take the last free slot."""
+    peft_model, want = adapter
+    proc = servers["tp1"]  # --max-loaded-loras 2
+    unload_all(proc)
+    source = LoraSource(peft_model)
+    directory = str(save_adapter(source.named_tensors(), source.config_dict(), tmp_path / "adapter"))
+    call(proc, "load_lora_adapter", "kept", directory, pinned=True)
+    call(proc, "load_lora_adapter", "used", directory)
+    with pytest.raises(EngineError) as err:
+        call(proc, "load_lora_adapter", "pinned-too", directory, pinned=True)
+    assert "1 of --max-loaded-loras=2 adapters are pinned" in err.value.message
+    assert sorted(loaded(proc)) == ["kept", "used"]
+    call(proc, "pause_generation", "in_place")  # the request below stays queued until generation continues
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            queued = pool.submit(generate, proc, "used")
+            wait_until_queued(proc, queued)
+            loading = pool.submit(call, proc, "load_lora_adapter", "new", directory)
+            time.sleep(0.5)
+            assert not loading.done()  # "kept" is older but pinned: "used" goes, after its queued request
+            with pytest.raises(EngineError) as err:
+                call(proc, "generate", input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="used")
+            assert "being unloaded" in err.value.message
+        finally:
+            call(proc, "continue_generation")
+        assert_matches(queued.result(), want)
+        assert loading.result()["loaded_adapters"] == {"kept": directory, "new": directory}
+    assert_matches(generate(proc, "new"), want)
+    unload_all(proc)
+
+
+def test_sglang_lora_payload_forms(servers, adapter):
+    """SGLang 0.5.2x sends one payload per rank holding a dict {peft key: tensor}; older SGLang and UniRL
+    send `serialized_tensors`, one payload that every rank reads."""
+    peft_model, want = adapter
+    source = LoraSource(peft_model)
+    config = source.config_dict()
+
+    def fresh() -> dict[str, torch.Tensor]:  # new storages per payload: a shared one is not named twice
+        return {key: tensor.clone() for key, tensor in source.named_tensors()}
+
+    def post(proc, **body):
+        return httpx.post(
+            f"{proc.url}/load_lora_adapter_from_tensors", json={"config_dict": config, **body}, timeout=60
+        )
+
+    tp1, tp2 = servers["tp1"], servers["tp2"]
+    unload_all(tp1)
+    unload_all(tp2)
+    answer = post(tp1, lora_name="dict", serialized_named_tensors=[serialize(fresh())])
+    assert answer.status_code == 200 and answer.json()["loaded_adapters"] == {"dict": "<tensors>"}, answer.text
+    # one serialization is one shared-memory reference, and each reading rank drops one: a sender of
+    # `serialized_tensors` to tp ranks keeps its tensors alive and adds the extra references (as UniRL does)
+    shared = fresh()
+    single = serialize(shared)
+    for tensor in shared.values():
+        tensor.untyped_storage()._shared_incref()
+    answer = post(tp2, lora_name="one", serialized_tensors=single)
+    assert answer.status_code == 200 and answer.json()["loaded_adapters"] == {"one": "<tensors>"}, answer.text
+    assert_matches(generate(tp1, "dict"), want)
+    assert_matches(generate(tp2, "one"), want)
+    both = {"serialized_tensors": serialize(fresh()), "serialized_named_tensors": [serialize(fresh())]}
+    for body in (both, {}):
+        answer = post(tp1, lora_name="bad", **body)
+        assert answer.status_code == 400 and "exactly one of 'serialized_named_tensors'" in answer.text
+    assert list(loaded(tp1)) == ["dict"]
+    unload_all(tp1)
+    unload_all(tp2)
 
 
 def _bad_adapters(peft_model, qwen3_dir, tmp_path):

@@ -130,11 +130,6 @@ class LoraMerge:
                 f"lora_name={lora_name!r} is already loaded: unload it first (/unload_lora_adapter), "
                 "or load under another name"
             )
-        if limits.max_loaded is not None and len(self.adapters) >= limits.max_loaded:
-            raise LoraError(
-                f"{len(self.adapters)} adapters are loaded, --max-loaded-loras is "
-                f"{limits.max_loaded}: unload one of {sorted(self.adapters)} first"
-            )
         if lora_path is not None:
             config, tensors = read_adapter_dir(lora_path)
         else:
@@ -143,7 +138,7 @@ class LoraMerge:
             except PayloadError as exc:
                 raise LoraError(str(exc)) from exc
             try:
-                tensors = named_tensors(payload, load_format)
+                tensors = named_tensors(payload, load_format, self._ranks.rank)
             except PayloadError as exc:
                 raise LoraError(f"adapter {lora_name!r} refused, nothing changed: {exc}") from exc
             config = config_dict

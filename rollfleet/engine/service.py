@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from rollfleet.engine.call_order import CallOrder
 from rollfleet.engine.lockstep import Lockstep
+from rollfleet.engine.lora_recency import AdapterRecency
 from rollfleet.engine.model import ModelRunner
 from rollfleet.engine.scheduler import EngineStopped, Scheduler
 from rollfleet.engine.sequence import Sequence
@@ -76,6 +77,8 @@ class EngineService:
     tokenizer: Any
     call_order: CallOrder = field(default_factory=CallOrder)
     unloading: set[str] = field(default_factory=set)  # adapters being unloaded: new requests refused
+    lora_recency: AdapterRecency = field(default_factory=AdapterRecency)  # which adapter is evicted first
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # LoRA loads and unloads, one at a time
     loaded_from: str | None = None  # the model path of the last disk update (None: the start's)
     start_breakdown: dict = field(default_factory=dict)  # start_timing.StartTimer.breakdown(), once listening
     sessions: WeightSessions = field(init=False)

@@ -118,7 +118,7 @@ class WeightUpdater:
             try:
                 payload = decode_entry(serialized_named_tensors, self.ranks.rank)
                 self._held_payloads.append(payload)
-                return named_tensors(payload, load_format), False
+                return named_tensors(payload, load_format, self.ranks.rank), False
             except PayloadError as exc:
                 reason = str(exc) if str(exc).startswith("serialized_named_tensors[") else REFUSED + str(exc)
                 raise WeightUpdateError(reason) from exc

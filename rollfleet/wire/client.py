@@ -10,6 +10,8 @@ from typing import Any
 
 import httpx
 
+from rollfleet.wire.errors import EngineError, EngineTimeout, message_of
+from rollfleet.wire.generation import GenerationRoutes
 from rollfleet.wire.protocol_versions import (  # noqa: F401  (EngineClient's callers import them here)
     SESSIONS_SINCE_SGLANG,
     SUPPORTED_SGLANG,
@@ -21,29 +23,10 @@ from rollfleet.wire.protocol_versions import (  # noqa: F401  (EngineClient's ca
 )
 from rollfleet.wire.remote_instance import INIT_ROUTE, LAYOUT_ROUTE, LOAD_ROUTE, SEND_ROUTE, format_ports
 
-
-class EngineError(RuntimeError):
-    def __init__(self, route: str, status_code: int, message: str):
-        super().__init__(f"{route} -> HTTP {status_code}: {message}")
-        self.route, self.status_code, self.message = route, status_code, message
+__all__ = ["EngineClient", "EngineError", "EngineTimeout", "uses_weight_update_sessions"]
 
 
-class EngineTimeout(EngineError):
-    pass
-
-
-def _message_of(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text
-    if isinstance(body, dict):
-        error = body.get("error")
-        return body.get("message") or (error.get("message") if isinstance(error, dict) else error) or str(body)
-    return str(body)
-
-
-class EngineClient:
+class EngineClient(GenerationRoutes):
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 300.0):
         self.base_url = base_url.rstrip("/")
         self._server_info: dict | None = None  # server_protocol's answer, once read
@@ -76,7 +59,7 @@ class EngineClient:
         except httpx.TimeoutException as exc:
             raise EngineTimeout(route, 0, f"no answer from {self.base_url} in time ({exc!r})") from exc
         if response.status_code >= 400:
-            raise EngineError(route, response.status_code, _message_of(response))
+            raise EngineError(route, response.status_code, message_of(response))
         if not response.content:
             return None
         try:
@@ -84,30 +67,7 @@ class EngineClient:
         except ValueError:
             return response.text
 
-    # ---- generation and status ---------------------------------------------------------------
-    async def generate(
-        self,
-        *,
-        text: str | list[str] | None = None,
-        input_ids: list | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        return_logprob: bool = False,
-        rid: str | list[str] | None = None,
-        lora_path: str | list[str | None] | None = None,
-        timeout: float | None = None,
-    ) -> dict | list[dict]:
-        payload = {
-            "text": text,
-            "input_ids": input_ids,
-            "sampling_params": sampling_params or {},
-            "return_logprob": return_logprob,
-            "rid": rid,
-            "lora_path": lora_path,
-        }
-        return await self._call(
-            "POST", "/generate", {k: v for k, v in payload.items() if v is not None}, timeout=timeout
-        )
-
+    # ---- status (generation: rollfleet.wire.generation) ----------------------------------------
     async def health(self, timeout: float = 5) -> bool:
         """Whether /health answers 200 within `timeout` seconds (the fleet's probes of hung engines)."""
         return await self._answers("/health", timeout)

@@ -241,15 +241,36 @@ class FinishReason(BaseModel):
 class LoadLoraAdapterRequest(_Lenient):
     lora_name: Utf8Str = Field(min_length=1)
     lora_path: Utf8Str  # a peft adapter directory: adapter_config.json + adapter_model.safetensors
-    pinned: bool = False  # SGLang keeps pinned adapters in GPU memory; every adapter stays loaded here
+    pinned: bool = False  # never evicted past --max-loaded-loras (rollfleet.engine.lora_recency)
 
 
 class LoadLoraAdapterFromTensorsRequest(_Lenient):
+    """Exactly one of `serialized_named_tensors` (SGLang >= 0.5.2x: one payload per tp rank, each rank
+    reads its own) and `serialized_tensors` (older SGLang, UniRL: one payload every rank reads). A
+    payload holds a dict {peft key: tensor} (SGLang), a list of (key, tensor) pairs, or with
+    load_format "flattened_bucket" a bucket (or a list of them)."""
+
     lora_name: Utf8Str = Field(min_length=1)
     config_dict: dict[Utf8Str, Any]  # the peft LoraConfig as saved in adapter_config.json
-    serialized_named_tensors: list[Utf8Str]  # one payload per tp rank, as /update_weights_from_tensor
+    serialized_named_tensors: list[Utf8Str] | None = None
+    serialized_tensors: Utf8Str | None = None
     load_format: Literal["direct", "flattened_bucket"] | None = None
     pinned: bool = False
+
+    @model_validator(mode="after")
+    def _one_payload_field(self) -> LoadLoraAdapterFromTensorsRequest:
+        if (self.serialized_named_tensors is None) == (self.serialized_tensors is None):
+            raise ValueError(
+                "give exactly one of 'serialized_named_tensors' (one payload per tp rank) or "
+                "'serialized_tensors' (one payload for every rank)"
+            )
+        return self
+
+    def payloads(self, tp_size: int) -> list[str]:
+        """One payload per tp rank (the single `serialized_tensors` is read by every rank, as SGLang did)."""
+        if self.serialized_tensors is not None:
+            return [self.serialized_tensors] * tp_size
+        return self.serialized_named_tensors
 
 
 class UnloadLoraAdapterRequest(_Lenient):

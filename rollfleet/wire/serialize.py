@@ -12,9 +12,10 @@ while the sender still holds it and the next payload naming that storage cannot 
 (seen on CPU; CUDA IPC counts references the same way).
 
 `safe_loads` unpickles through an allowlist: only the torch functions that rebuild shared
-tensors, the classes and dtypes they need, and `types.SimpleNamespace` (bucket metadata records)
-may be named by the payload, and only metadata records may receive state (BUILD); anything else
-raises `pickle.UnpicklingError` naming what was refused. Unpickling an arbitrary payload would be
+tensors, the classes and dtypes they need, `types.SimpleNamespace` (bucket metadata records) and
+`LocalSerializedTensor` (SGLang's per-tp-rank wrapper, which verl sends) may be named by the
+payload, and only those records may receive state (BUILD); anything else raises
+`pickle.UnpicklingError` naming what was refused. Unpickling an arbitrary payload would be
 remote code execution (CVE-2025-10164 in SGLang).
 Named is not called: the payload may call only the rebuild functions, `torch.Size` and the record
 class. The tensor and storage classes are arguments of the rebuild functions, never callable
@@ -22,6 +23,12 @@ themselves (`torch.UntypedStorage(n)` and `torch.Tensor(n)` allocate uninitialis
 rebuild functions are called through checks: a tensor must lie inside the storage the payload
 carried (`set_` would otherwise grow an empty storage over uninitialised heap memory). A payload
 nested deeper than MAX_NESTING (or cyclic) is refused before anything reads it.
+CUDA tensors name their device by index (torch) or by the GPU's UUID: SGLang's senders (slime, verl,
+XTuner, UniRL) call its `monkey_patch_torch_reductions`, which pickles the UUID and names
+`sglang.srt.utils.patch_torch._rebuild_cuda_tensor_modified`; `serialize` writes the UUID too (under
+torch's own name, which SGLang >= 0.5.21 patches before it unpickles), because an index means
+another GPU in a process whose CUDA_VISIBLE_DEVICES differs (torch issue 149248). The reader maps
+a UUID to its own device index and refuses one it cannot see.
 A payload can still name any shared-memory file or CUDA IPC handle of the same user: guard the
 routes that accept payloads with an API key when the port is reachable by others.
 """
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import pickle
 import types
@@ -41,6 +49,8 @@ import torch.multiprocessing
 from torch.multiprocessing import reductions  # importing it registers torch's reductions with ForkingPickler
 
 SHARING_STRATEGY = "file_system"
+# torch's own, even if SGLang's monkey_patch_torch_reductions replaced the module's attribute later
+_TORCH_REBUILD_CUDA_TENSOR = reductions.rebuild_cuda_tensor
 MAX_NESTING = 32  # real payloads nest 5 deep: list -> bucket dict -> metadata list -> record -> shape
 _STORAGE_CLASSES = (torch.UntypedStorage, torch.TypedStorage)
 _TENSOR_CLASSES = (torch.Tensor, torch.nn.Parameter)
@@ -81,15 +91,45 @@ def _rebuild_tensor(cls, storage, metadata):
     return reductions.rebuild_tensor(cls, storage, metadata)
 
 
+CUDA_DEVICE_ARG = 6  # where torch's CUDA tensor reduction puts the device (SGLang's patch relies on it too)
+
+
+def cuda_device_index(device: Any, uuids: list[str]) -> int:
+    """The local index of the device a CUDA payload names: an index as is, a UUID (SGLang's patched
+    reduction, and `serialize`) looked up in `uuids`, this process's devices in index order."""
+    if isinstance(device, bool) or not isinstance(device, (int, str)):
+        raise _refuse(f"rebuild_cuda_tensor: device {device!r} is neither a device index nor a GPU UUID")
+    if isinstance(device, str):
+        if device not in uuids:
+            raise _refuse(
+                f"rebuild_cuda_tensor: GPU {device} is not visible to this process (its GPUs: {uuids}): "
+                "CUDA IPC handles work only between processes on the same host that both see the GPU"
+            )
+        return uuids.index(device)
+    if not 0 <= device < len(uuids):
+        raise _refuse(f"rebuild_cuda_tensor: device index {device}, this process has {len(uuids)} CUDA devices")
+    return device
+
+
+@functools.cache
+def visible_cuda_uuids() -> list[str]:
+    """UUIDs of this process's CUDA devices in index order ([] without CUDA), as SGLang writes them."""
+    if not torch.cuda.is_available():
+        return []
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
 def _rebuild_cuda_tensor(tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype, *rest):
+    """torch's rebuild_cuda_tensor through checks; the device may be an index or a GPU UUID."""
     _check_class(tensor_cls, _TENSOR_CLASSES, "rebuild_cuda_tensor: class")
     _check_class(storage_cls, _STORAGE_CLASSES, "rebuild_cuda_tensor: storage class")
     if not isinstance(dtype, torch.dtype) or len(rest) != 9 or not isinstance(rest[2], int):
         raise _refuse("rebuild_cuda_tensor: arguments are not those torch pickles for a CUDA tensor")
     storage_bytes = rest[2] if rest[1] is not None else 0  # storage_size_bytes; no handle = empty storage
     _check_extent(storage_bytes, dtype.itemsize, tensor_offset, tuple(tensor_size), tuple(tensor_stride), "cuda")
-    return reductions.rebuild_cuda_tensor(
-        tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype, *rest
+    device = cuda_device_index(rest[0], visible_cuda_uuids())
+    return _TORCH_REBUILD_CUDA_TENSOR(
+        tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype, device, *rest[1:]
     )
 
 
@@ -120,6 +160,43 @@ _REBUILDERS = {
     "rebuild_storage_empty": _rebuild_storage_empty,
     "rebuild_typed_storage": _rebuild_typed_storage,
 }
+
+
+class LocalSerializedTensor:
+    """SGLang's LocalSerializedTensor, which verl puts in place of each tensor of a
+    `/update_weights_from_tensor` payload: `values[i]` is tp rank i's own serialized tensor (raw
+    ForkingPickler bytes or base64), and each rank reads only its own (`get(rank)`), so every
+    shared handle is opened once. The inner payload goes through the same allowlist and must be a tensor."""
+
+    values: tuple[bytes | str, ...] = ()
+    _tensor: tuple[int, torch.Tensor] | None = None  # (rank, its tensor) once read
+
+    def __init__(self, values: list[bytes | str]):
+        self.__setstate__({"values": values})
+
+    def __setstate__(self, state: Any) -> None:
+        """BUILD from a payload: a dataclass's state, `{"values": [bytes or str per tp rank]}`."""
+        values = state.get("values") if isinstance(state, dict) and set(state) == {"values"} else None
+        if not isinstance(values, list) or not all(isinstance(v, (bytes, str)) for v in values):
+            raise _refuse("a LocalSerializedTensor's state must be {'values': [one serialized tensor per tp rank]}")
+        self.values = tuple(values)  # a copy: the payload cannot change it after this check
+        self._tensor = None
+
+    def get(self, rank: int) -> torch.Tensor:
+        """Rank `rank`'s tensor, read once (later calls return the same tensor)."""
+        if not 0 <= rank < len(self.values):
+            raise _refuse(
+                f"a LocalSerializedTensor holds {len(self.values)} values, tp rank {rank} has none: "
+                "give one value per tp rank of the engine"
+            )
+        if self._tensor is None or self._tensor[0] != rank:
+            tensor = safe_loads(self.values[rank])
+            if not isinstance(tensor, torch.Tensor):
+                raise _refuse(f"LocalSerializedTensor.values[{rank}] holds a {type(tensor).__name__}, not a tensor")
+            self._tensor = (rank, tensor)
+        return self._tensor[1]
+
+
 # what a payload may call (REDUCE); the record class may also be made by NEWOBJ (pickled dataclasses)
 CALLABLE = {*_REBUILDERS.values(), torch.Size, types.SimpleNamespace}
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
@@ -131,10 +208,18 @@ ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "UntypedStorage"): torch.UntypedStorage,
     ("torch.storage", "TypedStorage"): torch.TypedStorage,
     ("types", "SimpleNamespace"): types.SimpleNamespace,
+    # SGLang's patched CUDA rebuild (device by UUID): the same checked rebuild, which takes both
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor,
     # SGLang senders pickle their own metadata dataclass; read it as a record with the same fields.
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): types.SimpleNamespace,
     ("sglang.srt.model_executor.model_runner", "FlattenedTensorMetadata"): types.SimpleNamespace,
+    # verl wraps each tensor in SGLang's LocalSerializedTensor (its module moved in 0.5.2x)
+    ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"): (
+        LocalSerializedTensor
+    ),
+    ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
 }
+RECORDS = (types.SimpleNamespace, LocalSerializedTensor)  # the only classes made by NEWOBJ and given state
 
 
 def use_file_system_sharing() -> None:
@@ -143,11 +228,32 @@ def use_file_system_sharing() -> None:
         torch.multiprocessing.set_sharing_strategy(SHARING_STRATEGY)
 
 
+def with_device_uuid(args: tuple, uuids: list[str]) -> tuple:
+    """torch's reduction of a CUDA tensor with its device index replaced by the GPU's UUID (as SGLang's
+    `monkey_patch_torch_reductions` does); a UUID already there stays."""
+    device = args[CUDA_DEVICE_ARG]
+    if isinstance(device, str):
+        return args
+    return (*args[:CUDA_DEVICE_ARG], uuids[device], *args[CUDA_DEVICE_ARG + 1 :])
+
+
+class _UuidPickler(ForkingPickler):
+    """ForkingPickler that names a CUDA tensor's device by UUID: the receiving process may number
+    its GPUs differently (another CUDA_VISIBLE_DEVICES)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            rebuild, args = reductions.reduce_tensor(obj)
+            return rebuild, with_device_uuid(args, visible_cuda_uuids())
+        return NotImplemented
+
+
 def serialize(obj: Any) -> str:
-    """Pickle `obj` with ForkingPickler (tensors become shared-memory / CUDA IPC handles), as base64."""
+    """Pickle `obj` with ForkingPickler (tensors become shared-memory / CUDA IPC handles; a CUDA
+    tensor's device is named by UUID), as base64."""
     use_file_system_sharing()
     buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(obj)
+    _UuidPickler(buffer).dump(obj)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
@@ -159,7 +265,7 @@ class AllowlistUnpickler(pickle._Unpickler):
 
     def load_build(self) -> None:
         target = self.stack[-2]
-        if not isinstance(target, types.SimpleNamespace):  # metadata records are the only objects with state
+        if type(target) not in RECORDS:  # records are the only objects with state
             raise pickle.UnpicklingError(f"refused to set state on {target!r}: only metadata records carry state")
         super().load_build()
 
@@ -169,8 +275,9 @@ class AllowlistUnpickler(pickle._Unpickler):
         super().load_reduce()
 
     def load_newobj(self) -> None:
-        if self.stack[-2] is not types.SimpleNamespace:
-            raise _refuse(f"making a {self.stack[-2]!r}: only metadata records may be made that way")
+        cls, args = self.stack[-2], self.stack[-1]
+        if cls not in RECORDS or (cls is LocalSerializedTensor and args != ()):
+            raise _refuse(f"making a {cls!r}: only metadata records may be made that way")
         super().load_newobj()
 
     def load_newobj_ex(self) -> None:

@@ -56,6 +56,7 @@ def lora_names_of(engine: EngineService, req: GenerateRequest, count: int) -> li
                 f"{sorted(lora.adapters)}): load it with /load_lora_adapter first, or "
                 "omit lora_path for the base model"
             )
+    engine.lora_recency.used(names)  # SGLang's LRU order: every request naming an adapter uses it
     return names
 
 
