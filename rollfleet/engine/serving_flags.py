@@ -31,3 +31,9 @@ def add_serving_flags(p: argparse.ArgumentParser) -> None:
         help="path prefixes answered without --api-key, as SGLang does (default: /health /ready /metrics, "
         "which covers /health_generate); give none to require the key everywhere",
     )
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="answer return_routed_experts: true in /generate with meta_info.routed_experts (MoE models; "
+        "SGLang's flag): the experts each layer chose per token, for routing replay in the trainer",
+    )

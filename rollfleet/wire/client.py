@@ -105,8 +105,12 @@ class EngineClient:
         return_logprob: bool = False,
         rid: str | list[str] | None = None,
         lora_path: str | list[str | None] | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int | None = None,
         timeout: float | None = None,
     ) -> dict | list[dict]:
+        """SGLang's /generate; `return_routed_experts` adds `meta_info.routed_experts` (the server needs
+        --enable-return-routed-experts; decode with rollfleet.wire.routed_experts.decode_routed_experts)."""
         payload = {
             "text": text,
             "input_ids": input_ids,
@@ -114,6 +118,8 @@ class EngineClient:
             "return_logprob": return_logprob,
             "rid": rid,
             "lora_path": lora_path,
+            "return_routed_experts": return_routed_experts or None,
+            "routed_experts_start_len": routed_experts_start_len,
         }
         return await self._call(
             "POST", "/generate", {k: v for k, v in payload.items() if v is not None}, timeout=timeout
