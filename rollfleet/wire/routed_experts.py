@@ -19,6 +19,7 @@ import re
 
 import torch
 
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"  # the server flag, SGLang's and the embedded engine's
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
