@@ -17,6 +17,7 @@ class Sample:
     weight_version: str = ""
     engine_id: int = -1
     reward: float | None = None
+    routed_experts: str | None = None  # SGLang's base64 meta_info.routed_experts, when asked (routing replay)
 
     @classmethod
     def from_answer(cls, prompt_index: int, sample_index: int, prompt_ids: list[int], out: dict, engine_id: int):
@@ -32,4 +33,5 @@ class Sample:
             finish_reason=meta["finish_reason"],
             weight_version=str(meta.get("weight_version", "")),
             engine_id=engine_id,
+            routed_experts=meta.get("routed_experts"),
         )

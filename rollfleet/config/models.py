@@ -179,6 +179,11 @@ class TrainConfig(_Section):
         description="Move parameters and optimizer state to CPU between steps (colocated, GPU only; no-op on CPU).",
     )
     seed: int = Field(0, description="Torch seed set before the model is built.")
+    routing_replay: bool = Field(
+        False,
+        description="MoE only: the trainer's forward uses the experts the engine chose for each token (SGLang's "
+        "routed_experts; engines get --enable-return-routed-experts) instead of its own top-k.",
+    )
 
 
 class GrpoConfig(_Section):

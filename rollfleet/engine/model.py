@@ -28,6 +28,7 @@ from rollfleet.engine.lora import LoraLimits
 from rollfleet.engine.lora_merge import LoraMerge
 from rollfleet.engine.ranks import Ranks
 from rollfleet.engine.remote_instance import RemoteInstance
+from rollfleet.engine.route_capture import RouteCapture
 from rollfleet.engine.shards import full_of, local_of, tensor_sha256
 from rollfleet.engine.weight_groups import WeightGroups, WeightUpdateError
 from rollfleet.engine.weight_update import SYNC_TIMING, WeightSchema, WeightUpdater
@@ -78,6 +79,8 @@ class ModelRunner:
         )
         self.remote = RemoteInstance(self.model, self.lora, self.weights, self.load_prints, self.ranks)
         self.cache: DynamicCache | None = None
+        self.route_capture = RouteCapture(self.model)
+        self.last_routes: torch.Tensor | None = None  # [batch, positions, layers, top_k] of the last forward asked
         self._weight_backup: list[torch.UntypedStorage] | None = None  # released weights' host copy
         mark("model_prepare")
 
@@ -138,10 +141,13 @@ class ModelRunner:
 
     # ---- generation (lockstep) ----------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], lora_name: str | None = None, keep: int = 1) -> torch.Tensor:
+    def prefill(
+        self, prompts: list[list[int]], lora_name: str | None = None, keep: int = 1, capture_routes: bool = False
+    ) -> torch.Tensor:
         """Start a batch: left-pad the prompts, fill a fresh KV cache, return last-position logits
         ([batch, vocab]; with keep > 1 the last `keep` positions', [batch, keep, vocab], for input
-        logprobs). The whole batch runs with one LoRA adapter, or none."""
+        logprobs). The whole batch runs with one LoRA adapter, or none. `capture_routes`: keep the
+        routers' choices in `last_routes` (route_capture.py)."""
         self.lora.use(lora_name)
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -152,17 +158,20 @@ class ModelRunner:
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         self.next_position = positions[:, -1] + 1
         self.cache = DynamicCache(config=self.model.config)
-        return self._forward(ids, positions, keep)
+        return self._forward(ids, positions, keep, capture_routes)
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], lora_name: str | None = None) -> torch.Tensor:
+    def decode(self, tokens: list[int], lora_name: str | None = None, capture_routes: bool = False) -> torch.Tensor:
         self.lora.use(lora_name)  # merged again if a read or update restored the base mid-batch
         self.mask = torch.cat([self.mask, torch.ones(len(tokens), 1, dtype=torch.long)], dim=1)
-        logits = self._forward(torch.tensor(tokens)[:, None], self.next_position[:, None])
+        logits = self._forward(torch.tensor(tokens)[:, None], self.next_position[:, None], 1, capture_routes)
         self.next_position = self.next_position + 1
         return logits
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int = 1) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: int, capture_routes: bool) -> torch.Tensor:
+        self.last_routes = None
+        if capture_routes:
+            self.route_capture.start()
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=self.mask.to(self.device),
@@ -171,6 +180,8 @@ class ModelRunner:
             use_cache=True,
             logits_to_keep=keep,
         )
+        if capture_routes:
+            self.last_routes = self.route_capture.stop(*ids.shape)
         logits = out.logits[:, -keep:, :].float().cpu()
         return logits[:, -1, :] if keep == 1 else logits
 

@@ -41,7 +41,7 @@ from rollfleet.engine.admission import check_request
 from rollfleet.engine.lockstep import Action
 from rollfleet.engine.logprobs import LogprobAsk, fill_output, prefill_keep, take_input_logprobs
 from rollfleet.engine.sampling import make_generator, sample_token
-from rollfleet.engine.sequence import ControlAction, Sequence, wire_result
+from rollfleet.engine.sequence import ControlAction, Sequence, record_routes, wire_result
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 log = logging.getLogger("rollfleet.engine")
@@ -64,6 +64,7 @@ class Scheduler:
         vocab_size: int,
         max_samples_per_request: int = 1024,
         thread_setup: Callable[[], None] = lambda: None,
+        read_routes: Callable[[], torch.Tensor | None] = lambda: None,  # the last forward's routes (rank 0)
     ):
         self.lockstep = lockstep
         self.tokenizer = tokenizer
@@ -74,6 +75,7 @@ class Scheduler:
         self.max_samples_per_request = max_samples_per_request
         self.weight_version = weight_version
         self.thread_setup = thread_setup  # per-thread state the model needs (the current CUDA device)
+        self.read_routes = read_routes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.needs_prefill = False
@@ -105,6 +107,7 @@ class Scheduler:
         return_logprob: bool,
         lora_name: str | None = None,
         ask: LogprobAsk | None = None,
+        routes_start: int | None = None,
     ) -> list[Sequence]:
         rid = rid or uuid.uuid4().hex
         seqs = [
@@ -116,6 +119,7 @@ class Scheduler:
                 return_logprob,
                 lora_name=lora_name,
                 ask=ask or LogprobAsk(),
+                routes_start=routes_start,
             )
             for i in range(params.n)
         ]
@@ -279,14 +283,16 @@ class Scheduler:
             self._fail_batch(exc)
 
     def _advance_batch(self) -> None:
+        batch = {"lora_name": self.batch_lora, "capture_routes": any(s.routes_start is not None for s in self.running)}
         if self.needs_prefill:
             prompts, keep = [s.prompt_ids for s in self.running], prefill_keep(self.running)
-            logits = self.lockstep(Action.PREFILL, prompts=prompts, lora_name=self.batch_lora, keep=keep)
+            logits = self.lockstep(Action.PREFILL, prompts=prompts, keep=keep, **batch)
             logits = take_input_logprobs(self.running, logits) if keep > 1 else logits
             self.needs_prefill = False
         else:
-            tokens = [s.output_ids[-1] for s in self.running]
-            logits = self.lockstep(Action.DECODE, tokens=tokens, lora_name=self.batch_lora)
+            logits = self.lockstep(Action.DECODE, tokens=[s.output_ids[-1] for s in self.running], **batch)
+        if batch["capture_routes"]:
+            record_routes(self.running, self.read_routes())
         logprobs = torch.log_softmax(logits, dim=-1)
         for seq, row, row_logprobs in zip(self.running, logits, logprobs):
             self._advance(seq, row, row_logprobs)

@@ -12,6 +12,7 @@ import torch
 
 from rollfleet.engine.logprobs import LogprobAsk, LogprobRecord, meta_fields
 from rollfleet.wire.protocol import FinishReason, SamplingParams
+from rollfleet.wire.routed_experts import encode_routed_experts
 
 
 @dataclass
@@ -33,6 +34,8 @@ class Sequence:
     ask: LogprobAsk = field(default_factory=LogprobAsk)  # input / top / chosen-id logprobs asked for
     record: LogprobRecord = field(default_factory=LogprobRecord)
     on_token: Callable[[Sequence], None] | None = None  # a stream's listener, called on the engine thread
+    routes_start: int | None = None  # routed_experts_start_len when return_routed_experts was asked
+    routes: list[torch.Tensor] = field(default_factory=list)  # [positions, layers, top_k] per forward
 
     def finished_text(self, tokenizer) -> str:
         """The text of the output ids, as SGLang's detokenizer trims it: without a matched stop
@@ -65,7 +68,23 @@ def wire_result(seq: Sequence, weight_version: str, tokenizer=None, upto: int | 
     }
     if seq.return_logprob:
         meta.update(meta_fields(seq.record, seq.ask, list(zip(seq.logprobs, seq.output_ids)), tokenizer, upto))
+    if seq.routes_start is not None and upto is None:  # SGLang collects them once the request finished
+        meta["routed_experts"] = encode_routed_experts(routed_rows(seq)[seq.routes_start :])
     if upto is not None:
         text = tokenizer.decode(output_ids, skip_special_tokens=seq.params.skip_special_tokens)
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
     return {"text": seq.text, "output_ids": output_ids, "meta_info": meta}
+
+
+def record_routes(running: list[Sequence], routes: torch.Tensor) -> None:
+    """Append the routes of one forward ([batch, positions, layers, top_k], left-padded at prefill) to the
+    sequences that asked: a prefill's last len(prompt) positions, a decode step's one position."""
+    for row, seq in enumerate(running):
+        if seq.routes_start is not None:
+            seq.routes.append(routes[row, -(1 if seq.routes else len(seq.prompt_ids)) :])
+
+
+def routed_rows(seq: Sequence) -> torch.Tensor:
+    """Every position fed through the model so far, [prompt + output - 1, layers, top_k] once finished
+    (the last output token is never fed back), as SGLang's `[0, seqlen - 1)`."""
+    return torch.cat(seq.routes) if seq.routes else torch.zeros(0, dtype=torch.int32)

@@ -33,6 +33,7 @@ from rollfleet.engine.lora import LoraLimits
 from rollfleet.engine.model import ModelRunner, local_device, model_class
 from rollfleet.engine.remote_args import add_remote_instance_flags, check_remote_instance_args
 from rollfleet.engine.serving_flags import add_serving_flags
+from rollfleet.wire.routed_experts import routing_shape
 
 log = logging.getLogger("rollfleet.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,6 +152,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if value < 1:
             parser.error(f"{flag} {value}: must be >= 1")
     check_remote_instance_args(parser, args)
+    if args.enable_return_routed_experts and routing_shape(AutoConfig.from_pretrained(args.model_path)) is None:
+        parser.error(
+            f"--enable-return-routed-experts: {args.model_path} is a dense model (its config has no experts), "
+            "it routes no tokens: drop the flag, or serve a MoE model"
+        )
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -315,6 +321,7 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: St
         vocab_size=runner.model.config.get_text_config().vocab_size,
         max_samples_per_request=args.max_samples_per_request,
         thread_setup=lambda: _bind_thread(runner),
+        read_routes=lambda: runner.last_routes,
     )
     scheduler.start()
     service = EngineService(args, runner, lockstep, scheduler, tokenizer)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from rollfleet.wire.routed_experts import ROUTED_EXPERTS_FLAG
+
 # SGLang answers these without the API key (Kubernetes probes, Prometheus scrapes); matched by prefix
 OPEN_PATHS = ["/health", "/ready", "/metrics"]
 
@@ -30,4 +32,10 @@ def add_serving_flags(p: argparse.ArgumentParser) -> None:
         default=OPEN_PATHS,
         help="path prefixes answered without --api-key, as SGLang does (default: /health /ready /metrics, "
         "which covers /health_generate); give none to require the key everywhere",
+    )
+    p.add_argument(
+        ROUTED_EXPERTS_FLAG,
+        action="store_true",
+        help="answer return_routed_experts: true in /generate with meta_info.routed_experts (MoE models; "
+        "SGLang's flag): the experts each layer chose per token, for routing replay in the trainer",
     )

@@ -46,6 +46,7 @@ from rollfleet.wire.buckets import dtype_from_name
 from rollfleet.wire.fingerprint import fingerprints
 from rollfleet.wire.hf_files import read_checkpoint
 from rollfleet.wire.pool import EnginePool
+from rollfleet.wire.routed_experts import ROUTED_EXPERTS_FLAG
 
 log = logging.getLogger("rollfleet.fleet")
 
@@ -104,6 +105,8 @@ class Fleet:
         log_dir = str(Path(rollout.log_dir).resolve())
         # engines serve what the transport sends (a LoRA run: --enable-lora ...)
         extras = [*transport_class(cfg.weight_sync).server_args(cfg.weight_sync), *rollout.server_extras]
+        if cfg.train.routing_replay:  # the trainer replays the engines' expert choices
+            extras.append(ROUTED_EXPERTS_FLAG)
         rollout = rollout.model_copy(update={"server_extras": extras})
         workers = [
             RemoteRolloutWorker.options(**worker_options(group, r.rank, rollout)).remote(r, rollout, log_dir)
@@ -182,8 +185,10 @@ class Fleet:
         sampling: dict | None = None,
         progress: bool = False,
         on_group: Callable[[list[Sample]], None] | None = None,
+        routed_experts: bool = False,
     ) -> list[Sample]:
-        """n samples per prompt, in input order (prompt 0's samples, then prompt 1's, ...).
+        """n samples per prompt, in input order (prompt 0's samples, then prompt 1's, ...); with
+        `routed_experts` each carries the experts its engine chose (the fleet started with routing replay).
         `on_group(samples)` is called as each prompt's samples arrive (e.g. to start its rewards); it
         runs on the engine pool's thread, so it must not block."""
         params = {**self.rollout.sampling.model_dump(), **(sampling or {})}
@@ -191,6 +196,8 @@ class Fleet:
             params["n"] = n
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         request = {"sampling_params": params, "return_logprob": True}
+        if routed_experts:
+            request["return_routed_experts"] = True
         if self.lora_name is not None:  # a LoRA run: the adapter the last verified sync loaded
             request["lora_path"] = self.lora_name
         return self.pool.run(self._generate(prompt_ids, request, self.version, progress, on_group))

@@ -21,6 +21,7 @@ gradient averaging, so world sizes and micro-batch sizes give the same update.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -43,6 +44,7 @@ from transformers import AutoModelForCausalLM
 from rollfleet.config import TrainConfig
 from rollfleet.train.grpo import logprob_mismatch, policy_loss
 from rollfleet.train.offload import Offloader
+from rollfleet.train.routing_replay import RoutingReplay, check_replay_batch, replay_routes
 from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
 
@@ -90,6 +92,8 @@ class PolicyTrainer:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("fsdp",))
         self.model = self._load_sharded(trainable=True)
         self.ref_model = self._load_sharded(trainable=False) if self.config.kl_coef > 0 else None
+        replay = self.config.routing_replay  # the engine's expert choices in every forward (routing_replay.py)
+        self.replays = {id(m): RoutingReplay(m) for m in (self.model, self.ref_model) if replay and m is not None}
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
         )
@@ -126,11 +130,14 @@ class PolicyTrainer:
         """One optimizer step on `batch` (the same full list on every rank).
 
         Each item: `prompt_ids` and `output_ids` (token id lists), `logprobs` (the engine's logprob
-        of each output token, len(output_ids) floats) and `advantage` (a float). Returns metrics
+        of each output token, len(output_ids) floats) and `advantage` (a float); with routing replay also
+        `routed_experts` (SGLang's base64, every position but the last). Returns metrics
         reduced over ranks: loss, grad_norm, clip_frac, ratio_mean, kl, logprob_mismatch_mean/max,
         tokens, samples, step.
         """
         _check_batch(batch)
+        if self.replays:
+            check_replay_batch(batch, self.replays[id(self.model)].shape)
         self._require_onloaded("train_step")
         cfg = self.config
         per_rank = math.ceil(len(batch) / self.world_size)
@@ -241,12 +248,17 @@ class PolicyTrainer:
             "old_logprobs": old,
             "advantages": advantages,
         }
+        if self.replays:
+            out["routes"] = replay_routes(items, width, self.replays[id(self.model)].shape)
         return {key: value.to(self.device) for key, value in out.items()}
 
     def _logprobs(self, model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """log p(token p+1 | tokens <= p) in fp32, shape [rows, width-1] (raw logits, no temperature,
-        like the engine's logprobs)."""
-        logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits[:, :-1].float()
+        like the engine's logprobs); with routing replay the MoE layers take the engine's experts."""
+        replay = self.replays.get(id(model))
+        with replay.forcing(micro["routes"]) if replay is not None else contextlib.nullcontext():
+            logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits
+        logits = logits[:, :-1].float()
         targets = micro["input_ids"][:, 1:].unsqueeze(-1)
         return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 

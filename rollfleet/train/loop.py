@@ -28,6 +28,7 @@ from rollfleet.sample import Sample
 from rollfleet.train.grpo import group_advantages
 from rollfleet.train.metrics import MetricsLog, StepClock, console_line, plot, sleep_wake_figures, step_metrics
 from rollfleet.train.recovery import RecoverySnapshots
+from rollfleet.train.routing_replay import check_replayable
 from rollfleet.train.worker import TrainerGroup
 from rollfleet.weights.checkpoint import atomic_directory
 from rollfleet.weights.transports.base import transport_class
@@ -83,6 +84,8 @@ def train(
             "this transport sends only an adapter; use tensor, nccl or disk (a LoRA run pushes with "
             "Fleet.sync_weights(LoraSource(peft_model), version))"
         )
+    if cfg.train.routing_replay:
+        check_replayable(cfg.rollout.model_path)
     console = console or Console()
     output_dir = Path(cfg.grpo.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -202,7 +205,8 @@ def _generate_and_reward(run: Run, items: list[PromptItem], clock: StepClock) ->
                 )
 
         with clock.phase("generate"):
-            samples = run.fleet.generate([item.prompt for item in items], on_group=score)
+            prompts = [item.prompt for item in items]
+            samples = run.fleet.generate(prompts, on_group=score, routed_experts=run.cfg.train.routing_replay)
         with clock.phase("reward"):  # only what generation did not already hide
             for sample in samples:
                 sample.reward = pending[sample.prompt_index, sample.sample_index].result()
@@ -233,6 +237,7 @@ def _train_item(sample: Sample, advantage: float) -> dict:
         "output_ids": sample.output_ids,
         "logprobs": sample.logprobs,
         "advantage": advantage,
+        **({"routed_experts": sample.routed_experts} if sample.routed_experts is not None else {}),
     }
 
 

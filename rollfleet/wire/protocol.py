@@ -133,6 +133,9 @@ class GenerateRequest(_Lenient):
     stream: bool = False
     rid: str | list[str] | None = None
     lora_path: str | list[str | None] | None = None  # LoRA adapter name; a list: one per prompt
+    # meta_info.routed_experts (rollfleet.wire.routed_experts), positions [routed_experts_start_len, seqlen - 1)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     _texts_are_utf8 = field_validator("text", "rid", "lora_path")(_utf8_texts)
 

@@ -105,13 +105,20 @@ async def submit_generate(engine: EngineService, req: GenerateRequest) -> tuple[
         raise BadRequest(str(exc)) from exc
     check_prompts(engine, prompts)
     ask = logprob_ask(engine, req, prompts)
+    routes_start = routes_start_of(engine, req, prompts)
     rids = rids_of(req, len(prompts), is_batch)
     try:  # no await between the adapter check above and this submission: an unload cannot slip in
         seqs = [
             seq
             for prompt, p, rid, lora_name in zip(prompts, params, rids, lora_names)
             for seq in engine.scheduler.submit(
-                prompt, p, rid=rid, return_logprob=req.return_logprob, lora_name=lora_name, ask=ask
+                prompt,
+                p,
+                rid=rid,
+                return_logprob=req.return_logprob,
+                lora_name=lora_name,
+                ask=ask,
+                routes_start=routes_start,
             )
         ]
     except RuntimeError as exc:
@@ -148,6 +155,31 @@ def logprob_ask(engine: EngineService, req: GenerateRequest, prompts: list[list[
             )
     token_ids = tuple(req.token_ids_logprob) if req.token_ids_logprob is not None else None
     return LogprobAsk(req.logprob_start_len, req.top_logprobs_num, token_ids, req.return_text_in_logprobs)
+
+
+def routes_start_of(engine: EngineService, req: GenerateRequest, prompts: list[list[int]]) -> int | None:
+    """routed_experts_start_len when the request asks for routed experts (None: it does not), checked
+    as SGLang checks it (0 <= start <= the prompt's length). SGLang without --enable-return-routed-experts
+    silently answers no routes; here that is a 400 naming the flag, since a replaying trainer needs them."""
+    if not req.return_routed_experts:
+        return None
+    if not engine.args.enable_return_routed_experts:
+        raise BadRequest(
+            "return_routed_experts=true: this server was started without --enable-return-routed-experts "
+            "(SGLang's flag): restart it with the flag, or drop return_routed_experts"
+        )
+    if not engine.runner.route_capture.available:
+        raise BadRequest(
+            f"return_routed_experts=true: {type(engine.runner.model).__name__} has no MoE router this engine "
+            "can record (transformers' router_logits outputs): drop return_routed_experts"
+        )
+    start, shortest = req.routed_experts_start_len, min(len(p) for p in prompts)
+    if not 0 <= start <= shortest:
+        raise BadRequest(
+            f"routed_experts_start_len={start} must be in [0, {shortest}] (the prompt's length): use 0 for "
+            "every position, or at most the number of prompt tokens"
+        )
+    return start
 
 
 @router.get("/health")
