@@ -171,3 +171,24 @@ def test_only_the_finished_stream_event_carries_weight_versions(engine):
     chunks = [json.loads(c.removeprefix("data: ")) for c in text.split("\n\n") if c and c != "data: [DONE]"]
     assert [("weight_versions" in c["meta_info"]) for c in chunks] == [False] * (len(chunks) - 1) + [True]
     assert chunks[-1]["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 4}]
+
+
+def test_the_client_refuses_an_unknown_pause_mode_before_sending():
+    from rollfleet.wire.client import EngineClient
+
+    async def go():
+        async with EngineClient("http://127.0.0.1:9") as client:  # nothing listens: no request is sent
+            await client.pause_generation("sideways")
+
+    with pytest.raises(ValueError, match="mode='sideways'.*in_place"):
+        run(go())
+
+
+def test_a_sample_keeps_the_answer_s_version_spans():
+    from rollfleet.sample import Sample
+
+    spans = [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 3}]
+    out = {"output_ids": [5, 6, 7], "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "2"}}
+    out["meta_info"]["weight_versions"] = spans
+    sample = Sample.from_answer(0, 0, [1], out, engine_id=3)
+    assert sample.weight_versions == spans and sample.weight_version == "2"

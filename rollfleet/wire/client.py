@@ -13,6 +13,8 @@ import httpx
 
 from rollfleet.wire.remote_instance import INIT_ROUTE, LAYOUT_ROUTE, LOAD_ROUTE, SEND_ROUTE, format_ports
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+
 
 class EngineError(RuntimeError):
     def __init__(self, route: str, status_code: int, message: str):
@@ -382,6 +384,12 @@ class EngineClient:
         return await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
     async def pause_generation(self, mode: str = "abort") -> dict:
+        """Stop generating (SGLang's modes): "abort" ends every unfinished request; "in_place" keeps
+        the running requests; "retract" queues them again without their KV cache. Weight updates
+        apply while paused; `continue_generation` goes on, on the new weights (each answer's
+        `meta_info.weight_versions` then says which tokens each version made)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation mode={mode!r}: use one of {', '.join(PAUSE_MODES)}")
         return await self._call("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> dict:
