@@ -14,7 +14,10 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
     finish_reason: dict = field(default_factory=dict)
-    weight_version: str = ""
+    weight_version: str = ""  # of the last output token
+    # SGLang's meta_info.weight_versions: [{version, start, end}] over output tokens, end exclusive;
+    # two or more when weights changed while the sample was generated (an in-flight update)
+    weight_versions: list[dict] = field(default_factory=list)
     engine_id: int = -1
     reward: float | None = None
     routed_experts: str | None = None  # SGLang's base64 meta_info.routed_experts, when asked (routing replay)
@@ -32,6 +35,7 @@ class Sample:
             text=out.get("text", ""),
             finish_reason=meta["finish_reason"],
             weight_version=str(meta.get("weight_version", "")),
+            weight_versions=list(meta.get("weight_versions", [])),
             engine_id=engine_id,
             routed_experts=meta.get("routed_experts"),
         )

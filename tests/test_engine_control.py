@@ -1,4 +1,5 @@
-"""Abort, pause (abort / in_place) and continue on a real server."""
+"""Abort, pause (abort / in_place) and continue on a real server (retract and weight updates under
+a pause: test_engine_inflight.py)."""
 
 from __future__ import annotations
 
@@ -113,16 +114,6 @@ def test_release_memory_refused_while_requests_run(server):
 
     error = run(go())
     assert error is not None and error.status_code == 400 and "unfinished" in error.message
-
-
-def test_retract_mode_is_refused_with_a_message(server):
-    async def go():
-        async with client_for(server) as client:
-            await client.pause_generation("retract")
-
-    with pytest.raises(EngineError) as err:
-        run(go())
-    assert err.value.status_code == 400 and "in_place" in err.value.message
 
 
 def test_client_timeout_raises_engine_timeout(server):

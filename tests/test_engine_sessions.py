@@ -236,5 +236,6 @@ def test_a_weight_update_waits_for_the_running_batch(engine, qwen3_dir_b):
     seen, out, answered = run(go())
     assert seen["queued_controls"] == 1 and seen["running_requests"] == 1, seen
     assert out["meta_info"]["weight_version"] == "a" and len(out["output_ids"]) == 400
+    assert out["meta_info"]["weight_versions"] == [{"version": "a", "start": 0, "end": 400}]  # one span: not paused
     assert answered == ["generate", "update"]
     assert version(engine) == "new"

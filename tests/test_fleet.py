@@ -154,6 +154,8 @@ def test_engine_killed_mid_batch_loses_no_result(fleet, qwen3_dir):
     assert busy.is_set() and fleet.router.retries > retries  # the kill hit requests in flight
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, k) for p in range(40) for k in range(2)]
     assert all(len(s.output_ids) == 100 for s in samples)
+    # a retried sample restarted from scratch on a live engine at the fleet's version: one whole span
+    assert all(s.weight_versions == [{"version": fleet.version, "start": 0, "end": 100}] for s in samples)
     # every prompt's answer, recorded here, is that prompt's own greedy continuation
     assert [s.output_ids[:4] for s in samples] == [
         reference_greedy(qwen3_dir, p, 4)[0] for p in prompts for _ in range(2)

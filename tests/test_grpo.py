@@ -1,4 +1,4 @@
-"""GRPO math: advantages, the clipped loss, normalisation, k3 KL, mismatch."""
+"""GRPO math: advantages, the clipped loss, normalisation, k3 KL, truncated importance sampling, mismatch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from rollfleet.train.grpo import aggregate, group_advantages, kl_k3, logprob_mismatch, policy_loss
+from rollfleet.train.grpo import (
+    aggregate,
+    group_advantages,
+    kl_k3,
+    logprob_mismatch,
+    policy_loss,
+    truncated_is_weights,
+)
 
 
 def test_advantages_are_centred_per_group_and_scaled_by_std():
@@ -119,3 +126,47 @@ def test_logprob_mismatch_reads_only_unmasked_tokens():
     stats = logprob_mismatch(engine, trainer, mask)
     assert stats["mean"] == pytest.approx((0.1 + 0 + 0.3 + 0) / 4) and stats["max"] == pytest.approx(0.3)
     assert logprob_mismatch(engine, trainer, torch.zeros_like(mask)) == {"mean": 0.0, "max": 0.0, "tokens": 0}
+
+
+def test_tis_weights_by_hand():
+    """Trainer - engine logprob per token: ln 0.5, 0, ln 3 (truncated at 2), ln 1.5 (masked out)."""
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -1.0]])
+    engine = trainer - torch.log(torch.tensor([[0.5, 1.0, 3.0, 1.5]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    weights, stats = truncated_is_weights(trainer, engine, mask, cap=2.0)
+    assert weights.tolist()[0] == pytest.approx([0.5, 1.0, 2.0, 1.5])
+    assert stats["ratio_mean"] == pytest.approx((0.5 + 1 + 3) / 3)
+    assert stats["ratio_max"] == pytest.approx(3.0)
+    assert stats["truncated_share"] == pytest.approx(1 / 3) and stats["tokens"] == 3
+    off, off_stats = truncated_is_weights(trainer, engine, mask, cap=0.0)
+    assert torch.equal(off, torch.ones_like(off)) and off_stats["truncated_share"] == 0
+    assert off_stats["ratio_max"] == pytest.approx(3.0)  # still measured when off
+
+
+def test_tis_weights_multiply_the_policy_gradient_term_by_hand():
+    """On-policy ratio (1), advantage 2: each token's loss is -2 * weight; mean over 3 tokens."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    weights = torch.tensor([[0.5, 1.0, 2.0]])
+    loss, _ = policy_loss(logprobs, logprobs.detach(), torch.tensor([2.0]), torch.ones(1, 3), tis_weights=weights)
+    assert float(loss) == pytest.approx(-2 * (0.5 + 1.0 + 2.0) / 3)
+    loss.backward()  # d(-A * w * exp(lp - old))/d lp at lp == old is -A * w, over 3 tokens
+    assert logprobs.grad.tolist()[0] == pytest.approx([-2 * 0.5 / 3, -2 * 1.0 / 3, -2 * 2.0 / 3])
+
+
+def test_tis_with_ratio_near_one_gives_the_uncorrected_gradient():
+    """A synchronous run (engine ~ trainer, fp32): the TIS loss (ratio from the trainer's own old
+    logprobs, weighted by the engine ratio) has the gradient of today's loss (ratio from the engine)."""
+    g = torch.Generator().manual_seed(0)
+    trainer = torch.randn(4, 6, generator=g) - 3
+    engine = trainer + 1e-6 * torch.randn(4, 6, generator=g)
+    advantages, mask = torch.randn(4, generator=g), (torch.rand(4, 6, generator=g) > 0.2).float()
+    grads = []
+    for tis in (False, True):
+        logprobs = trainer.clone().requires_grad_(True)
+        weights = truncated_is_weights(logprobs, engine, mask, cap=2.0)[0] if tis else None
+        old = logprobs.detach() if tis else engine
+        loss, _ = policy_loss(logprobs, old, advantages, mask, tis_weights=weights)
+        loss.backward()
+        grads.append(logprobs.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-7, rtol=1e-5)
+    assert grads[0].abs().max() > 1e-3  # a real gradient, not two zeros

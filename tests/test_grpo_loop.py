@@ -97,6 +97,8 @@ def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, t
         assert row["sync_tensors"] == num_params and row["sync_verified_engines"] == 1
     assert all(abs(sum(r[f"time/{p}"] for p in (*PHASES, "other")) - r["time/total"]) < 1e-6 for r in rows)
     assert all(r["train/logprob_mismatch_mean"] < 1e-3 for r in rows)  # engine and trainer agree (fp32)
+    # so TIS (on by default, cap 2) weighs every token ~1 and truncates none: the synchronous run is unchanged
+    assert all(abs(r["train/tis_ratio_max"] - 1) < 1e-2 and r["train/tis_truncated_share"] == 0 for r in rows)
     assert (tmp_path / "curves.png").stat().st_size > 0
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "hf-step-3")
     start = AutoModelForCausalLM.from_pretrained(qwen3_dir)

@@ -96,7 +96,8 @@ def test_world2_step_equals_world1(runs):
         assert torch.allclose(one["after"][name], two["after"][name], atol=1e-5, rtol=0), name
         changed = max(changed, float((one["after"][name] - before).abs().max()))
     assert changed > 1e-3  # the step really moved the weights
-    for key in ("loss", "grad_norm", "clip_frac", "ratio_mean", "logprob_mismatch_mean", "logprob_mismatch_max"):
+    keys = ("loss", "grad_norm", "clip_frac", "ratio_mean", "logprob_mismatch_mean", "logprob_mismatch_max")
+    for key in (*keys, "tis_ratio_mean", "tis_ratio_max", "tis_truncated_share"):
         assert one["metrics"][key] == pytest.approx(two["metrics"][key], abs=1e-5), key
     assert one["metrics"]["tokens"] == two["metrics"]["tokens"] == sum(len(i["output_ids"]) for i in make_batch(0))
 

@@ -170,6 +170,12 @@ class TrainConfig(_Section):
     kl_coef: float = Field(
         0.0, ge=0.0, description="Weight of the k3 KL to a frozen reference model; 0 loads no reference."
     )
+    tis_cap: float = Field(
+        2.0,
+        ge=0.0,
+        description="Truncated importance sampling: each token's policy-gradient weight is "
+        "min(exp(trainer old logprob - engine logprob), tis_cap), the engines being the behaviour policy; 0: off.",
+    )
     mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto",
         description="Compute dtype: auto = bf16 on GPU, fp32 on CPU; bf16 needs a GPU. Master weights stay fp32.",

@@ -124,10 +124,16 @@ def _texts(tokenizer):
     return text_of
 
 
+def _input_positions_now(seq) -> int:
+    """Input positions a prefill of `seq` fills: none for a sequence that has output (its prefix is
+    recomputed after a retract or a weight update; its input logprobs were taken the first time)."""
+    return 0 if seq.output_ids else input_positions(len(seq.prompt_ids), seq.ask)
+
+
 def prefill_keep(seqs) -> int:
     """How many last positions' logits a prefill of `seqs` (left-padded) must return: 1 for the next
     token, plus the most input positions any of them asked for."""
-    return 1 + max((input_positions(len(s.prompt_ids), s.ask) for s in seqs), default=0)
+    return 1 + max((_input_positions_now(s) for s in seqs), default=0)
 
 
 def take_input_logprobs(seqs, logits: torch.Tensor) -> torch.Tensor:
@@ -135,8 +141,8 @@ def take_input_logprobs(seqs, logits: torch.Tensor) -> torch.Tensor:
     the last position's `[batch, vocab]` (the next token's)."""
     keep = logits.shape[1]
     for row, seq in enumerate(seqs):
-        count = input_positions(len(seq.prompt_ids), seq.ask)
-        if seq.ask.wants_input:
+        count = _input_positions_now(seq)
+        if seq.ask.wants_input and not seq.output_ids:
             positions = logits[row, keep - 1 - count : keep - 1]
             fill_input(seq.record, torch.log_softmax(positions, dim=-1), seq.prompt_ids, seq.ask)
     return logits[:, -1, :]

@@ -12,6 +12,14 @@ Requests that arrive while a batch runs wait for the next batch. Every model cal
 through `lockstep` (lockstep.py), which broadcasts it to the other tp ranks first, so all ranks
 execute the same actions in the same order.
 
+Pausing (SGLang's /pause_generation, then /continue_generation) stops every batch; control
+actions, weight updates included, run while paused. "abort" ends every unfinished request;
+"in_place" keeps the running batch; "retract" puts it back at the head of the queue and drops
+its KV cache. A batch whose weights changed under it recomputes its KV cache (a prefill over
+prompt + output so far) before its next token, so every token after an update is the new
+weights' own (SGLang's in_place decodes on the old cache instead). A new version label marks
+where the old version's tokens end in every unfinished request (`meta_info.weight_versions`).
+
 Two gates serve weight-update sessions (weight_session.py): `hold(reason)` keeps every request
 waiting (no batch starts or steps, as if paused in place) while a session's sync is in
 progress; `refuse(reason)` ends every unfinished request and refuses new ones while the weights
@@ -37,11 +45,19 @@ from typing import Any
 
 import torch
 
+from rollfleet.engine.aborts import Aborts
 from rollfleet.engine.admission import check_request
 from rollfleet.engine.lockstep import Action
-from rollfleet.engine.logprobs import LogprobAsk, fill_output, prefill_keep, take_input_logprobs
-from rollfleet.engine.sampling import make_generator, sample_token
-from rollfleet.engine.sequence import ControlAction, Sequence, record_routes, wire_result
+from rollfleet.engine.logprobs import LogprobAsk, prefill_keep, take_input_logprobs
+from rollfleet.engine.next_token import StopRules, advance
+from rollfleet.engine.sequence import (
+    ControlAction,
+    Sequence,
+    mark_version_change,
+    record_routes,
+    sample_group,
+    wire_result,
+)
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 log = logging.getLogger("rollfleet.engine")
@@ -51,7 +67,7 @@ class EngineStopped(RuntimeError):
     """The engine loop has stopped: nothing more can run on this engine."""
 
 
-class Scheduler:
+class Scheduler(Aborts):
     def __init__(
         self,
         lockstep: Callable[..., Any],
@@ -68,12 +84,12 @@ class Scheduler:
     ):
         self.lockstep = lockstep
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
         self.context_length = context_length
+        self.stops = StopRules(frozenset(eos_token_ids), context_length, tokenizer)
         self.max_running_requests = max_running_requests
         self.vocab_size = vocab_size
         self.max_samples_per_request = max_samples_per_request
-        self.weight_version = weight_version
+        self._weight_version = weight_version
         self.thread_setup = thread_setup  # per-thread state the model needs (the current CUDA device)
         self.read_routes = read_routes
         self.waiting: deque[Sequence] = deque()
@@ -82,11 +98,13 @@ class Scheduler:
         self.batch_lora: str | None = None  # the LoRA adapter of the running batch
         self.controls: deque[ControlAction] = deque()
         self.paused = False
+        self.pause_mode: str | None = None
+        self._pause_settled: list[Future] = []  # pause calls waiting for the engine thread to act
         self.held: str | None = None  # why no batch may run now (a sync in progress)
         self.refusing: str | None = None  # why requests are refused now (mixed weights)
         self.stopped = False
         self.failure: BaseException | None = None
-        self.stats = {"batches": 0, "largest_batch": 0, "generated_tokens": 0}
+        self.stats = {"batches": 0, "largest_batch": 0, "generated_tokens": 0, "recomputed_prefixes": 0}
         self._wakeup = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="rollfleet-engine", daemon=True)
 
@@ -109,20 +127,9 @@ class Scheduler:
         ask: LogprobAsk | None = None,
         routes_start: int | None = None,
     ) -> list[Sequence]:
-        rid = rid or uuid.uuid4().hex
-        seqs = [
-            Sequence(
-                rid if params.n == 1 else f"{rid}-{i}",
-                prompt_ids,
-                params,
-                make_generator(params, i),
-                return_logprob,
-                lora_name=lora_name,
-                ask=ask or LogprobAsk(),
-                routes_start=routes_start,
-            )
-            for i in range(params.n)
-        ]
+        seqs = sample_group(
+            prompt_ids, params, rid or uuid.uuid4().hex, return_logprob, lora_name, ask or LogprobAsk(), routes_start
+        )
         with self._wakeup:
             self._raise_if_dead()
             if self.refusing is not None:
@@ -152,26 +159,41 @@ class Scheduler:
             self._wakeup.notify()
         return action.future
 
-    def abort(self, rid: str = "", abort_all: bool = False, message: str = "aborted by request") -> int:
-        def matches(seq: Sequence) -> bool:
-            return abort_all or seq.rid == rid or seq.rid.startswith(f"{rid}-")
-
+    def pause(self, mode: str) -> Future:
+        """Stop generating until `resume` (the module docstring says what each mode does); the
+        future is done once the engine thread has acted."""
+        settled: Future = Future()
         with self._wakeup:
-            count = self._abort_matching(matches, message)
-            self._wakeup.notify()
-        return count
-
-    def pause(self, mode: str) -> None:
-        with self._wakeup:
+            self._raise_if_dead()
             if mode == "abort":
                 self._abort_matching(lambda seq: True, "aborted by pause_generation")
-            self.paused = True
+            self.paused, self.pause_mode = True, mode
+            self._pause_settled.append(settled)
             self._wakeup.notify()
+        return settled
 
     def resume(self) -> None:
         with self._wakeup:
-            self.paused = False
+            self.paused, self.pause_mode = False, None
             self._wakeup.notify()
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        """A new label marks where the old version's tokens end in every unfinished request."""
+        with self._wakeup:
+            if version != self._weight_version:
+                mark_version_change(itertools.chain(self.waiting, self.running), self._weight_version)
+            self._weight_version = version
+
+    def weights_changed(self) -> None:
+        """Weights were replaced under a paused running batch (engine thread): its KV cache is the old
+        weights', so the batch recomputes it (prefill over prompt + output) before its next token."""
+        if self.running:
+            self.needs_prefill = True
 
     def hold(self, reason: str | None) -> None:
         """Keep every request waiting (None: let them run again)."""
@@ -242,6 +264,8 @@ class Scheduler:
 
     def _next_work(self) -> Callable[[], None] | None:
         self._drop_aborted_waiting()
+        if self._pause_settled:
+            return self._settle_pause
         if self.controls and self._can_run(self.controls[0]):
             action = self.controls.popleft()
             return lambda: self._run_control(action)
@@ -273,6 +297,21 @@ class Scheduler:
         except Exception as exc:  # reported to the caller (an HTTP 400), the engine goes on
             action.future.set_exception(exc)
 
+    def _settle_pause(self) -> None:
+        """A pause takes effect: aborted requests end; with "retract", the running batch goes back to
+        the head of the queue and its KV cache is dropped (recomputed when it runs again)."""
+        self._drop_aborted_running()
+        with self._wakeup:
+            settled, self._pause_settled = self._pause_settled, []
+            retracted = self.running if self.paused and self.pause_mode == "retract" else []
+            if retracted:
+                self.waiting.extendleft(reversed(retracted))
+                self.running = []
+        if retracted:
+            self.lockstep(Action.END_BATCH)
+        for future in settled:
+            future.set_result(len(retracted))
+
     def _step(self) -> None:
         self._drop_aborted_running()
         if not self.running:
@@ -285,7 +324,10 @@ class Scheduler:
     def _advance_batch(self) -> None:
         batch = {"lora_name": self.batch_lora, "capture_routes": any(s.routes_start is not None for s in self.running)}
         if self.needs_prefill:
-            prompts, keep = [s.prompt_ids for s in self.running], prefill_keep(self.running)
+            prompts, keep = [s.prefill_ids for s in self.running], prefill_keep(self.running)
+            self.stats["recomputed_prefixes"] += sum(1 for s in self.running if s.output_ids)
+            for seq in self.running:
+                seq.routes.clear()  # a (re)prefill reads every position again: its routes replace any kept
             logits = self.lockstep(Action.PREFILL, prompts=prompts, keep=keep, **batch)
             logits = take_input_logprobs(self.running, logits) if keep > 1 else logits
             self.needs_prefill = False
@@ -295,41 +337,10 @@ class Scheduler:
             record_routes(self.running, self.read_routes())
         logprobs = torch.log_softmax(logits, dim=-1)
         for seq, row, row_logprobs in zip(self.running, logits, logprobs):
-            self._advance(seq, row, row_logprobs)
+            advance(seq, row, row_logprobs, self.stops)
         self.stats["generated_tokens"] += len(self.running)
         with self._wakeup:
             self._retire_finished()
-
-    def _advance(self, seq: Sequence, logits: torch.Tensor, logprobs: torch.Tensor) -> None:
-        if len(seq.output_ids) < seq.params.min_new_tokens:
-            logits = logits.clone()
-            logits[list(self._stop_ids(seq))] = float("-inf")
-        token = sample_token(logits, seq.params, seq.generator)
-        seq.output_ids.append(token)
-        seq.logprobs.append(float(logprobs[token]))
-        fill_output(seq.record, logprobs, seq.ask)
-        seq.finish = self._finish_reason(seq, token)
-        if seq.on_token is not None and seq.finish is None:  # the finished answer comes from the future
-            seq.on_token(seq)
-
-    def _stop_ids(self, seq: Sequence) -> set[int]:
-        ids = set(seq.params.stop_token_ids or [])
-        return ids if seq.params.ignore_eos else ids | self.eos_token_ids
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if token in self._stop_ids(seq):
-            return FinishReason(type="stop", matched=token)
-        if seq.params.stop_strings:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
-            for stop in seq.params.stop_strings:
-                if stop in text:  # SGLang cuts the text at the stop string, or after it with no_stop_trim
-                    seq.text = text[: text.index(stop) + (len(stop) if seq.params.no_stop_trim else 0)]
-                    return FinishReason(type="stop", matched=stop)
-        if len(seq.output_ids) >= seq.params.max_new_tokens:
-            return FinishReason(type="length", length=len(seq.output_ids))
-        if len(seq.prompt_ids) + len(seq.output_ids) >= self.context_length:
-            return FinishReason(type="length", length=len(seq.output_ids))
-        return None
 
     def _retire_finished(self) -> None:
         keep = [row for row, seq in enumerate(self.running) if seq.finish is None]
@@ -355,28 +366,6 @@ class Scheduler:
             self.running = []
         self.lockstep(Action.END_BATCH)  # a failure here is the loop's own: it stops and says why
 
-    def _drop_aborted_running(self) -> None:
-        with self._wakeup:
-            for seq in self.running:
-                if seq.abort_message is not None:
-                    seq.finish = FinishReason(type="abort", message=seq.abort_message)
-            if any(seq.finish for seq in self.running):
-                self._retire_finished()
-
-    def _drop_aborted_waiting(self) -> None:
-        for seq in [s for s in self.waiting if s.abort_message is not None]:
-            self.waiting.remove(seq)
-            self._finish(seq, FinishReason(type="abort", message=seq.abort_message))
-
-    def _abort_matching(self, matches: Callable[[Sequence], bool], message: str) -> int:
-        count = 0
-        for seq in itertools.chain(self.waiting, self.running):
-            if matches(seq) and seq.abort_message is None:
-                seq.abort_message = message
-                count += 1
-        self._drop_aborted_waiting()
-        return count
-
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish = reason
         if not (reason.type == "stop" and isinstance(reason.matched, str)):
@@ -392,6 +381,6 @@ class Scheduler:
         error = EngineStopped(f"the engine loop has stopped: {exc!r}")
         for seq in itertools.chain(self.waiting, self.running):
             self._finish(seq, FinishReason(type="abort", message=str(error)))
-        for action in self.controls:
-            action.future.set_exception(error)
-        self.waiting.clear(), self.running.clear(), self.controls.clear()
+        for future in [*(action.future for action in self.controls), *self._pause_settled]:
+            future.set_exception(error)
+        self.waiting.clear(), self.running.clear(), self.controls.clear(), self._pause_settled.clear()

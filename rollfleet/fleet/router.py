@@ -1,7 +1,13 @@
 """Spread generate requests over engines: least outstanding requests first; when an engine dies
 mid-request, the request goes to another engine, and the caller gets each result exactly once
 (only the answer of the attempt that succeeded is kept). Runs on the engine pool's loop, with the
-pool's clients."""
+pool's clients.
+
+A retry restarts the sample from scratch (the original payload: prompt only; the failed attempt's
+tokens are dropped), and only on an ACTIVE engine at the requested weight version. The router never
+continues a partial sample, so no sample's continuation reaches an engine at another version: a
+sample's version spans (`meta_info.weight_versions`) come from one engine, and change only where that
+engine took an in-flight weight update."""
 
 from __future__ import annotations
 

@@ -11,12 +11,15 @@ with the same arguments. `train_step` takes the WHOLE batch on every rank; rank 
 r::world_size, and ranks with fewer items run zero-weight padding micro-batches so the collectives
 line up.
 
-Loss. The ratio's "old" logprobs are the ENGINE's logprobs of the sampled tokens (the rollout
-policy), not a second trainer forward pass: one optimizer step per batch is then exactly
-on-policy up to the engine/trainer mismatch, which every step measures (`logprob_mismatch_*`,
-trainer logprobs of the pre-update model, over the whole batch). The loss is normalised by the
-whole batch's token count (or sequence count), and multiplied by world_size to undo FSDP's
-gradient averaging, so world sizes and micro-batch sizes give the same update.
+Loss. One optimizer step per batch, so the trainer's forward pass before the step gives the old
+policy's logprobs. With `tis_cap > 0` (truncated importance sampling) the ratio starts from them,
+and each token's policy-gradient term is weighted by min(exp(trainer - engine), tis_cap): the
+engines' logprobs are the behaviour policy (older weights in an asynchronous run). With
+`tis_cap == 0` the ratio starts from the ENGINE's logprobs, uncorrected. With the ratio ~1 (a
+synchronous run, fp32) both give the same gradient. Every step measures the engine/trainer
+mismatch (`logprob_mismatch_*`) and the TIS ratio (`tis_ratio_mean/max`, `tis_truncated_share`).
+The loss is normalised by the whole batch's token count (or sequence count), and multiplied by
+world_size to undo FSDP's gradient averaging, so world sizes and micro-batch sizes give the same update.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import TrainConfig
-from rollfleet.train.grpo import logprob_mismatch, policy_loss
+from rollfleet.train.grpo import logprob_mismatch, policy_loss, truncated_is_weights
 from rollfleet.train.offload import Offloader
 from rollfleet.train.routing_replay import RoutingReplay, check_replay_batch, replay_routes
 from rollfleet.weights.checkpoint import save_checkpoint
@@ -133,7 +136,7 @@ class PolicyTrainer:
         of each output token, len(output_ids) floats) and `advantage` (a float); with routing replay also
         `routed_experts` (SGLang's base64, every position but the last). Returns metrics
         reduced over ranks: loss, grad_norm, clip_frac, ratio_mean, kl, logprob_mismatch_mean/max,
-        tokens, samples, step.
+        tis_ratio_mean/max, tis_truncated_share, tokens, samples, step.
         """
         _check_batch(batch)
         if self.replays:
@@ -147,12 +150,12 @@ class PolicyTrainer:
             normalizer = sum(len(item["output_ids"]) for item in batch)
         else:
             normalizer = sum(1 for item in batch if item["output_ids"])
-        sums = [0.0] * 6  # loss, clipped tokens, ratio, kl, mismatch (token-weighted), tokens
-        mismatch_max = 0.0
+        sums = [0.0] * 8  # loss, clipped, ratio, kl, mismatch, tis ratio, tis truncated (token-weighted), tokens
+        worst = [0.0, 0.0]  # mismatch max, tis ratio max
         for start in range(0, per_rank, cfg.micro_batch_size):
-            values, worst = self._micro_step(local[start : start + cfg.micro_batch_size], normalizer)
+            values, maxima = self._micro_step(local[start : start + cfg.micro_batch_size], normalizer)
             sums = [total + value for total, value in zip(sums, values, strict=True)]
-            mismatch_max = max(mismatch_max, worst)
+            worst = [max(a, b) for a, b in zip(worst, maxima, strict=True)]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
@@ -160,24 +163,27 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {
-            **self._reduced(sums, mismatch_max),
+            **self._reduced(sums, worst),
             "grad_norm": float(grad_norm),
             "samples": len(batch),
             "step": self.step,
         }
 
     def _micro_step(self, items: Sequence[Mapping[str, Any] | None], normalizer: float) -> tuple[tuple, float]:
-        """Forward and backward of one micro-batch; its token-weighted figures and worst mismatch."""
+        """Forward and backward of one micro-batch; its token-weighted figures and worst mismatch and
+        TIS ratio."""
         cfg = self.config
         micro = self._collate(items)
         logprobs = self._logprobs(self.model, micro)
+        engine = micro["old_logprobs"]
+        weights, tis = truncated_is_weights(logprobs, engine, micro["mask"], cfg.tis_cap)
         ref_logprobs = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logprobs = self._logprobs(self.ref_model, micro)
         loss, stats = policy_loss(
             logprobs,
-            micro["old_logprobs"],
+            logprobs.detach() if cfg.tis_cap > 0 else engine,
             micro["advantages"],
             micro["mask"],
             clip_low=cfg.clip_low,
@@ -186,27 +192,22 @@ class PolicyTrainer:
             ref_logprobs=ref_logprobs,
             kl_coef=cfg.kl_coef,
             normalizer=normalizer,
+            tis_weights=weights if cfg.tis_cap > 0 else None,
         )
         (loss * self.world_size).backward()  # FSDP averages gradients over ranks; the loss is already global
-        mismatch = logprob_mismatch(micro["old_logprobs"], logprobs, micro["mask"])
+        mismatch = logprob_mismatch(engine, logprobs, micro["mask"])
         tokens = stats["tokens"]
-        values = (
-            float(loss.detach()),
-            stats["clip_frac"] * tokens,
-            stats["ratio_mean"] * tokens,
-            stats["kl"] * tokens,
-            mismatch["mean"] * tokens,
-            tokens,
-        )
-        return values, mismatch["max"]
+        per_token = (stats["clip_frac"], stats["ratio_mean"], stats["kl"], mismatch["mean"], tis["ratio_mean"])
+        values = (float(loss.detach()), *(v * tokens for v in per_token), tis["truncated_share"] * tokens, tokens)
+        return values, (mismatch["max"], tis["ratio_max"])
 
-    def _reduced(self, sums: list[float], mismatch_max: float) -> dict[str, float]:
-        """The step's figures summed (worst mismatch: max) over ranks, per token."""
+    def _reduced(self, sums: list[float], maxima: list[float]) -> dict[str, float]:
+        """The step's figures summed (worst mismatch and TIS ratio: max) over ranks, per token."""
         totals = torch.tensor(sums, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
-        worst = torch.tensor([mismatch_max], dtype=torch.float64, device=self.device)
+        worst = torch.tensor(maxima, dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        loss_sum, clipped, ratio, kl, mismatch_sum, tokens = totals.tolist()
+        loss_sum, clipped, ratio, kl, mismatch_sum, tis_sum, truncated, tokens = totals.tolist()
         per_token = max(tokens, 1.0)
         return {
             "loss": loss_sum,
@@ -214,7 +215,10 @@ class PolicyTrainer:
             "ratio_mean": ratio / per_token,
             "kl": kl / per_token,
             "logprob_mismatch_mean": mismatch_sum / per_token,
-            "logprob_mismatch_max": float(worst),
+            "logprob_mismatch_max": float(worst[0]),
+            "tis_ratio_mean": tis_sum / per_token,
+            "tis_ratio_max": float(worst[1]),
+            "tis_truncated_share": truncated / per_token,
             "tokens": int(tokens),
         }
 

@@ -1,5 +1,5 @@
-"""GRPO math in plain torch: group-normalised advantages, the clipped policy loss, k3 KL, and the
-engine-vs-trainer logprob mismatch.
+"""GRPO math in plain torch: group-normalised advantages, the clipped policy loss, k3 KL, truncated
+importance sampling against the engines' behaviour policy, and the engine-vs-trainer logprob mismatch.
 
 Shapes: per-token tensors are [batch, seq] over the OUTPUT tokens of each sample (prompt and padding
 masked out by `mask`, 1 for a trained token and 0 elsewhere); advantages are [batch] (one per sample,
@@ -90,12 +90,14 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     normalizer: float | None = None,
+    tis_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss on ratio = exp(logprobs - old_logprobs).
 
     Per token: max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high)), plus
     kl_coef * k3(policy || reference) when `ref_logprobs` is given and kl_coef > 0. The token is
-    "clipped" where the clamped term is the larger one (its gradient is then zero).
+    "clipped" where the clamped term is the larger one (its gradient is then zero). `tis_weights`
+    (per token, no gradient; `truncated_is_weights`) multiply the policy-gradient term, not the KL.
 
     Returns (loss, stats); stats are means over this call's unmasked tokens (`tokens` says how many,
     so callers can combine calls token-weighted): clip_frac, ratio_mean, kl (0 without a reference).
@@ -106,6 +108,8 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if tis_weights is not None:
+        per_token = per_token * tis_weights.detach().to(per_token.dtype)
     kl = None
     if ref_logprobs is not None and kl_coef > 0:
         kl = kl_k3(logprobs, ref_logprobs, mask)
@@ -121,6 +125,32 @@ def policy_loss(
             "tokens": int(tokens),
         }
     return loss, stats
+
+
+def truncated_is_weights(
+    trainer_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, cap: float
+) -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance sampling (TIS) weights for tokens the engines sampled: per token
+    min(exp(trainer - engine), cap), no gradient.
+
+    The engines' logprobs are the behaviour policy (what actually sampled the tokens: older weights
+    in an asynchronous run, other kernels and precision always); the trainer's logprobs of its
+    pre-update weights are the policy the loss's ratio starts from. The weight corrects the
+    gradient for the difference, truncated at `cap` so a token the engine found unlikely cannot
+    dominate (as verl's and slime's TIS). `cap` 0 turns it off: weights are 1.
+
+    Stats over unmasked tokens, of the ratio before truncation: ratio_mean, ratio_max,
+    truncated_share (the share of tokens whose ratio exceeded the cap), tokens.
+    """
+    mask = mask.to(torch.bool)
+    ratio = torch.exp(trainer_logprobs.detach() - engine_logprobs.detach())
+    weights = torch.clamp(ratio, max=cap) if cap > 0 else torch.ones_like(ratio)
+    seen = ratio[mask]
+    if seen.numel() == 0:
+        return weights, {"ratio_mean": 0.0, "ratio_max": 0.0, "truncated_share": 0.0, "tokens": 0}
+    truncated = float((seen > cap).float().mean()) if cap > 0 else 0.0
+    stats = {"ratio_mean": float(seen.mean()), "ratio_max": float(seen.max()), "truncated_share": truncated}
+    return weights, {**stats, "tokens": int(seen.numel())}
 
 
 def logprob_mismatch(engine_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor) -> dict[str, float]:

@@ -138,6 +138,7 @@ def console_line(step: int, steps: int, m: dict) -> str:
     return (
         f"step {step:>4}/{steps}  reward {m['reward_mean']:.3f}  exact {m['exact']:.2f}  "
         f"loss {m['train']['loss']:+.4f}  mismatch {m['train']['logprob_mismatch_mean']:.1e}  "
+        f"tis max {m['train']['tis_ratio_max']:.3f}  "
         f"[gen {t['generate']:.2f}s train {t['train']:.2f}s sync {t['sync']:.2f}s "
         f"sleep/wake {t['sleep_wake']:.2f}s other {t['other']:.2f}s]"
         + (

@@ -24,6 +24,7 @@ from rollfleet.wire.protocol_versions import (  # noqa: F401  (EngineClient's ca
 from rollfleet.wire.remote_instance import INIT_ROUTE, LAYOUT_ROUTE, LOAD_ROUTE, SEND_ROUTE, format_ports
 
 __all__ = ["EngineClient", "EngineError", "EngineTimeout", "uses_weight_update_sessions"]
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class EngineClient(GenerationRoutes):
@@ -341,6 +342,12 @@ class EngineClient(GenerationRoutes):
         return await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
     async def pause_generation(self, mode: str = "abort") -> dict:
+        """Stop generating (SGLang's modes): "abort" ends every unfinished request; "in_place" keeps
+        the running requests; "retract" queues them again without their KV cache. Weight updates
+        apply while paused; `continue_generation` goes on, on the new weights (each answer's
+        `meta_info.weight_versions` then says which tokens each version made)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation mode={mode!r}: use one of {', '.join(PAUSE_MODES)}")
         return await self._call("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> dict:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
 from rollfleet.engine.lockstep import Action
+from rollfleet.engine.scheduler import EngineStopped
 from rollfleet.engine.service import VERSION, BadRequest, Engine, EngineService
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.protocol import AbortRequest, MemoryRequest, PauseGenerationRequest
@@ -110,9 +113,12 @@ async def abort_request(req: AbortRequest, engine: Engine):
 
 @router.post("/pause_generation")
 async def pause_generation(req: PauseGenerationRequest, engine: Engine):
-    if req.mode == "retract":
-        raise BadRequest("mode='retract' is not supported by the embedded engine: use 'abort' or 'in_place'")
-    engine.scheduler.pause(req.mode)
+    """SGLang's modes: "abort" ends every unfinished request, "in_place" keeps the running batch,
+    "retract" queues it again without its KV cache; answers once the engine has acted."""
+    try:
+        await asyncio.wrap_future(engine.scheduler.pause(req.mode))
+    except EngineStopped as exc:
+        raise BadRequest(str(exc), 503) from exc
     return {"message": "Generation paused successfully.", "status": "ok"}
 
 

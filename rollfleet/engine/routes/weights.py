@@ -51,11 +51,14 @@ def counted_in_session(engine: EngineService, route: str):
 async def update(
     engine: EngineService, action: Action, weight_version: str | None, *, abort_first: bool, queued=None, **kwargs
 ) -> None:
-    """Run an update on the engine thread once the running batch ended; its version applies now,
-    or at the end of an open session."""
+    """Run an update on the engine thread once the running batch ended (at once while generation
+    is paused); its version applies now, or at the end of an open session. A batch paused under it
+    recomputes its KV cache with the new weights before it goes on."""
 
     def run():
-        engine.sessions.after_update(engine.lockstep(action, **kwargs), weight_version)
+        names = engine.lockstep(action, **kwargs)
+        engine.scheduler.weights_changed()
+        engine.sessions.after_update(names, weight_version)
 
     await engine.control(run, abort_first=abort_first, queued=queued)
 
