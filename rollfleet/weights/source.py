@@ -11,7 +11,8 @@ Two things keep a push cheap (rollfleet.weights.gather):
   gathered, so a trainer with fp32 master weights moves half the bytes to bf16 engines. The
   fingerprints are defined on values in the engine's dtype, so they are the same either way.
 - FSDP2 shards are gathered many at a time: one all-gather of a flat buffer per ~`gather_bytes`
-  (whole decoder layers) instead of one `full_tensor()` per parameter.
+  (whole decoder layers) instead of one `full_tensor()` per parameter (about 270 collectives for a
+  1.5B model, 0.2 s of a 0.24 s push on 2 x H200).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from rollfleet.weights.gather import GATHER_BYTES, ShardGather
+from rollfleet.weights.gather import ShardGather, default_gather_bytes
 from rollfleet.wire.naming import model_to_checkpoint, plain_names
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
@@ -44,7 +45,8 @@ class ModuleSource:
 
     `keep`: False on ranks that take part in the gathers but do not send. `dtype`: the engines'
     dtype (None: the model's own). `gather_bytes`: about how many gathered bytes one all-gather
-    carries (whole layers; a larger layer goes alone)."""
+    carries (whole layers; a larger layer goes alone; default: by the parameters' device, see
+    rollfleet.weights.gather.GATHER_BYTES)."""
 
     def __init__(
         self,
@@ -52,9 +54,12 @@ class ModuleSource:
         *,
         keep: bool = True,
         dtype: torch.dtype | None = None,
-        gather_bytes: int = GATHER_BYTES,
+        gather_bytes: int | None = None,
     ):
-        self.model, self.keep, self.dtype, self.gather_bytes = model, keep, dtype, gather_bytes
+        self.model, self.keep, self.dtype = model, keep, dtype
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+        self.gather_bytes = default_gather_bytes(device) if gather_bytes is None else gather_bytes
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         gather = ShardGather(self.dtype, keep=self.keep)
