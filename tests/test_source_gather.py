@@ -94,3 +94,16 @@ def test_plain_module_is_cast_and_left_whole(tmp_path):
     assert set(got) == {name for name, _ in model.named_parameters()}
     for name, param in model.named_parameters():
         assert got[name].dtype == torch.float16 and torch.equal(got[name], param.detach().half())
+
+
+def test_the_push_casts_only_to_the_one_dtype_every_engine_reports():
+    from rollfleet.train.worker import engine_dtype
+    from rollfleet.weights.transports import EngineTarget
+
+    def targets(*dtypes):
+        return [EngineTarget(i, "", num_ranks=1, rank_offset=1 + i, dtype=t) for i, t in enumerate(dtypes)]
+
+    assert engine_dtype(targets(torch.bfloat16, torch.bfloat16)) == torch.bfloat16
+    assert engine_dtype(targets(torch.bfloat16, torch.float32)) is None  # several: each engine casts on load
+    assert engine_dtype(targets(torch.bfloat16, None)) is None  # one that does not say (SGLang)
+    assert engine_dtype(targets(None)) is None
