@@ -268,10 +268,11 @@ class PolicyTrainer:
 
     # ---------------------------------------------------------------- weights out
 
-    def weight_source(self) -> ModuleSource:
-        """Full tensors in checkpoint naming, kept on rank 0; every rank must iterate it together."""
+    def weight_source(self, dtype: torch.dtype | None = None, *, keep: bool | None = None) -> ModuleSource:
+        """Full tensors in checkpoint naming, kept on rank 0 (`keep=True`: on every rank); every rank
+        must iterate it together. `dtype`: the engines' dtype, cast to on each shard before gathering."""
         self._require_onloaded("weight_source")
-        return ModuleSource(self.model, keep=self.rank == 0)
+        return ModuleSource(self.model, keep=self.rank == 0 if keep is None else keep, dtype=dtype)
 
     def save_hf(self, path: str | Path, *, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
         """Write an HF model directory (rank 0 writes; every rank must call).

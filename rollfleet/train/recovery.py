@@ -3,10 +3,10 @@ written, and the fleet's registration of each once it is complete.
 
 Which runs write them is `RunConfig.recovery_snapshot_every` ('auto': a single-engine fleet only;
 with 2+ engines a peer or the trainer's next push restores a dead one). The trainer takes a host
-copy of the weights it just pushed and writes it on a thread of its own (rollfleet.train.snapshot);
-the step goes on at once. The fleet learns of a snapshot only when its directory is complete
-(`Fleet.register_checkpoint`, from the write's completion callback), so a restore never reads a
-half-written one.
+copy of the weights it just pushed on a thread while the engines generate, and writes it on another
+(rollfleet.train.snapshot, TrainWorker.start_snapshot); the step goes on at once. The fleet learns
+of a snapshot only when its directory is complete (`Fleet.register_checkpoint`, from the write's
+completion callback), so a restore never reads a half-written one.
 """
 
 from __future__ import annotations
@@ -32,16 +32,15 @@ class RecoverySnapshots:
 
     def after_sync(self, step: int, version: str) -> dict:
         """Start the snapshot of `version` (just pushed; the trainer is onloaded) when one is due and
-        the last is written; else count a skip. Returns snapshot_skipped and snapshot_copy_seconds
-        (the host copy: the only part the step waits for)."""
-        figures = {"snapshot_skipped": 0, "snapshot_copy_seconds": 0.0}
+        the last is written; else count a skip. Returns snapshot_skipped. The step waits for neither
+        the host copy (a thread of the trainer, while the engines generate) nor the write."""
+        figures = {"snapshot_skipped": 0}
         if not self.every or step % self.every or self.fleet.checkpoint_for(version) is not None:
             return figures  # not due, or a checkpoint of this version already serves (disk sync)
         if self.pending is not None and not self.pending.done():
             figures["snapshot_skipped"] = 1
             return figures
-        started = self.trainers.start_snapshot(version, str(self.root), self._engine_dtype())
-        figures["snapshot_copy_seconds"] = started["copy_seconds"]
+        self.trainers.start_snapshot(version, str(self.root), self._engine_dtype())
         self.pending = self.trainers.snapshot_written().future()
         self.pending.add_done_callback(self._on_written)
         return figures

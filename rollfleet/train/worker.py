@@ -5,14 +5,15 @@ rank 0's answer is returned."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
 import ray
+import torch
 import torch.distributed as dist
 
 from rollfleet.layout import colocated_feeders
-from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
 from rollfleet.weights.transports.base import transport_class
 from rollfleet.weights.transports.feed import RankFeed
@@ -31,10 +32,13 @@ class TrainWorker:
         self.trainer = PolicyTrainer(model_path, TrainConfig(**train_config))
         self.transport, self.transport_key = None, None  # kept connected across steps (NCCL groups are costly)
         self.snapshots, self.snapshot_buffers = None, None
+        self.copying: threading.Thread | None = None  # a snapshot's host copy under way (start_snapshot)
+        self.copy_result: dict = {}
         self.feed_group = None  # the gloo group of an every-rank push (colocated tensor sync), made once
 
     def train_step(self, batch: list[dict]) -> dict[str, float]:
-        return self.trainer.train_step(batch)
+        waited = self._settle_copy()
+        return {**self.trainer.train_step(batch), "snapshot_copy_wait_seconds": waited}
 
     def gpu_ids(self) -> list[str]:
         """The GPUs Ray gave this rank (colocated: the same as the rollout worker of its bundle)."""
@@ -47,14 +51,15 @@ class TrainWorker:
         transport that can, every rank packs the full tensors it gathers into its own device's buffer
         for the engine ranks on its GPU (rank 0 makes the calls). Otherwise rank 0 sends and the
         others take part in the gathers only."""
+        self._settle_copy()
         every_rank = feeders is not None and transport_class(spec).feeds_from_every_rank
-        source = self.trainer.weight_source()
+        # every rank keeps the tensors it gathered when every rank feeds; each shard is cast to the
+        # engines' dtype before the gather (half the bytes of fp32 master weights for bf16 engines)
+        source = self.trainer.weight_source(engine_dtype(targets), keep=every_rank or self.rank == 0)
         if not every_rank and self.rank != 0:
             for _ in source.named_tensors():
                 pass
             return None
-        if every_rank:
-            source = ModuleSource(source.model)  # every rank keeps the tensors it gathered
         transport = self._transport(spec, targets, options, feeders if every_rank else None)
         try:
             return transport.send(source, version)
@@ -88,18 +93,23 @@ class TrainWorker:
         self.transport, self.transport_key = None, None
 
     def save_hf(self, path: str) -> None:
+        self._settle_copy()
         self.trainer.save_hf(path)
 
     def save_state(self, path: str, extra: dict) -> None:
+        self._settle_copy()
         self.trainer.save_state(path, extra)
 
     def load_state(self, path: str) -> dict:
+        self._settle_copy()
         return self.trainer.load_state(path)
 
     def offload(self) -> dict:
+        self._settle_copy()
         return self.trainer.offload()
 
     def onload(self) -> dict:
+        self._settle_copy()
         return self.trainer.onload()
 
     def copy_ceiling(self, nbytes: int) -> dict | None:
@@ -110,39 +120,82 @@ class TrainWorker:
 
     # ---- recovery snapshots (rollfleet.train.snapshot) ----
     def start_snapshot(self, version: str, root: str, dtype: str | None) -> dict:
-        """Every rank gathers; rank 0 keeps a host copy (buffers reused across steps) and starts its
-        background write. The caller starts one only after `wait_snapshot` answered for the last."""
+        """Start the snapshot of the weights just pushed and return at once: every rank gathers, and
+        rank 0 copies into host buffers reused across steps, on a thread of this actor (while the
+        engines generate, when the trainer is idle); then rank 0's writer writes the copy in the
+        background. The caller starts one only after `wait_snapshot` answered for the last.
+
+        Ordering: the copy's gathers are collectives of the trainer's group, so every verb that
+        touches the parameters (or runs collectives) first waits for the copy (`_settle_copy`); the
+        weights therefore cannot change under the copy, and no two collectives interleave."""
         from rollfleet.train.host_copy import HostBuffers
-        from rollfleet.train.snapshot import SnapshotWriter, take_host_copy
+        from rollfleet.train.snapshot import SnapshotWriter
 
         start = time.perf_counter()
+        self._settle_copy()
         trainer = self.trainer
         if self.snapshots is None or str(self.snapshots.root) != root:
             self.snapshots = SnapshotWriter(root, trainer.model_path) if self.rank == 0 else None
             self.snapshot_buffers = HostBuffers(pin=trainer.device.type == "cuda")
-        copy = take_host_copy(
-            trainer.weight_source(),
-            self.snapshot_buffers,
-            trainer.device,
-            keep=self.rank == 0,
-            dtype=dtype_from_name(dtype) if dtype else None,
+        # each shard is cast to the engines' dtype before it is gathered and copied
+        source = trainer.weight_source(dtype_from_name(dtype) if dtype else None)
+        self.copying = threading.Thread(
+            target=self._copy_then_write, args=(version, source), name=f"rollfleet-host-copy-{version}", daemon=True
         )
-        started = self.snapshots is not None and self.snapshots.start(version, copy) is not None
-        return {"started": started, "copy_seconds": time.perf_counter() - start}
+        self.copy_result = {}
+        self.copying.start()
+        return {"started": True, "copy_seconds": time.perf_counter() - start}
+
+    def _copy_then_write(self, version: str, source) -> None:
+        from rollfleet.train.snapshot import take_host_copy
+
+        start = time.perf_counter()
+        try:
+            if self.trainer.device.type == "cuda":
+                torch.cuda.set_device(self.trainer.device)  # a new thread starts on the first device
+            copy = take_host_copy(source, self.snapshot_buffers, self.trainer.device, keep=self.rank == 0)
+            if self.snapshots is not None:
+                self.snapshots.start(version, copy)
+        except Exception as exc:  # noqa: BLE001 - the snapshot's waiter raises it (a lost restore source)
+            self.copy_result = {"error": exc}
+        else:
+            self.copy_result = {"copy_seconds": time.perf_counter() - start}
+
+    def _settle_copy(self) -> float:
+        """Wait for a host copy still running (normally done long before); seconds waited."""
+        start = time.perf_counter()
+        if self.copying is not None:
+            self.copying.join()
+            self.copying = None
+        return time.perf_counter() - start
 
     @ray.method(concurrency_group="snapshot")
     def wait_snapshot(self) -> dict | None:
-        """The last snapshot's result once written (runs beside the trainer's verbs: its own thread)."""
+        """The last snapshot's result once written, with its host copy's seconds (runs beside the
+        trainer's verbs: its own thread); raises what stopped the copy or the write."""
+        copying = self.copying
+        if copying is not None:
+            copying.join()
+        if "error" in self.copy_result:
+            raise self.copy_result["error"]
         result = self.snapshots.wait() if self.snapshots is not None else None
-        return None if result is None else dataclasses.asdict(result)
+        return None if result is None else {**dataclasses.asdict(result), **self.copy_result}
 
     def cancel_snapshot(self) -> None:
+        self._settle_copy()
         if self.snapshots is not None:
             self.snapshots.close(cancel=True)
 
 
 # wait_snapshot blocks until a background write ends: it gets its own thread so train_step, push and
 # offload keep running meanwhile.
+def engine_dtype(targets: list[EngineTarget]) -> torch.dtype | None:
+    """The one dtype every target serves in (the sender casts to it), or None: engines of several
+    dtypes, or one that does not say (SGLang), get the trainer's own and cast on load."""
+    dtypes = {t.dtype for t in targets}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 RemoteTrainWorker = ray.remote(concurrency_groups={"snapshot": 1})(TrainWorker)
 
 

@@ -3,8 +3,9 @@
 A weight push is made by one process (`SoloFeed`: the driver, or a trainer that sends from rank 0)
 or by every rank of a trainer (`RankFeed`: colocated, each rank packs into its own device's buffer
 and hands handles to the engine ranks on its own GPU, so no copy crosses GPUs). Rank 0 is the
-caller either way: it makes the HTTP calls, the sessions and the version; the other ranks send it
-their serialized handles (small strings) over a gloo group of their own.
+caller either way: it makes the HTTP calls, the sessions and the version; every rank gives the others
+its state and its serialized handles (small strings) over a gloo group of their own, in one
+all-gather per call (tensor.py), and rank 0 broadcasts the push's outcome once at its end.
 
 Lockstep, stated once (tensor.py follows it): every rank takes part in every collective of a push,
 in the same order, whatever happened locally; a rank that failed says so in its next contribution
@@ -39,10 +40,7 @@ class SoloFeed:
         return 0
 
     def all_gather(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's `obj` on the caller (by rank); None on the others."""
+        """Every rank's `obj`, by rank, on every rank."""
         return [obj]
 
     def broadcast(self, obj: Any) -> Any:
@@ -79,11 +77,6 @@ class RankFeed(SoloFeed):
     def all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        out: list[Any] | None = [None] * self.world_size if self.is_caller else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
         return out
 
     def broadcast(self, obj: Any) -> Any:

@@ -46,7 +46,7 @@ class DoubleBuffer:
 class InFlight:
     """Calls still in flight (oldest first), each some futures (or torch Works).
 
-    `make_room()` waits for the oldest when two are in flight (its buffer is about to be reused);
+    `make_room()` waits for the oldest while `depth` are in flight (its buffer is about to be reused);
     `drain()` waits for all; on an error it still waits for the rest, so no transfer is left half
     done behind the raised error."""
 

@@ -11,12 +11,16 @@ every trainer rank for the engine ranks on its own GPU (`RankFeed`): each rank g
 tensors anyway (FSDP), packs them into its own device's buffer and sends its handles to rank 0,
 which makes one HTTP call per engine with the entry of each engine rank from the rank on its GPU.
 
-Ordering, stated once: every rank runs the same steps per call, in lockstep over the feed:
-  1. every rank takes the next call's tensors from the source (the FSDP gathers);
-  2. rank 0 waits until the engines answered the call packed two calls ago (its buffer slot is
-     about to be reused), then every rank says where it is (a call, the end, or an error) and all
-     decide the same: go on, stop (done) or stop (failed);
-  3. every rank packs its buffer and serializes its handles; rank 0 gathers them and posts the call.
+Ordering, stated once: every rank runs the same steps per call, in lockstep over the feed, with ONE
+exchange per call:
+  1. every rank takes the next call's tensors from the source (the FSDP gathers) and packs them into
+     buffer slot k % 2, serializing its handles;
+  2. rank 0 waits until the engines answered call k-1; then every rank gives every rank its state (a
+     call, the end, or an error) with its handles, and all decide the same: go on, stop (done) or
+     stop (failed); on "go" rank 0 posts call k with each engine rank's entry from its packer.
+Why slot k % 2 is free at step 1: the exchange of call k-1 could not complete before rank 0 entered
+it, and rank 0 enters it only after call k-2 (the slot's last user) was answered. So one call is in
+flight while the next is gathered and packed, and the ranks need no second message per call.
 After the last call rank 0 waits for every answer, then ends the sessions (commit) or, after any
 failure on any rank, abandons them; then it tells every rank the outcome, and only then do the
 ranks drop their buffers. Engines finish reading a call's buffer before they answer; the version
@@ -106,24 +110,26 @@ class TensorTransport(Transport):
         caller = self.feed.is_caller
         tensors = self._recorded(source, report, collectors) if caller else source.named_tensors()
         calls = iter_calls(tensors, self.spec.bucket_bytes)
-        buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight()
+        buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight(depth=1)
         failure: BaseException | None = None
         index = 0
         while True:
             call, state = _next_call(calls)
+            contribution, keep = self._pack_mine(call, index, buffers, report) if call is not None else ({}, [])
+            if "error" in contribution:
+                state = ("error", contribution["error"])
             if caller and failure is None:
                 with timed(report, "wait_engines"):
-                    failure = self._attempt(in_flight.make_room)  # the buffer packed two calls ago is free
+                    failure = self._attempt(in_flight.make_room)  # call k-1 answered: slot (k+1) % 2 is free
             with timed(report, "ranks"):
-                decision, detail = _decide(self.feed.all_gather(_failed(failure) if caller and failure else state))
+                everyone = self.feed.all_gather((_failed(failure) if caller and failure else state, contribution))
+            decision, detail = _decide([rank_state for rank_state, _ in everyone])
             if decision != GO:
                 break
-            held.pop(index - 2, None)
-            contribution, held[index] = self._pack_mine(call, index, buffers, report)
-            with timed(report, "ranks"):
-                gathered = self.feed.gather(contribution)
+            held.pop(index - 1, None)  # answered before this exchange
+            held[index] = keep
             if caller:
-                failure = self._post(index, gathered, version, in_flight, held[index], report)
+                failure = self._post(index, [c for _, c in everyone], version, in_flight, keep, report)
             index += 1
         if caller:
             with timed(report, "wait_engines"):
@@ -132,7 +138,8 @@ class TensorTransport(Transport):
         return failure
 
     def _pack_mine(self, call, index: int, buffers: DoubleBuffer, report: SyncReport) -> tuple[dict, list]:
-        """This rank's handles for the engine ranks it feeds, or its error (the buckets to keep alive)."""
+        """This rank's handles for the engine ranks it feeds, or its error (the buckets to keep alive);
+        an error becomes this rank's state at the call's exchange, so every rank stops there."""
         if not self.mine:
             return {"entries": {}, "buckets": 0, "bytes": 0, "facts": self._facts(None)}, []
         try:
@@ -155,9 +162,6 @@ class TensorTransport(Transport):
 
     def _post(self, index, gathered, version, in_flight: InFlight, keep, report) -> BaseException | None:
         """Rank 0: one /update_weights_from_tensor per engine, entry i from the rank that packed it."""
-        errors = [f"rank {rank}: {c['error']}" for rank, c in enumerate(gathered) if "error" in c]
-        if errors:
-            return RuntimeError(f"a sender rank could not pack its buffer: {'; '.join(errors)}")
         packer = {key: rank for rank, c in enumerate(gathered) for key in c["entries"]}
         missing = [(t.engine_id, i) for t in self.targets for i in range(t.num_ranks) if (t.engine_id, i) not in packer]
         if missing:

@@ -1,0 +1,128 @@
+"""Full tensors out of FSDP2 shards, many parameters per collective, cast to the engines' dtype first.
+
+`DTensor.full_tensor()` is one collective (plus DTensor's dispatch) per parameter: a 1.5B model has
+about 270 of them, and on 2 x H200 they took 0.2 s of a 0.24 s push for 3 GB that NVLink moves in
+about 10 ms. `ShardGather` gathers the row shards of every FSDP2 parameter of several decoder
+layers in ONE `all_gather_into_tensor` of a flat buffer:
+
+    rank r's buffer:  [p1 rows of r, padded to ceil(n1/world)] [p2 rows of r, padded] ...
+    gathered:         rank 0's buffer | rank 1's buffer | ...
+    full p1 = cat(p1's rows from each rank's part)
+
+FSDP2 splits dim 0 as `torch.chunk` does (rank r holds rows [r*c, min((r+1)*c, n)), c = ceil(n/world),
+possibly none), so every rank knows every other rank's row count from the global shape alone.
+
+Each local shard is cast to the engines' dtype BEFORE it enters the buffer: the collective and
+everything after it move engine-sized bytes (half of the fp32 master weights for bf16 engines). A
+cast of a shard then a gather gives the same values as a gather then a cast (casts are elementwise).
+
+Parameters that are not FSDP2 row shards (tensor-parallel placements, 2-D meshes, plain tensors)
+keep the exact path: cast, then `full_tensor()` for a DTensor. Every rank runs the same collectives
+in the same order (the order of `named_parameters`), whatever it keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+# Gathered bytes per collective (whole layers; a larger layer goes alone). On a GPU, NCCL's cost per
+# collective dominates: few large ones. On CPU (gloo over loopback) bytes dominate and buffers past
+# glibc's mmap threshold are mapped and faulted in afresh each time: measured with
+# scripts/bench_source_gather.py (127 MB model, world 2, loaded 2-core machine) 16 MB per gather
+# took 0.45 s, 64 MB 1.9 s, 256 MB 2.9 s, one full_tensor per parameter 0.55 s.
+GATHER_BYTES = {"cuda": 256 << 20, "cpu": 16 << 20}
+
+
+def default_gather_bytes(device: torch.device) -> int:
+    return GATHER_BYTES.get(device.type, GATHER_BYTES["cuda"])
+
+
+def is_row_sharded(param: torch.Tensor) -> bool:
+    """An FSDP2 parameter: a DTensor on a 1-D mesh split along dim 0 (not a strided split)."""
+    if not isinstance(param, DTensor) or param.device_mesh.ndim != 1 or param.dim() == 0 or param.shape[0] == 0:
+        return False
+    placements = tuple(param.placements)
+    return len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 0
+
+
+class ShardGather:
+    """Gathers layers of parameters into full tensors in `dtype` (None: their own dtype).
+
+    `keep=False` (a rank that takes part in the gathers but sends nothing): the collectives run,
+    the full tensors are not assembled, and the dicts it yields hold None."""
+
+    def __init__(self, dtype: torch.dtype | None = None, *, keep: bool = True):
+        self.dtype, self.keep = dtype, keep
+
+    @staticmethod
+    def gathered_bytes(param: torch.Tensor, dtype: torch.dtype | None) -> int:
+        """Bytes of `param`'s full tensor once cast to `dtype` (floating parameters only)."""
+        cast = dtype is not None and param.is_floating_point()
+        return param.numel() * (dtype.itemsize if cast else param.element_size())
+
+    def cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
+            return tensor.to(self.dtype)
+        return tensor
+
+    def full_tensors(self, layers: list[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor | None]]:
+        """Each layer's full tensors (name -> tensor, in the layer's order), the row-sharded ones of
+        all `layers` gathered together first."""
+        rows = [(i, name, p) for i, layer in enumerate(layers) for name, p in layer.items() if is_row_sharded(p)]
+        gathered = self._gather_rows(rows)
+        for index, layer in enumerate(layers):
+            out: dict[str, torch.Tensor | None] = {}
+            for name, param in layer.items():
+                if (index, name) in gathered:
+                    out[name] = gathered[index, name]
+                elif isinstance(param, DTensor):
+                    out[name] = self.cast(param).full_tensor()  # collective: every rank, same order
+                else:
+                    out[name] = self.cast(param)
+            yield out
+
+    def _gather_rows(self, rows: list[tuple[int, str, DTensor]]) -> dict[tuple[int, str], torch.Tensor | None]:
+        """One all-gather per (process group, dtype) of these row-sharded parameters."""
+        groups: dict[tuple, list] = {}
+        for index, name, param in rows:
+            local = self.cast(param.to_local())
+            mesh = param.device_mesh
+            groups.setdefault((id(mesh), local.dtype, local.device), []).append((index, name, param, local))
+        out: dict[tuple[int, str], torch.Tensor | None] = {}
+        for members in groups.values():
+            mesh = members[0][2].device_mesh
+            fulls = _all_gather_rows([(p.shape, local) for _, _, p, local in members], mesh, self.keep)
+            out.update({(index, name): full for (index, name, _, _), full in zip(members, fulls)})
+        return out
+
+
+def _all_gather_rows(shards: list[tuple[torch.Size, torch.Tensor]], mesh, keep: bool) -> list[torch.Tensor | None]:
+    """Full tensors of `shards` (global shape, this rank's rows), in one all-gather over `mesh`."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    layout = []  # per shard: (offset in a rank's part, elements per row, rows per rank)
+    offset = 0
+    for shape, _ in shards:
+        per_row = shape[1:].numel()
+        chunk = -(-shape[0] // world)
+        counts = [max(0, min(chunk, shape[0] - r * chunk)) for r in range(world)]
+        layout.append((offset, per_row, counts))
+        offset += chunk * per_row
+    dtype, device = shards[0][1].dtype, shards[0][1].device
+    mine = torch.empty(offset, dtype=dtype, device=device)  # padding rows are sent but never read
+    for (start, per_row, counts), (_, local) in zip(layout, shards):
+        assert local.shape[0] == counts[rank], f"rank {rank} holds {local.shape[0]} rows, FSDP2 gives {counts[rank]}"
+        mine[start : start + counts[rank] * per_row].copy_(local.reshape(-1))
+    everyone = torch.empty(world * offset, dtype=dtype, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=mesh.get_group())
+    if not keep:
+        return [None] * len(shards)
+    fulls = []
+    for (start, per_row, counts), (shape, _) in zip(layout, shards):
+        parts = [everyone[r * offset + start : r * offset + start + counts[r] * per_row] for r in range(world)]
+        fulls.append(torch.cat(parts).view(shape))
+    return fulls

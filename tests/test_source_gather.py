@@ -1,0 +1,109 @@
+"""ModuleSource on a real FSDP2 trainer (gloo, worlds 2 and 3 on loopback): the bucketed gather
+gives exactly the checkpoint's tensors (uneven shards included), casts to the engines' dtype before
+gathering, runs few collectives, and lets ranks that keep nothing take part."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from rollfleet.tiny_models import make_tiny_model
+from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+from rollfleet.weights.gather import ShardGather, is_row_sharded
+from rollfleet.weights.source import ModuleSource
+from rollfleet.wire.fingerprint import fingerprints
+from rollfleet.wire.net import free_port
+
+
+def _counted_gathers(run) -> tuple[object, int]:
+    """`run()`'s result and how many all-gathers it made (the real collective, counted as it passes)."""
+    real, calls = dist.all_gather_into_tensor, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_gather_into_tensor = counting
+    try:
+        return run(), len(calls)
+    finally:
+        dist.all_gather_into_tensor = real
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    init_distributed(rank, world, master_port=port, backend="gloo")
+    torch.set_num_threads(1)
+    try:
+        model = PolicyTrainer(model_dir, TrainConfig()).model
+        result: dict = {"row_sharded": sum(is_row_sharded(p) for p in model.parameters())}
+        for label, source in {
+            "bucketed": ModuleSource(model),
+            "per_layer": ModuleSource(model, gather_bytes=1),
+            "bf16": ModuleSource(model, dtype=torch.bfloat16),
+        }.items():
+            tensors, count = _counted_gathers(lambda s=source: {n: t.clone() for n, t in s.named_tensors()})
+            result[label], result[f"{label}_gathers"] = tensors, count
+        left_out, count = _counted_gathers(lambda: list(ModuleSource(model, keep=rank == 0).named_tensors()))
+        result["kept"], result["kept_gathers"] = len(left_out), count
+        gather = ShardGather(torch.bfloat16)
+        result["cast_first"] = {
+            name: gather.cast(p.to_local()).dtype for name, p in model.named_parameters() if is_row_sharded(p)
+        }
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# world 3: every tiny dimension splits unevenly (64, 32, 16, 320 rows); MoE: fused experts, names by expert
+@pytest.mark.parametrize(("kind", "world"), [("qwen3", 3), ("qwen3_moe", 2)])
+def test_bucketed_gather_gives_the_checkpoint_exactly_in_few_collectives(kind, world, tmp_path):
+    model_dir = make_tiny_model(tmp_path / kind, kind, seed=3)
+    mp.spawn(_worker, args=(world, free_port(), str(model_dir), str(tmp_path)), nprocs=world)
+    expected = load_file(model_dir / "model.safetensors")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    layers = 2  # tiny models: 2 decoder layers
+    for result in ranks:
+        assert result["row_sharded"] > 0
+        for label in ("bucketed", "per_layer"):
+            assert set(result[label]) == set(expected), label
+            for name, tensor in expected.items():
+                assert torch.equal(result[label][name], tensor), (label, name)
+        # bucketed: every row shard of the tiny model in one collective; per layer: one per layer
+        # plus one per parameter outside the layers (embeddings, final norm, lm_head)
+        assert result["bucketed_gathers"] == 1
+        assert result["per_layer_gathers"] == layers + 3
+        for name, tensor in expected.items():
+            assert result["bf16"][name].dtype == torch.bfloat16
+            assert torch.equal(result["bf16"][name], tensor.to(torch.bfloat16)), name
+        # the engine's fingerprints (values in its dtype) match what a bf16 push sends
+        assert fingerprints(result["bf16"].items(), torch.bfloat16) == fingerprints(expected.items(), torch.bfloat16)
+        assert set(result["cast_first"].values()) == {torch.bfloat16}  # shards are cast before the gather
+    assert [r["kept"] for r in ranks] == [len(expected)] + [0] * (world - 1)
+    assert {r["kept_gathers"] for r in ranks} == {1}  # ranks that keep nothing still take part
+
+
+def test_plain_module_is_cast_and_left_whole(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    got = dict(ModuleSource(model, dtype=torch.float16).named_tensors())
+    assert set(got) == {name for name, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        assert got[name].dtype == torch.float16 and torch.equal(got[name], param.detach().half())
+
+
+def test_the_push_casts_only_to_the_one_dtype_every_engine_reports():
+    from rollfleet.train.worker import engine_dtype
+    from rollfleet.weights.transports import EngineTarget
+
+    def targets(*dtypes):
+        return [EngineTarget(i, "", num_ranks=1, rank_offset=1 + i, dtype=t) for i, t in enumerate(dtypes)]
+
+    assert engine_dtype(targets(torch.bfloat16, torch.bfloat16)) == torch.bfloat16
+    assert engine_dtype(targets(torch.bfloat16, torch.float32)) is None  # several: each engine casts on load
+    assert engine_dtype(targets(torch.bfloat16, None)) is None  # one that does not say (SGLang)
+    assert engine_dtype(targets(None)) is None
