@@ -33,6 +33,7 @@ from rollfleet.engine.lora import LoraLimits
 from rollfleet.engine.model import ModelRunner, local_device, model_class
 from rollfleet.engine.remote_args import add_remote_instance_flags, check_remote_instance_args
 from rollfleet.engine.serving_flags import add_serving_flags
+from rollfleet.wire.net import free_port
 
 log = logging.getLogger("rollfleet.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -200,8 +201,9 @@ def _make_runner(args, device: str, group, mark=None) -> ModelRunner:
     )
 
 
-def _follower_main(args, rank: int, store_port: int, spawned_at: float) -> None:
-    timer = StartTimer(spawned_at)
+def _follower_main(args, rank: int, store_port: int, spawned_at: float, forked: bool = False) -> None:
+    # forked: this module was imported long before (by the zygote), so the first line is now
+    timer = StartTimer(spawned_at, first_line_at=time.time()) if forked else StartTimer(spawned_at)
     timer.mark("imports")
     # A stop signal to the process group is rank 0's to handle: it tells followers to shut down
     # in order; a follower that died first would fail rank 0's last broadcast.
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.random_seed is not None:
         log.warning("--random-seed %s is ignored: see --help", args.random_seed)
     timer.mark("args")
-    store, procs = _spawn_followers(args) if args.tp_size > 1 else (None, [])
+    store, procs = _start_followers(args, fork=timer.launch == "zygote") if args.tp_size > 1 else (None, [])
     timer.mark("followers_spawned")
     # Rank-local work first: it overlaps the followers' own imports, which rank 0's group init waits for.
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
@@ -281,18 +283,29 @@ def main(argv: list[str] | None = None) -> None:
         proc.join(timeout=10)
 
 
-def _spawn_followers(args) -> tuple[dist.TCPStore, list]:
-    """Start tp ranks 1.. as spawned processes, before rank 0's own model work, so their imports
-    overlap it; they join rank 0's group through the returned store."""
-    store = dist.TCPStore("127.0.0.1", 0, args.tp_size, is_master=True, wait_for_workers=False)
-    context = multiprocessing.get_context("spawn")
-    procs = []
-    for rank in range(1, args.tp_size):
-        spawned_at = time.time()
-        procs.append(context.Process(target=_follower_main, args=(args, rank, store.port, spawned_at), daemon=True))
-        procs[-1].start()
+def _start_followers(args, fork: bool) -> tuple[dist.TCPStore, list]:
+    """Start tp ranks 1.., before rank 0's own model work so that their start overlaps it; they join
+    rank 0's group through the returned store. A spawned engine spawns them (fresh interpreters,
+    seconds of imports each); an engine forked by the zygote forks them (nothing to import). The
+    forks come before the store: its server runs a thread, and a fork must find none."""
+    ranks = range(1, args.tp_size)
+    if fork:
+        port = free_port()  # taken meanwhile: the store fails, "address already in use", and the start is retried
+        procs = [_start_follower("fork", args, rank, port) for rank in ranks]
+        store = dist.TCPStore("127.0.0.1", port, args.tp_size, is_master=True, wait_for_workers=False)
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, args.tp_size, is_master=True, wait_for_workers=False)
+        procs = [_start_follower("spawn", args, rank, store.port) for rank in ranks]
     _exit_when_a_follower_dies(procs)
     return store, procs
+
+
+def _start_follower(method: str, args, rank: int, store_port: int):
+    context = multiprocessing.get_context(method)
+    follower_args = (args, rank, store_port, time.time(), method == "fork")
+    proc = context.Process(target=_follower_main, args=follower_args, daemon=True)
+    proc.start()
+    return proc
 
 
 def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: StartTimer) -> None:
