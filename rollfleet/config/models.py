@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rollfleet.config.errors import FieldProblem
 from rollfleet.config.section import Section as _Section
+from rollfleet.config.standby import check_standby_beside
 from rollfleet.config.weight_sync import DiskSync, WeightSyncConfig
 from rollfleet.layout import Layout, LayoutError, divisors
 
@@ -47,6 +48,22 @@ class RolloutConfig(_Section):
     num_engines: int = Field(1, ge=1, description="Number of engine replicas (data parallel size).")
     standby_engines: int = Field(
         0, ge=0, description="Extra engines started without weights that take a dead engine's place (disaggregated)."
+    )
+    standby_beside: list[int] = Field(
+        default_factory=list,
+        description="Standby k lives on the GPUs of serving engine standby_beside[k], memory split by "
+        "mem_fraction_static and standby_mem_fraction_static; empty: each standby on GPUs of its own.",
+    )
+    mem_fraction_static: float | None = Field(
+        None, gt=0.0, lt=1.0, description="Share of a GPU's memory one serving engine may use; None: engine default."
+    )
+    standby_mem_fraction_static: float | None = Field(
+        None, gt=0.0, lt=1.0, description="Share of a GPU's memory one standby may use; None: mem_fraction_static."
+    )
+    engine_launcher: Literal["zygote", "spawn"] = Field(
+        "zygote",
+        description="zygote: embedded engines fork from a pre-imported launcher per engine (a restart pays no "
+        "imports); spawn: a new interpreter per start.",
     )
     tp_size: int = Field(1, ge=1, description="Tensor parallel size of one engine.")
     pp_size: int = Field(1, ge=1, description="Pipeline parallel size of one engine (SGLang only).")
@@ -122,6 +139,7 @@ class RolloutConfig(_Section):
                 field="standby_engines",
                 value=self.standby_engines,
             )
+        check_standby_beside(self)
         if not self.use_gpu and "gpus_per_worker" in self.model_fields_set:
             warnings.warn("rollout.gpus_per_worker is ignored because rollout.use_gpu is false", stacklevel=2)
         return self

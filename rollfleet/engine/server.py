@@ -152,6 +152,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if value < 1:
             parser.error(f"{flag} {value}: must be >= 1")
     check_remote_instance_args(parser, args)
+    if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
+        parser.error(f"--mem-fraction-static {args.mem_fraction_static}: must be between 0 and 1")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -177,6 +179,13 @@ def _init_distributed(args, rank: int, store) -> tuple[str, object]:
     )
     group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
     return device, group
+
+
+def _cap_memory(args, device: str) -> None:
+    """--mem-fraction-static on a GPU: torch's allocator holds at most this share of the device, so an
+    engine beside another on one GPU (a warm standby) cannot take the other's memory."""
+    if args.mem_fraction_static is not None and device.startswith("cuda"):
+        torch.cuda.set_per_process_memory_fraction(args.mem_fraction_static, torch.device(device))
 
 
 def lora_limits(args: argparse.Namespace) -> LoraLimits | None:
@@ -212,6 +221,7 @@ def _follower_main(args, rank: int, store_port: int, spawned_at: float, forked: 
     _exit_when_parent_dies()
     store = dist.TCPStore("127.0.0.1", store_port, args.tp_size, is_master=False)
     device, group = _init_distributed(args, rank, store)
+    _cap_memory(args, device)
     timer.mark("device_and_group")
     runner = _make_runner(args, device, group, timer.mark)
     runner.ranks.gather(timer.phases)  # tells rank 0 this rank is ready, and how its start went
@@ -273,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     group, device = None, local_device(args.device, args.base_gpu_id, 0)
     if store is not None:
         device, group = _init_distributed(args, 0, store)
+    _cap_memory(args, device)
     timer.mark("device_and_group")
     runner = _make_runner(args, device, group, timer.mark)
     if procs:

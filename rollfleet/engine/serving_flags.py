@@ -31,3 +31,10 @@ def add_serving_flags(p: argparse.ArgumentParser) -> None:
         help="path prefixes answered without --api-key, as SGLang does (default: /health /ready /metrics, "
         "which covers /health_generate); give none to require the key everywhere",
     )
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="share of the GPU's memory this engine may hold (SGLang's flag; here a cap on torch's allocator, "
+        "so that two engines can split one GPU); nothing to cap on CPU",
+    )
