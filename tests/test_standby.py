@@ -19,6 +19,7 @@ from conftest import kill, reference_greedy, stop
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import ConfigError, load_config
+from rollfleet.fleet import standby
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.weights.source import ModuleSource
 
@@ -200,3 +201,25 @@ def _fault_during_generate(fleet, fault, rng, base_dir) -> None:
 def _settled(fleet) -> bool:
     """Every serving engine ACTIVE and the standby up."""
     return sorted(roles(fleet).values()) == [("ACTIVE", False), ("ACTIVE", False), ("AWAITING_WEIGHTS", True)]
+
+
+def test_standby_ranks_share_their_host_engines_bundles_at_tp_2():
+    """Engines 0 and 1 (tp 2) on bundles 0-3; standby 2 beside engine 0 shares bundles 0 and 1."""
+    rollout = load_config(
+        None,
+        [
+            "rollout.model_path=m",
+            "rollout.num_engines=2",
+            "rollout.tp_size=2",
+            "rollout.standby_engines=1",
+            "rollout.standby_beside=[0]",
+            "rollout.mem_fraction_static=0.5",
+            "rollout.standby_mem_fraction_static=0.4",
+        ],
+    ).rollout
+    ranks = standby.with_standbys(rollout).layout.ranks()
+    assert standby.bundle_count(rollout) == 4 and len(ranks) == 6
+    assert [standby.bundle_index(rollout, r) for r in ranks] == [0, 1, 2, 3, 0, 1]
+    assert [standby.bundle_share(rollout, r) for r in ranks] == [0.5, 0.5, 1.0, 1.0, 0.5, 0.5]
+    fractions = [standby.with_mem_fraction(rollout, e).server_extras for e in (0, 2)]
+    assert fractions == [["--mem-fraction-static", "0.5"], ["--mem-fraction-static", "0.4"]]
