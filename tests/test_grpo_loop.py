@@ -147,7 +147,6 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     import random
     import re
     import signal
-    import subprocess
     import threading
     import time
 
@@ -176,11 +175,13 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     rng = random.Random(0)
 
     def engines() -> dict[int, int]:
-        """pid -> port of this run's engine servers."""
-        lines = subprocess.run(
-            ["pgrep", "-af", f"rollfleet.engine.server --model-path {model_dir} "], capture_output=True, text=True
-        ).stdout.splitlines()
-        return {int(line.split()[0]): int(re.search(r"--port (\d+)", line)[1]) for line in lines}
+        """pid -> port of this run's live engine servers, from the launcher's line in each engine's log
+        (forked by a zygote, an engine's command line is the zygote's)."""
+        launched = {}
+        for log in (tmp_path / "out" / "logs").glob("engine-*.log"):
+            for found in re.finditer(r"\[launcher\] engine pid (\d+) .*?--port (\d+)", log.read_text(errors="replace")):
+                launched[int(found[1])] = int(found[2])
+        return {pid: port for pid, port in launched.items() if _running(pid)}
 
     def recoveries() -> int:
         text = metrics.read_text() if metrics.exists() else ""
@@ -278,4 +279,12 @@ def _answers(url: str) -> bool:
     try:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return False

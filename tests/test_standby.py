@@ -1,10 +1,13 @@
-"""Warm standby engines on a real Ray fleet (2 serving engines + 1 standby, tiny model, CPU): a
-killed engine's place is taken by the standby, restored from its peer and verified before it
-serves, generate loses and duplicates nothing meanwhile, the dead slot comes back as the standby,
-and pushes go to the serving engines only."""
+"""Warm standby engines on a real Ray fleet (2 serving engines + 1 standby beside engine 1 on its
+GPU, as on a machine of 2 GPUs; tiny model, CPU): a killed engine's place is taken by the standby,
+restored from its peer and verified before it serves, generate loses and duplicates nothing
+meanwhile, the dead slot comes back as the standby (forked by its worker's zygote: no imports), and
+pushes go to the serving engines only; under chaos (a hung engine, a kill at a random moment) every
+prompt is answered exactly once. Layouts that cannot fit are refused with the sums."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import tempfile
 import threading
@@ -12,10 +15,11 @@ import time
 
 import pytest
 import ray
-from conftest import kill, reference_greedy
+from conftest import kill, reference_greedy, stop
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import ConfigError, load_config
+from rollfleet.fleet import standby
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.weights.source import ModuleSource
 
@@ -26,7 +30,7 @@ PROMPTS = [[4, 8, 15], [16, 23, 42], [7, 7], [1, 2], [3, 1, 4, 1], [5, 9, 2, 6]]
 @pytest.fixture(scope="module")
 def fleet(qwen3_dir, tmp_path_factory):
     temp = tempfile.mkdtemp(prefix="rf-ray-")
-    ray.init(num_cpus=8, num_gpus=3, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=8, num_gpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
     out = tmp_path_factory.mktemp("standby")
     cfg = load_config(
         None,
@@ -35,6 +39,9 @@ def fleet(qwen3_dir, tmp_path_factory):
             "rollout.use_gpu=true",  # Ray GPUs for placement; the engines run on the CPU
             "rollout.num_engines=2",
             "rollout.standby_engines=1",
+            "rollout.standby_beside=[1]",  # 2 GPUs: engine 0 on one, engine 1 and the standby on the other
+            "rollout.mem_fraction_static=0.5",
+            "rollout.standby_mem_fraction_static=0.45",
             f"rollout.log_dir={out}/logs",
             "rollout.recovery_wait_s=60",
             "rollout.probe_interval_s=0.5",
@@ -71,6 +78,39 @@ def test_standby_engines_are_refused_on_a_colocated_fleet():
     assert cfg.rollout.standby_engines == 2 and cfg.rollout.num_engines == 1
 
 
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["rollout.standby_beside=[1]"], ["standby_beside=[1]", "mem_fraction_static", "standby_mem_fraction_static"]),
+        (["rollout.standby_beside=[0, 1]"], ["standby_beside=[0, 1]", "2 standbys", "standby_engines=1"]),
+        (["rollout.standby_beside=[2]"], ["standby_beside=[2]", "not serving engines", "num_engines=2"]),
+        (
+            [
+                "rollout.standby_beside=[1]",
+                "rollout.mem_fraction_static=0.6",
+                "rollout.standby_mem_fraction_static=0.5",
+            ],
+            ["engine 1's GPUs would hold 0.6 + 1 x 0.5 = 1.10", "lower rollout.mem_fraction_static"],
+        ),
+    ],
+)
+def test_layouts_that_cannot_fit_a_standby_beside_an_engine_are_refused(overrides, words):
+    base = ["rollout.model_path=m", "rollout.num_engines=2", "rollout.standby_engines=1"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*base, *overrides])
+    assert all(word in str(err.value) for word in words), str(err.value)
+    fits = ["rollout.standby_beside=[1]", "rollout.mem_fraction_static=0.5", "rollout.standby_mem_fraction_static=0.5"]
+    assert load_config(None, [*base, *fits]).rollout.standby_beside == [1]
+
+
+def test_the_standby_lives_beside_engine_1_on_its_gpu(fleet):
+    assert roles(fleet) == {0: ("ACTIVE", False), 1: ("ACTIVE", False), 2: ("AWAITING_WEIGHTS", True)}
+    gpus = [s.gpu_ids for s in fleet.slots]
+    assert gpus[2] == gpus[1] and gpus[0] != gpus[1], gpus  # two Ray GPUs, the standby on engine 1's
+    argv = ray.get(fleet.slots[2].head.engine_argv.remote())
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.45"
+
+
 def test_a_standby_takes_a_dead_engines_place_and_the_dead_one_becomes_the_standby(fleet, qwen3_dir_b):
     assert roles(fleet) == {0: ("ACTIVE", False), 1: ("ACTIVE", False), 2: ("AWAITING_WEIGHTS", True)}
     trained = AutoModelForCausalLM.from_pretrained(qwen3_dir_b)
@@ -102,6 +142,8 @@ def test_a_standby_takes_a_dead_engines_place_and_the_dead_one_becomes_the_stand
     # the dead slot restarts in the background as the standby: dummy weights, not routed
     assert wait_for(lambda: roles(fleet)[0] == ("AWAITING_WEIGHTS", True), timeout=30)
     assert fleet.slots[0].version == "" and "as a standby" in fleet.slots[0].lifecycle.history[-1].why
+    start = fleet.pool.call(0, "get_server_info")["start_breakdown"]  # forked by the worker's zygote
+    assert start["launch"] == "zygote" and start["phases"]["imports"] < 0.05, start
     after = fleet.generate(PROMPTS * 2, sampling=GREEDY)
     assert {s.engine_id for s in after} == {1, 2}
     print(f"kill -> standby ACTIVE in {took_over_s:.2f} s")
@@ -121,3 +163,63 @@ def test_pushes_go_to_the_serving_engines_and_a_dead_standby_is_restarted(fleet,
     kill(fleet, 0)  # the standby dies: it comes back as a standby, and no serving engine moves
     assert wait_for(lambda: fleet.slots[0].url != url and roles(fleet)[0] == ("AWAITING_WEIGHTS", True))
     assert roles(fleet) == {0: ("AWAITING_WEIGHTS", True), 1: ("ACTIVE", False), 2: ("ACTIVE", False)}
+
+
+def test_chaos_a_hung_then_a_killed_engine_are_replaced_by_standbys_and_no_prompt_is_lost(fleet, qwen3_dir):
+    """The chaos test's faults (tests/test_grpo_loop.py) on a fleet with a standby: a serving engine
+    hangs (SIGSTOP) during a generate, the probes catch it and the standby takes its place; then a
+    serving engine is killed at a random moment of the next generate, and the standby that came back
+    in the meantime takes that place. Every prompt is answered exactly once, at the fleet's version."""
+    rng = random.Random(0)
+    assert wait_for(lambda: sum(standby for _, standby in roles(fleet).values()) == 1 and _settled(fleet))
+    for fault in (stop, kill):
+        _fault_during_generate(fleet, fault, rng, qwen3_dir)
+    whys = [t.why for s in fleet.slots for t in s.lifecycle.history]
+    assert any("health probes failed" in why for why in whys) and any("process exited" in why for why in whys)
+
+
+def _fault_during_generate(fleet, fault, rng, base_dir) -> None:
+    """`fault` hits a serving engine at a random moment of a generate; the standby takes its place."""
+    serving = [s.engine_id for s in fleet.slots if not s.standby]
+    spare = next(s.engine_id for s in fleet.slots if s.standby)
+    prompts, results = PROMPTS * 8, {}
+    generating = threading.Thread(target=lambda: results.update(out=fleet.generate(prompts, sampling=GREEDY)))
+    generating.start()
+    time.sleep(rng.uniform(0.1, 0.6))
+    victim = rng.choice(serving)
+    fault(fleet, victim)
+    assert wait_for(lambda: roles(fleet)[spare] == ("ACTIVE", False), timeout=30), roles(fleet)
+    generating.join(timeout=60)
+    samples = results["out"]
+    assert sorted(s.prompt_index for s in samples) == list(range(len(prompts)))  # none lost, none twice
+    assert {s.weight_version for s in samples} == {fleet.version}
+    expected = {tuple(p): reference_greedy(base_dir, p, 8)[0] for p in PROMPTS}  # v2 is the base model
+    assert all(s.output_ids == expected[tuple(s.prompt_ids)] for s in samples)
+    assert wait_for(lambda: roles(fleet)[victim] == ("AWAITING_WEIGHTS", True) and _settled(fleet), timeout=30)
+
+
+def _settled(fleet) -> bool:
+    """Every serving engine ACTIVE and the standby up."""
+    return sorted(roles(fleet).values()) == [("ACTIVE", False), ("ACTIVE", False), ("AWAITING_WEIGHTS", True)]
+
+
+def test_standby_ranks_share_their_host_engines_bundles_at_tp_2():
+    """Engines 0 and 1 (tp 2) on bundles 0-3; standby 2 beside engine 0 shares bundles 0 and 1."""
+    rollout = load_config(
+        None,
+        [
+            "rollout.model_path=m",
+            "rollout.num_engines=2",
+            "rollout.tp_size=2",
+            "rollout.standby_engines=1",
+            "rollout.standby_beside=[0]",
+            "rollout.mem_fraction_static=0.5",
+            "rollout.standby_mem_fraction_static=0.4",
+        ],
+    ).rollout
+    ranks = standby.with_standbys(rollout).layout.ranks()
+    assert standby.bundle_count(rollout) == 4 and len(ranks) == 6
+    assert [standby.bundle_index(rollout, r) for r in ranks] == [0, 1, 2, 3, 0, 1]
+    assert [standby.bundle_share(rollout, r) for r in ranks] == [0.5, 0.5, 1.0, 1.0, 0.5, 0.5]
+    fractions = [standby.with_mem_fraction(rollout, e).server_extras for e in (0, 2)]
+    assert fractions == [["--mem-fraction-static", "0.5"], ["--mem-fraction-static", "0.4"]]

@@ -7,10 +7,12 @@ A local Ray fleet of two embedded engines (CPU, or GPUs when present) holds weig
 checkpoint; one engine restored by a trainer push (tensor transport); one engine restored from its
 peer (R-Fork pull from the other engine, rollfleet.fleet.peer_restore); two engines restored from
 the same checkpoint, each reading the files vs reading them once and fanning out (tensor transport);
-and, on a second fleet of two engines and one warm standby (rollfleet.fleet.standby; it needs 3
-GPUs, skipped with fewer), a standby taking the dead engine's place, restored from the peer: no
-restart on the critical path (`restart` 0; `setup` is the role swap; the dead slot restarts as
-the new standby afterwards, untimed).
+and, on a second fleet of two engines and one warm standby (rollfleet.fleet.standby), a standby
+taking the dead engine's place, restored from the peer: no restart on the critical path (`restart`
+0; `setup` is the role swap; the dead slot restarts as the new standby afterwards, untimed). The
+standby lives on a GPU of its own with 3 GPUs or more, else beside engine 1 on its GPU (memory split
+0.45 / 0.45); `--standby-layout own|beside` chooses. Restarts fork from the workers' zygotes
+(`--launcher spawn` measures a plain spawn instead).
 
 The phases are the fleet's own steps, timed apart: `restore` is the load (or the send; for the peer
 path the pull, with the seed's fingerprints read first), `verify` the fleet's fingerprint check
@@ -54,9 +56,8 @@ PATHS = (
     "2 engines, each reads the files",
     "2 engines, read once + fan-out (tensor)",
     "standby + peer",
-    "standby + checkpoint (1 engine, no peer)",
 )
-STANDBY_PATH, LONE_STANDBY_PATH = PATHS[-2:]
+STANDBY_PATH = PATHS[-1]
 
 
 def _kill_and_restart(fleet: Fleet, engine_ids: list[int]) -> tuple[dict[str, float], dict[str, float]]:
@@ -72,6 +73,7 @@ def _kill_and_restart(fleet: Fleet, engine_ids: list[int]) -> tuple[dict[str, fl
     infos = fleet.pool.on_all("get_server_info", engine_ids)
     slowest = max((info.get("start_breakdown") or {"total_s": 0.0} for info in infos), key=lambda b: b["total_s"])
     split = {**slowest.get("phases", {}), "outside": max(0.0, times["restart"] - slowest["total_s"])}
+    print(f"  restart of {engine_ids}: {times['restart']:.2f} s, launched by {slowest.get('launch', 'spawn')}")
     return times, split
 
 
@@ -114,7 +116,7 @@ def _from_peer(fleet: Fleet, version: str, engine_ids: list[int]) -> dict[str, f
 
 def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
     rows = []
-    for path in PATHS[:-2]:  # the standby paths run on fleets of their own
+    for path in PATHS[:-1]:  # the standby path runs on a fleet of its own
         engines = [1] if path.startswith("1 engine") else [0, 1]
         times, start_split = _kill_and_restart(fleet, engines)
         if path in (PATHS[0], PATHS[3]):
@@ -132,7 +134,7 @@ def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
     return rows
 
 
-def _standby_round(fleet: Fleet, checkpoint: str | None = None) -> dict:
+def _standby_round(fleet: Fleet) -> dict:
     """Kill a serving engine; a standby takes its place (role swap), restored from the peer and
     verified; then the dead slot restarts as the new standby (untimed: not on the critical path)."""
     victim = next(s.engine_id for s in fleet.slots if s.state.value == "ACTIVE")
@@ -143,16 +145,12 @@ def _standby_round(fleet: Fleet, checkpoint: str | None = None) -> dict:
     times = {"detect": time.perf_counter() - start}
     times["setup"], promoted = _timed(fleet.recovery.promote_standbys)
     assert len(promoted) == 1, f"no standby took engine {victim}'s place"
-    if checkpoint is None:
-        times |= _from_peer(fleet, "v1", [promoted[0].engine_id])
-    else:  # a lone engine's standby has no peer: the checkpoint restores it
-        times |= _from_disk(fleet, checkpoint, "v1", [promoted[0].engine_id])
+    times |= _from_peer(fleet, "v1", [promoted[0].engine_id])
     fleet.restart_inactive(restore=False)
     roles = sorted((s.state.value, s.standby) for s in fleet.slots)
     serving = len(fleet.slots) - 1
     assert roles == [("ACTIVE", False)] * serving + [("AWAITING_WEIGHTS", True)], f"after the take-over: {roles}"
-    path = STANDBY_PATH if checkpoint is None else LONE_STANDBY_PATH
-    row = {"path": path, **{k: times.get(k, 0.0) for k in PHASES}, "total": sum(times.values())}
+    row = {"path": STANDBY_PATH, **{k: times.get(k, 0.0) for k in PHASES}, "total": sum(times.values())}
     return {**row, "restart_split": {}}
 
 
@@ -160,11 +158,16 @@ def _model(args, scratch: Path) -> Path:
     return write_model(scratch / "model", args.hidden, args.layers, DTYPES[args.dtype])
 
 
-def _fleet(model_dir: Path, scratch: Path, standby_engines: int = 0, engines: int = 2) -> Fleet:
+BESIDE = ["rollout.standby_beside=[1]", "rollout.mem_fraction_static=0.45", "rollout.standby_mem_fraction_static=0.45"]
+
+
+def _fleet(model_dir: Path, scratch: Path, launcher: str, standby_engines: int = 0, beside: bool = False) -> Fleet:
     overrides = [
+        *(BESIDE if beside else []),
+        f"rollout.engine_launcher={launcher}",
         f"rollout.model_path={model_dir}",
         "rollout.use_gpu=true",
-        f"rollout.num_engines={engines}",
+        "rollout.num_engines=2",
         f"rollout.standby_engines={standby_engines}",
         "rollout.auto_restart=false",  # the benchmark times each restart itself
         f"rollout.log_dir={scratch}/logs",
@@ -199,15 +202,15 @@ def _run(args) -> tuple[list[dict], float, bool]:
             num_cpus=8, num_gpus=gpus or 3, _temp_dir=str(scratch / "ray"), include_dashboard=False, log_to_driver=False
         )
         try:
-            rows, checkpoint = _rounds(_fleet(model_dir, scratch / "a"), model_dir, args, _one_round)
+            fleet = _fleet(model_dir, scratch / "a", args.launcher)
+            rows, checkpoint = _rounds(fleet, model_dir, args, _one_round)
             size_mb = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors")) / 1e6
-            if (gpus or 3) >= 3:
-                standby_fleet = _fleet(model_dir, scratch / "b", standby_engines=1)
-                rows += _rounds(standby_fleet, model_dir, args, lambda f, m, c: [_standby_round(f)])[0]
-            else:  # 2 GPUs: one engine and its standby (no peer: the checkpoint restores the standby)
-                print(f"  {STANDBY_PATH}: skipped, it needs 3 GPUs (2 engines and a standby), this machine has {gpus}")
-                lone = _fleet(model_dir, scratch / "b", standby_engines=1, engines=1)
-                rows += _rounds(lone, model_dir, args, lambda f, m, c: [_standby_round(f, checkpoint=c)])[0]
+            beside = args.standby_layout == "beside" or (args.standby_layout == "auto" and (gpus or 3) < 3)
+            print(
+                f"  {STANDBY_PATH}: the standby on {'engine 1' + chr(39) + 's GPU' if beside else 'a GPU of its own'}"
+            )
+            standby_fleet = _fleet(model_dir, scratch / "b", args.launcher, standby_engines=1, beside=beside)
+            rows += _rounds(standby_fleet, model_dir, args, lambda f, m, c: [_standby_round(f)])[0]
         finally:
             ray.shutdown()
     return rows, size_mb, gpus > 0
@@ -243,6 +246,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="of the checkpoint and the engines")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the six paths")
+    parser.add_argument(
+        "--standby-layout",
+        choices=["auto", "own", "beside"],
+        default="auto",
+        help="where the standby lives: a GPU of its own, or beside engine 1 (auto: beside with fewer than 3 GPUs)",
+    )
+    parser.add_argument("--launcher", choices=["zygote", "spawn"], default="zygote", help="rollout.engine_launcher")
     parser.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
     args = parser.parse_args(argv)
     command, started = command_line(["rollfleet", "bench", "recovery"], argv), start()

@@ -10,19 +10,15 @@ A bad value raises `ConfigError`; its message has one line per problem, of the f
 from rollfleet.config.errors import ConfigError, FieldProblem
 from rollfleet.config.loading import load_config, parse_config
 from rollfleet.config.models import (
-    DiskSync,
     GrpoConfig,
-    LoraSync,
-    NcclSync,
     RayConfig,
     RolloutConfig,
     RunConfig,
     SamplingDefaults,
-    TensorSync,
     TrainConfig,
     TrainerConfig,
-    WeightSyncConfig,
 )
+from rollfleet.config.weight_sync import DiskSync, LoraSync, NcclSync, TensorSync, WeightSyncConfig
 
 __all__ = [
     "ConfigError",

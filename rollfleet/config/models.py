@@ -7,16 +7,15 @@ value raises FieldProblem in a validator, which rollfleet.config.loading turns i
 from __future__ import annotations
 
 import warnings
-from typing import Annotated, ClassVar, Literal, get_args
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollfleet.config.errors import FieldProblem
+from rollfleet.config.section import Section as _Section
+from rollfleet.config.standby import check_standby_beside
+from rollfleet.config.weight_sync import DiskSync, WeightSyncConfig
 from rollfleet.layout import Layout, LayoutError, divisors
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class SamplingDefaults(_Section):
@@ -49,6 +48,22 @@ class RolloutConfig(_Section):
     num_engines: int = Field(1, ge=1, description="Number of engine replicas (data parallel size).")
     standby_engines: int = Field(
         0, ge=0, description="Extra engines started without weights that take a dead engine's place (disaggregated)."
+    )
+    standby_beside: list[int] = Field(
+        default_factory=list,
+        description="Standby k lives on the GPUs of serving engine standby_beside[k], memory split by "
+        "mem_fraction_static and standby_mem_fraction_static; empty: each standby on GPUs of its own.",
+    )
+    mem_fraction_static: float | None = Field(
+        None, gt=0.0, lt=1.0, description="Share of a GPU's memory one serving engine may use; None: engine default."
+    )
+    standby_mem_fraction_static: float | None = Field(
+        None, gt=0.0, lt=1.0, description="Share of a GPU's memory one standby may use; None: mem_fraction_static."
+    )
+    engine_launcher: Literal["zygote", "spawn"] = Field(
+        "zygote",
+        description="zygote: embedded engines fork from a pre-imported launcher per engine (a restart pays no "
+        "imports); spawn: a new interpreter per start.",
     )
     tp_size: int = Field(1, ge=1, description="Tensor parallel size of one engine.")
     pp_size: int = Field(1, ge=1, description="Pipeline parallel size of one engine (SGLang only).")
@@ -124,6 +139,7 @@ class RolloutConfig(_Section):
                 field="standby_engines",
                 value=self.standby_engines,
             )
+        check_standby_beside(self)
         if not self.use_gpu and "gpus_per_worker" in self.model_fields_set:
             warnings.warn("rollout.gpus_per_worker is ignored because rollout.use_gpu is false", stacklevel=2)
         return self
@@ -242,87 +258,6 @@ class RayConfig(_Section):
     num_cpus: int | None = Field(None, ge=0, description="CPUs a local Ray may use; None: all.")
     num_gpus: int | None = Field(None, ge=0, description="GPUs a local Ray may use; None: all.")
     temp_dir: str | None = Field(None, description="Ray's session directory; None: Ray's default.")
-
-
-class _WeightSync(_Section):
-    """What every transport's settings share. `pipeline_parallel_problem`: why the transport cannot
-    feed an SGLang engine with pp_size > 1 (None: it can)."""
-
-    pipeline_parallel_problem: ClassVar[str | None] = None
-
-    verify: Literal["auto", "fingerprint", "version"] = Field(
-        "auto",
-        description="After a sync: 'fingerprint' compares every tensor's fingerprint and the version "
-        "(the embedded engine's /rollfleet/weights_fingerprint); 'version' checks only each engine's weight "
-        "version (SGLang has no fingerprint route); auto: fingerprint on the embedded engine, version on SGLang.",
-    )
-
-
-class _Bucketed(_WeightSync):
-    bucket_mb: float = Field(
-        512,
-        gt=0,
-        description="Largest flattened bucket, in MiB; the sender holds "
-        "two. Larger buckets mean fewer round trips (2048 suits 8B-class models).",
-    )
-
-    @property
-    def bucket_bytes(self) -> int:
-        return max(1, int(self.bucket_mb * (1 << 20)))
-
-
-class TensorSync(_Bucketed):
-    """Colocated: CUDA IPC (GPU) or shared-memory (CPU) handles through /update_weights_from_tensor."""
-
-    transport: Literal["tensor"] = "tensor"
-    pipeline_parallel_problem: ClassVar[str | None] = (
-        "every pipeline stage of a tp rank reads the same payload (serialized_named_tensors is indexed "
-        "by tp_rank only), and a CUDA IPC or shared-memory handle unpickled by several processes is "
-        "released once too often; rollfleet has no per-stage routing for it yet"
-    )
-
-
-class NcclSync(_Bucketed):
-    """Disaggregated: broadcast from trainer rank 0 to every engine rank (gloo on CPU)."""
-
-    transport: Literal["nccl"] = "nccl"
-    pipeline_parallel_problem: ClassVar[str | None] = "its weight-update group ignores the pipeline rank"
-    master_address: str = Field("127.0.0.1", description="Address of trainer rank 0, reachable from every engine.")
-    master_port: int | None = Field(None, ge=1, le=65535, description="Port of the group's store; None: a free one.")
-    join_timeout_s: float = Field(120.0, gt=0.0, description="Seconds the group join may take before it fails.")
-
-
-class DiskSync(_WeightSync):
-    """An HF checkpoint directory and /update_weights_from_disk."""
-
-    transport: Literal["disk"] = "disk"
-    pipeline_parallel_problem: ClassVar[str | None] = None  # each stage reads its own layers from the directory
-    path: str = Field("runs/weight-sync", description="Directory the trainer saves the synced weights into.")
-
-
-class LoraSync(_WeightSync):
-    """Only the LoRA adapter moves, as tensors or as a saved adapter directory; engines keep their base weights."""
-
-    transport: Literal["lora"] = "lora"
-    pipeline_parallel_problem: ClassVar[str | None] = (
-        "LoRA serving with pipeline parallel has not been built or tested here"
-    )
-    source: Literal["tensors", "directory"] = Field("tensors", description="How the adapter reaches the engines.")
-    path: str = Field("checkpoints/adapter", description="Adapter directory when source=directory.")
-    adapter_name: str = Field(
-        "policy",
-        min_length=1,
-        description="Name the engines serve the adapter under (generate requests send it as lora_path).",
-    )
-    max_lora_rank: int = Field(64, ge=1, description="Largest adapter rank the engines accept (--max-lora-rank).")
-    lora_target_modules: list[str] | None = Field(
-        None,
-        description="Modules adapters may target (--lora-target-modules, e.g. [q_proj, v_proj]); None: any "
-        "nn.Linear on the embedded engine (SGLang needs them listed).",
-    )
-
-
-WeightSyncConfig = Annotated[TensorSync | NcclSync | DiskSync | LoraSync, Field(discriminator="transport")]
 
 
 class RunConfig(_Section):

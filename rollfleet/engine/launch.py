@@ -2,11 +2,13 @@
 
 `EngineProcess` runs an argv in its own process group (so a stop also ends its tp followers),
 writes stdout and stderr to one log file per engine, and when the process dies before it is up,
-raises with the last lines of that log.
+raises with the last lines of that log. Given a zygote (zygote.py), an embedded engine is forked
+from it (no imports to pay); when the zygote cannot fork, the engine is spawned and the log says why.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -19,7 +21,10 @@ from pathlib import Path
 import httpx
 
 from rollfleet.engine.start_timing import spawn_env
+from rollfleet.engine.zygote_client import Zygote, ZygoteGone
 from rollfleet.wire.remote_instance import LOAD_FORMAT, ports_flag
+
+log = logging.getLogger("rollfleet.launch")
 
 
 class EngineStartError(RuntimeError):
@@ -183,17 +188,30 @@ class EngineProcess:
         log_path: str | Path,
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
+        zygote: Zygote | None = None,
+        zygote_wait_s: float = 120.0,
     ):
         self.argv, self.port, self.host = argv, port, host
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.up_after_s: float | None = None  # spawn to the first /health answer, once seen
         self._spawned = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            # the spawn time in the environment: the engine reports its start from it (start_timing.py)
-            self.proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=spawn_env(env), start_new_session=True
-            )
+        self.launch, how = "spawn", "spawned"
+        if zygote is not None:
+            try:
+                # the spawn time in the environment: the engine reports its start from it (start_timing.py)
+                self.proc = zygote.fork(argv, spawn_env(env), self.log_path, timeout=zygote_wait_s)
+                self.launch, how = "zygote", f"forked by zygote pid {zygote.proc.pid}"
+            except ZygoteGone as why:
+                how = f"spawned, not forked ({why})"
+                log.warning("engine on port %d %s", port, how)
+        if self.launch == "spawn":
+            with open(self.log_path, "ab") as out:
+                self.proc = subprocess.Popen(
+                    argv, stdout=out, stderr=subprocess.STDOUT, env=spawn_env(env), start_new_session=True
+                )
+        with open(self.log_path, "a") as out:  # which process writes what follows, and how it started
+            out.write(f"[launcher] engine pid {self.proc.pid} {how}: {' '.join(argv)}\n")
 
     @property
     def url(self) -> str:

@@ -33,6 +33,7 @@ from rollfleet.engine.lora import LoraLimits
 from rollfleet.engine.model import ModelRunner, local_device, model_class
 from rollfleet.engine.remote_args import add_remote_instance_flags, check_remote_instance_args
 from rollfleet.engine.serving_flags import add_serving_flags
+from rollfleet.wire.net import free_port
 from rollfleet.wire.routed_experts import routing_shape
 
 log = logging.getLogger("rollfleet.engine")
@@ -157,6 +158,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             f"--enable-return-routed-experts: {args.model_path} is a dense model (its config has no experts), "
             "it routes no tokens: drop the flag, or serve a MoE model"
         )
+    if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
+        parser.error(f"--mem-fraction-static {args.mem_fraction_static}: must be between 0 and 1")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -184,6 +187,13 @@ def _init_distributed(args, rank: int, store) -> tuple[str, object]:
     return device, group
 
 
+def _cap_memory(args, device: str) -> None:
+    """--mem-fraction-static on a GPU: torch's allocator holds at most this share of the device, so an
+    engine beside another on one GPU (a warm standby) cannot take the other's memory."""
+    if args.mem_fraction_static is not None and device.startswith("cuda"):
+        torch.cuda.set_per_process_memory_fraction(args.mem_fraction_static, torch.device(device))
+
+
 def lora_limits(args: argparse.Namespace) -> LoraLimits | None:
     if not args.enable_lora:
         return None
@@ -206,8 +216,9 @@ def _make_runner(args, device: str, group, mark=None) -> ModelRunner:
     )
 
 
-def _follower_main(args, rank: int, store_port: int, spawned_at: float) -> None:
-    timer = StartTimer(spawned_at)
+def _follower_main(args, rank: int, store_port: int, spawned_at: float, forked: bool = False) -> None:
+    # forked: this module was imported long before (by the zygote), so the first line is now
+    timer = StartTimer(spawned_at, first_line_at=time.time()) if forked else StartTimer(spawned_at)
     timer.mark("imports")
     # A stop signal to the process group is rank 0's to handle: it tells followers to shut down
     # in order; a follower that died first would fail rank 0's last broadcast.
@@ -216,6 +227,7 @@ def _follower_main(args, rank: int, store_port: int, spawned_at: float) -> None:
     _exit_when_parent_dies()
     store = dist.TCPStore("127.0.0.1", store_port, args.tp_size, is_master=False)
     device, group = _init_distributed(args, rank, store)
+    _cap_memory(args, device)
     timer.mark("device_and_group")
     runner = _make_runner(args, device, group, timer.mark)
     runner.ranks.gather(timer.phases)  # tells rank 0 this rank is ready, and how its start went
@@ -267,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.random_seed is not None:
         log.warning("--random-seed %s is ignored: see --help", args.random_seed)
     timer.mark("args")
-    store, procs = _spawn_followers(args) if args.tp_size > 1 else (None, [])
+    store, procs = _start_followers(args, fork=timer.launch == "zygote") if args.tp_size > 1 else (None, [])
     timer.mark("followers_spawned")
     # Rank-local work first: it overlaps the followers' own imports, which rank 0's group init waits for.
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
@@ -277,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     group, device = None, local_device(args.device, args.base_gpu_id, 0)
     if store is not None:
         device, group = _init_distributed(args, 0, store)
+    _cap_memory(args, device)
     timer.mark("device_and_group")
     runner = _make_runner(args, device, group, timer.mark)
     if procs:
@@ -287,18 +300,29 @@ def main(argv: list[str] | None = None) -> None:
         proc.join(timeout=10)
 
 
-def _spawn_followers(args) -> tuple[dist.TCPStore, list]:
-    """Start tp ranks 1.. as spawned processes, before rank 0's own model work, so their imports
-    overlap it; they join rank 0's group through the returned store."""
-    store = dist.TCPStore("127.0.0.1", 0, args.tp_size, is_master=True, wait_for_workers=False)
-    context = multiprocessing.get_context("spawn")
-    procs = []
-    for rank in range(1, args.tp_size):
-        spawned_at = time.time()
-        procs.append(context.Process(target=_follower_main, args=(args, rank, store.port, spawned_at), daemon=True))
-        procs[-1].start()
+def _start_followers(args, fork: bool) -> tuple[dist.TCPStore, list]:
+    """Start tp ranks 1.., before rank 0's own model work so that their start overlaps it; they join
+    rank 0's group through the returned store. A spawned engine spawns them (fresh interpreters,
+    seconds of imports each); an engine forked by the zygote forks them (nothing to import). The
+    forks come before the store: its server runs a thread, and a fork must find none."""
+    ranks = range(1, args.tp_size)
+    if fork:
+        port = free_port()  # taken meanwhile: the store fails, "address already in use", and the start is retried
+        procs = [_start_follower("fork", args, rank, port) for rank in ranks]
+        store = dist.TCPStore("127.0.0.1", port, args.tp_size, is_master=True, wait_for_workers=False)
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, args.tp_size, is_master=True, wait_for_workers=False)
+        procs = [_start_follower("spawn", args, rank, store.port) for rank in ranks]
     _exit_when_a_follower_dies(procs)
     return store, procs
+
+
+def _start_follower(method: str, args, rank: int, store_port: int):
+    context = multiprocessing.get_context(method)
+    follower_args = (args, rank, store_port, time.time(), method == "fork")
+    proc = context.Process(target=_follower_main, args=follower_args, daemon=True)
+    proc.start()
+    return proc
 
 
 def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: StartTimer) -> None:

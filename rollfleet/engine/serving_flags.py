@@ -39,3 +39,10 @@ def add_serving_flags(p: argparse.ArgumentParser) -> None:
         help="answer return_routed_experts: true in /generate with meta_info.routed_experts (MoE models; "
         "SGLang's flag): the experts each layer chose per token, for routing replay in the trainer",
     )
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="share of the GPU's memory this engine may hold (SGLang's flag; here a cap on torch's allocator, "
+        "so that two engines can split one GPU); nothing to cap on CPU",
+    )

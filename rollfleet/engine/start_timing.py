@@ -16,6 +16,7 @@ import time
 
 FIRST_LINE_AT = time.time()  # when this process first imported this module: the engine's first line
 SPAWNED_AT_ENV = "ROLLFLEET_SPAWNED_AT"
+FORKED_AT_ENV = "ROLLFLEET_FORKED_AT"  # set by the zygote (zygote.py) in a child it forked: the fork's time
 
 
 def spawn_env(env: dict[str, str] | None) -> dict[str, str]:
@@ -26,7 +27,8 @@ def spawn_env(env: dict[str, str] | None) -> dict[str, str]:
 class StartTimer:
     """Phases of one process's start; `breakdown()` is what the engine logs and reports."""
 
-    def __init__(self, spawned_at: float | None = None, first_line_at: float = FIRST_LINE_AT):
+    def __init__(self, spawned_at: float | None = None, first_line_at: float = FIRST_LINE_AT, launch: str = "spawn"):
+        self.launch = launch  # "spawn" (a new interpreter) or "zygote" (forked, imports done before)
         self.started_at = first_line_at if spawned_at is None else spawned_at
         self.phases: dict[str, float] = {}
         self._last = first_line_at
@@ -36,11 +38,12 @@ class StartTimer:
 
     @classmethod
     def from_env(cls) -> StartTimer:
-        stamp = os.environ.pop(SPAWNED_AT_ENV, None)  # popped: tp followers inherit the environment
-        try:
-            return cls(float(stamp)) if stamp else cls()
-        except ValueError:
-            return cls()
+        """The launcher's stamps (popped: tp followers inherit the environment). A forked start's
+        first line is the fork: this module was imported by the zygote long before."""
+        spawned_at, forked_at = _stamp(SPAWNED_AT_ENV), _stamp(FORKED_AT_ENV)
+        if forked_at is not None:
+            return cls(spawned_at, first_line_at=forked_at, launch="zygote")
+        return cls(spawned_at)
 
     def mark(self, phase: str) -> float:
         """End `phase` now; its seconds (a phase marked twice adds up)."""
@@ -55,9 +58,10 @@ class StartTimer:
         return max(0.0, self._last - self.started_at)
 
     def breakdown(self) -> dict:
-        """{"total_s", "phases": {name: s} in start order, "followers": [{name: s}] per tp rank > 0}."""
+        """{"total_s", "launch", "phases": {name: s} in start order, "followers": [{name: s}] per tp rank > 0}."""
         return {
             "total_s": round(self.total, 4),
+            "launch": self.launch,
             "phases": {name: round(seconds, 4) for name, seconds in self.phases.items()},
             "followers": [{name: round(s, 4) for name, s in phases.items()} for phases in self.followers],
         }
@@ -65,7 +69,14 @@ class StartTimer:
     def line(self) -> str:
         """The one log line: `engine start 7.91s: spawn 0.04, imports 3.10, ...`."""
         parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in self.phases.items())
-        line = f"engine start {self.total:.2f}s: {parts}"
+        line = f"engine start {self.total:.2f}s ({self.launch}): {parts}"
         for rank, phases in enumerate(self.followers, start=1):
             line += f"; rank {rank}: " + ", ".join(f"{name} {s:.2f}" for name, s in phases.items())
         return line
+
+
+def _stamp(name: str) -> float | None:
+    try:
+        return float(os.environ.pop(name, ""))
+    except ValueError:  # unset or garbled: no stamp
+        return None

@@ -101,17 +101,14 @@ class Fleet:
         ensure_ray(cfg)
         placed = standby.with_standbys(rollout)  # serving engines, then standbys on bundles of their own
         ranks = placed.layout.ranks()
-        group = create_placement_group(placed)
+        group = create_placement_group(placed, count=standby.bundle_count(rollout))
         log_dir = str(Path(rollout.log_dir).resolve())
         # engines serve what the transport sends (a LoRA run: --enable-lora ...)
         extras = [*transport_class(cfg.weight_sync).server_args(cfg.weight_sync), *rollout.server_extras]
         if cfg.train.routing_replay:  # the trainer replays the engines' expert choices
             extras.append(ROUTED_EXPERTS_FLAG)
         rollout = rollout.model_copy(update={"server_extras": extras})
-        workers = [
-            RemoteRolloutWorker.options(**worker_options(group, r.rank, rollout)).remote(r, rollout, log_dir)
-            for r in ranks
-        ]
+        workers = [cls._worker(group, rollout, r, log_dir) for r in ranks]
         try:
             placements = ray.get([w.placement.remote() for w in workers])
             check_engines_on_one_node(ranks, {p["rank"]: p["node_id"] for p in placements})
@@ -123,6 +120,16 @@ class Fleet:
             raise
         tokenizer = AutoTokenizer.from_pretrained(rollout.model_path)
         return cls(cfg, group, workers, slots, tokenizer)
+
+    @staticmethod
+    def _worker(group, rollout, rank, log_dir: str):
+        """Rank `rank`'s worker, on its bundle (a standby beside an engine shares that engine's)."""
+        options = worker_options(
+            group, standby.bundle_index(rollout, rank), rollout, share=standby.bundle_share(rollout, rank)
+        )
+        return RemoteRolloutWorker.options(**options).remote(
+            rank, standby.with_mem_fraction(rollout, rank.engine_id), log_dir
+        )
 
     @staticmethod
     def _start_engines(ranks, workers, placements, load_format_of: Callable[[int], str]) -> list[EngineSlot]:

@@ -19,9 +19,9 @@ def bundle_resources(rollout: RolloutConfig) -> dict[str, float]:
     return {"GPU": 1.0, "CPU": 1.0} if rollout.use_gpu else {"CPU": 1.0}
 
 
-def create_placement_group(rollout: RolloutConfig, timeout_s: float = 60.0) -> PlacementGroup:
-    """One bundle per rollout rank (GPU); waits with a timeout that names what is missing."""
-    bundles = [bundle_resources(rollout) for _ in range(rollout.world_size)]
+def create_placement_group(rollout: RolloutConfig, timeout_s: float = 60.0, count: int | None = None) -> PlacementGroup:
+    """One bundle per rollout GPU (`count`, default one per rank); waits with a timeout that names what is missing."""
+    bundles = [bundle_resources(rollout) for _ in range(rollout.world_size if count is None else count)]
     group = placement_group(bundles, strategy="PACK")
     try:
         ray.get(group.ready(), timeout=timeout_s)
@@ -37,12 +37,13 @@ def create_placement_group(rollout: RolloutConfig, timeout_s: float = 60.0) -> P
     return group
 
 
-def worker_options(group: PlacementGroup, bundle_index: int, rollout: RolloutConfig) -> dict:
+def worker_options(group: PlacementGroup, bundle_index: int, rollout: RolloutConfig, share: float = 1.0) -> dict:
+    """`share` < 1: another worker lives on the same bundle (a standby beside an engine)."""
     return {
         "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index),
-        "num_gpus": rollout.gpus_per_worker if rollout.use_gpu else 0,
+        "num_gpus": rollout.gpus_per_worker * share if rollout.use_gpu else 0,
         # CPU-side: colocated workers leave the bundle's CPU to the trainer actor sharing it
-        "num_cpus": 0.5 if rollout.placement == "colocated" else 1.0,
+        "num_cpus": (0.5 if rollout.placement == "colocated" else 1.0) * share,
     }
 
 

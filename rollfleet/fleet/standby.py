@@ -10,8 +10,11 @@ place so that no engine restart lies on the path from a death back to serving.
   AWAITING_WEIGHTS, restored at once (peer first, then the next sources) and verified before it is
   ACTIVE; the dead slot becomes the standby, restarted afterwards with a dummy load.
 - So the engines in rotation stay `rollout.num_engines`; engine ids of serving engines change.
-- Disaggregated fleets only: a standby needs a spare GPU. Beside a colocated engine on its GPU (memory
-  released while the trainer holds it) is not built, and the config refuses it.
+- Disaggregated fleets only. A standby lives on GPUs of its own (a spare GPU), or beside a serving
+  engine (`rollout.standby_beside`): then its workers share that engine's placement-group bundles
+  (half a GPU each in Ray's books) and the two split each GPU's memory by their fractions
+  (`rollfleet.config.standby`; the config refuses a split that does not fit). Beside a colocated
+  engine (memory released while the trainer holds it) is not built, and the config refuses it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import logging
 
 from rollfleet.config import RolloutConfig
+from rollfleet.config.standby import mem_fraction
 from rollfleet.fleet.lifecycle import EngineSlot, EngineState
+from rollfleet.layout import RankInfo
 
 log = logging.getLogger("rollfleet.standby")
 STANDBY_LOAD_FORMAT = "dummy"  # a standby holds no weights of value: it is restored when it takes a place
@@ -30,6 +35,39 @@ def with_standbys(rollout: RolloutConfig) -> RolloutConfig:
     `standby_engines` after them are standbys, each with bundles (GPUs) of its own."""
     total = rollout.num_engines + rollout.standby_engines
     return rollout.model_copy(update={"num_engines": total, "standby_engines": 0})
+
+
+def bundle_count(rollout: RolloutConfig) -> int:
+    """Placement-group bundles (GPUs) the fleet needs: standbys beside an engine bring none."""
+    standbys = 0 if rollout.standby_beside else rollout.standby_engines
+    return (rollout.num_engines + standbys) * rollout.gpus_per_engine
+
+
+def bundle_index(rollout: RolloutConfig, rank: RankInfo) -> int:
+    """The bundle of a rank of the placed fleet (serving engines, then standbys): its own, or, for a
+    standby beside engine e, the bundle of e's rank at the same position."""
+    standby = rank.engine_id - rollout.num_engines
+    if standby < 0 or not rollout.standby_beside:
+        return rank.rank
+    per_engine = rollout.gpus_per_engine
+    return rollout.standby_beside[standby] * per_engine + rank.rank % per_engine
+
+
+def bundle_share(rollout: RolloutConfig, rank: RankInfo) -> float:
+    """The share of its bundle a rank's worker reserves: a bundle two processes live on is split."""
+    hosts = set(rollout.standby_beside)
+    shared = rank.engine_id >= rollout.num_engines or rank.engine_id in hosts
+    return 0.5 if rollout.standby_beside and shared else 1.0
+
+
+def with_mem_fraction(rollout: RolloutConfig, engine_id: int) -> RolloutConfig:
+    """The rollout config engine `engine_id`'s worker starts it with: its memory fraction as a flag."""
+    fraction = mem_fraction(rollout, engine_id)
+    if fraction is None:
+        return rollout
+    return rollout.model_copy(
+        update={"server_extras": [*rollout.server_extras, "--mem-fraction-static", str(fraction)]}
+    )
 
 
 def start_format(engine_id: int, num_engines: int, load_format: str) -> str:

@@ -5,6 +5,11 @@ engine's GPUs visible (CUDA_VISIBLE_DEVICES set in the server's environment only
 stays as Ray set it) and base_gpu_id 0 relative to that list. Workers with tp_rank > 0 are shells:
 they hold their GPU in the placement group, open no port, start no process, and every rollout
 verb returns at once.
+
+An embedded engine head keeps a zygote (rollfleet.engine.zygote: torch, transformers and the engine
+imported once) from its creation on, and starts its engine from it, first start, restarts and
+standbys alike; when the zygote is gone the engine is spawned (the log says why) and a new zygote
+is started once the engine is up. The zygote ends with its worker (its stdin is the worker's pipe).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import ray
 
 from rollfleet.config import RolloutConfig
 from rollfleet.engine.launch import EngineLaunch, EngineProcess, PortInUse, RemoteSeed, engine_argv, engine_env
+from rollfleet.engine.zygote_client import Zygote
 from rollfleet.layout import RankInfo
 from rollfleet.wire.net import free_port
 
@@ -26,6 +32,15 @@ class RolloutWorker:
     def __init__(self, rank: RankInfo, rollout: RolloutConfig, log_dir: str):
         self.rank, self.rollout, self.log_dir = rank, rollout, Path(log_dir)
         self.engine: EngineProcess | None = None
+        self.zygote = self._new_zygote()
+
+    def _new_zygote(self) -> Zygote | None:
+        """A zygote for this worker's engine: heads of embedded engines, when the config asks for one."""
+        wanted = self.rollout.backend == "embedded" and self.rollout.engine_launcher == "zygote"
+        if not (self.rank.is_engine_head and wanted):
+            return None
+        log_path = self.log_dir / f"zygote-{self.rank.engine_id}.log"
+        return Zygote(log_path, preload_model=self.rollout.model_path)
 
     def placement(self) -> dict:
         """Where Ray put this worker: node and GPU ids (as the worker sees them)."""
@@ -51,7 +66,13 @@ class RolloutWorker:
                 self.rollout, EngineLaunch(port=port, host=self.rollout.host, load_format=load_format, seed=seed)
             )
             self.engine = EngineProcess(
-                argv, port=port, log_path=log_path, env=engine_env(engine_gpu_ids), host=self.rollout.host
+                argv,
+                port=port,
+                log_path=log_path,
+                env=engine_env(engine_gpu_ids),
+                host=self.rollout.host,
+                zygote=self.zygote,
+                zygote_wait_s=self.rollout.startup_timeout_s,
             )
             try:
                 self.engine.wait_until_up(self.rollout.startup_timeout_s)
@@ -59,6 +80,8 @@ class RolloutWorker:
             except PortInUse:
                 if attempt == PORT_ATTEMPTS - 1:
                     raise
+        if self.zygote is not None and not self.zygote.is_alive():  # spawned this time; fork the next
+            self.zygote = self._new_zygote()
         # up_after_s: spawn to the first /health answer, as this worker saw it (the engine's own
         # phases are in its /get_server_info "start_breakdown")
         return {
@@ -66,6 +89,7 @@ class RolloutWorker:
             "pid": self.engine.pid,
             "log": str(log_path),
             "up_after_s": self.engine.up_after_s,
+            "launch": self.engine.launch,  # "zygote" (forked) or "spawn"
         }
 
     def _url(self, port: int) -> str:
@@ -83,6 +107,9 @@ class RolloutWorker:
             if port not in ports:
                 ports.append(port)
         return ports
+
+    def engine_argv(self) -> list[str] | None:
+        return None if self.engine is None else list(self.engine.argv)
 
     def engine_pid(self) -> int | None:
         return None if self.engine is None else self.engine.pid

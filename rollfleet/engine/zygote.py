@@ -1,0 +1,157 @@
+"""A pre-imported engine launcher (a "zygote"): engine restarts without paying Python's imports.
+
+`python -m rollfleet.engine.zygote [--preload-model DIR]` imports torch, transformers and the
+embedded engine's modules once (and the model's code), touches no device, opens no socket and
+starts no thread; then, for each request read from its stdin, it forks an engine server. The child
+makes a session of its own (a stop kills its process group: the engine and its tp followers),
+writes to its own log file, takes the request's environment (CUDA_VISIBLE_DEVICES included: CUDA
+is first touched after the fork) and runs `rollfleet.engine.server.main` with the request's argv.
+Imports measured on GPU were 5-8 s of a 8-12 s restart; a forked start reports `imports` ~0 and
+`launch: zygote` in its start breakdown (start_timing.py).
+
+Fork safety: a fork copies only the calling thread, so a lock held by another thread stays locked
+in the child forever. The zygote checks after its imports that it is the only thread (OpenBLAS, which
+numpy loads, starts a pool unless OPENBLAS_NUM_THREADS=1, which the launcher sets) and refuses to
+fork otherwise; `torch.cuda.is_available` uses NVML (PYTORCH_NVML_BASED_CUDA_CHECK), which leaves
+CUDA uninitialised and a fork safe.
+
+Protocol, one JSON line each way: the zygote says `{"ready": true, "imports_s": s}` once, then
+answers each `{"argv": [...], "env": {...}, "log": path}` with `{"pid": P}` or `{"error": why}`, and
+writes `{"exited": P, "code": C}` when it reaps a child (no zombie is left behind). It exits when
+its stdin closes: its worker died or let it go. Children outlive it, like spawned engines.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # before torch: is_available() stays fork-safe
+
+# isort: split
+import argparse
+import json
+import select
+import signal
+import sys
+import time
+import traceback
+
+from rollfleet.engine.start_timing import FORKED_AT_ENV
+
+REAP_EVERY_S = 0.05
+
+
+def preload(model_path: str | None) -> None:
+    """Everything an engine start would import, so that a forked child imports nothing."""
+    import rollfleet.engine.app  # noqa: F401
+    import rollfleet.engine.remote_pull  # noqa: F401
+    import rollfleet.engine.scheduler  # noqa: F401
+    import rollfleet.engine.server  # noqa: F401  (torch, transformers, the model runner)
+    import rollfleet.engine.service  # noqa: F401
+
+    if model_path:
+        from rollfleet.engine.model import model_class
+
+        model_class(model_path)  # the model's code (transformers' modeling module, torch._dynamo)
+
+
+def threads() -> list[str]:
+    """Every thread of this process, by its kernel name: one (this one) before a fork is safe."""
+    tasks = sorted(os.listdir("/proc/self/task"))
+    return [open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks]
+
+
+def _say(message: dict) -> None:
+    os.write(1, (json.dumps(message) + "\n").encode())  # unbuffered: nothing is left to a child's copy
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become the engine server. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(devnull)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.environ[FORKED_AT_ENV] = repr(time.time())
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # its tp followers fork from it too
+        from rollfleet.engine import server
+
+        sys.argv = ["rollfleet.engine.server", *request["argv"]]
+        code = 0
+        server.main(request["argv"])
+    except SystemExit as stop:  # argparse errors and a normal exit
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _fork(request: dict) -> dict:
+    extra = threads()[1:]
+    if extra:
+        return {"error": f"the zygote has threads besides its own ({extra}): a fork would not be safe"}
+    if not {"argv", "env", "log"} <= set(request):
+        return {"error": f"a request needs argv, env and log; got {sorted(request)}"}
+    pid = os.fork()
+    if pid == 0:
+        _child(request)
+    return {"pid": pid}
+
+
+def _reap() -> None:
+    """Collect every child that ended (none stays a zombie) and say how it ended."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _say({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def serve() -> None:
+    """Fork on request until stdin closes."""
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0], [], [], REAP_EVERY_S)
+        _reap()
+        if not readable:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:
+            return  # the worker is gone or let go: the children run on, in their own sessions
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            try:
+                _say(_fork(json.loads(line)))
+            except (ValueError, OSError) as err:
+                _say({"error": f"{type(err).__name__}: {err}"})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m rollfleet.engine.zygote")
+    parser.add_argument("--preload-model", default=None, help="also import this model's code")
+    args = parser.parse_args()
+    started = time.time()
+    preload(args.preload_model)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is for the worker to handle
+    _say({"ready": True, "imports_s": round(time.time() - started, 3), "threads": threads()})
+    serve()
+
+
+if __name__ == "__main__":
+    main()

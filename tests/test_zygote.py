@@ -1,0 +1,84 @@
+"""The zygote (rollfleet/engine/zygote.py) with real engine processes on CPU: a forked engine imports
+nothing (its start breakdown says so), serves the model's greedy answer, is killed with its tp
+follower and reaped (no zombie), comes back forked again; a zygote that is gone means a plain spawn,
+and the engine's log says why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import reference_greedy
+
+from rollfleet.engine.launch import EngineProcess, embedded_argv
+from rollfleet.engine.zygote_client import Zygote
+from rollfleet.wire.net import free_port
+
+PROMPT = [4, 8, 15, 16]
+
+
+@pytest.fixture(scope="module")
+def zygote(qwen3_dir, tmp_path_factory):
+    zygote = Zygote(tmp_path_factory.mktemp("zygote") / "zygote.log", preload_model=qwen3_dir)
+    yield zygote
+    zygote.close()
+
+
+def start(model_dir: str, log: Path, zygote: Zygote | None, tp_size: int = 1) -> EngineProcess:
+    port = free_port()
+    engine = EngineProcess(embedded_argv(model_dir, port, tp_size=tp_size), port=port, log_path=log, zygote=zygote)
+    engine.wait_until_up(120)
+    return engine
+
+
+def greedy(engine: EngineProcess) -> list[int]:
+    body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
+    return httpx.post(f"{engine.url}/generate", json=body, timeout=60).json()["output_ids"]
+
+
+def breakdown(engine: EngineProcess) -> dict:
+    return httpx.get(f"{engine.url}/get_server_info", timeout=10).json()["start_breakdown"]
+
+
+def is_zombie_or_gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_killed_engine_comes_back_forked_with_no_imports(zygote, qwen3_dir, tmp_path, tp_size):
+    assert zygote.ready.wait(120) and zygote.info["threads"] == ["python"]  # one thread: a fork is safe
+    expected = reference_greedy(qwen3_dir, PROMPT, 6)[0]
+    engine = start(qwen3_dir, tmp_path / "engine.log", zygote, tp_size)
+    for attempt in range(2):  # the first start, then the restart after a kill
+        start_split = breakdown(engine)
+        assert engine.launch == "zygote" and start_split["launch"] == "zygote", start_split
+        # model code: imported by the zygote (a fresh import takes seconds); what is left reads the config
+        assert start_split["phases"]["imports"] < 0.05 and start_split["phases"]["model_code"] < 0.5, start_split
+        assert len(start_split["followers"]) == tp_size - 1
+        assert all(follower["imports"] < 0.05 for follower in start_split["followers"])  # forked, not spawned
+        assert greedy(engine) == expected
+        engine.kill()
+        assert engine.proc.returncode == -9  # how it ended, as the zygote saw it when it reaped it
+        assert is_zombie_or_gone(engine.pid)
+        if attempt == 0:
+            engine = start(qwen3_dir, tmp_path / "engine.log", zygote, tp_size)
+    log = (tmp_path / "engine.log").read_text()
+    assert log.count(f"forked by zygote pid {zygote.proc.pid}") == 2 and "(zygote):" in log
+
+
+def test_a_gone_zygote_means_a_spawn_and_the_log_says_why(qwen3_dir, tmp_path):
+    zygote = Zygote(tmp_path / "zygote.log")
+    zygote.proc.kill()
+    zygote.proc.wait()
+    engine = start(qwen3_dir, tmp_path / "engine.log", zygote)
+    try:
+        assert engine.launch == "spawn" and breakdown(engine)["launch"] == "spawn"
+        assert breakdown(engine)["phases"]["imports"] > 0.1  # a new interpreter pays its imports
+        assert "spawned, not forked (the zygote exited" in (tmp_path / "engine.log").read_text()
+        assert greedy(engine) == reference_greedy(qwen3_dir, PROMPT, 6)[0]
+    finally:
+        engine.kill()
