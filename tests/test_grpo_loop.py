@@ -252,3 +252,76 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_chaos_async_engine_killed_mid_generation(qwen3_dir, tmp_path):
+    """grpo.max_staleness=1 over two engines: while the trainer trains step 1, the producer generates
+    step 2's samples, and the engine serving some of them is killed (SIGKILL) with requests running.
+    Its requests go to the other engine, the dead one is restarted and restored from its peer, and
+    every step trains on each of its prompts n times, none lost or used twice, within the bound."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import time
+
+    model_dir = tmp_path / "async-chaos-model"
+    shutil.copytree(qwen3_dir, model_dir)  # a path of its own, to find this run's engines
+    steps = 5
+    cfg, temp = run_config(
+        model_dir,
+        tmp_path / "out",
+        "rollout.num_engines=2",
+        "grpo.max_staleness=1",
+        f"grpo.steps={steps}",
+        "grpo.prompts_per_step=8",
+        "weight_sync.transport=tensor",
+        "rollout.sampling.max_new_tokens=16",
+        "rollout.sampling.ignore_eos=true",
+    )
+    killed: list[int] = []
+
+    def engines() -> dict[int, int]:
+        """pid -> port of this run's engine servers."""
+        lines = subprocess.run(
+            ["pgrep", "-af", f"rollfleet.engine.server --model-path {model_dir} "], capture_output=True, text=True
+        ).stdout.splitlines()
+        return {int(line.split()[0]): int(re.search(r"--port (\d+)", line)[1]) for line in lines}
+
+    class KillMidGeneration(Recorder):
+        def __call__(self, step, items, samples):
+            super().__call__(step, items, samples)
+            if step != 1:
+                return
+            deadline = time.monotonic() + 60
+            while not killed:  # the producer is making step 2's samples now: kill an engine running some
+                assert time.monotonic() < deadline, "no engine ever ran step 2's requests"
+                for pid, port in engines().items():
+                    stats = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=5).json()["scheduler_stats"]
+                    if stats["running_requests"]:
+                        os.killpg(pid, signal.SIGKILL)
+                        killed.append(pid)
+                        break
+
+    recorder = KillMidGeneration(model_dir)
+    try:
+        train(cfg, observe=recorder)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)) and len(killed) == 1
+    for step in range(steps):
+        items, samples = recorder.steps[step]
+        asked = [item.prompt for item in items]
+        answered = [recorder.tokenizer.decode(s.prompt_ids) for s in samples]
+        assert answered == [p for p in asked for _ in range(4)], step  # each prompt n times, once each
+        assert {int(s.weight_version) for s in samples} <= {step - 1, step}, step
+    used = [p for r in rows for p in r["prompt_positions"]]
+    assert used == list(range(steps * 8))  # none lost, none twice
+    assert sum(r["generate_retries"] for r in rows) >= 1  # requests were running on the killed engine
+    events = [e for r in rows for e in r["engine_events"]]
+    assert any("process exited" in e["why"] for e in events)
+    assert any(e["to"] == "ACTIVE" and e["why"].endswith("(peer)") for e in events)  # restored from the other
+    assert sum(r["recovery_errors"] for r in rows) == 0
+    last = {e["engine_id"]: e["to"] for e in events}
+    assert set(last.values()) == {"ACTIVE"}, last
