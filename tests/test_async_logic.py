@@ -137,3 +137,21 @@ def test_colocated_runs_refuse_asynchronous_steps_with_the_reason(tmp_path):
         load_config(None, [*base, "grpo.max_staleness=1"])
     assert load_config(None, [*base, "grpo.dynamic_sampling=true"]).grpo.max_staleness == 0
     assert load_config(None, [f"rollout.model_path={tmp_path}", "grpo.max_staleness=2"]).grpo.max_staleness == 2
+
+
+def test_the_step_benchmark_runs_each_staleness_and_sets_async_steps_against_the_overlap_bound():
+    from rollfleet.bench.grpo_step import async_ratios, planned_runs
+
+    assert planned_runs("colocated,disaggregated", "0,1,2") == {
+        "colocated": ("colocated", 0),  # k >= 1 is refused when the GPUs are shared
+        "disaggregated": ("disaggregated", 0),
+        "disaggregated-k1": ("disaggregated", 1),
+        "disaggregated-k2": ("disaggregated", 2),
+    }
+    sync = {"generate": 2.4, "train": 0.2, "sync": 0.1, "total": 2.8}
+    ratios = async_ratios({"disaggregated": sync, "disaggregated-k1": {"train": 0.2, "sync": 0.1, "total": 2.64}})
+    assert ratios["disaggregated-k1"]["bound_s"] == 2.4 and ratios["disaggregated-k1"]["of"] == "disaggregated"
+    assert ratios["disaggregated-k1"]["ratio"] == pytest.approx(1.1)
+    assert ratios["disaggregated-k1"]["speedup_vs_sync"] == pytest.approx(2.8 / 2.64)
+    alone = async_ratios({"disaggregated-k2": {"generate_busy_seconds": 1.0, "train": 1.5, "sync": 0.5, "total": 3.0}})
+    assert alone["disaggregated-k2"]["bound_s"] == 2.0 and alone["disaggregated-k2"]["ratio"] == 1.5
