@@ -5,6 +5,7 @@ weights. The tests record every step's prompts and samples themselves (train's `
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -145,7 +146,6 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     metrics record each failure and recovery."""
     import os
     import random
-    import re
     import signal
     import threading
     import time
@@ -175,13 +175,7 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     rng = random.Random(0)
 
     def engines() -> dict[int, int]:
-        """pid -> port of this run's live engine servers, from the launcher's line in each engine's log
-        (forked by a zygote, an engine's command line is the zygote's)."""
-        launched = {}
-        for log in (tmp_path / "out" / "logs").glob("engine-*.log"):
-            for found in re.finditer(r"\[launcher\] engine pid (\d+) .*?--port (\d+)", log.read_text(errors="replace")):
-                launched[int(found[1])] = int(found[2])
-        return {pid: port for pid, port in launched.items() if _running(pid)}
+        return _live_engines(tmp_path / "out" / "logs")
 
     def recoveries() -> int:
         text = metrics.read_text() if metrics.exists() else ""
@@ -282,9 +276,86 @@ def _answers(url: str) -> bool:
         return False
 
 
+def _live_engines(log_dir: Path) -> dict[int, int]:
+    """pid -> port of a run's live engine servers, from the launcher's line in each engine's log
+    (forked by a zygote, an engine's command line is the zygote's)."""
+    launched = {}
+    for log in log_dir.glob("engine-*.log"):
+        for found in re.finditer(r"\[launcher\] engine pid (\d+) .*?--port (\d+)", log.read_text(errors="replace")):
+            launched[int(found[1])] = int(found[2])
+    return {pid: port for pid, port in launched.items() if _running(pid)}
+
+
 def _running(pid: int) -> bool:
     """Alive and not a zombie waiting for its parent."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_chaos_async_engine_killed_mid_generation(qwen3_dir, tmp_path):
+    """grpo.max_staleness=1 over two engines: while the trainer trains step 1, the producer generates
+    step 2's samples, and the engine serving some of them is killed (SIGKILL) with requests running.
+    Its requests go to the other engine, the dead one is restarted and restored from its peer, and
+    every step trains on each of its prompts n times, none lost or used twice, within the bound."""
+    import os
+    import signal
+    import time
+
+    model_dir = tmp_path / "async-chaos-model"
+    shutil.copytree(qwen3_dir, model_dir)  # a path of its own, to find this run's engines
+    steps = 5
+    cfg, temp = run_config(
+        model_dir,
+        tmp_path / "out",
+        "rollout.num_engines=2",
+        "grpo.max_staleness=1",
+        f"grpo.steps={steps}",
+        "grpo.prompts_per_step=8",
+        "weight_sync.transport=tensor",
+        "rollout.sampling.max_new_tokens=16",
+        "rollout.sampling.ignore_eos=true",
+    )
+    killed: list[int] = []
+
+    def engines() -> dict[int, int]:
+        return _live_engines(tmp_path / "out" / "logs")
+
+    class KillMidGeneration(Recorder):
+        def __call__(self, step, items, samples):
+            super().__call__(step, items, samples)
+            if step != 1:
+                return
+            deadline = time.monotonic() + 60
+            while not killed:  # the producer is making step 2's samples now: kill an engine running some
+                assert time.monotonic() < deadline, "no engine ever ran step 2's requests"
+                for pid, port in engines().items():
+                    stats = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=5).json()["scheduler_stats"]
+                    if stats["running_requests"]:
+                        os.killpg(pid, signal.SIGKILL)
+                        killed.append(pid)
+                        break
+
+    recorder = KillMidGeneration(model_dir)
+    try:
+        train(cfg, observe=recorder)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)) and len(killed) == 1
+    for step in range(steps):
+        items, samples = recorder.steps[step]
+        asked = [item.prompt for item in items]
+        answered = [recorder.tokenizer.decode(s.prompt_ids) for s in samples]
+        assert answered == [p for p in asked for _ in range(4)], step  # each prompt n times, once each
+        assert {int(s.weight_version) for s in samples} <= {step - 1, step}, step
+    used = [p for r in rows for p in r["prompt_positions"]]
+    assert used == list(range(steps * 8))  # none lost, none twice
+    assert sum(r["generate_retries"] for r in rows) >= 1  # requests were running on the killed engine
+    events = [e for r in rows for e in r["engine_events"]]
+    assert any("process exited" in e["why"] for e in events)
+    assert any(e["to"] == "ACTIVE" and e["why"].endswith("(peer)") for e in events)  # restored from the other
+    assert sum(r["recovery_errors"] for r in rows) == 0
+    last = {e["engine_id"]: e["to"] for e in events}
+    assert set(last.values()) == {"ACTIVE"}, last

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollfleet.sample import Sample
-from rollfleet.train.loop import LostOrDuplicatedSamples, StaleSamples, check_samples
+from rollfleet.train.invariants import LostOrDuplicatedSamples, StaleSamples, check_samples
 
 
 def _samples(pairs, version="3"):

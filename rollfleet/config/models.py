@@ -12,6 +12,7 @@ from typing import Literal, get_args
 from pydantic import Field, field_validator, model_validator
 
 from rollfleet.config.errors import FieldProblem
+from rollfleet.config.grpo import GrpoConfig
 from rollfleet.config.section import Section as _Section
 from rollfleet.config.standby import check_standby_beside
 from rollfleet.config.weight_sync import DiskSync, WeightSyncConfig
@@ -208,49 +209,6 @@ class TrainConfig(_Section):
     )
 
 
-class GrpoConfig(_Section):
-    """The loop: data, reward, steps, checkpoints."""
-
-    steps: int = Field(50, ge=1, description="Training steps (one generate + train + sync each).")
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per step; each gets rollout.sampling.n samples.")
-    dataset: str = Field(
-        "synthetic", description="'synthetic' (the bundled copy task) or a JSONL path of {prompt, answer}."
-    )
-    synthetic_prompts: int = Field(512, ge=1, description="Size of the synthetic dataset.")
-    synthetic_digits: int = Field(3, ge=1, description="Digits per synthetic prompt.")
-    reward: str = Field(
-        "rollfleet.rewards.basic:copy_digits", description="Reward function, 'package.module:function'."
-    )
-    reward_threads: int = Field(
-        4, ge=1, description="Threads computing rewards (slow rewards leave the critical path)."
-    )
-    output_dir: str = Field(
-        "runs/default", description="Metrics, TensorBoard, checkpoints and the reward plot go here."
-    )
-    checkpoint_every: int = Field(
-        0, ge=0, description="Save an HF checkpoint and trainer state every K steps; 0: at the end only."
-    )
-    seed: int = Field(0, description="Seed of the prompt order.")
-    recovery_checkpoint_every: Literal["auto"] | int = Field(
-        "auto",
-        description="How often the trainer writes the synced weights as a HF directory that a restarted engine "
-        "restores from (in the background, from a host copy; a step never waits: a snapshot due while the last "
-        "is still being written is skipped and counted as snapshot_skipped). 'auto': only when nothing else can "
-        "restore, i.e. a single-engine fleet (with 2+ engines a peer or the trainer's next push restores); "
-        "N: every N steps; 0: never. Disk sync writes none: its sync directory already serves.",
-    )
-
-    @field_validator("recovery_checkpoint_every", mode="before")
-    @classmethod
-    def _auto_or_step_count(cls, every):
-        if every == "auto" or (isinstance(every, int) and not isinstance(every, bool) and every >= 0):
-            return every
-        raise FieldProblem(
-            "must be 'auto', 0 (never) or a positive step count",
-            "use auto (snapshots only when no peer or trainer push can restore an engine), 0, or e.g. 10",
-        )
-
-
 class RayConfig(_Section):
     """How to reach Ray; the defaults start a local Ray on this machine."""
 
@@ -319,6 +277,14 @@ class RunConfig(_Section):
         rollout, trainer = self.rollout, self.trainer
         if rollout.placement != "colocated":
             return self
+        if self.grpo.max_staleness:
+            raise FieldProblem(
+                "asynchronous steps generate while the trainer trains, and colocated engines and trainer share "
+                "each GPU (the engines release it for the trainer's turn)",
+                "set grpo.max_staleness=0, or rollout.placement=disaggregated",
+                field="grpo.max_staleness",
+                value=self.grpo.max_staleness,
+            )
         if trainer.sequence_parallel_size > 1 and rollout.gpus_per_engine > 1:
             raise FieldProblem(
                 "sequence parallel on the train side cannot combine with rollout "

@@ -5,14 +5,18 @@ routes only to engines verified at its version; `check_samples` raises when one 
 prompt's group is incomplete or doubled); the trainer's push completes and every engine is verified
 before the next generate (`Fleet.sync_from`); colocated engines release their memory while the
 trainer trains and get weights pushed again after resuming them (`Fleet.trainer_turn`).
+
+With grpo.max_staleness = k >= 1 (or dynamic sampling) the samples come from a SampleStream
+(rollfleet.train.sample_stream, which states its own ordering): made ahead of the trainer while it
+trains, each step's samples hold no token older than step - k (`check_staleness` raises), and the
+push waits for the generate call under way, then runs alone.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,27 +30,18 @@ from rollfleet.fleet.fleet import Fleet
 from rollfleet.rewards import load_reward
 from rollfleet.sample import Sample
 from rollfleet.train.grpo import group_advantages
+from rollfleet.train.invariants import check_complete, check_samples, check_staleness
 from rollfleet.train.metrics import MetricsLog, StepClock, console_line, plot, sleep_wake_figures, step_metrics
+from rollfleet.train.prompt_cursor import PromptCursor
 from rollfleet.train.recovery import RecoverySnapshots
 from rollfleet.train.routing_replay import check_replayable
+from rollfleet.train.sample_stream import SampleStream, generate_and_reward
 from rollfleet.train.worker import TrainerGroup
 from rollfleet.weights.checkpoint import atomic_directory
 from rollfleet.weights.transports.base import transport_class
 
 log = logging.getLogger("rollfleet.loop")
 Observer = Callable[[int, list[PromptItem], list[Sample]], None]
-
-
-class StepInvariantError(RuntimeError):
-    """A step's samples broke the loop's ordering; training on them would be wrong."""
-
-
-class StaleSamples(StepInvariantError):
-    pass
-
-
-class LostOrDuplicatedSamples(StepInvariantError):
-    pass
 
 
 @dataclass
@@ -60,6 +55,12 @@ class Run:
     snapshots: RecoverySnapshots
     observe: Observer | None = None  # (step, prompts, samples) after each generate (tests record them)
     copy_ceiling: dict | None = None  # pinned host<->device GB/s of the trainer's device (None on CPU)
+    stream: SampleStream | None = None  # where samples come from when they are made ahead or filtered
+
+
+def uses_stream(cfg: RunConfig) -> bool:
+    """Whether a run's samples come from a SampleStream: asynchronous steps, or dynamic sampling."""
+    return cfg.grpo.max_staleness > 0 or cfg.grpo.dynamic_sampling
 
 
 def load_dataset(cfg: RunConfig) -> PromptDataset:
@@ -92,9 +93,12 @@ def train(
     log, run = MetricsLog(output_dir, resume), None
     try:
         run = _start(cfg, output_dir, observe)
-        start, version = _resume_point(run, resume, console)
+        start, version, saved = _resume_point(run, resume, console)
+        if uses_stream(cfg):
+            cursor = PromptCursor.from_state(saved.get("prompt_cursor"), start, cfg.grpo.prompts_per_step)
+            run.stream = SampleStream(cfg, run.fleet, run.dataset, run.reward_fn, cursor, start)
         for step in range(start, cfg.grpo.steps):
-            metrics = _step(run, step, version)
+            metrics = _streamed_step(run, step) if run.stream else _step(run, step, version)
             version = str(step + 1)
             log.write(step + 1, metrics)
             console.print(
@@ -108,6 +112,8 @@ def train(
     finally:
         log.close()
         if run is not None:
+            if run.stream is not None:
+                run.stream.close()  # no chunk starts any more; the one under way ends with its generate call
             run.snapshots.close()  # a snapshot being written finishes (or is cancelled) before the trainers go
             run.trainers.shutdown()
             run.fleet.shutdown()
@@ -129,31 +135,61 @@ def _start(cfg: RunConfig, output_dir: Path, observe: Observer | None) -> Run:
     return Run(cfg, fleet, trainers, load_dataset(cfg), load_reward(cfg.grpo.reward), output_dir, snapshots, observe)
 
 
-def _resume_point(run: Run, resume: bool, console: Console) -> tuple[int, str]:
-    """The first step and the weight version its samples come from. A resumed run, and every colocated
-    run (whose engines released the model to the trainer), push the trainer's weights first."""
+def _resume_point(run: Run, resume: bool, console: Console) -> tuple[int, str, dict]:
+    """The first step, the weight version its samples come from, and what the resumed state saved
+    beside the step. A resumed run, every colocated run (whose engines released the model to the
+    trainer) and every run whose samples come from a stream (it needs step-numbered versions to
+    measure staleness) push the trainer's weights first."""
     state = latest_state(run.output_dir) if resume else None
-    start = 0
+    start, saved = 0, {}
     if state is not None:
-        start = int(run.trainers.load_state(str(state))["step"])
+        saved = run.trainers.load_state(str(state))
+        start = int(saved["step"])
         console.print(f"resumed from {state} at step {start}")
-    if state is None and run.cfg.rollout.placement != "colocated":
-        return start, run.fleet.version  # the engines serve the model they loaded
+    if state is None and run.cfg.rollout.placement != "colocated" and not uses_stream(run.cfg):
+        return start, run.fleet.version, saved  # the engines serve the model they loaded
     with run.fleet.trainer_turn(run.trainers):
         run.fleet.sync_from(run.trainers, str(start))
-    return start, str(start)
+    return start, str(start), saved
 
 
 def _step(run: Run, step: int, version: str) -> dict:
-    cfg, fleet, trainers, clock = run.cfg, run.fleet, run.trainers, StepClock()
+    cfg, fleet, clock = run.cfg, run.fleet, StepClock()
     with clock.phase("recovery"):
         recovery_errors = _restart_inactive(fleet)
     items = run.dataset.batch(step, cfg.grpo.prompts_per_step, seed=cfg.grpo.seed)
     retries = fleet.router.retries
-    samples = _generate_and_reward(run, items, clock)
+    samples = generate_and_reward(
+        fleet, run.reward_fn, items, cfg.grpo.reward_threads, clock.phase, cfg.train.routing_replay
+    )
     check_samples(samples, len(items), cfg.rollout.sampling.n, version)
     if run.observe is not None:
         run.observe(step, items, samples)
+    return {**_train_and_push(run, step, samples, clock, retries), "recovery_errors": recovery_errors}
+
+
+def _streamed_step(run: Run, step: int) -> dict:
+    """A step whose samples the run's SampleStream made, ahead of the trainer by up to k versions
+    (k = 0 with dynamic sampling: made now); the push waits for the generate call under way."""
+    cfg, fleet, clock = run.cfg, run.fleet, StepClock()
+    with clock.phase("recovery"):
+        recovery_errors = _restart_inactive(fleet)
+    retries = fleet.router.retries
+    with clock.phase("generate"):  # what the trainer waited: the generation that training did not hide
+        taken = run.stream.take(step)
+    items, samples = taken.items, taken.samples
+    ages = check_staleness(samples, step, cfg.grpo.max_staleness)
+    check_complete(samples, len(items), cfg.rollout.sampling.n)
+    if run.observe is not None:
+        run.observe(step, items, samples)
+    metrics = _train_and_push(run, step, samples, clock, retries)
+    return {**metrics, **taken.figures(ages), "recovery_errors": recovery_errors}
+
+
+def _train_and_push(run: Run, step: int, samples: list[Sample], clock: StepClock, retries: int) -> dict:
+    """Advantages, the train step, the push of version step + 1 (with a stream: once its generate call
+    under way ended; push_wait_seconds says how long that took), the recovery snapshot; the metrics."""
+    cfg, fleet, trainers = run.cfg, run.fleet, run.trainers
     advantages = group_advantages(
         [s.reward for s in samples], cfg.rollout.sampling.n, scale_by_std=cfg.train.scale_adv_by_std
     )
@@ -162,14 +198,18 @@ def _step(run: Run, step: int, version: str) -> dict:
     with fleet.trainer_turn(trainers, timed=clock.phase, moves=moves):
         with clock.phase("train"):
             train_metrics = trainers.train_step(batch)
-        with clock.phase("sync"):
+        alone = run.stream.gate.pushing() if run.stream is not None else nullcontext(None)
+        with clock.phase("sync"), alone as push_wait:
             report = fleet.sync_from(trainers, str(step + 1))
+        if run.stream is not None:
+            run.stream.pushed(step + 1)
         with clock.phase("recovery"):  # a host copy at most: the snapshot is written in the background
             snapshot = run.snapshots.after_sync(step + 1, str(step + 1))
     recovery = {**snapshot, "snapshots_written": run.snapshots.take_written()}
     events, retries = fleet.take_events(), fleet.router.retries - retries
     metrics = step_metrics(samples, train_metrics, report, events, clock, retries, sleep_wake=moves, recovery=recovery)
-    return {**metrics, **_against_copy_ceiling(run, moves), "recovery_errors": recovery_errors}
+    waited = {} if push_wait is None else {"push_wait_seconds": push_wait}
+    return {**metrics, **_against_copy_ceiling(run, moves), **waited}
 
 
 def _against_copy_ceiling(run: Run, moves: dict) -> dict:
@@ -193,44 +233,6 @@ def _restart_inactive(fleet: Fleet) -> int:
     return 0
 
 
-def _generate_and_reward(run: Run, items: list[PromptItem], clock: StepClock) -> list[Sample]:
-    """Samples with their rewards; rewards start as each prompt's samples arrive, while the rest still generate."""
-    with ThreadPoolExecutor(run.cfg.grpo.reward_threads) as pool:
-        pending = {}
-
-        def score(group: list[Sample]) -> None:
-            for s in group:
-                pending[s.prompt_index, s.sample_index] = pool.submit(
-                    run.reward_fn, s.text, items[s.prompt_index].answer
-                )
-
-        with clock.phase("generate"):
-            prompts = [item.prompt for item in items]
-            samples = run.fleet.generate(prompts, on_group=score, routed_experts=run.cfg.train.routing_replay)
-        with clock.phase("reward"):  # only what generation did not already hide
-            for sample in samples:
-                sample.reward = pending[sample.prompt_index, sample.sample_index].result()
-    return samples
-
-
-def check_samples(samples: list[Sample], num_prompts: int, n: int, version: str) -> None:
-    """Raise unless every sample comes from `version` and every prompt has its n samples, once each."""
-    stale = [(s.prompt_index, s.engine_id, s.weight_version) for s in samples if s.weight_version != version]
-    if stale:
-        raise StaleSamples(
-            f"{len(stale)} samples are not from weight version {version!r} (prompt, engine, version): {stale[:5]}"
-        )
-    counts = Counter((s.prompt_index, s.sample_index) for s in samples)
-    wanted = {(p, k) for p in range(num_prompts) for k in range(n)}
-    missing = sorted(wanted - set(counts))
-    extra = sorted(key for key, count in counts.items() if count > 1 or key not in wanted)
-    if missing or extra:
-        raise LostOrDuplicatedSamples(
-            f"(prompt, sample) pairs missing: {missing[:5]} ({len(missing)}), duplicated or unknown: "
-            f"{extra[:5]} ({len(extra)}), of {num_prompts} prompts x n={n}"
-        )
-
-
 def _train_item(sample: Sample, advantage: float) -> dict:
     return {
         "prompt_ids": sample.prompt_ids,
@@ -249,7 +251,8 @@ def _checkpoint(run: Run, step: int) -> None:
     colocated = run.cfg.rollout.placement == "colocated"
     if colocated:
         trainers.onload()
-    for kind, save in (("hf", trainers.save_hf), ("state", lambda p: trainers.save_state(p, {"step": step}))):
+    extra = {"step": step} if run.stream is None else {"step": step, "prompt_cursor": run.stream.cursor.state()}
+    for kind, save in (("hf", trainers.save_hf), ("state", lambda p: trainers.save_state(p, extra))):
         with atomic_directory(root / f"{kind}-step-{step}") as partial:
             save(str(partial))
     if colocated:

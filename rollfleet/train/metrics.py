@@ -148,7 +148,24 @@ def console_line(step: int, steps: int, m: dict) -> str:
             else ""
         )
         + _moves_text(m)
+        + _stream_text(m)
     )
+
+
+def _stream_text(m: dict) -> str:
+    """Samples made ahead or filtered (rollfleet.train.sample_stream): their staleness, the trainer's
+    wait for them, the overlap of generation with training, what was dropped."""
+    if "staleness_max" not in m:
+        return ""
+    text = (
+        f"  stale max {m['staleness_max']} mean {m['staleness_mean']:.2f}  wait {m['sample_wait_seconds']:.2f}s"
+        f"  overlap {m['overlap']:.2f}"
+    )
+    if m["stale_dropped"]:
+        text += f"  {m['stale_dropped']} too stale, made again"
+    if m["dynamic_dropped"] or m["dynamic_kept_uninformative"]:
+        text += f"  equal rewards: {m['dynamic_dropped']} dropped, {m['dynamic_kept_uninformative']} kept"
+    return text
 
 
 def _moves_text(m: dict) -> str:
