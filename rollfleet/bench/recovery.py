@@ -137,7 +137,11 @@ def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
 def _standby_round(fleet: Fleet) -> dict:
     """Kill a serving engine; a standby takes its place (role swap), restored from the peer and
     verified; then the dead slot restarts as the new standby (untimed: not on the critical path)."""
-    victim = next(s.engine_id for s in fleet.slots if s.state.value == "ACTIVE")
+    standby = next(s for s in fleet.slots if s.standby)
+    serving = [s for s in fleet.slots if s.state.value == "ACTIVE"]
+    # the engine sharing the standby's GPU (if any) dies: the standby then pulls from a peer on another
+    # GPU (an engine on its own GPU cannot seed it over NCCL; the fleet never picks one)
+    victim = next((s for s in serving if set(s.gpu_ids) & set(standby.gpu_ids)), serving[0]).engine_id
     start = time.perf_counter()
     os.killpg(ray.get(fleet.slots[victim].head.engine_pid.remote()), signal.SIGKILL)
     while fleet.slots[victim].state.value != "INACTIVE":

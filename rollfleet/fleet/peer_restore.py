@@ -42,14 +42,17 @@ class PeerRestore:
         self._seeding: set[int] = set()  # engine ids seeding a restore now (one destination each)
         self._pulled_at_start: dict[str, str] = {}  # SGLang: url of an engine started from a seed -> version
 
-    def seeds(self, version: str) -> list[EngineSlot]:
-        """ACTIVE engines verified at `version` that seed nothing now."""
+    def seeds(self, version: str, dest: EngineSlot | None = None) -> list[EngineSlot]:
+        """ACTIVE engines verified at `version` that seed nothing now (and, given `dest`, can send to it)."""
         with self._lock:
             busy = set(self._seeding)
         return [
             s
             for s in self.fleet.slots
-            if s.state == EngineState.ACTIVE and s.version == version and s.engine_id not in busy
+            if s.state == EngineState.ACTIVE
+            and s.version == version
+            and s.engine_id not in busy
+            and (dest is None or _apart(s, dest))
         ]
 
     def available(self, version: str, slot: EngineSlot) -> bool:
@@ -58,7 +61,7 @@ class PeerRestore:
             return False
         if self.fleet.rollout.backend == "sglang":
             return self._pulled_at_start.get(slot.url) == version
-        return bool(self.seeds(version))
+        return bool(self.seeds(version, slot))
 
     def _take(self, version: str, count: int) -> list[EngineSlot]:
         with self._lock:
@@ -79,7 +82,7 @@ class PeerRestore:
         if not seeds:
             raise RuntimeError(f"no ACTIVE engine at version {version!r} is free to seed a restore")
         try:
-            chains = [(seed, slots[i :: len(seeds)]) for i, seed in enumerate(seeds)]
+            chains = _assign(seeds, slots, report)
 
             async def every():
                 await asyncio.gather(*(self._chain(seed, chain, version, deadline, report) for seed, chain in chains))
@@ -170,3 +173,22 @@ class PeerRestore:
             else:
                 report.failed[slot.engine_id] = "not started from a seed at this version"
         return report
+
+
+def _apart(seed: EngineSlot, dest: EngineSlot) -> bool:
+    """Whether `seed` can send to `dest`: NCCL takes one rank per GPU in a group, so a seed that shares
+    a GPU with the destination (a standby beside an engine) cannot (on CPU no engine has GPUs)."""
+    return not set(seed.gpu_ids) & set(dest.gpu_ids)
+
+
+def _assign(seeds: list[EngineSlot], dests: list[EngineSlot], report: SyncReport) -> list[tuple]:
+    """(seed, its destinations) with each destination on the least loaded seed that can send to it; a
+    destination no seed can reach fails in `report` (the next restore source takes it)."""
+    chains = {seed.engine_id: (seed, []) for seed in seeds}
+    for dest in dests:
+        able = [chains[s.engine_id] for s in seeds if _apart(s, dest)]
+        if not able:
+            report.failed[dest.engine_id] = "no seed on another GPU: NCCL cannot send between ranks on one GPU"
+            continue
+        min(able, key=lambda chain: len(chain[1]))[1].append(dest)
+    return [(seed, chain) for seed, chain in chains.values() if chain]
