@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from rollfleet.config.models import DiskSync, LoraSync, NcclSync, TensorSync
+from rollfleet.config import DiskSync, LoraSync, NcclSync, TensorSync
 from rollfleet.weights.adapter import LoraSource
 from rollfleet.weights.transports.base import EngineTarget, make_transport
 from rollfleet.wire.client import SUPPORTED_SGLANG, UnsupportedEngine, check_supported
