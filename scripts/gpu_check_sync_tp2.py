@@ -30,6 +30,7 @@ from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import EngineTarget, make_transport
 from rollfleet.weights.verify import find_unverified
 from rollfleet.wire.client import EngineClient
+from rollfleet.wire.errors import EngineError
 from rollfleet.wire.net import free_port
 
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7, 9]]
@@ -120,7 +121,8 @@ def main() -> int:
                 flush=True,
             )
 
-            # 2. a late tensor of the wrong shape: refused, nothing changes
+            # 2. a late tensor of the wrong shape: that call is refused naming the tensor; the session
+            #    ends incomplete, so the engine serves nothing (503) until a complete sync commits
             bad = copy.deepcopy(trainer)
             last = dict(bad.named_parameters())["model.norm.weight"]
             last.data = torch.ones(last.shape[0] + 1, device=last.device)
@@ -130,9 +132,18 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001
                 refused = "model.norm.weight" in str(exc)
                 print(f"bad update refused: {str(exc)[:200]}", flush=True)
-            tokens_after, prints_after = asyncio.run(engine_state(engine.url))
+            try:
+                asyncio.run(engine_state(engine.url))
+                held = False
+            except EngineError as exc:
+                held = exc.status_code == 503 and "mixed" in str(exc)
             results["bad update refused naming the tensor"] = refused
-            results["bad update: weights unchanged"] = prints_after == prints_b and tokens_after == want
+            results["bad update: engine serves nothing until a complete sync"] = held
+            report = send(TensorSync(bucket_mb=4), ModuleSource(trainer), "b2", engine.url)
+            tokens_after, prints_after = asyncio.run(engine_state(engine.url))
+            results["complete re-sync: same weights and tokens as before"] = (
+                prints_after == prints_b and tokens_after == want
+            )
 
             # 3. lora from tensors on GPU 0
             torch.manual_seed(3)
