@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 import ray
 from conftest import reference_greedy
@@ -32,11 +33,6 @@ def config(model_dir, log_dir, *overrides):
             *overrides,
         ],
     )
-
-
-def engine_env(pid: int) -> dict[str, str]:
-    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
 def test_colocated_trainer_group_shares_each_gpu_with_its_rollout_worker(local_ray, qwen3_dir, tmp_path):
@@ -99,8 +95,8 @@ def test_layout_and_gpu_exposure(fleet):
     assert [p["cuda_visible_devices"] for p in placements] == [ids[0] for ids in gpu_ids]  # workers keep theirs
     for engine_id, head_rank in ((0, 0), (1, 2)):
         assert fleet.slots[engine_id].head is fleet.workers[head_rank]
-        env = engine_env(ray.get(fleet.workers[head_rank].engine_pid.remote()))
-        assert env["CUDA_VISIBLE_DEVICES"] == ",".join(gpu_ids[head_rank] + gpu_ids[head_rank + 1])
+        info = httpx.get(fleet.slots[engine_id].url + "/get_server_info", timeout=30).json()
+        assert info["rollfleet_cuda_visible_devices"] == ",".join(gpu_ids[head_rank] + gpu_ids[head_rank + 1])
     shells = [fleet.workers[1], fleet.workers[3]]
     assert ray.get([w.start_engine.remote(["9"]) for w in shells]) == [None, None]
     assert ray.get([w.engine_alive.remote() for w in shells]) == [False, False]

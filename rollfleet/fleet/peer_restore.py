@@ -22,6 +22,7 @@ import time
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+import httpx
 import ray
 
 from rollfleet.engine.launch import RemoteSeed
@@ -41,6 +42,7 @@ class PeerRestore:
         self._lock = threading.Lock()
         self._seeding: set[int] = set()  # engine ids seeding a restore now (one destination each)
         self._pulled_at_start: dict[str, str] = {}  # SGLang: url of an engine started from a seed -> version
+        self._devices: dict[int, str] = {}  # engine id -> the device its engine runs on ("cuda" or "cpu")
 
     def seeds(self, version: str, dest: EngineSlot | None = None) -> list[EngineSlot]:
         """ACTIVE engines verified at `version` that seed nothing now (and, given `dest`, can send to it)."""
@@ -52,8 +54,29 @@ class PeerRestore:
             if s.state == EngineState.ACTIVE
             and s.version == version
             and s.engine_id not in busy
-            and (dest is None or _apart(s, dest))
+            and (dest is None or self.can_send(s, dest))
         ]
+
+    def can_send(self, seed: EngineSlot, dest: EngineSlot) -> bool:
+        """NCCL takes one rank per GPU in a group, so a seed sharing a GPU with a destination on CUDA (a
+        standby beside an engine) cannot send to it; gloo (engines on the CPU) can."""
+        return not (set(seed.gpu_ids) & set(dest.gpu_ids)) or not self._on_cuda(dest)
+
+    def _on_cuda(self, slot: EngineSlot) -> bool:
+        if not self.fleet.rollout.use_gpu:
+            return False
+        if slot.engine_id not in self._devices:
+            key = self.fleet.rollout.api_key
+            try:
+                info = httpx.get(
+                    f"{slot.url}/get_server_info",
+                    headers={"Authorization": f"Bearer {key}"} if key else {},
+                    timeout=5,
+                ).json()
+            except (httpx.HTTPError, ValueError):
+                return True  # not known yet: assume NCCL
+            self._devices[slot.engine_id] = info.get("device", "cuda")  # SGLang serves on GPUs
+        return self._devices[slot.engine_id] == "cuda"
 
     def available(self, version: str, slot: EngineSlot) -> bool:
         # a LoRA run moves only the adapter: a seed sends base weights, so the adapter would be missing
@@ -82,7 +105,7 @@ class PeerRestore:
         if not seeds:
             raise RuntimeError(f"no ACTIVE engine at version {version!r} is free to seed a restore")
         try:
-            chains = _assign(seeds, slots, report)
+            chains = _assign(seeds, slots, report, self.can_send)
 
             async def every():
                 await asyncio.gather(*(self._chain(seed, chain, version, deadline, report) for seed, chain in chains))
@@ -175,18 +198,12 @@ class PeerRestore:
         return report
 
 
-def _apart(seed: EngineSlot, dest: EngineSlot) -> bool:
-    """Whether `seed` can send to `dest`: NCCL takes one rank per GPU in a group, so a seed that shares
-    a GPU with the destination (a standby beside an engine) cannot (on CPU no engine has GPUs)."""
-    return not set(seed.gpu_ids) & set(dest.gpu_ids)
-
-
-def _assign(seeds: list[EngineSlot], dests: list[EngineSlot], report: SyncReport) -> list[tuple]:
+def _assign(seeds: list[EngineSlot], dests: list[EngineSlot], report: SyncReport, can_send) -> list[tuple]:
     """(seed, its destinations) with each destination on the least loaded seed that can send to it; a
     destination no seed can reach fails in `report` (the next restore source takes it)."""
     chains = {seed.engine_id: (seed, []) for seed in seeds}
     for dest in dests:
-        able = [chains[s.engine_id] for s in seeds if _apart(s, dest)]
+        able = [chains[s.engine_id] for s in seeds if can_send(s, dest)]
         if not able:
             report.failed[dest.engine_id] = "no seed on another GPU: NCCL cannot send between ranks on one GPU"
             continue

@@ -97,7 +97,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="loop-accepts-stale-samples",
         claim="a step trains only on samples of the version it pushed",
-        file="rollfleet/train/loop.py",
+        file="rollfleet/train/invariants.py",
         old="for s in samples if s.weight_version != version]",
         new="for s in samples if False]",
         tests=("tests/test_loop_checks.py",),
@@ -105,10 +105,18 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="loop-accepts-lost-samples",
         claim="no prompt is lost or duplicated in a step",
-        file="rollfleet/train/loop.py",
+        file="rollfleet/train/invariants.py",
         old="    if missing or extra:\n",
         new="    if False:\n",
         tests=("tests/test_loop_checks.py",),
+    ),
+    Mutant(
+        id="loop-accepts-too-stale-samples",
+        claim="an async step trains on no token older than step - grpo.max_staleness",
+        file="rollfleet/train/invariants.py",
+        old="if not 0 <= age <= max_staleness",
+        new="if not 0 <= age",
+        tests=("tests/test_async_logic.py",),
     ),
     Mutant(
         id="engine-reads-released-weights",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
@@ -54,6 +55,9 @@ async def server_info(engine: Engine):
         "rollfleet_weight_update_sessions": True,
         "rollfleet_remote_instance": engine.remote.report(),
         "start_breakdown": engine.start_breakdown,  # seconds per phase of this engine's start
+        # the GPUs this server was given (a zygote-forked engine sets it after fork, so /proc/PID/environ
+        # still shows the zygote's)
+        "rollfleet_cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
 
 
