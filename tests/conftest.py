@@ -11,6 +11,7 @@ import shutil
 import signal
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
+from rollfleet.engine.zygote_client import Zygote
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.client import EngineClient
@@ -155,16 +157,31 @@ def engine_server(model_path: str, log_dir, **kwargs):
 _SERVER_NUMBERS = itertools.count()
 
 
+_ZYGOTES: list[Zygote] = []
+
+
+def shared_zygote() -> Zygote:
+    """One zygote for the whole run (started on first use, ended with pytest, whose pipe it reads):
+    the tests' engines fork from it as a fleet's do (rollout.engine_launcher: zygote), so an engine
+    start costs no imports (seconds of CPU each on this 2-core machine). A zygote that died is
+    replaced; EngineProcess spawns when a fork fails, saying so in the engine's log."""
+    if not _ZYGOTES or not _ZYGOTES[-1].is_alive():
+        _ZYGOTES.append(Zygote(Path(tempfile.gettempdir()) / f"rf-test-zygote-{os.getpid()}.log"))
+    return _ZYGOTES[-1]
+
+
 @contextlib.contextmanager
 def engine_servers(plan: dict[str, tuple[str, dict]], log_dir):
-    """Several servers, `plan` = key -> (model path, embedded_argv kwargs): all started, then waited
-    for, so their loads overlap; key -> EngineProcess."""
+    """Several servers, `plan` = key -> (model path, embedded_argv kwargs): all started (forked from
+    the run's zygote), then waited for, so their loads overlap; key -> EngineProcess."""
     procs = {}
 
     def start(key):
         path, kwargs = plan[key]
         port = free_port()
-        procs[key] = EngineProcess(embedded_argv(path, port, **kwargs), port=port, log_path=log_dir / f"{key}.log")
+        procs[key] = EngineProcess(
+            embedded_argv(path, port, **kwargs), port=port, log_path=log_dir / f"{key}.log", zygote=shared_zygote()
+        )
 
     try:
         for key in plan:

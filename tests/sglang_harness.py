@@ -24,9 +24,11 @@ from types import SimpleNamespace
 from typing import Annotated
 
 sys.path.insert(0, os.path.dirname(__file__))
+import sglang_stubs  # noqa: E402,F401  (before any sglang module)
+
+# isort: split
 import httpx  # noqa: E402
 import sglang  # noqa: E402
-import sglang_stubs  # noqa: E402,F401  (before any sglang module)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing.reductions  # noqa: E402
