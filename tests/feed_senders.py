@@ -123,7 +123,11 @@ class SenderRanks:
     def close(self) -> None:
         for commands in self.commands:
             commands.put(None)
+        # is_alive() asks waitpid; join() would wait on the process's sentinel pipe, which a child the
+        # rank started keeps open after the rank itself exited (30 s per rank until join's timeout)
+        deadline = time.monotonic() + 30
+        while any(proc.is_alive() for proc in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for proc in self.procs:
-            proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
