@@ -8,12 +8,17 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from test_grpo_loop import run_config
 
 from rollfleet.data.prompts import PromptDataset
 from rollfleet.data.synthetic import make_records
 from rollfleet.rewards.basic import copy_digits
 from rollfleet.train.loop import train
+
+# one Ray (conftest's) for the module's runs: train() leaves running a Ray it did not start, which
+# saves each run Ray's start and shutdown (seconds of CPU on this machine)
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 def half_constant(text: str, answer: str) -> float:

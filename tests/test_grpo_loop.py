@@ -21,6 +21,10 @@ from rollfleet.rewards.basic import copy_digits
 from rollfleet.train.loop import train
 from rollfleet.train.metrics import PHASES
 
+# one Ray (conftest's) for the module's runs: train() leaves running a Ray it did not start, which
+# saves each run Ray's start and shutdown (seconds of CPU on this machine)
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 
 class Recorder:
     """Every step's prompts and samples, as the loop trained on them."""

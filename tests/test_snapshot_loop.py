@@ -7,11 +7,16 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from rollfleet.train.loop import train
 from rollfleet.wire.hf_files import read_checkpoint
 from tests.test_grpo_loop import run_config
+
+# one Ray (conftest's) for the module's runs: train() leaves running a Ray it did not start, which
+# saves each run Ray's start and shutdown (seconds of CPU on this machine)
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 def test_single_engine_run_snapshots_in_the_background(qwen3_dir, tmp_path):

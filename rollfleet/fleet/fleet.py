@@ -93,7 +93,9 @@ class Fleet:
 
     # ---- building -----------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg: RunConfig, *, load_format: str = "auto") -> Fleet:
+    def from_config(cls, cfg: RunConfig, *, load_format: str = "auto", on_placement: Callable | None = None) -> Fleet:
+        """Workers on a placement group, engines started and waited for; `on_placement(group)` runs once
+        the group exists, before the engines start (the loop creates its trainers there)."""
         rollout, layout = cfg.rollout, cfg.rollout.layout
         layout.check_model(
             AutoConfig.from_pretrained(rollout.model_path), allow_kv_head_replication=rollout.backend == "sglang"
@@ -102,6 +104,8 @@ class Fleet:
         placed = standby.with_standbys(rollout)  # serving engines, then standbys on bundles of their own
         ranks = placed.layout.ranks()
         group = create_placement_group(placed, count=standby.bundle_count(rollout))
+        if on_placement is not None:
+            on_placement(group)
         log_dir = str(Path(rollout.log_dir).resolve())
         # engines serve what the transport sends (a LoRA run: --enable-lora ...)
         extras = [*transport_class(cfg.weight_sync).server_args(cfg.weight_sync), *rollout.server_extras]

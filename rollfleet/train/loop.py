@@ -91,6 +91,7 @@ def train(
     output_dir = Path(cfg.grpo.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     log, run = MetricsLog(output_dir, resume), None
+    owns_ray = not ray.is_initialized()  # a Ray the caller started stays up for the caller
     try:
         run = _start(cfg, output_dir, observe)
         start, version, saved = _resume_point(run, resume, console)
@@ -117,17 +118,33 @@ def train(
             run.snapshots.close()  # a snapshot being written finishes (or is cancelled) before the trainers go
             run.trainers.shutdown()
             run.fleet.shutdown()
-        ray.shutdown()
+        if owns_ray:
+            ray.shutdown()
     if log.path.exists():
         plot(log.rows(), output_dir / "curves.png")
     return output_dir
 
 
 def _start(cfg: RunConfig, output_dir: Path, observe: Observer | None) -> Run:
-    fleet = Fleet.from_config(cfg)
+    """The fleet and the trainers, their starts overlapped: the trainer ranks build their models
+    while the engines start (colocated ranks need the fleet's placement group, so they are created
+    once it exists; not beside SGLang engines, which size their memory pool from what is free)."""
+    colocated = cfg.rollout.placement == "colocated"
+    started: list[TrainerGroup] = []
+
+    def begin(group) -> None:
+        if not (colocated and cfg.rollout.backend == "sglang"):
+            started.append(TrainerGroup(cfg, group if colocated else None, wait=False))
+
     try:
-        colocated = cfg.rollout.placement == "colocated"
-        trainers = TrainerGroup(cfg, fleet.placement_group if colocated else None)
+        fleet = Fleet.from_config(cfg, on_placement=begin)
+    except BaseException:
+        for group in started:
+            group.shutdown()
+        raise
+    try:
+        placement = fleet.placement_group if colocated else None
+        trainers = started[0].ready() if started else TrainerGroup(cfg, placement)
     except BaseException:
         fleet.shutdown()
         raise

@@ -203,7 +203,9 @@ class TrainerGroup:
     """All trainer ranks. Colocated: each rank sits in the fleet's bundle of the same index and takes
     the GPU fraction the rollout worker left; disaggregated: plain actors with a GPU each."""
 
-    def __init__(self, cfg, placement_group=None):
+    def __init__(self, cfg, placement_group=None, *, wait: bool = True):
+        """The ranks' actors are created; with `wait` False the caller waits in `ready()` (the actors
+        build their models meanwhile, e.g. while the fleet's engines start)."""
         rollout, world = cfg.rollout, cfg.trainer.world_size
         port = free_port()
         self.workers = []
@@ -222,9 +224,14 @@ class TrainerGroup:
                     rank, world, port, rollout.model_path, cfg.train.model_dump()
                 )
             )
-        ray.get([w.__ray_ready__.remote() for w in self.workers])
+        if wait:
+            self.ready()
         # colocated: each rank feeds the engine ranks on its own GPU (transports that can: tensor)
         self.feeders = colocated_feeders(rollout.layout, world) if placement_group is not None else None
+
+    def ready(self) -> TrainerGroup:
+        ray.get([w.__ray_ready__.remote() for w in self.workers])
+        return self
 
     def _all(self, verb: str, *args) -> Any:
         return ray.get([getattr(w, verb).remote(*args) for w in self.workers])[0]
