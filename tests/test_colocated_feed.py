@@ -11,9 +11,8 @@ import pytest
 import ray
 
 from rollfleet.config import load_config
-from rollfleet.fleet.fleet import Fleet
 from rollfleet.fleet.lifecycle import EngineState
-from rollfleet.train.worker import TrainerGroup
+from rollfleet.train.worker import start_fleet_and_trainers
 
 
 def colocated(model_dir, log_dir, *overrides):
@@ -32,13 +31,7 @@ def colocated(model_dir, log_dir, *overrides):
             *overrides,
         ],
     )
-    fleet = Fleet.from_config(cfg)
-    try:
-        trainers = TrainerGroup(cfg, fleet.placement_group)
-    except BaseException:
-        fleet.shutdown()
-        raise
-    return fleet, trainers
+    return start_fleet_and_trainers(cfg)  # the trainer ranks build while the engines start
 
 
 def gpus_of_engine_ranks(fleet) -> dict[tuple[int, int], list[str]]:

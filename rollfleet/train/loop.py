@@ -36,7 +36,7 @@ from rollfleet.train.prompt_cursor import PromptCursor
 from rollfleet.train.recovery import RecoverySnapshots
 from rollfleet.train.routing_replay import check_replayable
 from rollfleet.train.sample_stream import SampleStream, generate_and_reward
-from rollfleet.train.worker import TrainerGroup
+from rollfleet.train.worker import TrainerGroup, start_fleet_and_trainers
 from rollfleet.weights.checkpoint import atomic_directory
 from rollfleet.weights.transports.base import transport_class
 
@@ -126,28 +126,7 @@ def train(
 
 
 def _start(cfg: RunConfig, output_dir: Path, observe: Observer | None) -> Run:
-    """The fleet and the trainers, their starts overlapped: the trainer ranks build their models
-    while the engines start (colocated ranks need the fleet's placement group, so they are created
-    once it exists; not beside SGLang engines, which size their memory pool from what is free)."""
-    colocated = cfg.rollout.placement == "colocated"
-    started: list[TrainerGroup] = []
-
-    def begin(group) -> None:
-        if not (colocated and cfg.rollout.backend == "sglang"):
-            started.append(TrainerGroup(cfg, group if colocated else None, wait=False))
-
-    try:
-        fleet = Fleet.from_config(cfg, on_placement=begin)
-    except BaseException:
-        for group in started:
-            group.shutdown()
-        raise
-    try:
-        placement = fleet.placement_group if colocated else None
-        trainers = started[0].ready() if started else TrainerGroup(cfg, placement)
-    except BaseException:
-        fleet.shutdown()
-        raise
+    fleet, trainers = start_fleet_and_trainers(cfg)
     snapshots = RecoverySnapshots(cfg.recovery_snapshot_every, fleet, trainers, output_dir / "recovery")
     return Run(cfg, fleet, trainers, load_dataset(cfg), load_reward(cfg.grpo.reward), output_dir, snapshots, observe)
 
