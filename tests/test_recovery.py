@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 
@@ -27,9 +26,7 @@ PROMPTS = [[4, 8, 15], [16, 23, 42], [7, 7], [1, 2]]
 
 
 @pytest.fixture(scope="module")
-def fleet(qwen3_dir, tmp_path_factory):
-    temp = tempfile.mkdtemp(prefix="rf-ray-")
-    ray.init(num_cpus=8, num_gpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+def fleet(local_ray, qwen3_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("recovery")
     cfg = load_config(
         None,
@@ -51,8 +48,6 @@ def fleet(qwen3_dir, tmp_path_factory):
     fleet = Fleet.from_config(cfg)
     yield fleet
     fleet.shutdown()
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 def fail_a_push(fleet, model, engine_ids=None):

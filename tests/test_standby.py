@@ -8,8 +8,6 @@ prompt is answered exactly once. Layouts that cannot fit are refused with the su
 from __future__ import annotations
 
 import random
-import shutil
-import tempfile
 import threading
 import time
 
@@ -28,9 +26,7 @@ PROMPTS = [[4, 8, 15], [16, 23, 42], [7, 7], [1, 2], [3, 1, 4, 1], [5, 9, 2, 6]]
 
 
 @pytest.fixture(scope="module")
-def fleet(qwen3_dir, tmp_path_factory):
-    temp = tempfile.mkdtemp(prefix="rf-ray-")
-    ray.init(num_cpus=8, num_gpus=2, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
+def fleet(local_ray, qwen3_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("standby")
     cfg = load_config(
         None,
@@ -54,8 +50,6 @@ def fleet(qwen3_dir, tmp_path_factory):
     fleet = Fleet.from_config(cfg)
     yield fleet
     fleet.shutdown()
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 def wait_for(condition, timeout=30.0):
