@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 import torch
-from conftest import _reference_model, call, engine_servers
+from conftest import _reference_model, call, engine_servers, shared_zygote
 
 from rollfleet.engine.launch import EngineProcess, EngineStartError, embedded_argv
 from rollfleet.wire.net import free_port
@@ -131,7 +131,9 @@ def test_refusals_name_the_field_and_the_server_stays_up(servers, server, body, 
 
 def test_flag_on_a_dense_model_refused_at_start(qwen3_dir, tmp_path):
     port = free_port()
-    proc = EngineProcess(embedded_argv(qwen3_dir, port, extra=FLAG), port=port, log_path=tmp_path / "dense.log")
+    proc = EngineProcess(
+        embedded_argv(qwen3_dir, port, extra=FLAG), port=port, log_path=tmp_path / "dense.log", zygote=shared_zygote()
+    )
     try:
         with pytest.raises(EngineStartError, match="dense model"):
             proc.wait_until_up(timeout=120)
