@@ -157,7 +157,7 @@ def engine_server(model_path: str, log_dir, **kwargs):
 _SERVER_NUMBERS = itertools.count()
 
 
-_ZYGOTES: list[Zygote] = []
+_ZYGOTE: Zygote | None = None
 
 
 def shared_zygote() -> Zygote:
@@ -165,9 +165,10 @@ def shared_zygote() -> Zygote:
     the tests' engines fork from it as a fleet's do (rollout.engine_launcher: zygote), so an engine
     start costs no imports (seconds of CPU each on this 2-core machine). A zygote that died is
     replaced; EngineProcess spawns when a fork fails, saying so in the engine's log."""
-    if not _ZYGOTES or not _ZYGOTES[-1].is_alive():
-        _ZYGOTES.append(Zygote(Path(tempfile.gettempdir()) / f"rf-test-zygote-{os.getpid()}.log"))
-    return _ZYGOTES[-1]
+    global _ZYGOTE
+    if _ZYGOTE is None or not _ZYGOTE.is_alive():
+        _ZYGOTE = Zygote(Path(tempfile.gettempdir()) / f"rf-test-zygote-{os.getpid()}.log")
+    return _ZYGOTE
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import ray
 
 from rollfleet.config import load_config
 from rollfleet.fleet.lifecycle import EngineState
-from rollfleet.train.worker import start_fleet_and_trainers
+from rollfleet.train.loop import start_fleet_and_trainers
 
 
 def colocated(model_dir, log_dir, *overrides):

@@ -29,6 +29,8 @@ from rollfleet.engine.launch import RemoteSeed
 from rollfleet.fleet.lifecycle import EngineSlot, EngineState
 from rollfleet.weights.transports import SyncReport
 from rollfleet.weights.transports.base import transport_class
+from rollfleet.wire.client import EngineClient
+from rollfleet.wire.errors import EngineError
 
 if TYPE_CHECKING:
     from rollfleet.fleet.fleet import Fleet
@@ -66,14 +68,14 @@ class PeerRestore:
         if not self.fleet.rollout.use_gpu:
             return False
         if slot.engine_id not in self._devices:
-            key = self.fleet.rollout.api_key
+
+            async def ask() -> dict:  # a client of its own: a short timeout, not the pool's
+                async with EngineClient(slot.url, api_key=self.fleet.rollout.api_key, timeout=5) as client:
+                    return await client.get_server_info()
+
             try:
-                info = httpx.get(
-                    f"{slot.url}/get_server_info",
-                    headers={"Authorization": f"Bearer {key}"} if key else {},
-                    timeout=5,
-                ).json()
-            except (httpx.HTTPError, ValueError):
+                info = self.fleet.pool.run(ask())
+            except (httpx.HTTPError, EngineError):
                 return True  # not known yet: assume NCCL
             self._devices[slot.engine_id] = info.get("device", "cuda")  # SGLang serves on GPUs
         return self._devices[slot.engine_id] == "cuda"

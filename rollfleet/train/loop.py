@@ -36,7 +36,7 @@ from rollfleet.train.prompt_cursor import PromptCursor
 from rollfleet.train.recovery import RecoverySnapshots
 from rollfleet.train.routing_replay import check_replayable
 from rollfleet.train.sample_stream import SampleStream, generate_and_reward
-from rollfleet.train.worker import TrainerGroup, start_fleet_and_trainers
+from rollfleet.train.worker import TrainerGroup
 from rollfleet.weights.checkpoint import atomic_directory
 from rollfleet.weights.transports.base import transport_class
 
@@ -129,6 +129,32 @@ def _start(cfg: RunConfig, output_dir: Path, observe: Observer | None) -> Run:
     fleet, trainers = start_fleet_and_trainers(cfg)
     snapshots = RecoverySnapshots(cfg.recovery_snapshot_every, fleet, trainers, output_dir / "recovery")
     return Run(cfg, fleet, trainers, load_dataset(cfg), load_reward(cfg.grpo.reward), output_dir, snapshots, observe)
+
+
+def start_fleet_and_trainers(cfg: RunConfig) -> tuple[Fleet, TrainerGroup]:
+    """The fleet and the trainers, their starts overlapped: the trainer ranks build their models
+    while the engines start (colocated ranks need the fleet's placement group, so they are created
+    once it exists; not beside SGLang engines, which size their memory pool from what is free)."""
+    colocated = cfg.rollout.placement == "colocated"
+    trainers: TrainerGroup | None = None
+
+    def begin(group) -> None:
+        nonlocal trainers
+        trainers = TrainerGroup(cfg, group if colocated else None, wait=False)
+
+    overlap = not (colocated and cfg.rollout.backend == "sglang")
+    try:
+        fleet = Fleet.from_config(cfg, on_placement=begin if overlap else None)
+    except BaseException:
+        if trainers is not None:
+            trainers.shutdown()
+        raise
+    try:
+        trainers = trainers.ready() if trainers else TrainerGroup(cfg, fleet.placement_group if colocated else None)
+    except BaseException:
+        fleet.shutdown()
+        raise
+    return fleet, trainers
 
 
 def _resume_point(run: Run, resume: bool, console: Console) -> tuple[int, str, dict]:

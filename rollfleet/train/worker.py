@@ -13,7 +13,6 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rollfleet.fleet.fleet import Fleet
 from rollfleet.layout import colocated_feeders
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
 from rollfleet.weights.transports.base import transport_class
@@ -279,28 +278,3 @@ class TrainerGroup:
     def shutdown(self) -> None:
         for worker in self.workers:
             ray.kill(worker)
-
-
-def start_fleet_and_trainers(cfg) -> tuple[Fleet, TrainerGroup]:
-    """The fleet and the trainers, their starts overlapped: the trainer ranks build their models
-    while the engines start (colocated ranks need the fleet's placement group, so they are created
-    once it exists; not beside SGLang engines, which size their memory pool from what is free)."""
-    colocated = cfg.rollout.placement == "colocated"
-    started: list[TrainerGroup] = []
-
-    def begin(group) -> None:
-        if not (colocated and cfg.rollout.backend == "sglang"):
-            started.append(TrainerGroup(cfg, group if colocated else None, wait=False))
-
-    try:
-        fleet = Fleet.from_config(cfg, on_placement=begin)
-    except BaseException:
-        for group in started:
-            group.shutdown()
-        raise
-    try:
-        trainers = started[0].ready() if started else TrainerGroup(cfg, fleet.placement_group if colocated else None)
-    except BaseException:
-        fleet.shutdown()
-        raise
-    return fleet, trainers
