@@ -1,7 +1,8 @@
 """Asynchronous GRPO end to end (real Ray, engine, FSDP2 trainer on gloo): with grpo.max_staleness=1 the
 engine generates the next step's samples while the trainer trains, no step trains on a token older
 than one version, dynamic sampling drops groups of equal rewards, and a resumed run neither loses nor
-repeats a prompt (what was queued at the checkpoint is generated again, from the resumed weights)."""
+repeats a prompt (what was queued at the checkpoint is generated again, from the resumed weights), also
+when it goes on synchronously."""
 
 from __future__ import annotations
 
@@ -58,8 +59,16 @@ def test_async_steps_hold_the_bound_drop_equal_groups_and_resume_without_losing_
         train(cfg, resume=True, observe=observe)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+    # the same run goes on synchronously (k = 0, no dynamic sampling) from the asynchronous state:
+    # it takes the prompts the record says are unused, not the plain loop's positions 20..23
+    cfg, temp = run_config(qwen3_dir, tmp_path, "grpo.steps=6", *options[3:])
+    try:
+        train(cfg, resume=True, observe=observe)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and sorted(seen) == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and sorted(seen) == [0, 1, 2, 3, 4, 5]
+    assert rows[5]["staleness_max"] == 0 and not rows[5]["dropped_positions"]
 
     for step, (items, samples) in seen.items():  # what each step trained on, as the loop gave it
         versions = {int(s.weight_version) for s in samples}
@@ -67,6 +76,8 @@ def test_async_steps_hold_the_bound_drop_equal_groups_and_resume_without_losing_
         assert [s.prompt_index for s in samples] == [p for p in range(4) for _ in range(4)]
         for s in samples:
             assert s.reward == half_constant(s.text, items[s.prompt_index].answer)
+        if step == 5:  # the synchronous step drops no group: equal rewards are trained too
+            continue
         if not rows[step]["dynamic_kept_uninformative"]:
             groups = [{s.reward for s in samples if s.prompt_index == p} for p in range(4)]
             assert all(len(g) > 1 for g in groups), (step, groups)

@@ -95,8 +95,10 @@ def train(
     try:
         run = _start(cfg, output_dir, observe)
         start, version, saved = _resume_point(run, resume, console)
-        if uses_stream(cfg):
-            cursor = PromptCursor.from_state(saved.get("prompt_cursor"), start, cfg.grpo.prompts_per_step)
+        cursor = PromptCursor.from_state(saved.get("prompt_cursor"), start, cfg.grpo.prompts_per_step)
+        if uses_stream(cfg) or not cursor.at_step(start, cfg.grpo.prompts_per_step):
+            # a synchronous run resumed from an asynchronous state whose record is not the plain
+            # loop's (groups dropped, or used out of order) goes on from that record, at k = 0
             run.stream = SampleStream(cfg, run.fleet, run.dataset, run.reward_fn, cursor, start)
         for step in range(start, cfg.grpo.steps):
             metrics = _streamed_step(run, step) if run.stream else _step(run, step, version)

@@ -34,6 +34,12 @@ class PromptCursor:
             return cls(step * prompts_per_step)
         return cls(int(state["consumed_below"]), (int(p) for p in state["consumed"]))
 
+    def at_step(self, step: int, prompts_per_step: int) -> bool:
+        """Whether this record is exactly what the synchronous loop has used before `step` (its
+        positions step*P .. come next); a run may then go on synchronously from it."""
+        with self._lock:
+            return self.consumed_below == step * prompts_per_step and not self.consumed
+
     def state(self) -> dict:
         with self._lock:
             return {"consumed_below": self.consumed_below, "consumed": sorted(self.consumed)}
