@@ -61,6 +61,15 @@ LAYOUTS = {
 }
 
 
+def layout_overrides(layout: str, gpus: int) -> list[str]:
+    """The layout's settings; colocated on one GPU: one trainer rank beside one engine."""
+    if gpus == 1 and layout == "disaggregated":
+        raise SystemExit("--runs disaggregated needs 2 GPUs (the trainer on one, the engine on the other)")
+    if gpus == 1:
+        return [*LAYOUTS[layout], "rollout.num_engines=1", "trainer.world_size=1"]
+    return LAYOUTS[layout]
+
+
 def write_model(directory: Path, hidden: int, layers: int, dtype: torch.dtype) -> Path:
     """A Qwen3-shaped model in `dtype` (intermediate 4 x hidden, head_dim 128 from hidden 1024 up)."""
     if (directory / "config.json").exists():
@@ -103,7 +112,7 @@ def run_layout(name: str, model: Path, out: Path, args, gpu: bool, layout: str |
         "weight_sync.bucket_mb=2048",
         f"grpo.output_dir={run_dir}",
         f"ray.num_cpus={max(4, os.cpu_count() or 4)}",
-        *LAYOUTS[layout or name],
+        *layout_overrides(layout or name, args.gpus),
         f"grpo.max_staleness={k}",
         *args.set,
     ]
@@ -128,6 +137,9 @@ def steady(rows: list[dict], skip: int) -> dict:
         values = [r[key] for r in kept if isinstance(r.get(key), (int, float))]
         if values:
             figures[key] = statistics.median(values)
+    for key in sorted({k for r in kept for k in r if k.startswith("sync_phases/")}):  # where the sync went
+        figures[key.replace("sync_phases/", "sync/")] = statistics.median(r.get(key, 0.0) for r in kept)
+    figures["sync/sender"] = statistics.median(r.get("sync_seconds", 0.0) for r in kept)
     figures["steps"] = len(kept)
     return figures
 
@@ -207,12 +219,12 @@ def broadcast_ceiling(nbytes: int, bucket_bytes: int, repeats: int, gpu: bool) -
     return figures["timed"]
 
 
-def ceilings(results: dict[str, dict], repeats: int, gpu: bool) -> dict[str, dict]:
+def ceilings(results: dict[str, dict], repeats: int, gpu: bool, gpus: int = 2) -> dict[str, dict]:
     out: dict[str, dict] = {}
     if "colocated" in results and results["colocated"].get("sync_bytes"):
         nbytes = int(results["colocated"]["sync_bytes"])
-        times = allgather_copy_ceiling(nbytes, repeats, gpu)
-        what = "all-gather over 2 devices + same-device copy"
+        times = allgather_copy_ceiling(nbytes, repeats, gpu, world=gpus)
+        what = f"all-gather over {gpus} device(s) + same-device copy"
         out["colocated_sync"] = {"what": what, "bytes": nbytes, **spread(times)}
     if "disaggregated" in results and results["disaggregated"].get("sync_bytes"):
         nbytes = int(results["disaggregated"]["sync_bytes"])
@@ -257,6 +269,7 @@ def parse(argv: list[str] | None):
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5, help="timed passes of each ceiling")
     p.add_argument("--run-timeout-s", type=float, default=280)
+    p.add_argument("--gpus", type=int, default=0, help="GPUs to lay the runs on (0: up to 2 that are there)")
     p.add_argument("--set", action="append", default=[], help="extra config override, key.path=value")
     p.add_argument("--out", default="runs/grpo-step", help="work folder (the model, the runs); $WORK in the record")
     p.add_argument("--json", default=None)
@@ -265,7 +278,8 @@ def parse(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> None:
     args, started = parse(argv), start()
-    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    gpu = torch.cuda.is_available()
+    args.gpus = args.gpus or (min(2, torch.cuda.device_count()) if gpu else 2)  # CPU: two gloo ranks
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -273,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     planned = planned_runs(args.runs, args.max_staleness)
     runs = {name: run_layout(name, model, out, args, gpu, layout, k) for name, (layout, k) in planned.items()}
     results = {name: steady(run["rows"], args.skip) for name, run in runs.items() if len(run["rows"]) > args.skip}
-    limits = ceilings(results, args.repeats, gpu)
+    limits = ceilings(results, args.repeats, gpu, args.gpus)
     ratios = async_ratios(results)
     text = table({name: results.get(name, {}) for name in runs}, limits)
     for name, r in ratios.items():

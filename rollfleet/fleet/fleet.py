@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -32,7 +33,7 @@ from transformers import AutoConfig, AutoTokenizer
 from rollfleet.config import RunConfig
 from rollfleet.fleet import colocation, standby
 from rollfleet.fleet.lifecycle import EngineSlot, EngineState
-from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, worker_options
+from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, ensure_ray, worker_options
 from rollfleet.fleet.recovery import Recovery
 from rollfleet.fleet.router import Router
 from rollfleet.fleet.workers import RemoteRolloutWorker
@@ -61,19 +62,6 @@ class Trainers(Protocol):
     def push_weights(self, spec, targets: list[EngineTarget], version: str, **options) -> SyncReport: ...
     def onload(self) -> dict | None: ...  # bytes moved and seconds
     def offload(self) -> dict | None: ...
-
-
-def ensure_ray(cfg: RunConfig) -> None:
-    if ray.is_initialized():
-        return
-    ray.init(
-        address=cfg.ray.address,
-        num_cpus=cfg.ray.num_cpus,
-        num_gpus=cfg.ray.num_gpus,
-        _temp_dir=cfg.ray.temp_dir,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
 
 
 class Fleet:
@@ -336,6 +324,7 @@ class Fleet:
             if self._weights_released:
                 self.wake(["weights"])
             targets = self.weight_targets(engine_ids)
+            began = time.perf_counter()
             try:
                 report = send(targets)
             except BaseException as exc:
@@ -344,7 +333,9 @@ class Fleet:
                     slot.version = ""
                     self.recovery.to(slot, EngineState.AWAITING_WEIGHTS, why)
                 raise
+            sent = time.perf_counter()  # send_call: the sender's seconds plus the calls to the trainer ranks
             self.verify(report, advance=advance)
+            report.phases.update(send_call=sent - began, verify=time.perf_counter() - sent)
             return report
 
     def update_weights_from_disk(

@@ -59,3 +59,17 @@ def check_engines_on_one_node(ranks: list[RankInfo], node_of_rank: dict[int, str
             f"an engine's GPUs must be on one node, but Ray placed {detail}: give each node a "
             "multiple of tp_size*pp_size GPUs, or lower rollout.tp_size"
         )
+
+
+def ensure_ray(cfg) -> None:
+    """Ray as the run's config asks, unless a Ray is already running (the caller's: left as it is)."""
+    if ray.is_initialized():
+        return
+    ray.init(
+        address=cfg.ray.address,
+        num_cpus=cfg.ray.num_cpus,
+        num_gpus=cfg.ray.num_gpus,
+        _temp_dir=cfg.ray.temp_dir,
+        include_dashboard=False,
+        log_to_driver=False,
+    )

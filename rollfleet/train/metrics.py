@@ -57,6 +57,9 @@ def step_metrics(
         "train": train,
         "sync_gb_per_s": report.gb_per_s,
         "sync_seconds": report.seconds,
+        # where the sync's time went: the sender's phases (rank 0: source/gathers, pack, the engines'
+        # answers, ...) and the fleet's verification, beside the step clock's whole sync phase
+        "sync_phases": {**report.phases},
         "sync_tensors": report.tensors,
         "sync_bytes": report.bytes,
         "sync_verified_engines": len(report.verified),
