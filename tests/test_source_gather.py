@@ -14,19 +14,22 @@ from safetensors.torch import load_file
 
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
-from rollfleet.weights.gather import ShardGather, is_row_sharded
+from rollfleet.weights.gather import is_row_sharded
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.fingerprint import fingerprints
 from rollfleet.wire.net import free_port
+
+GATHERED_DTYPES: list[torch.dtype] = []  # the dtype of each all-gather's input, as they pass
 
 
 def _counted_gathers(run) -> tuple[object, int]:
     """`run()`'s result and how many all-gathers it made (the real collective, counted as it passes)."""
     real, calls = dist.all_gather_into_tensor, []
 
-    def counting(*args, **kwargs):
+    def counting(output, input, *args, **kwargs):
         calls.append(1)
-        return real(*args, **kwargs)
+        GATHERED_DTYPES.append(input.dtype)
+        return real(output, input, *args, **kwargs)
 
     dist.all_gather_into_tensor = counting
     try:
@@ -46,22 +49,21 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
             "per_layer": ModuleSource(model, gather_bytes=1),
             "bf16": ModuleSource(model, dtype=torch.bfloat16),
         }.items():
+            GATHERED_DTYPES.clear()
             tensors, count = _counted_gathers(lambda s=source: {n: t.clone() for n, t in s.named_tensors()})
             result[label], result[f"{label}_gathers"] = tensors, count
+            result[f"{label}_gathered_dtypes"] = set(GATHERED_DTYPES)
         left_out, count = _counted_gathers(lambda: list(ModuleSource(model, keep=rank == 0).named_tensors()))
         result["kept"], result["kept_gathers"] = len(left_out), count
-        gather = ShardGather(torch.bfloat16)
-        result["cast_first"] = {
-            name: gather.cast(p.to_local()).dtype for name, p in model.named_parameters() if is_row_sharded(p)
-        }
         torch.save(result, Path(out) / f"rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-# world 3: every tiny dimension splits unevenly (64, 32, 16, 320 rows); MoE: fused experts, names by expert
-@pytest.mark.parametrize(("kind", "world"), [("qwen3", 3), ("qwen3_moe", 2)])
+# world 3: every tiny dimension splits unevenly (64, 32, 16, 320 rows); MoE: fused experts, names by
+# expert; world 1: the shards are the full tensors, never gathered
+@pytest.mark.parametrize(("kind", "world"), [("qwen3", 3), ("qwen3_moe", 2), ("qwen3", 1)])
 def test_bucketed_gather_gives_the_checkpoint_exactly_in_few_collectives(kind, world, tmp_path):
     model_dir = make_tiny_model(tmp_path / kind, kind, seed=3)
     mp.spawn(_worker, args=(world, free_port(), str(model_dir), str(tmp_path)), nprocs=world)
@@ -76,16 +78,19 @@ def test_bucketed_gather_gives_the_checkpoint_exactly_in_few_collectives(kind, w
                 assert torch.equal(result[label][name], tensor), (label, name)
         # bucketed: every row shard of the tiny model in one collective; per layer: one per layer
         # plus one per parameter outside the layers (embeddings, final norm, lm_head)
-        assert result["bucketed_gathers"] == 1
-        assert result["per_layer_gathers"] == layers + 3
+        if world == 1:  # nothing to gather: no collective at all
+            assert result["bucketed_gathers"] == result["per_layer_gathers"] == result["bf16_gathers"] == 0
+        else:
+            assert result["bucketed_gathers"] == 1
+            assert result["per_layer_gathers"] == layers + 3
+            assert result["bf16_gathered_dtypes"] == {torch.bfloat16}  # shards are cast before the gather
         for name, tensor in expected.items():
             assert result["bf16"][name].dtype == torch.bfloat16
             assert torch.equal(result["bf16"][name], tensor.to(torch.bfloat16)), name
         # the engine's fingerprints (values in its dtype) match what a bf16 push sends
         assert fingerprints(result["bf16"].items(), torch.bfloat16) == fingerprints(expected.items(), torch.bfloat16)
-        assert set(result["cast_first"].values()) == {torch.bfloat16}  # shards are cast before the gather
     assert [r["kept"] for r in ranks] == [len(expected)] + [0] * (world - 1)
-    assert {r["kept_gathers"] for r in ranks} == {1}  # ranks that keep nothing still take part
+    assert {r["kept_gathers"] for r in ranks} == {int(world > 1)}  # ranks that keep nothing still take part
 
 
 def test_plain_module_is_cast_and_left_whole(tmp_path):

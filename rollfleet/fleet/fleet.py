@@ -321,10 +321,11 @@ class Fleet:
         """Every push's one path: engines whose weights were released resume them, the send goes to
         the targets, and they are verified. A send that raises takes every target out of rotation."""
         with self.recovery.paused():  # a push never overlaps a restore
-            if self._weights_released:
-                self.wake(["weights"])
-            targets = self.weight_targets(engine_ids)
             began = time.perf_counter()
+            if self._weights_released:
+                self.wake(["weights"])  # colocated: the engines allocate their weights again
+            woke, began = time.perf_counter() - began, time.perf_counter()
+            targets = self.weight_targets(engine_ids)
             try:
                 report = send(targets)
             except BaseException as exc:
@@ -335,7 +336,7 @@ class Fleet:
                 raise
             sent = time.perf_counter()  # send_call: the sender's seconds plus the calls to the trainer ranks
             self.verify(report, advance=advance)
-            report.phases.update(send_call=sent - began, verify=time.perf_counter() - sent)
+            report.phases.update(wake_weights=woke, send_call=sent - began, verify=time.perf_counter() - sent)
             return report
 
     def update_weights_from_disk(

@@ -87,22 +87,30 @@ class ShardGather:
             yield out
 
     def _gather_rows(self, rows: list[tuple[int, str, DTensor]]) -> dict[tuple[int, str], torch.Tensor | None]:
-        """One all-gather per (process group, dtype) of these row-sharded parameters."""
+        """One all-gather per (process group, dtype) of these row-sharded parameters. On a mesh of
+        one rank the shard is the full tensor: cast (a view when no cast is needed), never gathered."""
         groups: dict[tuple, list] = {}
         for index, name, param in rows:
-            local = self.cast(param.to_local())
-            mesh = param.device_mesh
-            groups.setdefault((id(mesh), local.dtype, local.device), []).append((index, name, param, local))
+            local = param.to_local().detach()
+            dtype = self.dtype if self.dtype is not None and local.is_floating_point() else local.dtype
+            key = (id(param.device_mesh), dtype, local.device)
+            groups.setdefault(key, []).append((index, name, param, local))
         out: dict[tuple[int, str], torch.Tensor | None] = {}
-        for members in groups.values():
+        for (_, dtype, _), members in groups.items():
             mesh = members[0][2].device_mesh
-            fulls = _all_gather_rows([(p.shape, local) for _, _, p, local in members], mesh, self.keep)
+            if mesh.size() == 1:
+                fulls = [self.cast(local).view(p.shape) if self.keep else None for _, _, p, local in members]
+            else:
+                fulls = _all_gather_rows([(p.shape, local) for _, _, p, local in members], mesh, self.keep, dtype)
             out.update({(index, name): full for (index, name, _, _), full in zip(members, fulls)})
         return out
 
 
-def _all_gather_rows(shards: list[tuple[torch.Size, torch.Tensor]], mesh, keep: bool) -> list[torch.Tensor | None]:
-    """Full tensors of `shards` (global shape, this rank's rows), in one all-gather over `mesh`."""
+def _all_gather_rows(
+    shards: list[tuple[torch.Size, torch.Tensor]], mesh, keep: bool, dtype: torch.dtype
+) -> list[torch.Tensor | None]:
+    """Full tensors in `dtype` of `shards` (global shape, this rank's rows), in one all-gather over
+    `mesh`; each shard is cast as it is copied into the rank's buffer (no cast copy of its own)."""
     world, rank = mesh.size(), mesh.get_local_rank()
     layout = []  # per shard: (offset in a rank's part, elements per row, rows per rank)
     offset = 0
@@ -112,7 +120,7 @@ def _all_gather_rows(shards: list[tuple[torch.Size, torch.Tensor]], mesh, keep: 
         counts = [max(0, min(chunk, shape[0] - r * chunk)) for r in range(world)]
         layout.append((offset, per_row, counts))
         offset += chunk * per_row
-    dtype, device = shards[0][1].dtype, shards[0][1].device
+    device = shards[0][1].device
     mine = torch.empty(offset, dtype=dtype, device=device)  # padding rows are sent but never read
     for (start, per_row, counts), (_, local) in zip(layout, shards):
         assert local.shape[0] == counts[rank], f"rank {rank} holds {local.shape[0]} rows, FSDP2 gives {counts[rank]}"
