@@ -19,7 +19,6 @@ import glob
 import hashlib
 import os
 import sys
-import uuid
 from types import SimpleNamespace
 from typing import Annotated
 
@@ -35,6 +34,8 @@ import torch.multiprocessing.reductions  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi import Body, FastAPI  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
+from sglang.srt.entrypoints.openai.protocol import ModelCard, ModelList  # noqa: E402
+from sglang.srt.lora.lora_registry import LoRARef, LoRARegistry  # noqa: E402
 from sglang.srt.managers import io_struct as req  # noqa: E402
 from sglang.srt.managers import tp_worker as tp_worker_module  # noqa: E402
 from sglang.srt.managers.scheduler_components import weight_updater as scheduler_side  # noqa: E402
@@ -70,6 +71,9 @@ class RecordingModel(torch.nn.Module):
 model = RecordingModel()
 versions: list[str | None] = []
 adapters: dict[str, dict] = {}
+unloaded: list[str] = []
+registry = LoRARegistry()  # SGLang's tokenizer-manager registry of loaded adapters (what /v1/models lists)
+SERVED_MODEL_NAME = "recording"
 context = SimpleNamespace(tp_rank=0, tp_size=1, dp_size=1, tp_group=None)  # what SGLang's launcher publishes
 for module in (scheduler_side, runner_side, tp_worker_module):
     module.get_parallel = lambda: context
@@ -171,26 +175,44 @@ def from_disk(obj: Annotated[req.UpdateWeightFromDiskReqInput, Body()]):
 
 
 @app.post("/load_lora_adapter_from_tensors")
-def lora_from_tensors(obj: Annotated[req.LoadLoRAAdapterFromTensorsReqInput, Body()]):
+async def lora_from_tensors(obj: Annotated[req.LoadLoRAAdapterFromTensorsReqInput, Body()]):
+    """As SGLang's tokenizer manager does it: a LoRARef at path "__tensor__" names the adapter, the tp
+    worker loads it, and a success registers it (SGLang's registry refuses a name already loaded)."""
     obj.serialized_named_tensors = normalize_serialized_named_tensor_payloads(obj.serialized_named_tensors)
-    obj.lora_id = obj.lora_id or uuid.uuid4().hex  # SGLang's tokenizer manager assigns it
-    return answer(TpWorker.load_lora_adapter_from_tensors(worker, obj))
+    ref = LoRARef(lora_name=obj.lora_name, lora_path="__tensor__", pinned=obj.pinned)
+    obj.lora_id = ref.lora_id
+    out = TpWorker.load_lora_adapter_from_tensors(worker, obj)
+    if out.success:
+        await registry.register(ref)
+    return answer(out)
 
 
 @app.post("/unload_lora_adapter")
-def unload_lora(obj: Annotated[req.UnloadLoRAAdapterReqInput, Body()]):
+async def unload_lora(obj: Annotated[req.UnloadLoRAAdapterReqInput, Body()]):
+    await registry.unregister(obj.lora_name)  # SGLang's: a name not loaded is an error
+    unloaded.append(obj.lora_name)
     adapters.pop(obj.lora_name, None)
     return answer(req.LoRAUpdateOutput(success=True, loaded_adapters={name: "__tensor__" for name in adapters}))
 
 
+@app.get("/v1/models")
+def available_models():
+    """SGLang's /v1/models with LoRA enabled (its http_server's available_models, over its own
+    registry and cards): the served model, then one card per adapter with the model as `parent`."""
+    cards = [ModelCard(id=SERVED_MODEL_NAME, root=SERVED_MODEL_NAME, max_model_len=None)]
+    for ref in registry.get_all_adapters().values():
+        cards.append(ModelCard(id=ref.lora_name, root=ref.lora_path, parent=SERVED_MODEL_NAME, max_model_len=None))
+    return ModelList(data=cards).model_dump()
+
+
 @app.get("/contract/recorded")
 def recorded():
-    return {"weights": model.loaded, "versions": versions, "adapters": adapters}
+    return {"weights": model.loaded, "versions": versions, "adapters": adapters, "unloaded": unloaded}
 
 
 @app.post("/contract/reset")
 def reset():
-    model.loaded.clear(), versions.clear(), adapters.clear()
+    model.loaded.clear(), versions.clear(), adapters.clear(), unloaded.clear()
     return {}
 
 

@@ -5,9 +5,12 @@ arrives exactly once). A tp=2 ep=2 MoE fleet generates in test_weight_sync (its 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +23,7 @@ from rollfleet.fleet.placement import create_placement_group, worker_options
 from rollfleet.fleet.workers import RemoteRolloutWorker
 from rollfleet.layout import Layout
 from rollfleet.train.worker import TrainerGroup
+from rollfleet.wire.client import SUPPORTED_SGLANG, UnsupportedEngine
 
 
 def config(model_dir, log_dir, *overrides):
@@ -77,6 +81,40 @@ def test_sglang_pipeline_layout_reaches_launch_and_a_failed_start_reports_the_lo
     assert "EngineStartError" in message and "before it was up" in message
     assert "No module named 'sglang'" in message  # the tail of logs/engine-0.log
     assert (tmp_path / "engine-0.log").exists() and not (tmp_path / "engine-1.log").exists()
+
+
+@pytest.mark.parametrize("release, supported", [("0.4.0", False), ("0.5.23.post1", True)])
+def test_the_fleet_reads_each_sglang_release_at_start_and_refuses_an_unsupported_one(
+    local_ray, qwen3_dir, tmp_path, release, supported
+):
+    """backend=sglang through the real launch path (a worker starts `rollout.sglang_command`, here a
+    stand-in server process reporting `release`): the fleet reads /get_server_info once per engine
+    and refuses a release outside SUPPORTED_SGLANG at start, naming engine, release, range and fix,
+    with nothing left running; a supported release starts and its answer is kept for the senders."""
+    server = str(Path(__file__).with_name("sglang_release_server.py"))
+    cfg = config(
+        qwen3_dir,
+        tmp_path,
+        "rollout.backend=sglang",
+        f"rollout.sglang_command=['{sys.executable}', '{server}', '{release}']",
+    )
+    low, high = (".".join(map(str, v)) for v in SUPPORTED_SGLANG)
+    if not supported:
+        with pytest.raises(UnsupportedEngine) as err:
+            Fleet.from_config(cfg)
+        message = str(err.value)
+        assert message.startswith("engine 0: http://127.0.0.1:") and "version='0.4.0'" in message
+        assert f"{low} to {high}" in message and "run a release in that range" in message
+        assert "rollout.sglang_command" in message
+        pid = int(re.search(r"engine pid (\d+)", (tmp_path / "engine-0.log").read_text()).group(1))
+        assert not Path(f"/proc/{pid}").exists()  # the refused server was stopped (and reaped)
+        return
+    fleet = Fleet.from_config(cfg)
+    try:
+        assert fleet.pool.client(0)._server_info["version"] == release  # read at start, kept for the senders
+        assert fleet.slots[0].state.name == "ACTIVE"
+    finally:
+        fleet.shutdown()
 
 
 @pytest.fixture(scope="module")

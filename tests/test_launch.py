@@ -110,3 +110,15 @@ def test_a_remote_seed_becomes_sglangs_three_flags(backend):
         bad = argv[3:] + ["--remote-instance-weight-loader-send-weights-group-ports", "[29600]"]
         with pytest.raises(SystemExit):
             check_args(parser, parser.parse_args(bad))
+
+
+def test_sglang_command_replaces_only_the_program():
+    """rollout.sglang_command (SGLang in a venv of its own) takes the place of `python -m
+    sglang.launch_server`; every flag after it stays the same."""
+    base = ["rollout.backend=sglang", "rollout.tp_size=2"]
+    default = engine_argv(rollout(*base), EngineLaunch(port=5))
+    own = engine_argv(
+        rollout(*base, "rollout.sglang_command=['/opt/sg/bin/python', '-m', 'sglang.launch_server']"),
+        EngineLaunch(port=5),
+    )
+    assert own[:3] == ["/opt/sg/bin/python", "-m", "sglang.launch_server"] and own[3:] == default[3:]

@@ -108,7 +108,11 @@ def assert_matches(got, want):
 
 
 def loaded(proc) -> dict[str, str]:
-    return call(proc, "get_model_info")["loaded_lora_adapters"]
+    """The adapters an engine lists where SGLang does (/v1/models cards with a parent), checked
+    against the embedded engine's own /get_model_info field."""
+    adapters = call(proc, "loaded_lora_adapters")
+    assert adapters == call(proc, "get_model_info")["loaded_lora_adapters"]
+    return adapters
 
 
 def unverified(report, procs: dict[int, EngineProcess]) -> dict[int, str]:
@@ -246,10 +250,10 @@ def test_unload_and_unknown_adapters(servers, adapter, base_expected, tmp_path):
     sync(LoraSync(), source, "u", {0: proc}, ranks={0: 1})
     directory = save_adapter(source.named_tensors(), source.config_dict(), tmp_path / "extra")
     out = call(proc, "load_lora_adapter", "extra", str(directory))
-    assert out["success"] is True and out["loaded_adapters"] == {"policy": "<tensors>", "extra": str(directory)}
+    assert out["success"] is True and out["loaded_adapters"] == {"policy": "__tensor__", "extra": str(directory)}
     assert_matches(generate(proc, "policy"), want)  # loaded first, used last: "extra" is the least recently used
     out = call(proc, "load_lora_adapter", "third", str(directory))  # past --max-loaded-loras: SGLang's LRU eviction
-    assert out["success"] is True and out["loaded_adapters"] == {"policy": "<tensors>", "third": str(directory)}
+    assert out["success"] is True and out["loaded_adapters"] == {"policy": "__tensor__", "third": str(directory)}
     assert loaded(proc) == out["loaded_adapters"]
     assert_matches(generate(proc, "third"), want)
     out = call(proc, "unload_lora_adapter", "third")
@@ -352,7 +356,7 @@ def test_sglang_lora_payload_forms(servers, adapter):
     unload_all(tp1)
     unload_all(tp2)
     answer = post(tp1, lora_name="dict", serialized_named_tensors=[serialize(fresh())])
-    assert answer.status_code == 200 and answer.json()["loaded_adapters"] == {"dict": "<tensors>"}, answer.text
+    assert answer.status_code == 200 and answer.json()["loaded_adapters"] == {"dict": "__tensor__"}, answer.text
     # one serialization is one shared-memory reference, and each reading rank drops one: a sender of
     # `serialized_tensors` to tp ranks keeps its tensors alive and adds the extra references (as UniRL does)
     shared = fresh()
@@ -360,7 +364,7 @@ def test_sglang_lora_payload_forms(servers, adapter):
     for tensor in shared.values():
         tensor.untyped_storage()._shared_incref()
     answer = post(tp2, lora_name="one", serialized_tensors=single)
-    assert answer.status_code == 200 and answer.json()["loaded_adapters"] == {"one": "<tensors>"}, answer.text
+    assert answer.status_code == 200 and answer.json()["loaded_adapters"] == {"one": "__tensor__"}, answer.text
     assert_matches(generate(tp1, "dict"), want)
     assert_matches(generate(tp2, "one"), want)
     both = {"serialized_tensors": serialize(fresh()), "serialized_named_tensors": [serialize(fresh())]}
@@ -542,7 +546,7 @@ def test_scale_follows_rslora_and_patterns(qwen3_dir):
     tensors = dict(source.named_tensors())
     params = dict(model.named_parameters(remove_duplicate=False))
     parsed = parse_adapter(
-        "p", "<tensors>", source.config_dict(), tensors, model, linear_targets(model, params), LoraLimits()
+        "p", "__tensor__", source.config_dict(), tensors, model, linear_targets(model, params), LoraLimits()
     )
     scales = {t.module: t.scale for t in parsed.targets}
     layers = {
@@ -559,7 +563,7 @@ def test_scale_follows_rslora_and_patterns(qwen3_dir):
     with pytest.raises(LoraError, match="--lora-target-modules"):
         parse_adapter(
             "p",
-            "<tensors>",
+            "__tensor__",
             source.config_dict(),
             tensors,
             model,

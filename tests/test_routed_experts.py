@@ -17,12 +17,15 @@ from rollfleet.wire.routed_experts import decode_routed_experts, encode_routed_e
 LAYERS, TOP_K = 2, 2  # the tiny Qwen3-MoE: 2 layers, 4 experts, 2 per token
 FLAG = ["--enable-return-routed-experts"]
 PROMPT = [5, 17, 42, 99, 7, 3]
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 
 
 @pytest.fixture(scope="module")
 def servers(moe_dir, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
     plan = {
-        "tp1": (moe_dir, {"extra": FLAG}),
+        "tp1": (moe_dir, {"extra": [*FLAG, "--chat-template", str(template)]}),
         "ep2": (moe_dir, {"tp_size": 2, "ep_size": 2, "extra": FLAG}),
         "off": (moe_dir, {}),
     }
@@ -139,3 +142,90 @@ def test_flag_on_a_dense_model_refused_at_start(qwen3_dir, tmp_path):
             proc.wait_until_up(timeout=120)
     finally:
         proc.stop()
+
+
+# ---- the OpenAI routes: SGLang 0.5.23's `sglext.routed_experts` and `metadata` ------------------------
+def openai(server, route: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + route, json=body, timeout=60)
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    chunks = response.text.split("\n\n")
+    assert chunks[-2:] == ["data: [DONE]", ""], response.text
+    return [json.loads(chunk.removeprefix("data: ")) for chunk in chunks[:-2]]
+
+
+def chat_ids(moe_dir: str, messages: list[dict]) -> list[int]:
+    """The prompt ids the engine makes of `messages` (its --chat-template, no special tokens added)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(moe_dir)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=TEMPLATE, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+GREEDY_OPENAI = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+MESSAGES = [{"role": "user", "content": "route me"}]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_openai_routes_answer_routes_and_weight_versions_as_sglang(servers, moe_dir, route):
+    """Non-streamed: `sglext.routed_experts` at the response level (not on a choice), encoded as
+    /generate's meta_info.routed_experts and honouring routed_experts_start_len; `metadata` holds the
+    weight version and its spans; without asking, no sglext."""
+    server = servers["tp1"]
+    chat = route == "/v1/chat/completions"
+    ids = chat_ids(moe_dir, MESSAGES) if chat else PROMPT
+    request = {**GREEDY_OPENAI, **({"messages": MESSAGES} if chat else {"prompt": PROMPT})}
+    generated = call(server, "generate", input_ids=ids, sampling_params=greedy(), return_routed_experts=True)
+    answer = openai(server, route, {**request, "return_routed_experts": True}).json()
+    assert answer["sglext"] == {"routed_experts": generated["meta_info"]["routed_experts"]}, answer
+    assert all("routed_experts" not in choice for choice in answer["choices"])
+    routes = decode_routed_experts(answer["sglext"]["routed_experts"], LAYERS, TOP_K)
+    assert torch.equal(routes, reference_routes(moe_dir, (ids + generated["output_ids"])[:-1]))
+    meta = generated["meta_info"]
+    assert answer["metadata"] == {"weight_version": meta["weight_version"], "weight_versions": meta["weight_versions"]}
+    part = openai(server, route, {**request, "return_routed_experts": True, "routed_experts_start_len": 3}).json()
+    assert torch.equal(decode_routed_experts(part["sglext"]["routed_experts"], LAYERS, TOP_K), routes[3:])
+    plain = openai(server, route, request).json()
+    assert "sglext" not in plain and plain["metadata"]["weight_version"] == meta["weight_version"]
+
+
+def test_openai_n_reports_the_first_answers_routes(servers):
+    """SGLang reports one set of routes per response: the first answer's, also with n > 1."""
+    server = servers["tp1"]
+    sampling = greedy(n=2, temperature=1.0, sampling_seed=3)
+    generated = call(server, "generate", input_ids=PROMPT, sampling_params=sampling, return_routed_experts=True)
+    body = {"prompt": PROMPT, "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    answer = openai(server, "/v1/completions", {**body, "return_routed_experts": True}).json()
+    assert [c["text"] for c in answer["choices"]] == [g["text"] for g in generated]
+    assert answer["sglext"] == {"routed_experts": generated[0]["meta_info"]["routed_experts"]}
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_openai_streams_send_routes_in_a_chunk_of_their_own_before_usage(servers, route):
+    """Streamed, as SGLang: after every choice finished, one chunk with no choices carries `sglext`,
+    then the usage chunk; no chunk has `metadata` (SGLang's stream chunks have no such field)."""
+    server = servers["tp1"]
+    chat = route == "/v1/chat/completions"
+    request = {
+        **GREEDY_OPENAI,
+        "return_routed_experts": True,
+        **({"messages": MESSAGES} if chat else {"prompt": PROMPT}),
+    }
+    whole = openai(server, route, request).json()
+    chunks = sse_events(openai(server, route, {**request, "stream": True, "stream_options": {"include_usage": True}}))
+    *tokens, extension, counted = chunks
+    assert extension["choices"] == [] and extension["sglext"] == whole["sglext"]
+    assert counted["choices"] == [] and counted["usage"] == whole["usage"] and "sglext" not in counted
+    assert tokens[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("sglext" not in c and "metadata" not in c for c in tokens)
+    unasked = sse_events(openai(server, route, {**request, "return_routed_experts": False, "stream": True}))
+    assert all("sglext" not in c for c in unasked)
+
+
+def test_openai_refusal_names_the_flag_and_the_server_stays_up(servers):
+    url = servers["off"].url
+    response = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "return_routed_experts": True})
+    assert response.status_code == 400 and "--enable-return-routed-experts" in response.json()["message"]
+    assert httpx.get(url + "/health").status_code == 200

@@ -45,6 +45,12 @@ class RolloutConfig(_Section):
     backend: Literal["embedded", "sglang"] = Field(
         "embedded", description="Engine server: rollfleet's embedded engine (CPU, small GPU jobs) or SGLang."
     )
+    sglang_command: list[str] = Field(
+        default_factory=list,
+        description="backend=sglang: the program that starts one SGLang server, before its flags (SGLang pins its "
+        "own torch, so it often lives in a venv of its own: [/opt/sglang/bin/python, -m, sglang.launch_server]); "
+        "empty: this interpreter's `-m sglang.launch_server`.",
+    )
     model_path: str = Field(min_length=1, description="HF model directory (or hub id) the engines load.")
     num_engines: int = Field(1, ge=1, description="Number of engine replicas (data parallel size).")
     standby_engines: int = Field(

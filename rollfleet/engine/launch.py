@@ -112,11 +112,10 @@ class EngineLaunch:
 
 
 def sglang_argv(rollout, launch: EngineLaunch) -> list[str]:
-    """`python -m sglang.launch_server ...` for one engine of the fleet (one server per dp replica)."""
+    """`python -m sglang.launch_server ...` (or `rollout.sglang_command ...`) for one engine of the
+    fleet (one server per dp replica)."""
     argv = [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
+        *(rollout.sglang_command or [sys.executable, "-m", "sglang.launch_server"]),
         "--model-path",
         rollout.model_path,
         "--host",

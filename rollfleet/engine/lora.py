@@ -29,7 +29,7 @@ from rollfleet.wire.hf_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
 from rollfleet.wire.hf_files import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
 
 KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
-TENSORS_PATH = "<tensors>"  # the `path` of an adapter loaded from tensors
+TENSORS_PATH = "__tensor__"  # the `path` of an adapter loaded from tensors (SGLang registers the same)
 # peft features that change the arithmetic W + scale * B @ A, refused rather than served wrong
 UNSUPPORTED = {
     "use_dora": "DoRA (use_dora=True)",

@@ -4,9 +4,13 @@ protocol, serving_completions and serving_chat): each request becomes one /gener
 
 SGLang's extra fields that RL frameworks send are taken: `top_k`, `min_p`, `min_tokens`,
 `stop_token_ids`, `no_stop_trim`, `ignore_eos`, `skip_special_tokens`, `repetition_penalty`,
-`lora_path`, `rid`, `return_text_in_logprobs`, `chat_template_kwargs`; `separate_reasoning` and
-other fields this engine has no use for are ignored (no reasoning parser: `reasoning_content` is
-null). Unknown fields are ignored, as SGLang does.
+`lora_path`, `rid`, `return_text_in_logprobs`, `chat_template_kwargs`, `return_routed_experts` and
+`routed_experts_start_len`; `separate_reasoning` and other fields this engine has no use for are
+ignored (no reasoning parser: `reasoning_content` is null). Unknown fields are ignored, as SGLang does.
+
+What SGLang 0.5.23 adds to the answers is added the same way: `metadata` (the first answer's
+`weight_version`, and its `weight_versions` spans) on non-streamed answers, and `sglext.routed_experts`
+at the response level (not per choice), as `meta_info.routed_experts` encodes it on /generate.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class _Sampling(_Lenient):
     lora_path: Utf8Str | None = None
     rid: Utf8Str | list[Utf8Str] | None = None
     return_text_in_logprobs: bool = False  # accepted: the OpenAI answers always carry token texts
+    return_routed_experts: bool = False  # the engine needs --enable-return-routed-experts (/generate checks)
+    routed_experts_start_len: int = 0
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """/generate's sampling_params; fields left unset keep /generate's defaults (checked there)."""
@@ -70,6 +76,21 @@ class _Sampling(_Lenient):
             "repetition_penalty": self.repetition_penalty,
         }
         return {key: value for key, value in params.items() if value is not None}
+
+    def routed_experts_fields(self) -> dict[str, Any]:
+        return {
+            "return_routed_experts": self.return_routed_experts,
+            "routed_experts_start_len": self.routed_experts_start_len,
+        }
+
+    def sglext(self, metas: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """SGLang's response-level `sglext`: when asked, the `routed_experts` of the first answer that
+        has them (base64 of int32 [tokens, layers, top_k], as on /generate; SGLang reports one set per
+        response, also with n > 1); None when there is nothing to report."""
+        if not self.return_routed_experts:
+            return None
+        routes = next((meta["routed_experts"] for meta in metas if meta.get("routed_experts")), None)
+        return {"routed_experts": routes} if routes else None
 
 
 class CompletionRequest(_Sampling):
@@ -97,6 +118,7 @@ class CompletionRequest(_Sampling):
             return_text_in_logprobs=True,
             rid=self.rid,
             lora_path=self.lora_path,
+            **self.routed_experts_fields(),
         )
 
 
@@ -134,6 +156,7 @@ class ChatCompletionRequest(_Sampling):
             return_text_in_logprobs=True,
             rid=self.rid,
             lora_path=self.lora_path,
+            **self.routed_experts_fields(),
         )
 
 
@@ -141,6 +164,15 @@ def error_body(message: str, status_code: int = 400, param: str | None = None) -
     """OpenAI's (and SGLang's) error object."""
     kind = "BadRequestError" if status_code < 500 else "InternalServerError"
     return {"object": "error", "message": message, "type": kind, "param": param, "code": status_code}
+
+
+def weight_version_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's `metadata` of a non-streamed answer, from its first /generate answer: the weight
+    version, and the spans (`weight_versions`) when the answer has them."""
+    metadata = {"weight_version": meta["weight_version"]}
+    if "weight_versions" in meta:
+        metadata["weight_versions"] = meta["weight_versions"]
+    return metadata
 
 
 def finish_fields(meta: dict[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from rollfleet.config import RunConfig
 from rollfleet.fleet import colocation, standby
+from rollfleet.fleet.engine_protocols import check_engine_protocols
 from rollfleet.fleet.lifecycle import EngineSlot, EngineState
 from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, ensure_ray, worker_options
 from rollfleet.fleet.recovery import Recovery
@@ -110,8 +111,9 @@ class Fleet:
         except BaseException:
             cls._teardown(workers, group)
             raise
-        tokenizer = AutoTokenizer.from_pretrained(rollout.model_path)
-        return cls(cfg, group, workers, slots, tokenizer)
+        fleet = cls(cfg, group, workers, slots, AutoTokenizer.from_pretrained(rollout.model_path))
+        check_engine_protocols(fleet.pool, [s.engine_id for s in slots], on_refusal=fleet.shutdown)
+        return fleet
 
     @staticmethod
     def _worker(group, rollout, rank, log_dir: str):
@@ -136,9 +138,10 @@ class Fleet:
         return slots
 
     def engine_started(self, slot: EngineSlot, url: str) -> None:
-        """A (re)started engine answers at `url` and holds no verified weights yet."""
+        """A (re)started engine answers at `url`, holds no verified weights, speaks a known protocol."""
         slot.url, slot.version, slot.dtype = url, "", None
         self.pool.set_url(slot.engine_id, url)
+        check_engine_protocols(self.pool, [slot.engine_id])
 
     @staticmethod
     def _teardown(workers, group) -> None:
@@ -169,8 +172,7 @@ class Fleet:
         """Lifecycle transitions of every engine since the last call (for the run's metrics)."""
         events = []
         for slot in self.slots:
-            mark = self._event_marks.get(slot.engine_id, 0)
-            for t in slot.lifecycle.since(mark):
+            for t in slot.lifecycle.since(self._event_marks.get(slot.engine_id, 0)):
                 events.append({"engine_id": slot.engine_id, "time": t.time, "from": t.old, "to": t.new, "why": t.why})
             self._event_marks[slot.engine_id] = slot.lifecycle.mark()
         return sorted(events, key=lambda e: e["time"])
@@ -188,8 +190,8 @@ class Fleet:
     ) -> list[Sample]:
         """n samples per prompt, in input order (prompt 0's samples, then prompt 1's, ...); with
         `routed_experts` each carries the experts its engine chose (the fleet started with routing replay).
-        `on_group(samples)` is called as each prompt's samples arrive (e.g. to start its rewards); it
-        runs on the engine pool's thread, so it must not block."""
+        `on_group(samples)` runs as each prompt's samples arrive (e.g. to start its rewards), on the
+        engine pool's thread: it must not block."""
         params = {**self.rollout.sampling.model_dump(), **(sampling or {})}
         if n is not None:
             params["n"] = n
@@ -302,9 +304,8 @@ class Fleet:
             sender.disconnect()
 
     def sync_from(self, trainers: Trainers, version: str, attempts: int = 3) -> SyncReport:
-        """The trainer's push of `version` to every running engine, verified. An engine that dies
-        during the push is restarted and the push is made again (engines that already took it verify
-        again: idempotent)."""
+        """The trainer's push of `version` to every running engine, verified. An engine that dies during
+        the push is restarted and the push made again (engines that took it verify again: idempotent)."""
         spec = self.cfg.weight_sync
         options = transport_class(spec).sender_options(self.rollout.model_path)
         for attempt in range(attempts):
@@ -365,11 +366,10 @@ class Fleet:
         return report
 
     def verify(self, report: SyncReport, *, advance: bool = True) -> None:
-        """Compare each engine's fingerprints and version with what was sent; an engine that differs
-        is marked failed (it takes no more traffic) and WeightSyncError names it. With `advance` (a
-        trainer's push) the fleet's version becomes the report's; a restore does not advance it: the
-        background restarter may finish restoring version v after the trainer pushed v+1, and moving
-        the fleet back to v would route generate traffic to the stale engine."""
+        """Compare each engine's fingerprints and version with what was sent; an engine that differs is
+        marked failed (no more traffic) and WeightSyncError names it. With `advance` (a trainer's push)
+        the fleet's version becomes the report's; a restore does not advance it: the restarter may finish
+        restoring v after the trainer pushed v+1, and going back to v would route to the stale engine."""
         clients = {e: self.pool.client(e) for e in report.engine_ids}
         failed = self.pool.run(find_unverified(report, clients, self.cfg.verify_mode))
         for engine_id in report.engine_ids:

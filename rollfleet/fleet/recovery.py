@@ -37,6 +37,7 @@ from rollfleet.fleet.lifecycle import FAILED, EngineSlot, EngineState
 from rollfleet.fleet.peer_restore import PeerRestore
 from rollfleet.fleet.restore import CheckpointRestore, RestoreError, RestoreSource, WaitForPush, run_before, verify_each
 from rollfleet.weights.transports.base import transport_class
+from rollfleet.wire.client import UnsupportedEngine
 
 if TYPE_CHECKING:
     from rollfleet.fleet.fleet import Fleet
@@ -210,14 +211,24 @@ class Recovery:
         restarted = []
         for slot, start in zip(stopped, starts):
             info = self._wait(slot, start, STOP_TIMEOUT_S + self.rollout.startup_timeout_s)
-            if info:
-                self.fleet.engine_started(slot, info["url"])
+            if info and self._speaks_known_protocol(slot, info["url"]):
                 how = "a peer's" if slot.engine_id in seeds else formats[slot.engine_id]
                 role = " as a standby" if slot.standby else ""
                 self.to(slot, EngineState.AWAITING_WEIGHTS, f"restarted{role} with {how} weights")
                 restarted.append(slot.engine_id)
         self.peer.started(seeds, [self.fleet.slots[e] for e in restarted], version)
         return restarted
+
+    def _speaks_known_protocol(self, slot: EngineSlot, url: str) -> bool:
+        """The restarted engine is reachable at `url` (Fleet.engine_started reads its protocol); an
+        SGLang release the senders do not speak is stopped and left INACTIVE, naming the range."""
+        try:
+            self.fleet.engine_started(slot, url)
+            return True
+        except UnsupportedEngine as exc:
+            ray.get(slot.head.stop_engine.remote(), timeout=STOP_TIMEOUT_S)
+            self.to(slot, EngineState.INACTIVE, f"restart failed: {exc}")
+            return False
 
     def _wait(self, slot: EngineSlot, call: ray.ObjectRef, timeout_s: float):
         """The call's answer (True for None); False, with the engine INACTIVE, if it failed or timed out."""

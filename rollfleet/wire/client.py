@@ -323,6 +323,16 @@ class EngineClient(GenerationRoutes):
     async def unload_lora_adapter(self, lora_name: str) -> dict:
         return await self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})
 
+    async def list_models(self) -> dict:
+        """`/v1/models`: the served model's card, then one card per loaded LoRA adapter (`parent`: the model)."""
+        return await self._call("GET", "/v1/models")
+
+    async def loaded_lora_adapters(self) -> dict[str, str]:
+        """Adapter name -> the path it was loaded from, read where SGLang lists adapters: the `/v1/models`
+        cards that have a `parent` (SGLang's /get_model_info has no adapter list)."""
+        cards = (await self.list_models())["data"]
+        return {card["id"]: card["root"] for card in cards if card.get("parent") is not None}
+
     async def memory(self) -> list[dict[str, int]]:
         """rollfleet extension (embedded engine): memory figures per tp rank."""
         return await self._call("GET", "/rollfleet/memory")

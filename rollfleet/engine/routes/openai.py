@@ -25,6 +25,7 @@ from rollfleet.engine.openai_api import (
     error_body,
     finish_fields,
     usage,
+    weight_version_metadata,
 )
 from rollfleet.engine.routes.generate import submit_generate
 from rollfleet.engine.service import VERSION, BadRequest, Engine, EngineService
@@ -51,7 +52,7 @@ async def completions(req: CompletionRequest, engine: Engine):
         {"index": i, "text": a["text"], **_text_choice(a["meta_info"], 0, with_logprobs)} for i, a in enumerate(answers)
     ]
     body = {**envelope("text_completion", answers[0]["meta_info"]["id"], model), "choices": choices}
-    return JSONResponse({**body, "usage": usage(answers, req.n)})
+    return JSONResponse(_with_extensions({**body, "usage": usage(answers, req.n)}, req, answers))
 
 
 @router.post("/v1/chat/completions")
@@ -73,7 +74,17 @@ async def chat_completions(req: ChatCompletionRequest, engine: Engine):
         for i, a in enumerate(answers)
     ]
     body = {**envelope("chat.completion", answers[0]["meta_info"]["id"], req.model), "choices": choices}
-    return JSONResponse({**body, "usage": usage(answers, req.n)})
+    return JSONResponse(_with_extensions({**body, "usage": usage(answers, req.n)}, req, answers))
+
+
+def _with_extensions(body: dict, req, answers: list[dict]) -> dict:
+    """SGLang's additions to a non-streamed answer, both from the first /generate answer: `metadata`
+    (weight version and spans) always, `sglext` (routed experts) when asked and present."""
+    first = answers[0]["meta_info"]
+    body["metadata"] = weight_version_metadata(first)
+    if (extension := req.sglext([first])) is not None:
+        body["sglext"] = extension
+    return body
 
 
 def _text_choice(meta: dict, start: int, with_logprobs: bool) -> dict[str, Any]:
@@ -115,7 +126,8 @@ def _read_template(path: str) -> str:
 
 def _stream(engine: EngineService, seqs, req, kind: str, extra) -> StreamingResponse:
     """OpenAI chunks: per token of each choice the new text (chat: a first chunk with the role),
-    the last one with finish_reason; with stream_options.include_usage a last chunk of counts."""
+    the last one with finish_reason; then, as SGLang, a chunk with no choices carrying `sglext`
+    (routed experts, when asked); with stream_options.include_usage a last chunk of counts."""
     head = envelope(kind, seqs[0].rid, req.model)
     chat = kind == "chat.completion.chunk"
 
@@ -140,6 +152,8 @@ def _stream(engine: EngineService, seqs, req, kind: str, extra) -> StreamingResp
             yield sse({**head, "choices": [choice]})
             if finished:
                 answers[index] = answer
+        if (extension := req.sglext([answers[i]["meta_info"] for i in sorted(answers)])) is not None:
+            yield sse({**head, "choices": [], "sglext": extension})  # after the choices, before usage
         if req.stream_options is not None and req.stream_options.include_usage:
             ordered = [answers[i] for i in range(len(seqs))]
             yield sse({**head, "choices": [], "usage": usage(ordered, req.n)})

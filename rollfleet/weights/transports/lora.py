@@ -84,6 +84,6 @@ class LoraTransport(Transport):
         return report
 
     def _unload_where_loaded(self, name: str) -> None:
-        infos = self._each("get_model_info", lambda t: ((), {})).result()
-        loaded = [t.engine_id for t, info in zip(self.targets, infos) if name in info.get("loaded_lora_adapters", {})]
+        adapters = self._each("loaded_lora_adapters", lambda t: ((), {})).result()  # /v1/models, as SGLang lists them
+        loaded = [t.engine_id for t, names in zip(self.targets, adapters) if name in names]
         self._each("unload_lora_adapter", lambda t: ((name,), {}), engine_ids=loaded).result()
