@@ -18,6 +18,8 @@ test: $(VENV)/.installed lint sglang-site
 # SGLang's own code for tests/test_sglang_contract.py (pure Python for its weight-update path, no GPU
 # toolchain): a folder on PYTHONPATH of the test's subprocess only. A failed install (no registry)
 # leaves no folder, and the contract test skips saying so.
+# Another release: install it the same way into DIR and run
+#   ROLLFLEET_SGLANG_SITE=DIR pytest tests/test_sglang_contract.py
 sglang-site: .sglang-site/.installed
 .sglang-site/.installed: requirements-sglang.txt $(VENV)/.installed
 	rm -rf .sglang-site

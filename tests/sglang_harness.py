@@ -15,6 +15,7 @@ records, and `/contract/feed` sends SGLang's own client payloads to another engi
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import os
@@ -105,7 +106,10 @@ class TpWorker:
             recapture_cuda_graph=lambda: None,
             get_model_runner=lambda: None,
         )
-        self.model_runner = SimpleNamespace(weight_updater=updater, load_lora_adapter_from_tensors=record_lora)
+        # tp_rank: where SGLang 0.5.21 reads a worker's rank (later releases: the runtime context)
+        self.model_runner = SimpleNamespace(
+            weight_updater=updater, load_lora_adapter_from_tensors=record_lora, tp_rank=0, tp_size=1
+        )
 
     def weight_update_runners(self):
         return [("target", self.model_runner)]
@@ -259,7 +263,12 @@ if __name__ == "__main__":
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     context.tp_group = SimpleNamespace(cpu_group=dist.group.WORLD)
     worker = TpWorker()
+    # SGLang 0.5.21 takes the tp cpu group as an argument; later releases read it from the runtime context
+    takes_group = any(
+        f.name == "tp_cpu_group" and f.init for f in dataclasses.fields(scheduler_side.SchedulerWeightUpdaterManager)
+    )
     manager = scheduler_side.SchedulerWeightUpdaterManager(
+        **({"tp_cpu_group": context.tp_group.cpu_group} if takes_group else {}),
         tp_worker=worker,
         draft_worker=None,
         memory_saver_adapter=None,

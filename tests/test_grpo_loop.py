@@ -13,13 +13,18 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollfleet.config import load_config
 from rollfleet.rewards.basic import copy_digits
-from rollfleet.train.loop import train
+from rollfleet.tiny_models import make_tiny_model
+from rollfleet.train.fsdp import PolicyTrainer, init_distributed
+from rollfleet.train.loop import _train_item, train
 from rollfleet.train.metrics import PHASES
+from rollfleet.wire.net import free_port
+from rollfleet.wire.routed_experts import decode_routed_experts
 
 # one Ray (conftest's) for the module's runs: train() leaves running a Ray it did not start, which
 # saves each run Ray's start and shutdown (seconds of CPU on this machine)
@@ -363,3 +368,86 @@ def test_chaos_async_engine_killed_mid_generation(qwen3_dir, tmp_path):
     assert sum(r["recovery_errors"] for r in rows) == 0
     last = {e["engine_id"]: e["to"] for e in events}
     assert set(last.values()) == {"ACTIVE"}, last
+
+
+# ---- MoE routing replay through the loop ---------------------------------------------------------
+
+
+def fragile_moe(directory) -> str:
+    """The tiny Qwen3-MoE with two near-twin experts per router (expert 1's router row is expert 0's
+    plus 0.1% noise) and experts that move the logits (down projections x 20): where the twins meet
+    at the top-k edge, bf16 rounding on the engine picks the other twin than the fp32 trainer, and
+    replay has something to correct (docs/benchmarks.md, "MoE routing replay")."""
+    path = make_tiny_model(directory, "qwen3_moe", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            router = layer.mlp.gate.weight
+            router[1] = router[0] + 1e-3 * router[1]
+            layer.mlp.experts.down_proj.mul_(20)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def gloo_rank():
+    """This process as a one-rank trainer world (the in-process trainers that score the loop's samples)."""
+    init_distributed(0, 1, master_port=free_port(), backend="gloo")
+    yield
+    dist.destroy_process_group()
+
+
+def test_grpo_with_routing_replay(tmp_path, gloo_rank):
+    """Engines return every sample's expert choices and the trainer replays them: it forces one route
+    per fed position and layer, it agrees with the engine better than without replay (the same step-0
+    samples scored by trainers built here, with and without), and routes recorded for another model's
+    layout are refused."""
+    model_dir = fragile_moe(tmp_path / "moe")
+    cfg, temp = run_config(
+        model_dir,
+        tmp_path / "run",
+        "rollout.server_extras=[--dtype, bfloat16]",  # engine in bf16, trainer in fp32: routing can differ
+        "rollout.placement=colocated",
+        "weight_sync.transport=tensor",
+        "grpo.steps=2",
+        "train.routing_replay=true",
+    )
+    recorder = Recorder(model_dir)
+    try:
+        train(cfg, observe=recorder)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    num_tensors = len(tensors(model_dir))  # checkpoint names: one per expert, as the pushes send them
+    batches = []
+    for step, row in enumerate(rows):
+        samples = recorder.check(step, 4, str(step), engines={0})
+        positions = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in samples]
+        for sample, count in zip(samples, positions, strict=True):  # every fed token: layers x top_k experts
+            routes = decode_routed_experts(sample.routed_experts, 2, 2)
+            assert routes.shape == (count, 2, 2) and 0 <= routes.min() and routes.max() < 4
+        assert row["train/replay_routes"] == sum(positions) * 2  # the trainer forced every one of them
+        assert row["sync_tensors"] == num_tensors and row["sync_verified_engines"] == 1
+        batches.append([_train_item(s, 0.0) for s in samples])
+    assert rows[0]["train/replay_changed_share"] > 0  # the bf16 engine routed some tokens elsewhere
+    # step 0 was sampled from the initial weights: trainers on them score it as the loop's first step did
+    replayed = PolicyTrainer(model_dir, cfg.train).train_step(batches[0])
+    own = PolicyTrainer(model_dir, cfg.train.model_copy(update={"routing_replay": False})).train_step(batches[0])
+    for key in ("logprob_mismatch_mean", "logprob_mismatch_max", "replay_changed_share"):
+        assert replayed[key] == pytest.approx(rows[0][f"train/{key}"], rel=1e-4, abs=1e-7), key
+    for key in ("logprob_mismatch_mean", "logprob_mismatch_max"):  # what replay removed
+        assert rows[0][f"train/{key}"] < own[key], key
+    refused_by_layout(tmp_path, cfg, batches[0])
+
+
+def refused_by_layout(tmp_path, cfg, batch) -> None:
+    """The engine's routes (2 layers x top-2 of 4 experts) against trainers of other MoE layouts."""
+    for name, overrides, message in [
+        ("top1", {"num_experts_per_tok": 1}, r"routes 2 layers x top_k=1 = 2 per position: the engines route"),
+        ("three", {"num_hidden_layers": 3}, r"routes 3 layers x top_k=2 = 6 per position: the engines route"),
+        ("two_experts", {"num_experts": 2}, r"name expert [23] .*experts 0\.\.1 per layer: the engines route"),
+    ]:
+        other = make_tiny_model(tmp_path / name, "qwen3_moe", **overrides)
+        with pytest.raises(ValueError, match=message):
+            PolicyTrainer(other, cfg.train).train_step(batch)

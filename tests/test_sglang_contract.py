@@ -26,13 +26,17 @@ from rollfleet.wire.client import SUPPORTED_SGLANG, UnsupportedEngine, check_sup
 from tests.conftest import call
 
 ROOT = Path(__file__).resolve().parent.parent
-SITE = ROOT / ".sglang-site"
+# another release's site (pip install --no-deps --target DIR sglang==X plus requirements-sglang.txt's
+# other pins) is tried with ROLLFLEET_SGLANG_SITE=DIR; CI runs the pinned one in .sglang-site
+SITE = Path(os.environ.get("ROLLFLEET_SGLANG_SITE") or ROOT / ".sglang-site").resolve()
 START_TIMEOUT_S = 300  # importing SGLang's modules on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
 def sglang_url(tmp_path_factory):
     if not (SITE / "sglang" / "version.py").exists():
+        if os.environ.get("ROLLFLEET_SGLANG_SITE"):
+            raise FileNotFoundError(f"ROLLFLEET_SGLANG_SITE={SITE} holds no sglang package (install one there)")
         pytest.skip(f"the sglang wheel is not installed in {SITE}: run `make sglang-site` (needs the package registry)")
     env = {**os.environ, "PYTHONPATH": f"{SITE}{os.pathsep}{ROOT}", "PYTHONWARNINGS": "ignore"}
     log = tmp_path_factory.mktemp("sglang") / "harness.log"

@@ -47,7 +47,7 @@ from transformers import AutoModelForCausalLM
 from rollfleet.config import TrainConfig
 from rollfleet.train.grpo import logprob_mismatch, policy_loss, truncated_is_weights
 from rollfleet.train.offload import Offloader
-from rollfleet.train.routing_replay import RoutingReplay, check_replay_batch, replay_routes
+from rollfleet.train.routing_replay import RoutingReplay, replay_routes
 from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
 
@@ -95,8 +95,8 @@ class PolicyTrainer:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("fsdp",))
         self.model = self._load_sharded(trainable=True)
         self.ref_model = self._load_sharded(trainable=False) if self.config.kl_coef > 0 else None
-        replay = self.config.routing_replay  # the engine's expert choices in every forward (routing_replay.py)
-        self.replays = {id(m): RoutingReplay(m) for m in (self.model, self.ref_model) if replay and m is not None}
+        # the engine's expert choices in every forward (routing_replay.py)
+        self.replays = {id(m): RoutingReplay(m) for m in self._models() if self.config.routing_replay}
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
         )
@@ -134,13 +134,14 @@ class PolicyTrainer:
 
         Each item: `prompt_ids` and `output_ids` (token id lists), `logprobs` (the engine's logprob
         of each output token, len(output_ids) floats) and `advantage` (a float); with routing replay also
-        `routed_experts` (SGLang's base64, every position but the last). Returns metrics
-        reduced over ranks: loss, grad_norm, clip_frac, ratio_mean, kl, logprob_mismatch_mean/max,
-        tis_ratio_mean/max, tis_truncated_share, tokens, samples, step.
+        `routed_experts` (SGLang's base64, every position but the last). Returns metrics reduced over
+        ranks: loss, grad_norm, clip_frac, ratio_mean, kl, logprob_mismatch_mean/max, tis_ratio_mean/max,
+        tis_truncated_share, tokens, samples, step; with replay replay_routes, replay_changed_share.
         """
         _check_batch(batch)
-        if self.replays:
-            check_replay_batch(batch, self.replays[id(self.model)].shape)
+        replay = self.replays.get(id(self.model))
+        if replay is not None:
+            replay.check(batch)
         self._require_onloaded("train_step")
         cfg = self.config
         per_rank = math.ceil(len(batch) / self.world_size)
@@ -167,6 +168,7 @@ class PolicyTrainer:
             "grad_norm": float(grad_norm),
             "samples": len(batch),
             "step": self.step,
+            **(replay.figures(self.device) if replay is not None else {}),
         }
 
     def _micro_step(self, items: Sequence[Mapping[str, Any] | None], normalizer: float) -> tuple[tuple, float]:
@@ -365,9 +367,7 @@ class PolicyTrainer:
 
 
 def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:

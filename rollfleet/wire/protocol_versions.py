@@ -10,7 +10,7 @@ import re
 SESSIONS_SINCE_SGLANG = (0, 5, 21)  # SGLang refuses tensor and distributed weight updates outside a session since
 # The SGLang releases whose weight-update protocol the senders speak, proven by tests/test_sglang_contract.py
 # against that release's own receiving code (Makefile: SGLANG_VERSION). Outside it a sender refuses to start.
-SUPPORTED_SGLANG = ((0, 5, 23), (0, 5, 23))  # widen only after the contract test passed on the release
+SUPPORTED_SGLANG = ((0, 5, 21), (0, 5, 23))  # each passed the contract test (docs/architecture.md)
 
 
 class UnsupportedEngine(ValueError):
