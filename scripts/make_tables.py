@@ -122,7 +122,24 @@ def grpo_step(records: list[tuple[str, dict]]) -> str:
                 f"| {run} | {cells} | {f.get('sync_bytes', 0) / 1e9:.2f} GB | {limit or 0:.3f} | {ratio} "
                 f"| {f'{rate:.1f}' if rate else '-'} | {against} |\n"
             )
+        out.append(_sync_split(s["phases"]))
+        if not r["ok"]:
+            out.append(f"\nThe record is marked failed: {r['failure']} (the steps above completed).\n")
     return "".join(out) or "(no records)\n"
+
+
+def _sync_split(phases: dict[str, dict]) -> str:
+    """Where each run's sync went (ms, medians; records from code that logs `sync_phases`): the
+    engines' weight resume, the sender's phases, its call as the fleet saw it, the verification."""
+    keys = sorted({k for f in phases.values() for k in f if k.startswith("sync/")})
+    if not keys:
+        return ""
+    names = [k.removeprefix("sync/") for k in keys]
+    rows = ["\nThe sync's split, ms (sender = the sender's own seconds, inside send_call):\n\n"]
+    rows.append("| run | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n")
+    for run, f in phases.items():
+        rows.append(f"| {run} | " + " | ".join(f"{f.get(k, 0.0) * 1e3:.1f}" for k in keys) + " |\n")
+    return "".join(rows)
 
 
 def batching(records: list[tuple[str, dict]]) -> str:

@@ -5,7 +5,8 @@
 Runs `rollfleet train` (a separate process, the real loop) on a Qwen3-shaped model written in bf16
 (default: the step-time issue's 1.46B shape, hidden 2048, 24 layers), 16 prompts x n=8 x 32 new
 tokens, in up to two layouts:
-- colocated: trainer world 2, two tp=1 engines, one per GPU, `tensor` sync, 2048 MB buckets;
+- colocated: trainer world 2, two tp=1 engines, one per GPU, `tensor` sync, 2048 MB buckets (on one
+  GPU, `--gpus 1`: trainer world 1 beside one engine; the all-gather ceiling is then one copy);
 - disaggregated: trainer world 1 on GPU 0, one engine on GPU 1, `nccl` sync; once per
   `--max-staleness` k (runs named disaggregated, disaggregated-k1, ...: k >= 1 generates the next
   steps' samples while the trainer trains). Each asynchronous run's step time is set against
@@ -19,6 +20,8 @@ ceilings, measured afterwards on the same machine with the run's own byte counts
 - disaggregated sync: plain broadcasts of the same bytes in the same buckets to a bare receiver;
 - sleep/wake: pinned host<->device copies of the bytes the step moved (GPU only).
 On CPU the same runs work with gloo (slow, for checking the script); the pinned ceiling is skipped.
+Beside the phases, the summary keeps the sync's split (`sync/<phase>`, from the step metrics'
+`sync_phases`): where a sync that misses its ceiling spends its time.
 """
 
 from __future__ import annotations
