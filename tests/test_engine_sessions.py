@@ -13,7 +13,8 @@ import asyncio
 
 import httpx
 import pytest
-from conftest import call, client_for, reference_greedy, run, scheduler_stats_when
+import torch
+from conftest import call, client_for, engine_server, reference_greedy, run, scheduler_stats_when
 from safetensors.torch import load_file
 
 from rollfleet.wire.buckets import iter_buckets
@@ -113,6 +114,28 @@ def test_a_session_missing_one_tensor_is_not_served_until_a_complete_one(engine,
     assert post(engine, "/end_weight_update").status_code == 200
     assert version(engine) == "c" and status(engine, "/health_generate") == 200
     assert greedy(engine) == reference_greedy(qwen3_dir_b, PROMPT, 8)[0]
+
+
+def test_an_engine_that_allows_partial_updates_commits_them_as_sglang_does(qwen3_dir, qwen3_dir_b, tmp_path):
+    """--rollfleet-partial-weight-updates: a session that left tensors out commits (SGLang's behaviour);
+    what was sent is new, what was not keeps its value, and the answer says how many came."""
+    old, new = load_file(f"{qwen3_dir}/model.safetensors"), load_file(f"{qwen3_dir_b}/model.safetensors")
+    left_out, sent = "model.layers.1.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(old[left_out], new[left_out]) and not torch.equal(old[sent], new[sent])
+    with engine_server(qwen3_dir, tmp_path, extra=["--rollfleet-partial-weight-updates"]) as proc:
+        assert post(proc, "/begin_weight_update").status_code == 200
+        push(proc, {n: t for n, t in new.items() if n != left_out}, weight_version="b")
+        ended = post(proc, "/end_weight_update")
+        assert ended.status_code == 200, ended.text
+        assert f"partial: {len(new) - 1} of {len(new)} tensors" in ended.json()["message"]
+        assert version(proc) == "b" and status(proc, "/health_generate") == 200
+
+        def first_rows(name):
+            return torch.tensor(post(proc, "/get_weights_by_name", {"name": name, "truncate_size": 2}).json())
+
+        assert torch.allclose(first_rows(left_out), old[left_out][:2])  # not sent: its old value
+        assert torch.allclose(first_rows(sent), new[sent][:2])
+        greedy(proc)  # it serves
 
 
 def test_a_late_refused_call_leaves_the_engine_not_serving_and_a_disk_load_recovers(engine, qwen3_dir, qwen3_dir_b):

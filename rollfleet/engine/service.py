@@ -85,7 +85,11 @@ class EngineService:
     remote: RemoteTransfers = field(default_factory=RemoteTransfers)
 
     def __post_init__(self):
-        self.sessions = WeightSessions(self.scheduler, self.runner.schema.required_names)
+        self.sessions = WeightSessions(
+            self.scheduler,
+            self.runner.schema.required_names,
+            allow_partial=self.args.rollfleet_partial_weight_updates,
+        )
 
     @property
     def model_path(self) -> str:

@@ -40,6 +40,13 @@ def add_serving_flags(p: argparse.ArgumentParser) -> None:
         "SGLang's flag): the experts each layer chose per token, for routing replay in the trainer",
     )
     p.add_argument(
+        "--rollfleet-partial-weight-updates",
+        action="store_true",
+        help="commit a weight-update session that did not send every tensor, as SGLang does (the tensors "
+        "not sent keep their values); by default such a session is refused and the engine serves nothing "
+        "until a complete one, so a push that lost a tensor is never served",
+    )
+    p.add_argument(
         "--mem-fraction-static",
         type=float,
         default=None,

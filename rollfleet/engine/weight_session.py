@@ -9,7 +9,9 @@ order they were queued, each update only once the running batch has ended):
   2. From the first call that applied, generation is held: requests wait, no batch runs on a
      half-synced model.
   3. end commits when every tensor of the model arrived in the session and no call of it was
-     refused: the held version becomes the label and generation resumes.
+     refused: the held version becomes the label and generation resumes. With partial updates
+     allowed (`--rollfleet-partial-weight-updates`, SGLang's own behaviour) a session that sent
+     some tensors commits too: the others keep their values, and the answer says how many came.
   4. Otherwise end answers 400. If any call of the session applied, the weights are *mixed*:
      every unfinished request ends, new ones are refused (503), the old version label stays,
      until a later complete session commits or a disk load replaces the whole model (or the
@@ -45,8 +47,9 @@ class Session:
 
 
 class WeightSessions:
-    def __init__(self, scheduler: Scheduler, required_names: frozenset[str]):
+    def __init__(self, scheduler: Scheduler, required_names: frozenset[str], *, allow_partial: bool = False):
         self._scheduler, self._required = scheduler, required_names
+        self.allow_partial = allow_partial
         self.open: Session | None = None
         self.mixed: str | None = None  # why the weights may not be served
         self._count = 0
@@ -112,7 +115,9 @@ class WeightSessions:
                 raise SessionError("no weight-update session is open; call begin_weight_update() first")
             missing = sorted(self._required - session.arrived)
             problems = [session.failure] if session.failure else []
-            if missing:
+            partial = f" (partial: {len(self._required) - len(missing)} of {len(self._required)} tensors)"
+            partial = partial if missing and self.allow_partial else ""
+            if missing and not self.allow_partial:
                 shown = ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else "")
                 total = len(self._required)
                 problems.append(f"{len(missing)} of the model's {total} tensors did not arrive in the session: {shown}")
@@ -121,7 +126,7 @@ class WeightSessions:
                 if session.version is not None:
                     self._scheduler.weight_version = version = session.version
                 self._serve_again()
-                return f"weight-update session {session.number} committed: weight_version {version!r}"
+                return f"weight-update session {session.number} committed: weight_version {version!r}{partial}"
             self._scheduler.hold(None)
             why = "; ".join(problems)
             if not session.applied:
