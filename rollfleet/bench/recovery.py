@@ -184,7 +184,10 @@ def _fleet(model_dir: Path, scratch: Path, launcher: str, standby_engines: int =
 def _rounds(fleet: Fleet, model_dir: Path, args, one_round) -> tuple[list[dict], str]:
     """Push v1 (a perturbed copy of the model: not what a dummy start holds), then the rounds."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype])
+        # on a GPU where there is one, as a trainer's tensors are: a host-resident model made the
+        # push path a host-to-device copy (1.1-1.3 s for 2.9 GB on H200, against ~0.15 s from a GPU)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype]).to(device)
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(1e-3)
