@@ -96,7 +96,8 @@ def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, t
         shutil.rmtree(temp, ignore_errors=True)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and sorted(recorder.steps) == [0, 1, 2]
-    num_params = len(dict(AutoModelForCausalLM.from_pretrained(qwen3_dir).named_parameters()))
+    start_params = list(AutoModelForCausalLM.from_pretrained(qwen3_dir).parameters())
+    num_params = len(start_params)
     for step, row in enumerate(rows):
         # colocated runs push before step 0 (the engines gave their memory to the trainer); a
         # disaggregated run serves the loaded model at step 0
@@ -105,6 +106,8 @@ def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, t
         assert row["reward_mean"] == pytest.approx(sum(s.reward for s in samples) / len(samples))
         # every step's push carried the whole model and was verified on the engine
         assert row["sync_tensors"] == num_params and row["sync_verified_engines"] == 1
+        if placement == "colocated":  # the engine gave its weights back for the trainer's turn (CPU: their bytes)
+            assert row["engine_released_bytes"] >= sum(p.numel() * 4 for p in start_params), row
     assert all(abs(sum(r[f"time/{p}"] for p in (*PHASES, "other")) - r["time/total"]) < 1e-6 for r in rows)
     assert all(r["train/logprob_mismatch_mean"] < 1e-3 for r in rows)  # engine and trainer agree (fp32)
     # so TIS (on by default, cap 2) weighs every token ~1 and truncates none: the synchronous run is unchanged

@@ -220,16 +220,22 @@ class Fleet:
 
     # ---- memory ---------------------------------------------------------------------------------
     def sleep(self, tags: list[str] | None = None) -> list[dict]:
-        """Release memory on every running engine (SGLang: released weights must be pushed again);
-        the engines' answers (the embedded engine reports its memory before and after)."""
-        answers = self.pool.on_all("release_memory_occupation", self._running(), tags)
+        """Release memory on every running engine (SGLang: released weights must be pushed again).
+        Per engine, its memory per rank before and after (`{"memory": [{"before", "after"}]}`, read
+        from the embedded engine's /rollfleet/memory: a release answers null, as SGLang's does; {}
+        for SGLang, which reports no figures)."""
+        running, embedded = self._running(), self.rollout.backend == "embedded"
+        before = self.pool.on_all("memory", running) if embedded else []
+        self.pool.on_all("release_memory_occupation", running, tags)
+        after = self.pool.on_all("memory", running) if embedded else []
+        answers = [{"memory": [{"before": b, "after": a} for b, a in zip(*pair)]} for pair in zip(before, after)]
         for slot in self.slots:
             if slot.state == EngineState.ACTIVE:
                 self.recovery.to(slot, EngineState.SLEEPING, f"released {tags or 'all'}")
             if slot.is_running and (tags is None or "weights" in tags):
                 slot.version = ""  # released weights are gone: no version until a push is verified
         self._weights_released = self._weights_released or tags is None or "weights" in tags
-        return answers
+        return answers or [{} for _ in running]
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Resume memory; an engine whose weights were released waits for a push (AWAITING_WEIGHTS)."""
