@@ -221,13 +221,18 @@ class Recovery:
 
     def _speaks_known_protocol(self, slot: EngineSlot, url: str) -> bool:
         """The restarted engine is reachable at `url` (Fleet.engine_started reads its protocol); an
-        SGLang release the senders do not speak is stopped and left INACTIVE, naming the range."""
+        SGLang release the senders do not speak, or an engine that does not answer /get_server_info
+        (it died just after its start), is stopped and left INACTIVE with the reason."""
         try:
             self.fleet.engine_started(slot, url)
             return True
-        except UnsupportedEngine as exc:
-            ray.get(slot.head.stop_engine.remote(), timeout=STOP_TIMEOUT_S)
-            self.to(slot, EngineState.INACTIVE, f"restart failed: {exc}")
+        except Exception as exc:  # noqa: BLE001 - this engine's restart failed; the others go on
+            why = str(exc) if isinstance(exc, UnsupportedEngine) else f"its /get_server_info failed: {exc!r:.200}"
+            try:
+                ray.get(slot.head.stop_engine.remote(), timeout=STOP_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - already gone: INACTIVE either way
+                log.warning("engine %d: stopping it after a failed restart failed too", slot.engine_id)
+            self.to(slot, EngineState.INACTIVE, f"restart failed: {why}")
             return False
 
     def _wait(self, slot: EngineSlot, call: ray.ObjectRef, timeout_s: float):
