@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
-from rollfleet.engine.zygote_client import Zygote
+from rollfleet.engine.zygote_client import SHARED_ZYGOTE_ENV, Zygote
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.client import EngineClient
@@ -131,6 +131,7 @@ def lend(name: str, start):
 @pytest.fixture(scope="session")
 def ray_lender():
     def start(stack):
+        shared_zygote()  # listening before Ray's workers start engines (see SHARED_ZYGOTE_ENV)
         temp = tempfile.mkdtemp(prefix="rf-ray-")
         stack.callback(shutil.rmtree, temp, ignore_errors=True)
         ray.init(num_cpus=8, num_gpus=4, _temp_dir=temp, include_dashboard=False, log_to_driver=False)
@@ -158,16 +159,22 @@ _SERVER_NUMBERS = itertools.count()
 
 
 _ZYGOTE: Zygote | None = None
+_ZYGOTE_SOCKET = Path(tempfile.gettempdir()) / f"rf-test-zygote-{os.getpid()}.sock"
+# set before any Ray or subprocess starts, so that they inherit it: the engine workers of every
+# fleet (and bench) of the run take a sub-zygote of the shared one where it listens by then
+os.environ[SHARED_ZYGOTE_ENV] = str(_ZYGOTE_SOCKET)
 
 
 def shared_zygote() -> Zygote:
     """One zygote for the whole run (started on first use, ended with pytest, whose pipe it reads):
     the tests' engines fork from it as a fleet's do (rollout.engine_launcher: zygote), so an engine
-    start costs no imports (seconds of CPU each on this 2-core machine). A zygote that died is
-    replaced; EngineProcess spawns when a fork fails, saying so in the engine's log."""
+    start costs no imports (seconds of CPU each on this 2-core machine); it listens at
+    ROLLFLEET_ZYGOTE_SOCKET, where the fleets' engine workers connect for a sub-zygote of it
+    (workers started before it listens start their own). A zygote that died is replaced;
+    EngineProcess spawns when a fork fails, saying so in the engine's log."""
     global _ZYGOTE
     if _ZYGOTE is None or not _ZYGOTE.is_alive():
-        _ZYGOTE = Zygote(Path(tempfile.gettempdir()) / f"rf-test-zygote-{os.getpid()}.log")
+        _ZYGOTE = Zygote(_ZYGOTE_SOCKET.with_suffix(".log"), listen=_ZYGOTE_SOCKET)
     return _ZYGOTE
 
 

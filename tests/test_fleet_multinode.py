@@ -10,6 +10,7 @@ import time
 
 import pytest
 import ray
+from conftest import shared_zygote
 from ray.cluster_utils import Cluster
 
 from rollfleet.config import load_config
@@ -21,6 +22,7 @@ from rollfleet.layout import Layout
 
 @pytest.fixture(scope="module")
 def cluster():
+    shared_zygote()  # its nodes' engine workers fork their engines from it (conftest: SHARED_ZYGOTE_ENV)
     temp = tempfile.mkdtemp(prefix="rf-cl-")
     saved = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = temp  # the Cluster helper writes its address file under Ray's temp dir

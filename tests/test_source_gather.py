@@ -38,35 +38,63 @@ def _counted_gathers(run) -> tuple[object, int]:
         dist.all_gather_into_tensor = real
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
-    init_distributed(rank, world, master_port=port, backend="gloo")
+def _worker(rank: int, cases: list[tuple[int, int, str, str]]) -> None:
+    """One process for every case (world, port, model dir, out) whose world includes its rank: each
+    case is a default group of its own, made and destroyed in turn (a spawn per case paid torch's
+    import in each of its processes)."""
     torch.set_num_threads(1)
-    try:
-        model = PolicyTrainer(model_dir, TrainConfig()).model
-        result: dict = {"row_sharded": sum(is_row_sharded(p) for p in model.parameters())}
-        for label, source in {
-            "bucketed": ModuleSource(model),
-            "per_layer": ModuleSource(model, gather_bytes=1),
-            "bf16": ModuleSource(model, dtype=torch.bfloat16),
-        }.items():
-            GATHERED_DTYPES.clear()
-            tensors, count = _counted_gathers(lambda s=source: {n: t.clone() for n, t in s.named_tensors()})
-            result[label], result[f"{label}_gathers"] = tensors, count
-            result[f"{label}_gathered_dtypes"] = set(GATHERED_DTYPES)
-        left_out, count = _counted_gathers(lambda: list(ModuleSource(model, keep=rank == 0).named_tensors()))
-        result["kept"], result["kept_gathers"] = len(left_out), count
-        torch.save(result, Path(out) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    for world, port, model_dir, out in cases:
+        if rank < world:
+            init_distributed(rank, world, master_port=port, backend="gloo")
+            try:
+                _gather_case(rank, model_dir, out)
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+
+
+def _gather_case(rank: int, model_dir: str, out: str) -> None:
+    model = PolicyTrainer(model_dir, TrainConfig()).model
+    result: dict = {"row_sharded": sum(is_row_sharded(p) for p in model.parameters())}
+    for label, source in {
+        "bucketed": ModuleSource(model),
+        "per_layer": ModuleSource(model, gather_bytes=1),
+        "bf16": ModuleSource(model, dtype=torch.bfloat16),
+    }.items():
+        GATHERED_DTYPES.clear()
+        tensors, count = _counted_gathers(lambda s=source: {n: t.clone() for n, t in s.named_tensors()})
+        result[label], result[f"{label}_gathers"] = tensors, count
+        result[f"{label}_gathered_dtypes"] = set(GATHERED_DTYPES)
+    left_out, count = _counted_gathers(lambda: list(ModuleSource(model, keep=rank == 0).named_tensors()))
+    result["kept"], result["kept_gathers"] = len(left_out), count
+    torch.save(result, Path(out) / f"rank{rank}.pt")
 
 
 # world 3: every tiny dimension splits unevenly (64, 32, 16, 320 rows); MoE: fused experts, names by
 # expert; world 1: the shards are the full tensors, never gathered
-@pytest.mark.parametrize(("kind", "world"), [("qwen3", 3), ("qwen3_moe", 2), ("qwen3", 1)])
-def test_bucketed_gather_gives_the_checkpoint_exactly_in_few_collectives(kind, world, tmp_path):
-    model_dir = make_tiny_model(tmp_path / kind, kind, seed=3)
-    mp.spawn(_worker, args=(world, free_port(), str(model_dir), str(tmp_path)), nprocs=world)
+CASES = [("qwen3", 3), ("qwen3_moe", 2), ("qwen3", 1)]
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory) -> dict[tuple[str, int], Path]:
+    """Every case run by one spawn of as many processes as the largest world; case -> its directory."""
+    dirs = {case: tmp_path_factory.mktemp(f"{case[0]}-world{case[1]}") for case in CASES}
+    for (kind, _), path in dirs.items():
+        make_tiny_model(path / kind, kind, seed=3)
+    ports: list[int] = []
+    while len(ports) < len(CASES):  # one store per case, made in turn: distinct ports
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    cases = [(world, port, str(path / kind), str(path)) for ((kind, world), path), port in zip(dirs.items(), ports)]
+    mp.spawn(_worker, args=(cases,), nprocs=max(world for _, world in CASES))
+    return dirs
+
+
+@pytest.mark.parametrize(("kind", "world"), CASES)
+def test_bucketed_gather_gives_the_checkpoint_exactly_in_few_collectives(kind, world, gathered):
+    tmp_path = gathered[(kind, world)]
+    model_dir = tmp_path / kind
     expected = load_file(model_dir / "model.safetensors")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     layers = 2  # tiny models: 2 decoder layers

@@ -40,32 +40,17 @@ def full_weights(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in trainer.weight_source().named_tensors()}
 
 
-def _worker(rank: int, world_size: int, port: int, scenario: str, model_dir: str, out_dir: str, mbs: int) -> None:
+def _worker(rank: int, world_size: int, port: int, scenario: str, model_dirs: list, out_dir: str, mbs: int) -> None:
+    """One rank: `scenario` on model_dirs[0]; "all+moe" then goes on to "moe" on model_dirs[1] in the
+    same group (two independent cases, one spawn: each spawn pays torch's import per rank)."""
     init_distributed(rank, world_size, master_port=port, backend="gloo")
     torch.set_num_threads(1)
     try:
         out = Path(out_dir)
         config = TrainConfig(lr=1e-2, micro_batch_size=mbs, clip_high=0.28, grad_clip=0.5)
-        trainer = PolicyTrainer(model_dir, config)
-        result: dict = {}
-        if scenario in ("step", "all"):
-            result["before"] = full_weights(trainer)
-            result["metrics"] = trainer.train_step(make_batch(0))
-            result["after"] = full_weights(trainer)
-        if scenario == "all":
-            trainer.save_hf(out / "hf")
-            trainer.save_state(out / "state", extra={"data_step": 1})
-            result["metrics2"] = trainer.train_step(make_batch(1))
-            result["after2"] = full_weights(trainer)
-            result["extra"] = trainer.load_state(out / "state")
-            result["loaded_step"] = trainer.step
-            result["reloaded"] = full_weights(trainer)
-            result["metrics2_again"] = trainer.train_step(make_batch(1))
-            result["after2_again"] = full_weights(trainer)
-        if scenario == "moe":
-            trainer.train_step(make_batch(0))
-            trainer.save_hf(out / "hf", max_shard_bytes=100_000)  # several shards + index
-            result["after"] = full_weights(trainer)
+        result = _scenario(PolicyTrainer(model_dirs[0], config), scenario.split("+")[0], out)
+        if scenario.endswith("+moe"):
+            result["moe"] = _scenario(PolicyTrainer(model_dirs[1], config), "moe", out / "moe")
         if rank == 0:
             torch.save(result, out / "result.pt")
         dist.barrier()  # leave together: a rank that tears gloo down early can abort its peer
@@ -73,9 +58,32 @@ def _worker(rank: int, world_size: int, port: int, scenario: str, model_dir: str
         dist.destroy_process_group()
 
 
-def spawn(world_size: int, scenario: str, model_dir: str, out_dir: Path, mbs: int = 2) -> dict:
+def _scenario(trainer: PolicyTrainer, scenario: str, out: Path) -> dict:
+    result: dict = {}
+    if scenario in ("step", "all"):
+        result["before"] = full_weights(trainer)
+        result["metrics"] = trainer.train_step(make_batch(0))
+        result["after"] = full_weights(trainer)
+    if scenario == "all":
+        trainer.save_hf(out / "hf")
+        trainer.save_state(out / "state", extra={"data_step": 1})
+        result["metrics2"] = trainer.train_step(make_batch(1))
+        result["after2"] = full_weights(trainer)
+        result["extra"] = trainer.load_state(out / "state")
+        result["loaded_step"] = trainer.step
+        result["reloaded"] = full_weights(trainer)
+        result["metrics2_again"] = trainer.train_step(make_batch(1))
+        result["after2_again"] = full_weights(trainer)
+    if scenario == "moe":
+        trainer.train_step(make_batch(0))
+        trainer.save_hf(out / "hf", max_shard_bytes=100_000)  # several shards + index
+        result["after"] = full_weights(trainer)
+    return result
+
+
+def spawn(world_size: int, scenario: str, model_dirs: list[str], out_dir: Path, mbs: int = 2) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(world_size, free_port(), scenario, model_dir, str(out_dir), mbs), nprocs=world_size)
+    mp.spawn(_worker, args=(world_size, free_port(), scenario, model_dirs, str(out_dir), mbs), nprocs=world_size)
     return torch.load(out_dir / "result.pt")
 
 
@@ -83,8 +91,9 @@ def spawn(world_size: int, scenario: str, model_dir: str, out_dir: Path, mbs: in
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     model_dir = str(make_tiny_model(root / "model", "qwen3", seed=0))
-    one = spawn(1, "step", model_dir, root / "world1", mbs=3)
-    two = spawn(2, "all", model_dir, root / "world2", mbs=2)
+    moe_dir = str(make_tiny_model(root / "moe", "qwen3_moe", seed=0))
+    one = spawn(1, "step", [model_dir], root / "world1", mbs=3)
+    two = spawn(2, "all+moe", [model_dir, moe_dir], root / "world2", mbs=2)
     return model_dir, root, one, two
 
 
@@ -132,10 +141,10 @@ def test_save_state_load_state_round_trip(runs):
     assert two["metrics2_again"]["step"] == two["metrics2"]["step"] == 2
 
 
-def test_moe_weight_source_uses_checkpoint_names_and_shards(tmp_path):
-    model_dir = make_tiny_model(tmp_path / "moe", "qwen3_moe", seed=0)
-    result = spawn(2, "moe", str(model_dir), tmp_path / "run")
-    hf = tmp_path / "run" / "hf"
+def test_moe_weight_source_uses_checkpoint_names_and_shards(runs):
+    _, root, _, two = runs
+    model_dir, result = root / "moe", two["moe"]  # trained by the world-2 ranks after their dense case
+    hf = root / "world2" / "moe" / "hf"
     index = json.loads((hf / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1

@@ -1,18 +1,21 @@
 """The zygote (rollfleet/engine/zygote.py) with real engine processes on CPU: a forked engine imports
 nothing (its start breakdown says so), serves the model's greedy answer, is killed with its tp
 follower and reaped (no zombie), comes back forked again; a zygote that is gone means a plain spawn,
-and the engine's log says why."""
+and the engine's log says why. A sub-zygote of the run's shared zygote (what the fleets' workers
+take) forks and reaps the same way and ends when its connection closes."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import reference_greedy
+from conftest import reference_greedy, shared_zygote
 
 from rollfleet.engine.launch import EngineProcess, embedded_argv
-from rollfleet.engine.zygote_client import Zygote
+from rollfleet.engine.zygote_client import SHARED_ZYGOTE_ENV, Zygote
 from rollfleet.wire.net import free_port
 
 PROMPT = [4, 8, 15, 16]
@@ -82,3 +85,25 @@ def test_a_gone_zygote_means_a_spawn_and_the_log_says_why(qwen3_dir, tmp_path):
         assert greedy(engine) == reference_greedy(qwen3_dir, PROMPT, 6)[0]
     finally:
         engine.kill()
+
+
+def test_a_sub_zygote_of_the_shared_one_forks_reaps_and_ends_with_its_connection(qwen3_dir, tmp_path):
+    with pytest.raises(OSError):  # nothing listens there: the worker starts a zygote of its own
+        Zygote.connect(tmp_path / "none.sock", tmp_path / "zygote.log")
+    shared = shared_zygote()
+    assert shared.ready.wait(120)
+    sub = Zygote.connect(os.environ[SHARED_ZYGOTE_ENV], tmp_path / "zygote.log", preload_model=qwen3_dir)
+    assert sub.ready.wait(60) and sub.info["threads"] == ["python"] and sub.pid != shared.pid
+    engine = start(qwen3_dir, tmp_path / "engine.log", sub)
+    start_split = breakdown(engine)
+    assert engine.launch == "zygote" and start_split["phases"]["imports"] < 0.05, start_split
+    assert greedy(engine) == reference_greedy(qwen3_dir, PROMPT, 6)[0]
+    engine.kill()
+    assert engine.proc.returncode == -9 and is_zombie_or_gone(engine.pid)  # the sub-zygote reaped it
+    assert f"forked by zygote pid {sub.pid}" in (tmp_path / "engine.log").read_text()
+    sub.close()
+    deadline = time.monotonic() + 30
+    while not is_zombie_or_gone(sub.pid):  # it saw its connection close and exited
+        assert time.monotonic() < deadline, "the sub-zygote outlived its connection"
+        time.sleep(0.05)
+    assert shared.is_alive()

@@ -200,7 +200,7 @@ class EngineProcess:
             try:
                 # the spawn time in the environment: the engine reports its start from it (start_timing.py)
                 self.proc = zygote.fork(argv, spawn_env(env), self.log_path, timeout=zygote_wait_s)
-                self.launch, how = "zygote", f"forked by zygote pid {zygote.proc.pid}"
+                self.launch, how = "zygote", f"forked by zygote pid {zygote.pid}"
             except ZygoteGone as why:
                 how = f"spawned, not forked ({why})"
                 log.warning("engine on port %d %s", port, how)

@@ -19,6 +19,12 @@ Protocol, one JSON line each way: the zygote says `{"ready": true, "imports_s": 
 answers each `{"argv": [...], "env": {...}, "log": path}` with `{"pid": P}` or `{"error": why}`, and
 writes `{"exited": P, "code": C}` when it reaps a child (no zombie is left behind). It exits when
 its stdin closes: its worker died or let it go. Children outlive it, like spawned engines.
+
+Shared: with `--listen SOCKET` it also accepts connections on that Unix socket, and for each forks
+a sub-zygote (its imports already done) that serves the connection as a zygote serves its stdin:
+the client sends `{"preload_model": DIR or null}` first, the sub-zygote says ready, then forks
+engines on request. Several launchers of one host (the engine workers of successive fleets, e.g.
+a test run's) then pay the imports once; `ROLLFLEET_ZYGOTE_SOCKET` tells them where it listens.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # before torch: is_
 
 # isort: split
 import argparse
+import contextlib
 import json
 import select
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -82,6 +90,7 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         os.environ[FORKED_AT_ENV] = repr(time.time())
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # its tp followers fork from it too
+        _threads_from_env()
         from rollfleet.engine import server
 
         sys.argv = ["rollfleet.engine.server", *request["argv"]]
@@ -96,6 +105,16 @@ def _child(request: dict) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _threads_from_env() -> None:
+    """torch read OMP_NUM_THREADS when the zygote imported it, from the zygote's environment: a
+    request's own value (Ray gives its workers 1) is applied here, as a spawned engine would read it."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        import torch
+
+        torch.set_num_threads(int(value))
 
 
 def _fork(request: dict) -> dict:
@@ -122,13 +141,16 @@ def _reap() -> None:
         _say({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def serve() -> None:
-    """Fork on request until stdin closes."""
+def serve(listener: socket.socket | None = None) -> None:
+    """Fork on request until stdin closes; with a listener, a sub-zygote for each connection."""
     pending = b""
+    watched = [0] if listener is None else [0, listener]
     while True:
-        readable, _, _ = select.select([0], [], [], REAP_EVERY_S)
+        readable, _, _ = select.select(watched, [], [], REAP_EVERY_S)
         _reap()
-        if not readable:
+        if listener is not None and listener in readable:
+            _serve_connection(*listener.accept(), listener)
+        if 0 not in readable:
             continue
         chunk = os.read(0, 65536)
         if not chunk:
@@ -142,15 +164,60 @@ def serve() -> None:
                 _say({"error": f"{type(err).__name__}: {err}"})
 
 
+def _serve_connection(conn: socket.socket, _address, listener: socket.socket) -> None:
+    """Fork a sub-zygote that serves `conn` as its stdin and stdout (the parent keeps no copy of it,
+    so the client sees EOF when the sub-zygote ends); it reaps, and answers for, its own children."""
+    if threads()[1:]:  # a fork would not be safe: the client sees EOF and spawns instead
+        conn.close()
+        return
+    pid = os.fork()
+    if pid != 0:
+        conn.close()
+        return
+    code = 1
+    try:
+        listener.close()
+        os.dup2(conn.fileno(), 0)
+        os.dup2(conn.fileno(), 1)
+        conn.close()
+        hello = b""
+        while not hello.endswith(b"\n"):  # the client's first line: the model whose code to import
+            chunk = os.read(0, 4096)
+            if not chunk:
+                os._exit(0)
+            hello += chunk
+        preload(json.loads(hello).get("preload_model"))
+        _say({"ready": True, "imports_s": 0.0, "threads": threads(), "pid": os.getpid()})
+        serve()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _listener(path: str) -> socket.socket:
+    """A Unix socket at `path` (a stale one from a zygote that died is replaced)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    return listener
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m rollfleet.engine.zygote")
     parser.add_argument("--preload-model", default=None, help="also import this model's code")
+    parser.add_argument("--listen", default=None, help="also serve launchers that connect to this Unix socket")
     args = parser.parse_args()
     started = time.time()
+    # listening before the imports: a launcher that connects meanwhile waits for its ready line
+    listener = _listener(args.listen) if args.listen else None
     preload(args.preload_model)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is for the worker to handle
-    _say({"ready": True, "imports_s": round(time.time() - started, 3), "threads": threads()})
-    serve()
+    _say({"ready": True, "imports_s": round(time.time() - started, 3), "threads": threads(), "pid": os.getpid()})
+    serve(listener)
 
 
 if __name__ == "__main__":

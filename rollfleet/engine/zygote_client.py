@@ -5,6 +5,9 @@ A `Zygote` is owned by the process that launches engines (a fleet's engine-head 
 does) and reads its answers on one thread. `fork(argv, env, log)` returns a `ForkedProcess`, which
 answers like `subprocess.Popen` (pid, poll, wait, returncode) although the engine is the zygote's
 child, not ours: its exit is seen through a pidfd, its exit code comes from the zygote that reaped it.
+
+`Zygote.connect(socket_path, log_path)` is the same launcher served by a sub-zygote of a shared
+zygote of this host (`python -m rollfleet.engine.zygote --listen SOCKET`): no imports to wait for.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 
 ENGINE_MODULE = ["-m", "rollfleet.engine.server"]
+SHARED_ZYGOTE_ENV = "ROLLFLEET_ZYGOTE_SOCKET"  # where a shared zygote of this host listens, if one does
 UNKNOWN_EXIT_CODE = -1  # the zygote that reaped the engine is gone before it said how it ended
 
 
@@ -27,26 +32,54 @@ class ZygoteGone(RuntimeError):
 
 
 class Zygote:
-    def __init__(self, log_path: str | Path, *, preload_model: str | None = None):
+    def __init__(self, log_path: str | Path, *, preload_model: str | None = None, listen: str | Path | None = None):
+        """A zygote of our own; with `listen`, it also serves launchers that `connect` to that socket."""
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "rollfleet.engine.zygote"]
         if preload_model:
             argv += ["--preload-model", preload_model]
+        if listen:
+            argv += ["--listen", str(listen)]
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}  # numpy's BLAS pool would be a thread at fork time
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
+        self._begin(self.proc.stdout, self.proc.stdin)
+
+    @classmethod
+    def connect(cls, socket_path: str | Path, log_path: str | Path, *, preload_model: str | None = None) -> Zygote:
+        """A sub-zygote of the shared zygote listening at `socket_path`; OSError when none listens."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(socket_path))
+            sock.sendall((json.dumps({"preload_model": preload_model}) + "\n").encode())
+        except OSError:
+            sock.close()
+            raise
+        zygote = cls.__new__(cls)
+        zygote.log_path, zygote.proc, zygote._sock = Path(log_path), None, sock
+        zygote._begin(sock.makefile("rb"), sock.makefile("wb"))
+        return zygote
+
+    def _begin(self, answers, requests) -> None:
+        """Follow the zygote's answers (a pipe or a socket) on a thread of their own."""
+        self._requests = requests
         self.ready = threading.Event()  # set when it said ready, or when it is gone
         self._gone = False  # its stdout closed: it exited
-        self.info: dict = {}  # the zygote's ready line: imports_s, threads
+        self.info: dict = {}  # the zygote's ready line: imports_s, threads, pid
         self._answers: list[dict] = []
         self._exit_codes: dict[int, int] = {}
         self._changed = threading.Condition()
         self._request_lock = threading.Lock()  # one fork request at a time: answers come in order
-        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+        threading.Thread(target=self._read, args=(answers,), name="zygote-reader", daemon=True).start()
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
+    @property
+    def pid(self) -> int | None:
+        """The zygote that forks our engines (a sub-zygote's once it said ready)."""
+        return self.proc.pid if self.proc is not None else self.info.get("pid")
+
+    def _read(self, answers) -> None:
+        for line in answers:
             message = json.loads(line)
             with self._changed:
                 if "ready" in message:
@@ -63,7 +96,7 @@ class Zygote:
             self._changed.notify_all()
 
     def is_alive(self) -> bool:
-        return not self._gone and self.proc.poll() is None
+        return not self._gone and (self.proc is None or self.proc.poll() is None)
 
     def fork(self, argv: list[str], env: dict[str, str], log_path: str | Path, timeout: float) -> ForkedProcess:
         """Fork an embedded engine server (`argv` as for a spawn: python -m rollfleet.engine.server ...)."""
@@ -73,8 +106,8 @@ class Zygote:
             raise ZygoteGone(self._why_not_ready())
         request = {"argv": argv[3:], "env": env, "log": str(log_path)}
         with self._request_lock:
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
+            self._requests.write((json.dumps(request) + "\n").encode())
+            self._requests.flush()
             answer = self._next_answer(timeout)
         if "pid" not in answer:
             raise ZygoteGone(f"the zygote refused: {answer.get('error')}")
@@ -83,6 +116,8 @@ class Zygote:
     def _why_not_ready(self) -> str:
         if self.is_alive():
             return "the zygote is not ready yet (still importing)"
+        if self.proc is None:
+            return "the shared zygote's sub-zygote closed its connection"
         return f"the zygote exited (code {self.proc.poll()}; its log: {self.log_path})"
 
     def _next_answer(self, timeout: float) -> dict:
@@ -104,6 +139,10 @@ class Zygote:
 
     def close(self) -> None:
         """Let the zygote go (stdin closes; its children run on) and wait for it."""
+        if self.proc is None:  # a sub-zygote: it ends when its connection closes
+            self._sock.shutdown(socket.SHUT_RDWR)  # closes it for the reader thread's file too
+            self._sock.close()
+            return
         if self.proc.stdin and not self.proc.stdin.closed:
             self.proc.stdin.close()
         try:

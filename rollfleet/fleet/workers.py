@@ -10,6 +10,8 @@ An embedded engine head keeps a zygote (rollfleet.engine.zygote: torch, transfor
 imported once) from its creation on, and starts its engine from it, first start, restarts and
 standbys alike; when the zygote is gone the engine is spawned (the log says why) and a new zygote
 is started once the engine is up. The zygote ends with its worker (its stdin is the worker's pipe).
+Where ROLLFLEET_ZYGOTE_SOCKET names a shared zygote's socket (zygote.py, --listen), the worker takes a
+sub-zygote of it instead: no imports to wait for (the test suite starts one for all its fleets).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import ray
 
 from rollfleet.config import RolloutConfig
 from rollfleet.engine.launch import EngineLaunch, EngineProcess, PortInUse, RemoteSeed, engine_argv, engine_env
-from rollfleet.engine.zygote_client import Zygote
+from rollfleet.engine.zygote_client import SHARED_ZYGOTE_ENV, Zygote
 from rollfleet.layout import RankInfo
 from rollfleet.wire.net import free_port
 
@@ -35,11 +37,19 @@ class RolloutWorker:
         self.zygote = self._new_zygote()
 
     def _new_zygote(self) -> Zygote | None:
-        """A zygote for this worker's engine: heads of embedded engines, when the config asks for one."""
+        """A zygote for this worker's engine: heads of embedded engines, when the config asks for one.
+        Where a shared zygote of this host listens (ROLLFLEET_ZYGOTE_SOCKET), one of its sub-zygotes."""
         wanted = self.rollout.backend == "embedded" and self.rollout.engine_launcher == "zygote"
         if not (self.rank.is_engine_head and wanted):
             return None
         log_path = self.log_dir / f"zygote-{self.rank.engine_id}.log"
+        shared = os.environ.get(SHARED_ZYGOTE_ENV)
+        if shared:
+            try:
+                return Zygote.connect(shared, log_path, preload_model=self.rollout.model_path)
+            except OSError as err:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                log_path.write_text(f"no shared zygote at {shared} ({err}): this worker starts its own\n")
         return Zygote(log_path, preload_model=self.rollout.model_path)
 
     def placement(self) -> dict:
