@@ -16,6 +16,7 @@ from pathlib import Path
 from subprocess import PIPE
 
 import pytest
+from conftest import shared_zygote
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"
@@ -57,6 +58,7 @@ def weight_sync_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedPr
     """The weight-sync benchmark run twice at a tiny CPU size, honest and with its verification forced
     to fail: both at once (each mostly waits on its own engine and imports), by run name."""
     args = ["--transport", "nccl", "--size-gb", "0.002", "--device", "cpu", "--repeats", "2"]
+    shared_zygote()  # listening: the benchmarks' engines fork from it (ROLLFLEET_ZYGOTE_SOCKET), no imports
     runs = {}
     for name, extra in (("honest", []), ("tampered", ["--tamper-for-test"])):
         record = tmp_path_factory.mktemp(name) / "record.json"

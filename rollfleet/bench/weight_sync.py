@@ -31,6 +31,7 @@ from rollfleet.bench.record import command_line, make_record, spread, start, wri
 from rollfleet.config import DiskSync, NcclSync, TensorSync
 from rollfleet.engine.launch import EngineProcess, embedded_argv
 from rollfleet.engine.server import dump_stacks_if_hung
+from rollfleet.engine.zygote_client import Zygote
 from rollfleet.tiny_models import make_tokenizer
 from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
@@ -133,10 +134,14 @@ def _timed_syncs(args, transport, model, url: str, checkpoint: Path) -> tuple[fl
 def _engine(args, scratch: Path, engine_gpu: int, gpu: bool) -> EngineProcess:
     port = free_port()
     extra = ["--device", args.device, "--base-gpu-id", str(engine_gpu), "--dtype", "bfloat16" if gpu else "float32"]
+    log_dir = Path(args.log_dir or scratch)
+    # forked from a shared zygote where ROLLFLEET_ZYGOTE_SOCKET names one (the test suite's): the sync
+    # is measured once the engine is up, so how it started does not change the figures
     return EngineProcess(
         embedded_argv(str(scratch / "model"), port, extra=extra),
         port=port,
-        log_path=Path(args.log_dir or scratch) / f"engine-{args.transport}.log",
+        log_path=log_dir / f"engine-{args.transport}.log",
+        zygote=Zygote.shared(log_dir / "zygote.log"),
     )
 
 

@@ -61,6 +61,20 @@ class Zygote:
         zygote._begin(sock.makefile("rb"), sock.makefile("wb"))
         return zygote
 
+    @classmethod
+    def shared(cls, log_path: str | Path, *, preload_model: str | None = None) -> Zygote | None:
+        """A sub-zygote of the shared zygote that ROLLFLEET_ZYGOTE_SOCKET names, or None (no variable,
+        or nothing listens there: then `log_path` says so, and the caller starts or spawns its own)."""
+        path = os.environ.get(SHARED_ZYGOTE_ENV)
+        if not path:
+            return None
+        try:
+            return cls.connect(path, log_path, preload_model=preload_model)
+        except OSError as err:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(log_path).write_text(f"no shared zygote at {path} ({err}): not forking from it\n")
+            return None
+
     def _begin(self, answers, requests) -> None:
         """Follow the zygote's answers (a pipe or a socket) on a thread of their own."""
         self._requests = requests

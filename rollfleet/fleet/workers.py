@@ -23,7 +23,7 @@ import ray
 
 from rollfleet.config import RolloutConfig
 from rollfleet.engine.launch import EngineLaunch, EngineProcess, PortInUse, RemoteSeed, engine_argv, engine_env
-from rollfleet.engine.zygote_client import SHARED_ZYGOTE_ENV, Zygote
+from rollfleet.engine.zygote_client import Zygote
 from rollfleet.layout import RankInfo
 from rollfleet.wire.net import free_port
 
@@ -43,14 +43,8 @@ class RolloutWorker:
         if not (self.rank.is_engine_head and wanted):
             return None
         log_path = self.log_dir / f"zygote-{self.rank.engine_id}.log"
-        shared = os.environ.get(SHARED_ZYGOTE_ENV)
-        if shared:
-            try:
-                return Zygote.connect(shared, log_path, preload_model=self.rollout.model_path)
-            except OSError as err:
-                log_path.parent.mkdir(parents=True, exist_ok=True)
-                log_path.write_text(f"no shared zygote at {shared} ({err}): this worker starts its own\n")
-        return Zygote(log_path, preload_model=self.rollout.model_path)
+        shared = Zygote.shared(log_path, preload_model=self.rollout.model_path)
+        return shared or Zygote(log_path, preload_model=self.rollout.model_path)
 
     def placement(self) -> dict:
         """Where Ray put this worker: node and GPU ids (as the worker sees them)."""
