@@ -89,7 +89,8 @@ def test_async_steps_hold_the_bound_drop_equal_groups_and_resume_without_losing_
     assert sorted(used) == list(range(len(used))), used  # none lost, none twice, across the restart
     dropped = [p for r in rows for p in r["dropped_positions"]]
     assert dropped and all(r["dynamic_dropped"] <= 2 for r in rows)
-    for row in rows:  # a prompt of equal rewards is trained only once the step's extra budget is spent
+    for row in rows[:5]:  # with dynamic sampling, a prompt of equal rewards is trained only once the
+        # step's extra budget is spent (the synchronous step 6 trains them all)
         trained_constant = [p for p in row["prompt_positions"] if constant_answer(p)]
         assert len(trained_constant) <= row["dynamic_kept_uninformative"], row["step"]
         assert 0.0 <= row["overlap"] <= 1.0 and row["sample_wait_seconds"] >= 0
