@@ -140,6 +140,18 @@ def ray_lender():
     yield from lend("ray_lender", start)
 
 
+@pytest.fixture
+def gloo_world_of_one():
+    """This process as a one-rank gloo world (an in-process trainer), for the test's length."""
+    import torch.distributed as dist
+
+    from rollfleet.train.fsdp import init_distributed
+
+    init_distributed(0, 1, master_port=free_port(), backend="gloo")
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def local_ray(ray_lender):
     """A local Ray told it has 4 GPUs (engines still run on the CPU), in a temp dir of its own; one

@@ -6,16 +6,12 @@ when it goes on synchronously."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
-from test_grpo_loop import run_config
+from test_grpo_loop import run_config, train_rows
 
 from rollfleet.data.prompts import PromptDataset
 from rollfleet.data.synthetic import make_records
 from rollfleet.rewards.basic import copy_digits
-from rollfleet.train.loop import train
 
 # one Ray (conftest's) for the module's runs: train() leaves running a Ray it did not start, which
 # saves each run Ray's start and shutdown (seconds of CPU on this machine)
@@ -47,26 +43,13 @@ def test_async_steps_hold_the_bound_drop_equal_groups_and_resume_without_losing_
     def observe(step, items, samples):
         seen[step] = (list(items), list(samples))
 
-    cfg, temp = run_config(qwen3_dir, tmp_path, "grpo.steps=3", *options)
-    try:
-        train(cfg, observe=observe)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    first = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = train_rows(*run_config(qwen3_dir, tmp_path, "grpo.steps=3", *options), tmp_path, observe=observe)
     assert first[-1]["queued_groups"] > 0  # the producer ran ahead: these are lost with the process
-    cfg, temp = run_config(qwen3_dir, tmp_path, "grpo.steps=5", *options)
-    try:
-        train(cfg, resume=True, observe=observe)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+    train_rows(*run_config(qwen3_dir, tmp_path, "grpo.steps=5", *options), tmp_path, resume=True, observe=observe)
     # the same run goes on synchronously (k = 0, no dynamic sampling) from the asynchronous state:
     # it takes the prompts the record says are unused, not the plain loop's positions 20..23
-    cfg, temp = run_config(qwen3_dir, tmp_path, "grpo.steps=6", *options[3:])
-    try:
-        train(cfg, resume=True, observe=observe)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    resumed_synchronously = run_config(qwen3_dir, tmp_path, "grpo.steps=6", *options[3:])
+    rows = train_rows(*resumed_synchronously, tmp_path, resume=True, observe=observe)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and sorted(seen) == [0, 1, 2, 3, 4, 5]
     assert rows[5]["staleness_max"] == 0 and not rows[5]["dropped_positions"]
 

@@ -13,17 +13,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollfleet.config import load_config
 from rollfleet.rewards.basic import copy_digits
 from rollfleet.tiny_models import make_tiny_model
-from rollfleet.train.fsdp import PolicyTrainer, init_distributed
+from rollfleet.train.fsdp import PolicyTrainer
 from rollfleet.train.loop import _train_item, train
 from rollfleet.train.metrics import PHASES
-from rollfleet.wire.net import free_port
 from rollfleet.wire.routed_experts import decode_routed_experts
 
 # one Ray (conftest's) for the module's runs: train() leaves running a Ray it did not start, which
@@ -78,6 +76,19 @@ def run_config(model_dir, out, *overrides):
     ), temp
 
 
+def metrics_rows(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_rows(cfg, temp, out, **kwargs) -> list[dict]:
+    """`train(cfg, **kwargs)`, its Ray temp dir (run_config's) removed after; the run's metrics rows."""
+    try:
+        train(cfg, **kwargs)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return metrics_rows(out)
+
+
 @pytest.mark.parametrize("placement, transport, world", [("colocated", "tensor", 1), ("disaggregated", "nccl", 2)])
 def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, transport, world):
     cfg, temp = run_config(
@@ -90,11 +101,7 @@ def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, t
         "grpo.checkpoint_every=2",
     )
     recorder = Recorder(qwen3_dir)
-    try:
-        train(cfg, observe=recorder)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = train_rows(cfg, temp, tmp_path, observe=recorder)
     assert [r["step"] for r in rows] == [1, 2, 3] and sorted(recorder.steps) == [0, 1, 2]
     start_params = list(AutoModelForCausalLM.from_pretrained(qwen3_dir).parameters())
     num_params = len(start_params)
@@ -137,7 +144,7 @@ def test_resume_over_disk_sync_continues_from_the_saved_weights(qwen3_dir, tmp_p
     finally:
         shutil.rmtree(temp, ignore_errors=True)
         shutil.rmtree(temp2, ignore_errors=True)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3] and sorted(recorder.steps) == [2]
     pushed = tensors(sync / "version-2")  # what the resumed run sent before its first step
     assert pushed.keys() == saved.keys() and all(torch.equal(pushed[k], saved[k]) for k in saved)
@@ -351,11 +358,7 @@ def test_chaos_async_engine_killed_mid_generation(qwen3_dir, tmp_path):
                         break
 
     recorder = KillMidGeneration(model_dir)
-    try:
-        train(cfg, observe=recorder)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rows = train_rows(cfg, temp, tmp_path / "out", observe=recorder)
     assert [r["step"] for r in rows] == list(range(1, steps + 1)) and len(killed) == 1
     for step in range(steps):
         items, samples = recorder.steps[step]
@@ -393,15 +396,7 @@ def fragile_moe(directory) -> str:
     return str(path)
 
 
-@pytest.fixture
-def gloo_rank():
-    """This process as a one-rank trainer world (the in-process trainers that score the loop's samples)."""
-    init_distributed(0, 1, master_port=free_port(), backend="gloo")
-    yield
-    dist.destroy_process_group()
-
-
-def test_grpo_with_routing_replay(tmp_path, gloo_rank):
+def test_grpo_with_routing_replay(tmp_path, gloo_world_of_one):
     """Engines return every sample's expert choices and the trainer replays them: it forces one route
     per fed position and layer, it agrees with the engine better than without replay (the same step-0
     samples scored by trainers built here, with and without), and routes recorded for another model's
@@ -417,11 +412,7 @@ def test_grpo_with_routing_replay(tmp_path, gloo_rank):
         "train.routing_replay=true",
     )
     recorder = Recorder(model_dir)
-    try:
-        train(cfg, observe=recorder)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = train_rows(cfg, temp, tmp_path / "run", observe=recorder)
     assert [r["step"] for r in rows] == [1, 2]
     num_tensors = len(tensors(model_dir))  # checkpoint names: one per expert, as the pushes send them
     batches = []

@@ -4,15 +4,11 @@ complete, and closing the run waits for the last one."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
-from rollfleet.train.loop import train
 from rollfleet.wire.hf_files import read_checkpoint
-from tests.test_grpo_loop import run_config
+from tests.test_grpo_loop import run_config, train_rows
 
 # one Ray (conftest's) for the module's runs: train() leaves running a Ray it did not start, which
 # saves each run Ray's start and shutdown (seconds of CPU on this machine)
@@ -22,11 +18,7 @@ pytestmark = pytest.mark.usefixtures("local_ray")
 def test_single_engine_run_snapshots_in_the_background(qwen3_dir, tmp_path):
     cfg, temp = run_config(qwen3_dir, tmp_path, "weight_sync.transport=tensor", "grpo.steps=3")
     assert cfg.recovery_snapshot_every == 1  # 'auto' with one engine
-    try:
-        train(cfg)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = train_rows(cfg, temp, tmp_path)
     written = [v for r in rows for v in r["snapshot_versions_written"]]
     skipped = sum(r["snapshot_skipped"] for r in rows)
     assert written and skipped + len(written) <= 3  # each due snapshot was written or counted as skipped

@@ -109,14 +109,7 @@ def run_grpo(model_dir: str, recipe: Recipe, log=None) -> dict:
     }
 
 
-@pytest.fixture
-def world_of_one():
-    init_distributed(0, 1, master_port=free_port(), backend="gloo")
-    yield
-    dist.destroy_process_group()
-
-
-def test_copy_digits_reward_goes_up_from_random_weights(tmp_path, world_of_one):
+def test_copy_digits_reward_goes_up_from_random_weights(tmp_path, gloo_world_of_one):
     torch.manual_seed(0)
     model_dir = str(make_tiny_model(tmp_path / "model", "qwen3", seed=0))
     result = run_grpo(model_dir, Recipe(steps=60))
