@@ -139,10 +139,13 @@ KILLED_WRITER = """
 import sys, threading, torch
 from rollfleet.train.snapshot import SnapshotWriter
 root, config_dir = sys.argv[1], sys.argv[2]
-tensors = {f"w{i}": torch.randn(300_000) for i in range(8)}
-writer = SnapshotWriter(root, config_dir, shard_bytes=1_300_000)  # a file per tensor: the write takes a while
+class Stalling(dict):  # a file per tensor, then the write stalls for good: the test never races its end
+    def items(self):
+        yield from list(super().items())
+        threading.Event().wait()
+writer = SnapshotWriter(root, config_dir, shard_bytes=1_300_000)
 print("writing", flush=True)
-writer.start("9", tensors)
+writer.start("9", Stalling({f"w{i}": torch.randn(300_000) for i in range(3)}))
 threading.Event().wait()
 """
 
