@@ -122,3 +122,23 @@ def test_sglang_command_replaces_only_the_program():
         EngineLaunch(port=5),
     )
     assert own[:3] == ["/opt/sg/bin/python", "-m", "sglang.launch_server"] and own[3:] == default[3:]
+
+
+def test_a_port_another_engine_serves_is_not_taken_for_ours(qwen3_server, qwen3_dir, tmp_path):
+    """Ports are chosen free, then bound: another process can take one in between. The launcher must
+    not take the other server's answers for its engine's (it would drive the wrong engine): it waits
+    for its own, which exits with "address in use"."""
+    from conftest import shared_zygote
+
+    from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
+
+    port = qwen3_server.port
+    late = EngineProcess(
+        embedded_argv(qwen3_dir, port), port=port, log_path=tmp_path / "late.log", zygote=shared_zygote()
+    )
+    try:
+        with pytest.raises(PortInUse):
+            late.wait_until_up(timeout=120)
+    finally:
+        late.stop()
+    assert qwen3_server.is_alive()

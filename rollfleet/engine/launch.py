@@ -233,7 +233,7 @@ class EngineProcess:
             while time.monotonic() < deadline:
                 self._raise_if_dead()
                 try:
-                    if client.get(f"{self.url}/health").status_code in (200, 401):
+                    if client.get(f"{self.url}/health").status_code in (200, 401) and self._serves_the_port(client):
                         self.up_after_s = time.monotonic() - self._spawned
                         return
                 except httpx.TransportError:
@@ -243,6 +243,14 @@ class EngineProcess:
         raise EngineStartError(
             f"engine not up after {timeout:.0f} s; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
         )
+
+    def _serves_the_port(self, client: httpx.Client) -> bool:
+        """Whether the server answering on our port is this process: another process may have taken
+        the port between its choice and our bind (ours then exits with "address in use": PortInUse).
+        Only the embedded engine says its pid; SGLang's answer, or a 401, is taken as ours."""
+        answer = client.get(f"{self.url}/get_server_info")
+        pid = answer.json().get("rollfleet_pid") if answer.status_code == 200 else None
+        return pid is None or pid == self.proc.pid
 
     def _raise_if_dead(self) -> None:
         if self.is_alive():

@@ -58,6 +58,7 @@ async def server_info(engine: Engine):
         # the GPUs this server was given (a zygote-forked engine sets it after fork, so /proc/PID/environ
         # still shows the zygote's)
         "rollfleet_cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "rollfleet_pid": os.getpid(),  # a launcher checks that the server on its port is its own process
     }
 
 
