@@ -39,9 +39,21 @@ def config(model_dir, log_dir, *overrides):
     )
 
 
-def test_colocated_trainer_group_shares_each_gpu_with_its_rollout_worker(local_ray, qwen3_dir, tmp_path):
+def test_colocated_trainer_group_shares_each_gpu_with_its_rollout_worker(local_ray, qwen3_dir, tmp_path, monkeypatch):
     """The real TrainerGroup (FSDP2 ranks on gloo) in the fleet's placement group: each rank takes the
-    GPU fraction the rollout worker of its bundle left, so both see the same GPU id."""
+    GPU fraction the rollout worker of its bundle left, so both see the same GPU id. Its first master
+    port is one another process listens on (a port taken between its choice and rank 0's bind): the
+    ranks start again on another."""
+    import socket
+
+    import rollfleet.train.worker as trainer_workers
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real_free_port = trainer_workers.free_port
+    monkeypatch.setattr(trainer_workers, "free_port", lambda: next(ports, None) or real_free_port())
     cfg = config(
         qwen3_dir,
         tmp_path,
@@ -65,7 +77,9 @@ def test_colocated_trainer_group_shares_each_gpu_with_its_rollout_worker(local_r
         assert rollout_gpus == trainers.gpu_ids()
         assert rollout_gpus[0] != rollout_gpus[1] and all(len(ids) == 1 for ids in rollout_gpus)
         assert ray.available_resources().get("GPU", 0) == 2  # two bundles of 1 GPU, each split 0.5 + 0.5
+        assert next(ports, None) is None  # the taken port was tried first
     finally:
+        taken.close()
         if trainers is not None:
             trainers.shutdown()
         ray.util.remove_placement_group(group)

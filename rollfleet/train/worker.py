@@ -5,6 +5,7 @@ rank 0's answer is returned."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any
@@ -19,6 +20,8 @@ from rollfleet.weights.transports.base import transport_class
 from rollfleet.weights.transports.feed import RankFeed
 from rollfleet.wire.buckets import dtype_from_name
 from rollfleet.wire.net import free_port
+
+log = logging.getLogger("rollfleet.train")
 
 DEFAULT_TIMEOUT_S = 600.0  # a transport's engine-call timeout when the options name none
 
@@ -206,32 +209,49 @@ class TrainerGroup:
     def __init__(self, cfg, placement_group=None, *, wait: bool = True):
         """The ranks' actors are created; with `wait` False the caller waits in `ready()` (the actors
         build their models meanwhile, e.g. while the fleet's engines start)."""
-        rollout, world = cfg.rollout, cfg.trainer.world_size
-        port = free_port()
-        self.workers = []
-        for rank in range(world):
-            options: dict[str, Any] = {"num_cpus": 0.5 if placement_group is not None else 1}
-            if rollout.use_gpu:
-                options["num_gpus"] = 1.0 - rollout.gpus_per_worker if placement_group is not None else 1.0
-            if placement_group is not None:
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group, placement_group_bundle_index=rank
-                )
-            self.workers.append(
-                RemoteTrainWorker.options(**options).remote(
-                    rank, world, port, rollout.model_path, cfg.train.model_dump()
-                )
-            )
+        self.cfg, self.placement_group = cfg, placement_group
+        self.workers = self._create(free_port())
         if wait:
             self.ready()
         # colocated: each rank feeds the engine ranks on its own GPU (transports that can: tensor)
-        self.feeders = colocated_feeders(rollout.layout, world) if placement_group is not None else None
+        colocated = placement_group is not None
+        self.feeders = colocated_feeders(cfg.rollout.layout, cfg.trainer.world_size) if colocated else None
 
-    def ready(self) -> TrainerGroup:
-        ray.get([w.__ray_ready__.remote() for w in self.workers])
-        return self
+    def _create(self, port: int) -> list:
+        rollout, world, group = self.cfg.rollout, self.cfg.trainer.world_size, self.placement_group
+        workers = []
+        for rank in range(world):
+            options: dict[str, Any] = {"num_cpus": 0.5 if group is not None else 1}
+            if rollout.use_gpu:
+                options["num_gpus"] = 1.0 - rollout.gpus_per_worker if group is not None else 1.0
+            if group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank
+                )
+            workers.append(
+                RemoteTrainWorker.options(**options).remote(
+                    rank, world, port, rollout.model_path, self.cfg.train.model_dump()
+                )
+            )
+        return workers
+
+    def ready(self, attempts: int = 3) -> TrainerGroup:
+        """Wait for every rank. The master port was free when chosen, but another process may bind it
+        before rank 0 does (engines start at the same time): then the ranks are made again on a new
+        port, up to `attempts` times."""
+        for attempt in range(attempts):
+            try:
+                ray.get([w.__ray_ready__.remote() for w in self.workers])
+                return self
+            except ray.exceptions.RayActorError as exc:
+                if attempt == attempts - 1 or "address already in use" not in str(exc).lower():
+                    raise
+                log.warning("trainer master port taken by another process; the ranks start again on a new one")
+                self.shutdown()
+                self.workers = self._create(free_port())
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _all(self, verb: str, *args) -> Any:
         return ray.get([getattr(w, verb).remote(*args) for w in self.workers])[0]
