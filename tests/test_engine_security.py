@@ -112,7 +112,9 @@ def test_bad_generate_requests_get_400_and_the_server_keeps_serving(server, raw,
     response = send(server, "POST", "/generate", raw=raw)
     assert response.status_code == 400
     assert needle in response.json()["message"], response.json()
-    ok = send(server, "POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+    ok = send(
+        server, "POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+    )
     assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
 
 
