@@ -59,7 +59,9 @@ def test_restore_at_start_tp1_and_tp2(seeds, qwen3_dir_b, tmp_path):
         assert plan[key][1]["extra"][:2] == ["--load-format", "remote_instance"]
     with engine_servers(plan, tmp_path) as dests:
         for tp in (1, 2):
-            assert last_load(dests[f"tp{tp}"])["status"] == "loaded"
+            load = last_load(dests[f"tp{tp}"])
+            assert load["status"] == "loaded" and list(load["phases"]) == ["layout", "join", "transfer", "check"]
+            assert sum(load["phases"].values()) <= load["seconds"] + 0.01
             assert call(dests[f"tp{tp}"], "get_model_info")["weight_version"] == "v7"
             same_weights(seeds[f"tp{tp}"], dests[f"tp{tp}"])
 

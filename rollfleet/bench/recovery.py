@@ -105,13 +105,20 @@ def _from_disk(fleet: Fleet, checkpoint: str, version: str, engine_ids: list[int
     return {"restore": restore, "expected": seconds, "verify": verify}
 
 
-def _from_peer(fleet: Fleet, version: str, engine_ids: list[int]) -> dict[str, float]:
-    """The fleet's peer restore (the source Recovery tries first), then fleet.verify of its report."""
+def _from_peer(fleet: Fleet, version: str, engine_ids: list[int]) -> tuple[dict[str, float], dict[str, float]]:
+    """The fleet's peer restore (the source Recovery tries first), then fleet.verify of its report;
+    and the slowest destination's own split of its pull (layout, join, transfer, check)."""
     slots = [fleet.slots[e] for e in engine_ids]
     restore, report = _timed(lambda: fleet.recovery.peer.restore(slots, version, time.monotonic() + 120))
     assert not report.failed, f"peer restore failed: {report.failed}"
     verify, _ = _timed(lambda: fleet.verify(report, advance=False))
-    return {"restore": restore, "verify": verify}
+    loads = [
+        info["rollfleet_remote_instance"]["last_load"] for info in fleet.pool.on_all("get_server_info", engine_ids)
+    ]
+    slowest = max(loads, key=lambda load: load.get("seconds", 0.0))
+    split = {**slowest.get("phases", {}), "outside": max(0.0, restore - slowest.get("seconds", 0.0))}
+    print(f"  peer pull of {engine_ids}: " + ", ".join(f"{k} {v:.3f} s" for k, v in split.items()))
+    return {"restore": restore, "verify": verify}, split
 
 
 def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
@@ -119,18 +126,20 @@ def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
     for path in PATHS[:-1]:  # the standby path runs on a fleet of its own
         engines = [1] if path.startswith("1 engine") else [0, 1]
         times, start_split = _kill_and_restart(fleet, engines)
+        pull_split = {}
         if path in (PATHS[0], PATHS[3]):
             times |= _from_disk(fleet, checkpoint, "v1", engines)
         elif path == PATHS[1]:
             times |= _push(fleet, ModuleSource(model), "v1", engines)
         elif path == PATHS[2]:
-            times |= _from_peer(fleet, "v1", engines)
+            peer, pull_split = _from_peer(fleet, "v1", engines)
+            times |= peer
         else:
             times |= _push(fleet, CheckpointSource(checkpoint), "v1", engines)
         states = [s.state.value for s in fleet.slots]
         assert states == ["ACTIVE", "ACTIVE"], f"{path}: engines {states} after recovery"
         row = {"path": path, **{k: times.get(k, 0.0) for k in PHASES}, "total": sum(times.values())}
-        rows.append({**row, "restart_split": start_split})
+        rows.append({**row, "restart_split": start_split, "pull_split": pull_split})
     return rows
 
 
@@ -149,13 +158,14 @@ def _standby_round(fleet: Fleet) -> dict:
     times = {"detect": time.perf_counter() - start}
     times["setup"], promoted = _timed(fleet.recovery.promote_standbys)
     assert len(promoted) == 1, f"no standby took engine {victim}'s place"
-    times |= _from_peer(fleet, "v1", [promoted[0].engine_id])
+    peer, pull_split = _from_peer(fleet, "v1", [promoted[0].engine_id])
+    times |= peer
     fleet.restart_inactive(restore=False)
     roles = sorted((s.state.value, s.standby) for s in fleet.slots)
     serving = len(fleet.slots) - 1
     assert roles == [("ACTIVE", False)] * serving + [("AWAITING_WEIGHTS", True)], f"after the take-over: {roles}"
     row = {"path": STANDBY_PATH, **{k: times.get(k, 0.0) for k in PHASES}, "total": sum(times.values())}
-    return {**row, "restart_split": {}}
+    return {**row, "restart_split": {}, "pull_split": pull_split}
 
 
 def _model(args, scratch: Path) -> Path:
@@ -224,7 +234,7 @@ def _run(args) -> tuple[list[dict], float, bool]:
 
 
 def _summary(rows: list[dict], size_mb: float, gpu: bool) -> dict:
-    per_path, splits = {}, {}
+    per_path, splits, pulls = {}, {}, {}
     for path in PATHS:
         mine = [r for r in rows if r["path"] == path]
         if not mine:  # the standby path on a machine with too few GPUs
@@ -232,7 +242,10 @@ def _summary(rows: list[dict], size_mb: float, gpu: bool) -> dict:
         per_path[path] = {k: spread([r[k] for r in mine]) for k in (*PHASES, "total")}
         names = dict.fromkeys(name for r in mine for name in r["restart_split"])  # start order
         splits[path] = {name: spread([r["restart_split"].get(name, 0.0) for r in mine]) for name in names}
-    return {"device": "GPU" if gpu else "CPU", "checkpoint_mb": size_mb, "paths": per_path, "restart_split": splits}
+        if names := dict.fromkeys(name for r in mine for name in r.get("pull_split", {})):
+            pulls[path] = {name: spread([r["pull_split"].get(name, 0.0) for r in mine]) for name in names}
+    summary = {"device": "GPU" if gpu else "CPU", "checkpoint_mb": size_mb, "paths": per_path, "restart_split": splits}
+    return {**summary, "pull_split": pulls}
 
 
 def _print_restart_split(summary: dict) -> None:
@@ -273,6 +286,11 @@ def main(argv: list[str] | None = None) -> None:
     for path, figures in summary["paths"].items():
         print(f"  {path:40}" + "".join(f"{figures[k]['median']:9.3f}" for k in (*PHASES, "total")))
     _print_restart_split(summary)
+    for path, split in summary["pull_split"].items():
+        print(
+            f"  {path}: the pull, split by the restored engine (median s): "
+            + ", ".join(f"{name} {figures['median']:.3f}" for name, figures in split.items())
+        )
     print("  targets on CPU: detect < 2 s, total < 20 s")
     config = {k: v for k, v in vars(args).items() if k != "json"}
     write_record(args.json, make_record("recovery", command, config, rows, summary, True, started=started))

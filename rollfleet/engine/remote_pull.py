@@ -82,6 +82,17 @@ def layout_mismatch(engine: EngineService, layout: dict) -> str | None:
     return "; ".join(problems) or None
 
 
+class Laps:
+    """Seconds of each step of a sequence, into `into` as each ends."""
+
+    def __init__(self, into: dict[str, float]):
+        self.into, self.began = into, time.perf_counter()
+
+    def done(self, step: str) -> None:
+        now = time.perf_counter()
+        self.into[step], self.began = round(now - self.began, 4), now
+
+
 async def load_from_seed(engine: EngineService, source: SeedSource, timeout_s: float) -> str:
     """Pull every weight from `source`; the seed's weight version. BadRequest naming why it failed."""
     if engine.sessions.open is not None:
@@ -89,9 +100,9 @@ async def load_from_seed(engine: EngineService, source: SeedSource, timeout_s: f
     if (engine.remote.last_load or {}).get("status") == "loading":
         raise BadRequest(f"busy: already loading from {engine.remote.last_load['seed']}", 409)
     engine.remote.last_load = load = {"seed": source.url, "status": "loading", "reason": None, "weight_version": None}
-    start = time.perf_counter()
+    start, load["phases"] = time.perf_counter(), {}
     try:
-        version = await _pull(engine, source, timeout_s)
+        version = await _pull(engine, source, timeout_s, load["phases"])
     except (RemoteLoadError, BadRequest, EngineError, httpx.HTTPError) as exc:
         load.update(status="failed", reason=getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
         log.error("R-Fork: loading weights from %s failed: %s", source.url, load["reason"])
@@ -102,7 +113,9 @@ async def load_from_seed(engine: EngineService, source: SeedSource, timeout_s: f
     return version
 
 
-async def _pull(engine: EngineService, source: SeedSource, timeout_s: float) -> str:
+async def _pull(engine: EngineService, source: SeedSource, timeout_s: float, phases: dict[str, float]) -> str:
+    """The pull's steps; `phases` gets the seconds of each one done (layout, join, transfer, check)."""
+    done = Laps(phases).done
     async with EngineClient(source.url, api_key=engine.args.api_key, timeout=timeout_s) as seed:
         try:
             layout = await seed.weight_layout()
@@ -114,6 +127,7 @@ async def _pull(engine: EngineService, source: SeedSource, timeout_s: float) -> 
             raise
         if problem := layout_mismatch(engine, layout):
             raise RemoteLoadError(f"refused before any broadcast: {problem}")
+        done("layout")
         version, group = layout["weight_version"], {"ports": source.ports, "group_name": source.group_name}
         join = engine.control(
             lambda: engine.lockstep(
@@ -132,6 +146,7 @@ async def _pull(engine: EngineService, source: SeedSource, timeout_s: float) -> 
         if isinstance(await _alongside(join, init, "join", "the seed's init", timeout_s), BaseException):
             await engine.control(lambda: engine.lockstep(Action.REMOTE_INSTANCE_DESTROY, **group), needs_idle=False)
             raise RemoteLoadError("the seed's init failed after this engine joined; its group is destroyed")
+        done("join")
 
         def receive():
             try:
@@ -147,7 +162,9 @@ async def _pull(engine: EngineService, source: SeedSource, timeout_s: float) -> 
         sent = await _alongside(engine.control(receive), send, "receive", "the seed's send", timeout_s)
         if isinstance(sent, BaseException):  # every byte arrived: only the seed's answer is missing
             log.warning("R-Fork: received everything, but the seed's send call failed: %s", sent)
+        done("transfer")
         after = (await seed.get_model_info())["weight_version"]
+        done("check")
     if after != version:
         reason = f"the seed's weight_version changed from {version!r} to {after!r} during the transfer: load again"
         await engine.control(lambda: engine.sessions.refuse_serving(reason), needs_idle=False)
