@@ -17,6 +17,7 @@ from test_weight_sync import running_fleet
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import TensorSync
+from rollfleet.fleet.fleet import WeightSyncError
 from rollfleet.fleet.router import NoEngineAvailable
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.client import EngineError
@@ -44,6 +45,7 @@ def fleet(local_ray, model_dir, tmp_path_factory):
         f"rollout.api_key={KEY}",
         "rollout.recovery_wait_s=1",
         "rollout.auto_restart=false",
+        "rollout.restart_backoff_s=60",
     )
 
 
@@ -128,6 +130,17 @@ def test_a_push_missing_a_tensor_is_not_verified_and_not_served(fleet, model_dir
     assert {s.engine_id for s in samples} == {0} and {s.weight_version for s in samples} == {"whole"}
 
 
+def test_a_verification_never_revives_an_engine_marked_failed_meanwhile(fleet, qwen3_dir_b):
+    """An engine marked INACTIVE while its weights were checked (here before the check: its process
+    still runs and holds exactly the report's weights) stays INACTIVE, and the sync names it."""
+    report = fleet.sync_weights(ModuleSource(model(qwen3_dir_b)), "checked", transport=SMALL_BUCKETS)
+    assert states(fleet) == ["ACTIVE", "ACTIVE"]
+    fleet.recovery.mark_dead(fleet.slots[1], "test: failed while it was verified")
+    with pytest.raises(WeightSyncError, match=r"engine 1: it failed while it was verified \(now INACTIVE\)"):
+        fleet.verify(report)
+    assert states(fleet) == ["ACTIVE", "INACTIVE"] and report.verified == [0]
+
+
 def test_a_restart_that_fails_leaves_the_engine_inactive_and_a_later_one_works(fleet, model_dir, qwen3_dir_b):
     if fleet.slots[1].state.value != "INACTIVE":
         fleet.recovery.mark_dead(fleet.slots[1], "test: treat engine 1 as failed")
@@ -139,7 +152,12 @@ def test_a_restart_that_fails_leaves_the_engine_inactive_and_a_later_one_works(f
         moved.rename(model_dir)
     assert fleet.slots[1].state.value == "INACTIVE"
     assert fleet.slots[1].lifecycle.history[-1].why.startswith("restart failed")
-    assert fleet.restart_inactive(restore=False) == [1] and fleet.slots[1].state.value == "AWAITING_WEIGHTS"
+    # a restart that did not bring the engine back is not tried again until its backoff passed
+    wait = fleet.recovery.restart_wait_s(fleet.slots[1])
+    assert 0 < wait <= fleet.rollout.restart_backoff_s
+    tries = len(fleet.slots[1].lifecycle.history)
+    assert fleet.restart_inactive(restore=False) == [] and len(fleet.slots[1].lifecycle.history) == tries
+    assert fleet.restart_inactive(restore=False, force=True) == [1] and fleet.slots[1].state.value == "AWAITING_WEIGHTS"
     fleet.sync_weights(ModuleSource(model(qwen3_dir_b)), "after-restart", transport=SMALL_BUCKETS)
     assert states(fleet) == ["ACTIVE", "ACTIVE"]
     samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)

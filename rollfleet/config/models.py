@@ -97,6 +97,15 @@ class RolloutConfig(_Section):
     auto_restart: bool = Field(
         True, description="Restart INACTIVE engines in the background (see Fleet.restart_inactive)."
     )
+    restart_backoff_s: float = Field(
+        2.0,
+        ge=0.0,
+        description="An engine whose restarts have not brought it back to serving waits this long before the "
+        "next try, doubling with each try (up to restart_backoff_max_s): a restart that fails every time "
+        "(a lost GPU, a broken model path) does not stall every step. 0: no wait. "
+        "Fleet.restart_inactive(force=True) tries at once.",
+    )
+    restart_backoff_max_s: float = Field(120.0, ge=0.0, description="The longest wait between restart tries.")
     restore_timeout_s: float = Field(
         120.0,
         gt=0.0,

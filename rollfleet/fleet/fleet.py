@@ -156,8 +156,10 @@ class Fleet:
         self._teardown(self.workers, self.placement_group)
 
     # ---- recovery (rollfleet.fleet.recovery) ------------------------------------------------------
-    def restart_inactive(self, restore_from: str | None = None, *, restore: bool = True) -> list[int]:
-        return self.recovery.restart_inactive(restore_from, restore=restore)
+    def restart_inactive(
+        self, restore_from: str | None = None, *, restore: bool = True, force: bool = False
+    ) -> list[int]:
+        return self.recovery.restart_inactive(restore_from, restore=restore, force=force)
 
     def restore(self, directory: str, version: str, engine_ids: list[int], *, fan_out: bool = False) -> None:
         self.recovery.restore(directory, version, engine_ids, fan_out=fan_out)
@@ -377,15 +379,15 @@ class Fleet:
         the fleet's version becomes the report's; a restore does not advance it: the restarter may finish
         restoring v after the trainer pushed v+1, and going back to v would route to the stale engine."""
         clients = {e: self.pool.client(e) for e in report.engine_ids}
+        urls = {e: self.slots[e].url for e in report.engine_ids}
         failed = self.pool.run(find_unverified(report, clients, self.cfg.verify_mode))
         for engine_id in report.engine_ids:
-            slot = self.slots[engine_id]
+            slot, why = self.slots[engine_id], f"verified at version {report.version!r}"
             if engine_id in failed:
                 slot.version = ""
                 self.recovery.to(slot, EngineState.INACTIVE, f"weights not verified: {failed[engine_id]}")
-            else:
-                slot.version = report.version
-                self.recovery.to(slot, EngineState.ACTIVE, f"verified at version {report.version!r}")
+            elif not self.recovery.mark_verified(slot, urls[engine_id], report.version, why):
+                failed[engine_id] = f"it failed while it was verified (now {slot.state.value})"
         report.verified = [e for e in report.engine_ids if e not in failed]
         if advance and report.verified:
             self.version = report.version

@@ -50,6 +50,11 @@ ALLOWED: dict[EngineState, set[EngineState]] = {
 FAILED = (EngineState.INACTIVE, EngineState.RECOVERING)
 
 
+def backoff_s(tries: int, base_s: float, max_s: float) -> float:
+    """The wait before restart try `tries + 1`: none before the first, then `base_s` doubling per try."""
+    return 0.0 if tries < 1 or base_s <= 0 else min(base_s * 2 ** (tries - 1), max_s)
+
+
 class IllegalTransition(RuntimeError):
     pass
 
@@ -93,6 +98,26 @@ class Lifecycle:
             if transition.new == EngineState.RECOVERING:
                 return True
         return False
+
+    def restarts_since_active(self) -> tuple[int, float]:
+        """Restarts tried since the engine last served (each an entry into RECOVERING), and when it
+        last went INACTIVE (0.0 if never): the restart backoff's inputs."""
+        tries, last_down = 0, 0.0
+        for transition in reversed(self.history):
+            if transition.new == EngineState.ACTIVE:
+                break
+            if transition.new == EngineState.RECOVERING:
+                tries += 1
+            elif transition.new == EngineState.INACTIVE and not last_down:
+                last_down = transition.time
+        return tries, last_down
+
+    def restart_wait_s(self, base_s: float, max_s: float) -> float:
+        """Seconds before the next restart try: none for the first try after the engine served, then
+        `base_s` doubling with each try that did not bring it back (`backoff_s`), from its last INACTIVE."""
+        tries, last_down = self.restarts_since_active()
+        wait = backoff_s(tries, base_s, max_s)
+        return max(0.0, last_down + wait - time.time()) if wait else 0.0
 
     def mark(self) -> int:
         """A point in the history, for `since` and `failed_since`."""

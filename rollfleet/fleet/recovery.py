@@ -94,6 +94,16 @@ class Recovery:
                 slot.head.kill_engine.remote()  # not waited for: nothing blocks under the lock
             return True
 
+    def mark_verified(self, slot: EngineSlot, url: str, version: str, why: str) -> bool:
+        """ACTIVE at `version`, unless it failed or was restarted (its url is not `url`) while it was
+        being checked: a verification never revives a dead engine. Whether it was marked."""
+        with self._lock:
+            if slot.state in FAILED or slot.url != url:
+                return False
+            slot.version = version
+            slot.lifecycle.to(EngineState.ACTIVE, why)
+            return True
+
     # ---- detection ------------------------------------------------------------------------------
     def _watch_exits(self) -> None:
         """Notice an engine process exit at once: one blocking wait per running engine on its head
@@ -162,14 +172,19 @@ class Recovery:
             with self._lock:
                 self._pauses -= 1
 
+    def restart_wait_s(self, slot: EngineSlot) -> float:
+        """Seconds before an INACTIVE engine's next restart try (rollout.restart_backoff_s)."""
+        return slot.lifecycle.restart_wait_s(self.rollout.restart_backoff_s, self.rollout.restart_backoff_max_s)
+
     def restart_inactive(
-        self, restore_from: str | None = None, *, restore: bool = True, background: bool = False
+        self, restore_from: str | None = None, *, restore: bool = True, background: bool = False, force: bool = False
     ) -> list[int]:
         """Restart every INACTIVE engine with the transport's restart load format (AWAITING_WEIGHTS:
         not ready, no traffic), then (with `restore`) restore every AWAITING_WEIGHTS engine to the
         fleet's version: from `restore_from` if given, else from the sources in order. A standby first
         takes each dead serving engine's place (rollfleet.fleet.standby) and is restored before any
-        restart; the dead slot restarts as the standby. Never raises
+        restart; the dead slot restarts as the standby. An engine whose earlier restarts did not bring
+        it back waits out its backoff (`restart_wait_s`) unless `force`. Never raises
         for an engine's or a source's failure (they are logged, and in the engines' histories).
         Returns the restarted engine ids."""
         with self._lock:
@@ -177,7 +192,8 @@ class Recovery:
             if background and self._pauses:  # checked after the wait: a pause may have begun meanwhile
                 return []
             promoted = standby.promote(self.fleet.slots)
-            slots = [s for s in self.fleet.slots if s.state == EngineState.INACTIVE]
+            inactive = [s for s in self.fleet.slots if s.state == EngineState.INACTIVE]
+            slots = [s for s in inactive if force or not self.restart_wait_s(s)]
             if not slots and not (restore and self._restorable(self.fleet.version, restore_from)):
                 return []
             self._restarting = True
@@ -187,6 +203,8 @@ class Recovery:
             if restore and promoted:  # the critical path: a standby serves again before any restart
                 self._restore(promoted, self._sources(restore_from))
             restarted = self._start_again(slots) if slots else []
+            for slot in (s for s in slots if s.engine_id not in restarted):
+                log.warning("engine %d: restart failed; next try in %.0f s", slot.engine_id, self.restart_wait_s(slot))
             if restore:
                 self._restore(self._awaiting(), self._sources(restore_from))
             return restarted
