@@ -105,7 +105,7 @@ def grpo_step(records: list[tuple[str, dict]]) -> str:
             ("\n" if out else "")
             + f"hidden {c['hidden']}, {c['layers']} layers ({c['model_bytes'] / 1e9:.2f} GB {c['dtype']} on disk), "
             f"{c['prompts']} prompts x n={c['n']} x {c['new_tokens']} new tokens; median seconds over steps "
-            f"{c['skip'] + 1}-{c['steps']}; record {_source(name, r)}:\n\n"
+            f"{c['skip'] + 1}-{c['steps']}; record {_source(name, r)}{_overrides(c)}:\n\n"
         )
         out.append(
             "| run | " + " | ".join(phases) + " | sync bytes | sync ceiling s | **ceiling / sync** "
@@ -126,6 +126,12 @@ def grpo_step(records: list[tuple[str, dict]]) -> str:
         if not r["ok"]:
             out.append(f"\nThe record is marked failed: {r['failure']} (the steps above completed).\n")
     return "".join(out) or "(no records)\n"
+
+
+def _overrides(config: dict) -> str:
+    """The run's config overrides that change what it measures (where its logs went does not)."""
+    sets = [f"`{item}`" for item in config.get("set", []) if not item.startswith("rollout.log_dir=")]
+    return f", with {', '.join(sets)}" if sets else ""
 
 
 def _sync_split(phases: dict[str, dict]) -> str:

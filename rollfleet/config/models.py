@@ -213,8 +213,12 @@ class TrainConfig(_Section):
         description="Compute dtype: auto = bf16 on GPU, fp32 on CPU; bf16 needs a GPU. Master weights stay fp32.",
     )
     offload: bool = Field(
-        False,
-        description="Move parameters and optimizer state to CPU between steps (colocated, GPU only; no-op on CPU).",
+        True,
+        description="Colocated on GPU: the trainer's parameters and optimizer state go to host memory for the "
+        "engines' turn and come back for training (reused pinned buffers). false: they stay on the GPU and "
+        "nothing is copied (the engines' memory must fit beside them: with SGLang lower "
+        "rollout.mem_fraction_static); the engines still release theirs for the trainer's turn. "
+        "Ignored when disaggregated and on CPU.",
     )
     seed: int = Field(0, description="Torch seed set before the model is built.")
     routing_replay: bool = Field(

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,12 +84,6 @@ class PolicyTrainer:
                 "(fix: call rollfleet.train.fsdp.init_distributed(rank, world_size, ...) on every rank)"
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if self.config.offload and self.device.type == "cpu":
-            warnings.warn(
-                "train.offload=true is ignored on CPU: parameters and optimizer state already live there "
-                "(CPUOffloadPolicy needs an accelerator); offload()/onload() do nothing",
-                stacklevel=2,
-            )
         torch.manual_seed(self.config.seed)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("fsdp",))
         self.model = self._load_sharded(trainable=True)
@@ -343,8 +336,9 @@ class PolicyTrainer:
 
     def offload(self) -> dict:
         """Parameters and optimizer state to host buffers reused across steps (frees the GPU for the
-        engines; rollfleet.train.offload). Returns the bytes moved and seconds; no-op on CPU."""
-        if self.device.type == "cpu" or self._offloaded:
+        engines; rollfleet.train.offload). Returns the bytes moved and seconds; no-op on CPU and with
+        train.offload=false (the state stays on the GPU)."""
+        if self.device.type == "cpu" or self._offloaded or not self.config.offload:
             return {"bytes": 0, "seconds": 0.0, "host_allocations": 0}
         moved = self._offloader.offload(self._models(), self.optimizer)
         self._offloaded = True
