@@ -5,10 +5,12 @@ when no engine is ACTIVE."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -269,3 +271,32 @@ def test_a_corrupt_checkpoint_fails_its_restore_once_and_the_next_push_verifies(
     fleet.sync_weights(ModuleSource(model), "v4", config_dir=qwen3_dir)  # the next push takes it along
     assert [s.state.value for s in fleet.slots] == ["ACTIVE", "ACTIVE"]
     assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0, 1}
+
+
+def zygote_of(fleet, engine_id: int) -> int:
+    """The pid of the zygote that forked the engine's last start (the launcher's log line)."""
+    log = (Path(fleet.rollout.log_dir) / f"engine-{engine_id}.log").read_text()
+    return int(re.findall(r"forked by zygote pid (\d+)", log)[-1])
+
+
+def test_a_push_goes_on_while_an_engine_starts_and_the_engine_then_takes_its_version(fleet, qwen3_dir_b):
+    """A push waits for a restore, never for an engine start (an SGLang server takes a minute): with
+    the background restart's start held (its zygote stopped), a push to the engine that serves
+    completes; once the start goes on, the engine is restored to the pushed version from its peer."""
+    zygote = zygote_of(fleet, 1)
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir_b, dtype=torch.float32)
+    fleet.rollout.auto_restart = True
+    os.kill(zygote, signal.SIGSTOP)
+    try:
+        kill(fleet, 1)
+        assert wait_state(fleet, 1, "RECOVERING") == "RECOVERING"
+        report = fleet.sync_weights(ModuleSource(model), "v5", config_dir=fleet.rollout.model_path)
+        assert report.verified == [0] and fleet.slots[1].state.value == "RECOVERING"
+        os.kill(zygote, signal.SIGCONT)
+        assert wait_state(fleet, 1, "ACTIVE", timeout=90) == "ACTIVE", fleet.slots[1].lifecycle.history[-3:]
+    finally:
+        os.kill(zygote, signal.SIGCONT)
+        fleet.rollout.auto_restart = False
+    assert fleet.slots[1].version == "v5" and restored_by(fleet, 1) == "peer"
+    samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
+    assert {s.engine_id for s in samples} == {0, 1} and {s.weight_version for s in samples} == {"v5"}

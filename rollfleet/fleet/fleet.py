@@ -317,7 +317,7 @@ class Fleet:
         spec = self.cfg.weight_sync
         options = transport_class(spec).sender_options(self.rollout.model_path)
         for attempt in range(attempts):
-            marks = {s.engine_id: s.lifecycle.mark() for s in self.slots}
+            marks = {s.engine_id: s.lifecycle.mark() for s in self.slots if s.is_running}  # not those restarting
             try:
                 return self._push(lambda targets: trainers.push_weights(spec, targets, version, **options), version)
             except Exception:
@@ -329,7 +329,7 @@ class Fleet:
     def _push(self, send, version: str, engine_ids: list[int] | None = None, *, advance: bool = True) -> SyncReport:
         """Every push's one path: engines whose weights were released resume them, the send goes to
         the targets, and they are verified. A send that raises takes every target out of rotation."""
-        with self.recovery.paused():  # a push never overlaps a restore
+        with self.recovery.paused(starts=False):  # a push never overlaps a restore
             began = time.perf_counter()
             if self._weights_released:
                 self.wake(["weights"])  # colocated: the engines allocate their weights again
@@ -352,7 +352,7 @@ class Fleet:
         self, path: str, weight_version: str, engine_ids: list[int] | None = None, *, advance: bool = True
     ) -> None:
         """Load a HF directory into engines, then verify them against the files' own fingerprints."""
-        with self.recovery.paused():  # a push never overlaps a restore
+        with self.recovery.paused(starts=False):  # a push never overlaps a restore
             self.pool.on_all("update_weights_from_disk", self._running(engine_ids), path, weight_version=weight_version)
             self.verify_checkpoint(path, weight_version, engine_ids, advance=advance)
 

@@ -18,8 +18,11 @@ Ordering, stated once:
 - Every call of a restart is bounded: process starts by `startup_timeout_s`, restores by
   `restore_timeout_s`, after which the engines that do not answer /health are killed (INACTIVE) and
   the others keep waiting. No call blocks while the lock is held.
-- `paused()` waits for a restart under way (so at most its timeouts) and keeps the background thread
-  from starting one: a colocated trainer holds the GPUs, and a push never overlaps a restore.
+- `paused()` (rollfleet.fleet.restart_gate): a colocated trainer's turn waits for a restart under
+  way (so at most its timeouts) and keeps the background thread from starting one (it holds the
+  GPUs); a push waits only for a restore (a push never overlaps a restore) and runs beside engines
+  starting, so a slow start (an SGLang server's) does not hold up the trainer. A background restore
+  that meets a push is skipped and runs when the push ends.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import ray
@@ -35,6 +37,7 @@ import ray
 from rollfleet.fleet import standby
 from rollfleet.fleet.lifecycle import FAILED, EngineSlot, EngineState
 from rollfleet.fleet.peer_restore import PeerRestore
+from rollfleet.fleet.restart_gate import RestartGate
 from rollfleet.fleet.restore import CheckpointRestore, RestoreError, RestoreSource, WaitForPush, run_before, verify_each
 from rollfleet.weights.transports.base import transport_class
 from rollfleet.wire.client import UnsupportedEngine
@@ -50,15 +53,14 @@ class Recovery:
     def __init__(self, fleet: Fleet):
         self.fleet, self.rollout = fleet, fleet.rollout
         self._lock = threading.Condition()  # the one lock: every state change made here, and the restarts
-        self._restarting = False
-        self._pauses = 0
+        self.gate = RestartGate(self._lock, on_resume=self._kick_set)  # what may run beside a push
         self._checkpoints: dict[str, str] = {}  # version -> HF directory (insertion order)
         # in order; the first that is available for an engine is tried
         self.peer = PeerRestore(fleet)
         self.sources: list[RestoreSource] = [self.peer, CheckpointRestore(fleet, self.checkpoint_for), WaitForPush()]
         self.failed_restores: set[tuple[str, str, str]] = set()  # (source, version, engine url): not again
         self._closing = threading.Event()
-        self._kick = threading.Event()  # an engine died and a standby may take over: the restarter reacts now
+        self._kick = threading.Event()  # an engine died, or a skipped restore may run: the restarter reacts now
         self._threads = [
             threading.Thread(target=target, name=f"rollfleet-{name}", daemon=True)
             for name, target in (
@@ -88,8 +90,7 @@ class Recovery:
             if slot.state in FAILED or (url is not None and slot.url != url):
                 return False
             slot.lifecycle.to(EngineState.INACTIVE, why)
-            if self.rollout.standby_engines:  # a standby takes over now, not at the next probe interval
-                self._kick.set()
+            self._kick.set()  # the restarter (or a standby) takes over now, not at the next probe interval
             if kill:
                 slot.head.kill_engine.remote()  # not waited for: nothing blocks under the lock
             return True
@@ -146,8 +147,11 @@ class Recovery:
         the promoted engines wait (AWAITING_WEIGHTS) for a restore or a push. `restart_inactive`
         does this itself; a caller that times the steps apart (the recovery benchmark) calls it."""
         with self._lock:
-            self._lock.wait_for(lambda: not self._restarting)
+            self.gate.wait_idle()
             return standby.promote(self.fleet.slots)
+
+    def _kick_set(self) -> None:
+        self._kick.set()
 
     def _restart_in_background(self) -> None:
         while not self._closing.is_set():
@@ -160,17 +164,10 @@ class Recovery:
             except Exception:  # noqa: BLE001 - logged; the next round (or the caller) tries again
                 log.exception("background restart failed")
 
-    @contextmanager
-    def paused(self):
-        """No background restart starts inside this block, and none is under way in it."""
-        with self._lock:
-            self._pauses += 1
-            self._lock.wait_for(lambda: not self._restarting)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._pauses -= 1
+    def paused(self, starts: bool = True):
+        """A block no restore overlaps, and (with `starts`, a colocated trainer's turn) no engine start
+        either; a push (`starts=False`) runs beside an engine starting (rollfleet.fleet.restart_gate)."""
+        return self.gate.paused(starts)
 
     def restart_wait_s(self, slot: EngineSlot) -> float:
         """Seconds before an INACTIVE engine's next restart try (rollout.restart_backoff_s)."""
@@ -187,25 +184,27 @@ class Recovery:
         it back waits out its backoff (`restart_wait_s`) unless `force`. Never raises
         for an engine's or a source's failure (they are logged, and in the engines' histories).
         Returns the restarted engine ids."""
+        pulls = self.rollout.backend == "sglang" and self.peer.available_for_start()  # SGLang pulls at start
         with self._lock:
-            self._lock.wait_for(lambda: not self._restarting)
-            if background and self._pauses:  # checked after the wait: a pause may have begun meanwhile
+            self.gate.wait_idle()
+            if not self.gate.may_begin(background, pulls):
                 return []
             promoted = standby.promote(self.fleet.slots)
             inactive = [s for s in self.fleet.slots if s.state == EngineState.INACTIVE]
             slots = [s for s in inactive if force or not self.restart_wait_s(s)]
             if not slots and not (restore and self._restorable(self.fleet.version, restore_from)):
                 return []
-            self._restarting = True
+            self.gate.begin(pulls)
             for slot in slots:
                 slot.lifecycle.to(EngineState.RECOVERING, "restart")
         try:
-            if restore and promoted:  # the critical path: a standby serves again before any restart
+            if restore and promoted and self.gate.restoring(background):  # a standby serves before any restart
                 self._restore(promoted, self._sources(restore_from))
+                self.gate.starting(pulls)
             restarted = self._start_again(slots) if slots else []
             for slot in (s for s in slots if s.engine_id not in restarted):
                 log.warning("engine %d: restart failed; next try in %.0f s", slot.engine_id, self.restart_wait_s(slot))
-            if restore:
+            if restore and self.gate.restoring(background):  # skipped beside a push: the next round
                 self._restore(self._awaiting(), self._sources(restore_from))
             return restarted
         finally:
@@ -213,8 +212,7 @@ class Recovery:
                 for slot in slots:  # an error nobody expected: the engine is not left half-restarted
                     if slot.state == EngineState.RECOVERING:
                         slot.lifecycle.to(EngineState.INACTIVE, "restart failed: interrupted")
-                self._restarting = False
-                self._lock.notify_all()
+                self.gate.end()
 
     def _start_again(self, slots: list[EngineSlot]) -> list[int]:
         """Stop, then start each engine (in parallel across engines); a call that fails or outlives
@@ -283,8 +281,8 @@ class Recovery:
         advances the fleet's version. Raises RestoreError naming the engines not verified."""
         slots = [self.fleet.slots[e] for e in engine_ids]
         with self._lock:
-            self._lock.wait_for(lambda: not self._restarting)
-            self._restarting = True
+            self.gate.wait_idle()
+            self.gate.phase = "restoring"
             for slot in slots:
                 if slot.state in (EngineState.ACTIVE, EngineState.SLEEPING):
                     slot.lifecycle.to(EngineState.AWAITING_WEIGHTS, f"restore of version {version!r}")
@@ -293,8 +291,7 @@ class Recovery:
             left = self._restore(slots, [source], version, remember=False)
         finally:
             with self._lock:
-                self._restarting = False
-                self._lock.notify_all()
+                self.gate.end()
         if left:
             raise RestoreError(f"restore of version {version!r} from {directory} left engines {left} unverified")
 
@@ -389,7 +386,7 @@ class Recovery:
         lifecycle's mark), now or within the death watch's reaction time."""
         deadline = time.monotonic() + grace_s
         while True:
-            if any(s.lifecycle.failed_since(marks.get(s.engine_id, 0)) for s in self.fleet.slots):
+            if any(self.fleet.slots[e].lifecycle.failed_since(mark) for e, mark in marks.items()):
                 return True
             if time.monotonic() >= deadline:
                 return False

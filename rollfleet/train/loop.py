@@ -27,6 +27,7 @@ from rollfleet.config import RunConfig
 from rollfleet.data.prompts import PromptDataset, PromptItem
 from rollfleet.data.synthetic import make_records
 from rollfleet.fleet.fleet import Fleet
+from rollfleet.fleet.lifecycle import EngineState
 from rollfleet.rewards import load_reward
 from rollfleet.sample import Sample
 from rollfleet.train.grpo import group_advantages
@@ -246,9 +247,14 @@ def _against_copy_ceiling(run: Run, moves: dict) -> dict:
 
 
 def _restart_inactive(fleet: Fleet) -> int:
-    """Dead engines restart at the step boundary: restored, or they take this step's push. A failure
-    here never ends the run (the engines stay out of rotation; the background restarter and the next
-    step try again): it is logged and counted in the step's metrics."""
+    """Dead engines restart at the step boundary: restored, or they take this step's push; unless the
+    background restarter does it (`rollout.auto_restart`) while an engine serves: the step then goes
+    on with the engines that serve instead of waiting for a start. A failure here never ends the run
+    (the engines stay out of rotation; the background restarter and the next step try again): it is
+    logged and counted in the step's metrics."""
+    serving = any(s.state == EngineState.ACTIVE and s.version == fleet.version for s in fleet.slots)
+    if fleet.rollout.auto_restart and serving:
+        return 0
     try:
         fleet.restart_inactive()
     except Exception:  # noqa: BLE001 - logged and counted, not swallowed
