@@ -166,6 +166,12 @@ def _deep_bucket_pickle(depth: int) -> bytes:
     return pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + flat + pickle.SETITEM + meta + pickle.SETITEM + pickle.STOP
 
 
+def _bucket_of_norm(**record) -> dict:
+    """A bucket of model.norm.weight (64 floats) with some metadata field replaced."""
+    meta = {"name": "model.norm.weight", "shape": (64,), "dtype": torch.float32, "start_idx": 0, "end_idx": 64}
+    return {"flattened_tensor": torch.full((64,), 3.0), "metadata": [{**meta, "numel": 64, **record}]}
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -176,10 +182,12 @@ def _b64(data: bytes) -> str:
         (_b64(pickle.dumps([("model.norm.weight", _GrownTensor())])), None, ["needs 256 bytes", "holds 0"]),
         (_b64(pickle.dumps([("model.norm.weight", _FreshStorage())])), None, ["calling", "UntypedStorage"]),
         (_b64(_deep_bucket_pickle(100_000)), "flattened_bucket", [f"nest more than {MAX_NESTING} deep"]),
+        (serialize(_bucket_of_norm(shape=(-8, -8))), "flattened_bucket", ["shape (-8, -8) has a negative size"]),
+        (serialize(_bucket_of_norm(start_idx=0.5)), "flattened_bucket", ["model.norm.weight", "malformed", "float"]),
     ],
-    ids=["storage-grown-by-set_", "storage-class-called", "100000-deep-metadata"],
+    ids=["storage-grown-by-set_", "storage-class-called", "100000-deep-metadata", "negative-dims", "float-offset"],
 )
-def test_payloads_that_would_make_memory_or_recurse_are_refused(server, payload, load_format, needles):
+def test_payloads_torch_never_sends_are_refused_and_change_nothing(server, payload, load_format, needles):
     before = post(server, "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 8}).json()
     body = {"serialized_named_tensors": [payload], "load_format": load_format}
     response = post(server, "/update_weights_from_tensor", body)
