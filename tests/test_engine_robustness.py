@@ -109,7 +109,7 @@ def test_smallest_top_p_and_largest_temperature_that_fit_float32_generate(server
         (
             "/init_weights_update_group",
             b'{"master_address": "\\ud800", "master_port": 1, "rank_offset": 1, "world_size": 2}',
-            ["master_address", "surrogate"],
+            ["master_address", "not a host name"],
         ),
         (
             "/init_weights_update_group",
@@ -131,6 +131,29 @@ def test_unencodable_strings_and_absurd_numbers_are_refused_at_the_door(server, 
         assert needle in response.json()["message"], response.json()
     assert_still_serving(server)
     assert httpx.get(server.url + "/get_model_info", timeout=10).json()["weight_version"] == "default"
+
+
+GROUP = {"master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "gloo", "timeout_s": 1}
+RFORK = {"ports": "29600", "group_rank": 0, "world_size": 2, "backend": "gloo"}
+
+
+@pytest.mark.parametrize("host", ["", "x?rank=3", "a/b", "::1", "a b"])
+@pytest.mark.parametrize(
+    "route, body, field",
+    [
+        ("/init_weights_update_group", GROUP, "master_address"),
+        ("/init_weights_send_group_for_remote_instance", RFORK, "master_address"),
+        ("/send_weights_to_remote_instance", {"ports": "29600"}, "master_address"),
+        ("/rollfleet/load_from_remote_instance", {"seed_port": 1, "ports": "29600", "timeout_s": 1}, "seed_host"),
+    ],
+)
+def test_a_host_that_is_no_host_is_refused_before_any_join(server, route, body, field, host):
+    """ "" and "x?rank=3" failed torch's rendezvous asserts (500; on tp > 1 every rank raised outside
+    the refusal path and the engine stopped)."""
+    response = post(server, route, {**body, field: host}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert f"{field}: Value error, {host!r} is not a host name" in response.json()["message"], response.text
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
 # ---- weight payloads ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ ignored, as SGLang does, so a client built for a newer SGLang still talks to thi
 from __future__ import annotations
 
 import math
+import re
 import struct
 from typing import Annotated, Any, Literal
 
@@ -36,6 +37,23 @@ def _utf8(value: str) -> str:
 
 
 Utf8Str = Annotated[str, AfterValidator(_utf8)]
+
+
+_HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
+
+
+def _host(value: str) -> str:
+    """An address that goes into `tcp://HOST:PORT`: anything else breaks torch's rendezvous URL ("" or
+    "x?rank=3" fail its asserts, outside the errors a failed join raises)."""
+    if not _HOST.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a host name or an IP address: give the address of group rank 0's host "
+            "(an IPv6 address in brackets, as [::1])"
+        )
+    return value
+
+
+HostStr = Annotated[str, AfterValidator(_host)]
 
 
 def _utf8_texts(value: Any) -> Any:
@@ -165,7 +183,7 @@ class UpdateWeightsFromTensorRequest(_Lenient):
 
 
 class InitWeightsUpdateGroupRequest(_Lenient):
-    master_address: Utf8Str
+    master_address: HostStr
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(le=2**31 - 1)
     world_size: int = Field(ge=2, le=2**31 - 1)
@@ -298,7 +316,7 @@ def _ports_field(ports: str) -> str:
 class InitWeightsSendGroupForRemoteInstanceRequest(_Lenient):
     """SGLang's InitWeightsSendGroupForRemoteInstanceReqInput (sent to the seed by the destination)."""
 
-    master_address: Utf8Str = Field(min_length=1)
+    master_address: HostStr
     ports: Annotated[Utf8Str, AfterValidator(_ports_field)]
     group_rank: int
     world_size: int
@@ -330,7 +348,7 @@ class InitWeightsSendGroupForRemoteInstanceRequest(_Lenient):
 class SendWeightsToRemoteInstanceRequest(_Lenient):
     """SGLang's SendWeightsToRemoteInstanceReqInput."""
 
-    master_address: Utf8Str = Field(min_length=1)
+    master_address: HostStr
     ports: Annotated[Utf8Str, AfterValidator(_ports_field)]
     group_name: Utf8Str = Field("weight_send_group", min_length=1)
 
@@ -339,7 +357,7 @@ class LoadFromRemoteInstanceRequest(_Lenient):
     """rollfleet extension: a running engine pulls its weights from a seed (the destination's side of
     R-Fork, which SGLang runs only at start)."""
 
-    seed_host: Utf8Str = Field(min_length=1)
+    seed_host: HostStr
     seed_port: int = Field(ge=1, le=65535)
     ports: Annotated[Utf8Str, AfterValidator(_ports_field)]
     group_name: Utf8Str | None = Field(None, min_length=1, description="default: send_weights_<this engine's host>")
