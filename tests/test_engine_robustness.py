@@ -286,6 +286,39 @@ def test_weight_reads_after_a_release_are_refused_and_touch_no_freed_memory(serv
     assert_still_serving(server)
 
 
+def strict_json(text: str):
+    """JSON as the standard has it: Python's parser would take NaN and Infinity too."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_nan_weights_answer_null_where_values_are_not_finite(server, qwen3_dir):
+    """Weights holding NaN (a diverged trainer's push, accepted as SGLang accepts it) made every answer
+    that carries their values a 500, or a stream of non-JSON `NaN`; SGLang's answers (orjson) write null."""
+    nan = serialize([("model.norm.weight", torch.full((64,), float("nan")))])
+    assert post(server, "/update_weights_from_tensor", {"serialized_named_tensors": [nan]}).status_code == 200
+    try:
+        weights = post(server, "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 3})
+        assert weights.status_code == 200 and strict_json(weights.text) == [None] * 3, weights.text
+        greedy = {"input_ids": [1, 2], "sampling_params": {**SHORT, "temperature": 0}, "return_logprob": True}
+        answer = post(server, "/generate", greedy)
+        assert answer.status_code == 200, answer.text
+        assert [v for v, _, _ in strict_json(answer.text)["meta_info"]["output_token_logprobs"]] == [None, None]
+        chunks = post(server, "/generate", {**greedy, "stream": True}).text.split("\n\n")
+        assert chunks[-2:] == ["data: [DONE]", ""]
+        assert strict_json(chunks[-3].removeprefix("data: "))["meta_info"]["output_token_logprobs"][-1][0] is None
+        body = {"prompt": [1, 2], "max_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+        completion = post(server, "/v1/completions", body)
+        assert completion.status_code == 200, completion.text
+        assert strict_json(completion.text)["choices"][0]["logprobs"]["token_logprobs"] == [None, None]
+    finally:
+        assert post(server, "/update_weights_from_disk", {"model_path": qwen3_dir}).status_code == 200
+    assert_still_serving(server)
+
+
 # ---- size and latency ----------------------------------------------------------------------------
 def test_a_body_over_the_limit_gets_413(server):
     raw = b'{"input_ids": [' + b"1," * (4 * 2**20) + b"1]}"  # 8 MiB + a little: the default limit

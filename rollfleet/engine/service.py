@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -35,6 +37,33 @@ class BadRequest(Exception):
     def __init__(self, message: str, status_code: int = 400):
         super().__init__(message)
         self.message, self.status_code = message, status_code
+
+
+def finite(value: Any) -> Any:
+    """`value` with every NaN and infinite float replaced by None, as SGLang's answers (orjson) write them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)):
+        return [finite(item) for item in value]
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    return value
+
+
+def dumps(content: Any) -> bytes:
+    """JSON of an answer; NaN and infinities (logprobs or weights of a model pushed NaN weights) as null:
+    JSON has no such numbers, and json.dumps would refuse them (HTTP 500) or write non-JSON `NaN`."""
+    try:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError:
+        return dumps(finite(content))
+
+
+class Answer(JSONResponse):
+    """A JSON answer (results, weights) that may hold non-finite floats (`dumps`)."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content)
 
 
 def fail(message: str, status_code: int = 400) -> JSONResponse:

@@ -15,18 +15,18 @@ resolves its future when it finished; both only post to this request's queue on 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
 from rollfleet.engine.sequence import Sequence, wire_result
+from rollfleet.engine.service import dumps
 
 DONE = b"data: [DONE]\n\n"
 
 
 def sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+    return b"data: " + dumps(payload) + b"\n\n"
 
 
 async def progress(engine, seqs: list[Sequence]) -> AsyncIterator[tuple[int, dict, bool]]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from rollfleet.engine.logprobs import LogprobAsk
 from rollfleet.engine.lora_merge import LORA_OFF
-from rollfleet.engine.service import BadRequest, Engine, EngineService, fail, validation_message
+from rollfleet.engine.service import Answer, BadRequest, Engine, EngineService, fail, validation_message
 from rollfleet.engine.streaming import stream_response
 from rollfleet.wire.protocol import GenerateRequest, SamplingParams
 
@@ -87,7 +87,7 @@ async def generate(req: GenerateRequest, engine: Engine):
         return stream_response(engine, seqs, is_batch or len(seqs) > 1)
     results = await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
     # json.dumps, not FastAPI's encoder: that walks every result in Python on the event loop (0.1 s for 1024)
-    return JSONResponse(results if is_batch or len(results) > 1 else results[0])
+    return Answer(results if is_batch or len(results) > 1 else results[0])
 
 
 async def submit_generate(engine: EngineService, req: GenerateRequest) -> tuple[list, bool]:

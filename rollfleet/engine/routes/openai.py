@@ -28,7 +28,7 @@ from rollfleet.engine.openai_api import (
     weight_version_metadata,
 )
 from rollfleet.engine.routes.generate import submit_generate
-from rollfleet.engine.service import VERSION, BadRequest, Engine, EngineService
+from rollfleet.engine.service import VERSION, Answer, BadRequest, Engine, EngineService
 from rollfleet.engine.streaming import DONE, progress, sse
 
 router = APIRouter()
@@ -52,7 +52,7 @@ async def completions(req: CompletionRequest, engine: Engine):
         {"index": i, "text": a["text"], **_text_choice(a["meta_info"], 0, with_logprobs)} for i, a in enumerate(answers)
     ]
     body = {**envelope("text_completion", answers[0]["meta_info"]["id"], model), "choices": choices}
-    return JSONResponse(_with_extensions({**body, "usage": usage(answers, req.n)}, req, answers))
+    return Answer(_with_extensions({**body, "usage": usage(answers, req.n)}, req, answers))
 
 
 @router.post("/v1/chat/completions")
@@ -74,7 +74,7 @@ async def chat_completions(req: ChatCompletionRequest, engine: Engine):
         for i, a in enumerate(answers)
     ]
     body = {**envelope("chat.completion", answers[0]["meta_info"]["id"], req.model), "choices": choices}
-    return JSONResponse(_with_extensions({**body, "usage": usage(answers, req.n)}, req, answers))
+    return Answer(_with_extensions({**body, "usage": usage(answers, req.n)}, req, answers))
 
 
 def _with_extensions(body: dict, req, answers: list[dict]) -> dict:
