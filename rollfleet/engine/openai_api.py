@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from rollfleet.wire.protocol import MAX_TOP_LOGPROBS, SEED_RANGE, GenerateRequest, Utf8Str, _Lenient
 
@@ -99,6 +99,13 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, value):
+        if value == []:  # SGLang: "Prompt cannot be empty"
+            raise ValueError("prompt is an empty list: give a prompt (a string, token ids, or a list of either)")
+        return value
+
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, value: bool) -> bool:
@@ -122,19 +129,32 @@ class CompletionRequest(_Sampling):
         )
 
 
+class ContentPart(_Lenient):
+    """One part of a message's content; parts other than text are refused when the prompt is made."""
+
+    type: Utf8Str
+    text: Utf8Str | None = None
+
+    @model_validator(mode="after")
+    def _text_has_text(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a content part of type 'text' needs 'text' (a string)")
+        return self
+
+
 class ChatMessage(_Lenient):
     role: Utf8Str
-    content: Utf8Str | list[dict[str, Any]] | None = None
+    content: Utf8Str | list[ContentPart] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as chat templates read it: text parts joined into one string."""
         content = self.content
         if isinstance(content, list):
-            kinds = sorted({str(part.get("type")) for part in content} - {"text"})
+            kinds = sorted({part.type for part in content} - {"text"})
             if kinds:
                 raise ValueError(f"message content parts of type {kinds}: this engine takes text parts only")
-            content = "".join(str(part.get("text", "")) for part in content)
-        return {**self.model_dump(exclude_none=True), "content": content or ""}
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
 
 
 class ChatCompletionRequest(_Sampling):
