@@ -76,6 +76,14 @@ def assert_still_serving(server):
         (b'{"input_ids": [1], "sampling_params": {"stop": ["\\ud800"]}}', ["stop", "surrogate"]),
         (b'{"input_ids": [1], "sampling_params": {"n": 10000000}}', ["n=10000000", "--max-samples-per-request"]),
         (b'{"input_ids": [[1], [2]], "sampling_params": {"n": 600}}', ["1200 samples", "at most 1024"]),
+        (b'{"input_ids": [1], "sampling_params": {"stop": ' + json.dumps(["x"] * 33).encode() + b"}}", ["33", "32"]),
+        (b'{"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 5}}', ["min_new_tokens=5"]),
+        (
+            b'{"input_ids": [1], "sampling_params": {"min_new_tokens": 2, "stop_token_ids": '
+            + json.dumps(list(range(1, VOCAB))).encode()  # with EOS (0): every token
+            + b"}}",
+            ["stop_token_ids", f"every one of the vocabulary's {VOCAB} tokens", "min_new_tokens=2"],
+        ),
     ],
 )
 def test_bad_generate_values_get_400_naming_the_field_and_the_engine_goes_on(server, raw, needles):

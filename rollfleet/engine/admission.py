@@ -8,7 +8,13 @@ from rollfleet.wire.protocol import SamplingParams
 
 
 def check_request(
-    prompts: list[list[int]], params: list[SamplingParams], field: str, *, vocab_size: int, max_samples: int
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    field: str,
+    *,
+    vocab_size: int,
+    max_samples: int,
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> None:
     """ValueError naming the field, the value and the fix. `params` holds one entry per prompt;
     `field` names the prompts ("text" or "input_ids")."""
@@ -27,7 +33,15 @@ def check_request(
             where = f"{field}[{index}][{position}]" if len(prompts) > 1 else f"{field}[{position}]"
             raise ValueError(f"{where}={token} is {vocab}: send token ids of this model's tokenizer")
     for index, p in enumerate(params):
+        where = "sampling_params" if len(params) == 1 else f"sampling_params[{index}]"
         bad = [t for t in p.stop_token_ids or [] if not 0 <= t < vocab_size]
         if bad:
-            where = "sampling_params" if len(params) == 1 else f"sampling_params[{index}]"
             raise ValueError(f"{where}.stop_token_ids holds {bad[:5]}, {vocab}: drop them")
+        stops = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(eos_token_ids))
+        if p.min_new_tokens > 0 and len(stops) >= vocab_size:  # in range, checked above
+            # every token is masked before min_new_tokens: sampling would fail the whole batch, others' too
+            raise ValueError(
+                f"{where}.stop_token_ids (with the EOS tokens{'' if p.ignore_eos else ', ignore_eos=false'}) hold "
+                f"every one of the vocabulary's {vocab_size} tokens, and min_new_tokens={p.min_new_tokens} forbids "
+                "them all: no token is left to sample; drop some stop_token_ids or min_new_tokens"
+            )

@@ -20,6 +20,7 @@ GREEDY_TEMPERATURE = 1e-6  # SGLang: a temperature below this means argmax
 SEED_RANGE = (-(2**63), 2**63 - 1)  # SGLang's sampling_seed range
 MAX_TIMEOUT_S = 86400.0  # one day: longer waits are a mistake, and timedelta overflows on absurd ones
 MAX_TOP_LOGPROBS = 1024  # most logprobs per position one request may ask for (top-k or listed token ids)
+MAX_STOP_STRINGS = 32  # SGLang's MAX_STOP_COUNT
 MAX_TENSOR_BYTES = 2**62  # a shape whose numel * 8 bytes goes past this cannot be allocated anywhere
 
 
@@ -125,6 +126,16 @@ class SamplingParams(_Lenient):
     def _check(self) -> SamplingParams:
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k={self.top_k}: use -1 (all tokens) or a positive number")
+        if self.min_new_tokens > self.max_new_tokens:  # SGLang's rule (SamplingParams.verify)
+            raise ValueError(
+                f"min_new_tokens={self.min_new_tokens} is more than max_new_tokens={self.max_new_tokens}: "
+                "give at most max_new_tokens"
+            )
+        if len(self.stop_strings) > MAX_STOP_STRINGS:  # SGLang's MAX_STOP_COUNT; each is searched every token
+            raise ValueError(
+                f"stop holds {len(self.stop_strings)} strings, at most {MAX_STOP_STRINGS} are allowed (as in SGLang): "
+                "keep the ones that matter, or stop on token ids (stop_token_ids)"
+            )
         return self
 
     @property
