@@ -84,6 +84,10 @@ def assert_still_serving(server):
             + b"}}",
             ["stop_token_ids", f"every one of the vocabulary's {VOCAB} tokens", "min_new_tokens=2"],
         ),
+        # SGLang's fields this engine cannot honour were ignored: the answer looked as if they held
+        (b'{"input_ids": [1], "sampling_params": {"regex": "a+"}}', ["sampling_params.regex='a+'", "constrained"]),
+        (b'{"input_ids": [[1], [2]], "sampling_params": [{}, {"json_schema": "{}"}]}', ["sampling_params[1].json"]),
+        (b'{"input_ids": [1], "sampling_params": {"logit_bias": {"5": -100}}}', ["logit_bias={'5': -100}"]),
     ],
 )
 def test_bad_generate_values_get_400_naming_the_field_and_the_engine_goes_on(server, raw, needles):

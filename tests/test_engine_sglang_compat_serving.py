@@ -117,6 +117,9 @@ def test_openai_errors_have_openai_shape(server):
         ("/v1/chat/completions", {"messages": text_part("a\ud800")}, ["text", "surrogate"]),
         ("/v1/chat/completions", {"messages": text_part({"x": 1})}, ["text", "valid string", "{'x': 1}"]),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, ["needs 'text'"]),
+        # ignored before, so the answer looked constrained when it was not
+        ("/v1/chat/completions", {"messages": text_part("hi"), "response_format": {"type": "json_object"}}, ["json"]),
+        ("/v1/completions", {"prompt": "x", "regex": "[0-9]+"}, ["regex='[0-9]+'", "constrained decoding"]),
     ]:
         raw = json.dumps(body)  # a lone surrogate travels as its \\ud800 escape
         headers = {**AUTH, "content-type": "application/json"}

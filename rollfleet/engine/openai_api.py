@@ -6,7 +6,9 @@ SGLang's extra fields that RL frameworks send are taken: `top_k`, `min_p`, `min_
 `stop_token_ids`, `no_stop_trim`, `ignore_eos`, `skip_special_tokens`, `repetition_penalty`,
 `lora_path`, `rid`, `return_text_in_logprobs`, `chat_template_kwargs`, `return_routed_experts` and
 `routed_experts_start_len`; `separate_reasoning` and other fields this engine has no use for are
-ignored (no reasoning parser: `reasoning_content` is null). Unknown fields are ignored, as SGLang does.
+ignored (no reasoning parser: `reasoning_content` is null). Unknown fields are ignored, as SGLang does;
+those that would change the output and cannot be honoured here (`response_format` other than text,
+`regex`, `json_schema`, `logit_bias`, ...: admission.UNSERVED) are refused.
 
 What SGLang 0.5.23 adds to the answers is added the same way: `metadata` (the first answer's
 `weight_version`, and its `weight_versions` spans) on non-streamed answers, and `sglext.routed_experts`
@@ -20,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from rollfleet.engine.admission import unserved
 from rollfleet.wire.protocol import MAX_TOP_LOGPROBS, SEED_RANGE, GenerateRequest, Utf8Str, _Lenient
 
 
@@ -54,6 +57,13 @@ class _Sampling(_Lenient):
     return_text_in_logprobs: bool = False  # accepted: the OpenAI answers always carry token texts
     return_routed_experts: bool = False  # the engine needs --enable-return-routed-experts (/generate checks)
     routed_experts_start_len: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nothing_unserved(cls, fields: Any) -> Any:
+        if isinstance(fields, dict) and (why := unserved(fields)):
+            raise ValueError(why)
+        return fields
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """/generate's sampling_params; fields left unset keep /generate's defaults (checked there)."""

@@ -8,6 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from rollfleet.engine.admission import unserved
 from rollfleet.engine.logprobs import LogprobAsk
 from rollfleet.engine.lora_merge import LORA_OFF
 from rollfleet.engine.service import Answer, BadRequest, Engine, EngineService, fail, validation_message
@@ -33,6 +34,9 @@ def sampling_of(req: GenerateRequest, count: int) -> list[SamplingParams]:
     if isinstance(raw, list) and len(raw) != count:
         raise BadRequest(f"sampling_params has {len(raw)} entries for {count} prompts: give one per prompt")
     raw_list = raw if isinstance(raw, list) else [raw] * count
+    for index, item in enumerate(raw_list):
+        if why := unserved(item, "sampling_params." if not isinstance(raw, list) else f"sampling_params[{index}]."):
+            raise BadRequest(why)
     try:
         return [SamplingParams(**item) for item in raw_list]
     except ValidationError as exc:
