@@ -99,6 +99,22 @@ def test_bad_generate_values_get_400_naming_the_field_and_the_engine_goes_on(ser
     assert_still_serving(server)
 
 
+def test_null_fields_take_sglangs_defaults(server):
+    """SGLang reads a null sampling or logprob field as its default (null max_new_tokens: up to the
+    context length); here they were 400s, failing clients that send every field."""
+    defaults = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 4, "sampling_seed": 7}}
+    nulls = {"temperature", "top_p", "top_k", "min_p", "n", "ignore_eos", "min_new_tokens", "repetition_penalty"}
+    params = {**defaults["sampling_params"], **dict.fromkeys(nulls), "stop_token_ids": [None]}
+    top = dict.fromkeys(["return_logprob", "logprob_start_len", "top_logprobs_num", "stream"])
+    answers = [post(server, "/generate", body) for body in (defaults, {**defaults, **top, "sampling_params": params})]
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    assert answers[0].json()["output_ids"] == answers[1].json()["output_ids"]
+    assert "output_token_logprobs" not in answers[1].json()["meta_info"]
+    uncapped = {"max_new_tokens": None, "ignore_eos": True, "temperature": 0}
+    answer = post(server, "/generate", {"input_ids": [5] * 500, "sampling_params": uncapped}).json()
+    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 12}  # the context is 512
+
+
 @pytest.mark.parametrize("seed", [10**14, 2**63 - 1, -(2**63)])
 def test_any_seed_in_sglangs_range_samples_and_repeats(server, seed):
     params = {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": True}
@@ -527,7 +543,7 @@ def _small(value) -> bool:
     params = value.get("sampling_params")
     items = params if isinstance(params, list) else [params]
     limit = [p.get("max_new_tokens") for p in items if isinstance(p, dict)]
-    return all(not isinstance(m, (int, float)) or m <= 8 for m in limit)
+    return all(m is not None and (not isinstance(m, (int, float)) or m <= 8) for m in limit)  # None: uncapped
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

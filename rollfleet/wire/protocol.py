@@ -78,12 +78,20 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+def _null_is_default(fields: Any, nullable: tuple[str, ...] = ()) -> Any:
+    """SGLang reads a null field as its default (its SamplingParams.__post_init__ and GenerateReqInput's
+    normalize): drop every null but those of `nullable` fields, where null is a value."""
+    if not isinstance(fields, dict):
+        return fields
+    return {key: value for key, value in fields.items() if value is not None or key in nullable}
+
+
 class SamplingParams(_Lenient):
     """SGLang's sampling fields and ranges (its `SamplingParams.verify`), checked as the engine's
     float32 tensors will see them. Token ids are checked against the vocabulary by the server, and
     `n` against its --max-samples-per-request."""
 
-    max_new_tokens: int = Field(128, ge=0)
+    max_new_tokens: int | None = Field(128, ge=0)  # None: up to the context length (SGLang's null)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
@@ -102,6 +110,14 @@ class SamplingParams(_Lenient):
     no_stop_trim: bool = False  # keep the matched stop string (or stop token's text) in `text`
 
     _stop_is_utf8 = field_validator("stop")(_utf8_texts)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, fields: Any) -> Any:
+        fields = _null_is_default(fields, ("max_new_tokens",))
+        if isinstance(fields, dict) and isinstance(fields.get("stop_token_ids"), list):  # SGLang drops null ids
+            fields["stop_token_ids"] = [t for t in fields["stop_token_ids"] if t is not None]
+        return fields
 
     @field_validator("temperature")
     @classmethod
@@ -126,7 +142,7 @@ class SamplingParams(_Lenient):
     def _check(self) -> SamplingParams:
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k={self.top_k}: use -1 (all tokens) or a positive number")
-        if self.min_new_tokens > self.max_new_tokens:  # SGLang's rule (SamplingParams.verify)
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:  # SGLang's rule
             raise ValueError(
                 f"min_new_tokens={self.min_new_tokens} is more than max_new_tokens={self.max_new_tokens}: "
                 "give at most max_new_tokens"
@@ -167,6 +183,11 @@ class GenerateRequest(_Lenient):
     routed_experts_start_len: int = 0
 
     _texts_are_utf8 = field_validator("text", "rid", "lora_path")(_utf8_texts)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, fields: Any) -> Any:
+        return _null_is_default(fields)  # return_logprob: null -> False, logprob_start_len: null -> -1, ...
 
     @model_validator(mode="after")
     def _one_prompt_field(self) -> GenerateRequest:
