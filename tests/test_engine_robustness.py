@@ -115,6 +115,30 @@ def test_null_fields_take_sglangs_defaults(server):
     assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 12}  # the context is 512
 
 
+def test_a_rid_in_use_is_refused_so_an_abort_hits_one_request(server):
+    """Two requests with one rid were both served, and /abort_request of that rid ended both; SGLang
+    refuses the second (duplicate request ID), within one request too."""
+    post(server, "/pause_generation", {"mode": "in_place"})
+    try:
+        first = {"input_ids": [1, 2], "sampling_params": SHORT, "rid": "twin"}
+        sender = threading.Thread(target=lambda: first.setdefault("reply", post(server, "/generate", first)))
+        sender.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/get_server_info").json()["scheduler_stats"]["waiting_requests"] < 1:
+            assert time.monotonic() < deadline, "the first request never queued"
+            time.sleep(0.01)
+        for body, needle in [
+            ({"input_ids": [3], "rid": "twin"}, "rid 'twin' is used by an unfinished request"),
+            ({"input_ids": [[3], [4]], "rid": ["x", "x"]}, "rid 'x' names two samples of this request"),
+        ]:
+            response = post(server, "/generate", {**body, "sampling_params": SHORT}, timeout=10)
+            assert response.status_code == 400 and needle in response.json()["message"], response.text
+    finally:
+        post(server, "/continue_generation", {})
+    sender.join()
+    assert first["reply"].status_code == 200 and first["reply"].json()["meta_info"]["id"] == "twin"
+
+
 @pytest.mark.parametrize("seed", [10**14, 2**63 - 1, -(2**63)])
 def test_any_seed_in_sglangs_range_samples_and_repeats(server, seed):
     params = {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": True}

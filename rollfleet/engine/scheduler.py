@@ -240,6 +240,10 @@ class Scheduler(Aborts):
             return "the engine loop thread has exited"
         return None
 
+    def unfinished_rids(self) -> set[str]:
+        with self._wakeup:
+            return {seq.rid for seq in itertools.chain(self.waiting, self.running)}
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)

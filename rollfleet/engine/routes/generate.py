@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 from fastapi import APIRouter
 from fastapi.responses import Response
@@ -64,12 +65,24 @@ def lora_names_of(engine: EngineService, req: GenerateRequest, count: int) -> li
     return names
 
 
-def rids_of(req: GenerateRequest, count: int, is_batch: bool) -> list[str | None]:
+def rids_of(engine: EngineService, req: GenerateRequest, params: list[SamplingParams], is_batch: bool) -> list:
+    """The rid of each prompt (None: one is made up); each sample's rid (`rid`, or `rid-i` when n > 1)
+    must be unique among the unfinished requests, as SGLang requires, or an abort would hit others."""
+    count = len(params)
     rids = req.rid if isinstance(req.rid, list) else [req.rid] * count
     if len(rids) != count:
         raise BadRequest(f"rid has {len(rids)} entries for {count} prompts")
     if is_batch and isinstance(req.rid, str):
         rids = [f"{req.rid}-{i}" for i in range(count)]
+    samples = [r if p.n == 1 else f"{r}-{i}" for r, p in zip(rids, params) if r is not None for i in range(p.n)]
+    taken = engine.scheduler.unfinished_rids()
+    twice = sorted(r for r, n in Counter(samples).items() if n > 1 or r in taken)
+    if twice:
+        where = "is used by an unfinished request" if twice[0] in taken else "names two samples of this request"
+        raise BadRequest(
+            f"rid {twice[0]!r} {where} (SGLang refuses a duplicate request ID): give each request (and each "
+            "prompt of a batch) its own rid, or omit rid"
+        )
     return rids
 
 
@@ -110,7 +123,7 @@ async def submit_generate(engine: EngineService, req: GenerateRequest) -> tuple[
     check_prompts(engine, prompts)
     ask = logprob_ask(engine, req, prompts)
     routes_start = routes_start_of(engine, req, prompts)
-    rids = rids_of(req, len(prompts), is_batch)
+    rids = rids_of(engine, req, params, is_batch)
     try:  # no await between the adapter check above and this submission: an unload cannot slip in
         seqs = [
             seq
