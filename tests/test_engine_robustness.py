@@ -115,6 +115,10 @@ def test_null_fields_take_sglangs_defaults(server):
     assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 12}  # the context is 512
 
 
+def waiting_requests(server) -> int:
+    return httpx.get(server.url + "/get_server_info", timeout=10).json()["scheduler_stats"]["waiting_requests"]
+
+
 def test_a_rid_in_use_is_refused_so_an_abort_hits_one_request(server):
     """Two requests with one rid were both served, and /abort_request of that rid ended both; SGLang
     refuses the second (duplicate request ID), within one request too."""
@@ -124,7 +128,7 @@ def test_a_rid_in_use_is_refused_so_an_abort_hits_one_request(server):
         sender = threading.Thread(target=lambda: first.setdefault("reply", post(server, "/generate", first)))
         sender.start()
         deadline = time.monotonic() + 30
-        while httpx.get(server.url + "/get_server_info").json()["scheduler_stats"]["waiting_requests"] < 1:
+        while waiting_requests(server) < 1:
             assert time.monotonic() < deadline, "the first request never queued"
             time.sleep(0.01)
         for body, needle in [
@@ -137,6 +141,23 @@ def test_a_rid_in_use_is_refused_so_an_abort_hits_one_request(server):
         post(server, "/continue_generation", {})
     sender.join()
     assert first["reply"].status_code == 200 and first["reply"].json()["meta_info"]["id"] == "twin"
+
+
+def test_a_client_that_goes_away_aborts_its_request(server):
+    """A /generate whose client timed out ran on to its end (here: waited forever, paused) and held its
+    rid; SGLang aborts it when the client disconnects."""
+    post(server, "/pause_generation", {"mode": "in_place"})
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            post(server, "/generate", {"input_ids": [1, 2], "sampling_params": SHORT, "rid": "gone"}, timeout=1)
+        deadline = time.monotonic() + 10
+        while waiting_requests(server):
+            assert time.monotonic() < deadline, "the request of a client that went away still waits"
+            time.sleep(0.05)
+    finally:
+        post(server, "/continue_generation", {})
+    again = post(server, "/generate", {"input_ids": [1, 2], "sampling_params": SHORT, "rid": "gone"})
+    assert again.status_code == 200 and again.json()["meta_info"]["finish_reason"]["type"] == "length"
 
 
 @pytest.mark.parametrize("seed", [10**14, 2**63 - 1, -(2**63)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
@@ -13,7 +13,7 @@ from rollfleet.engine.admission import unserved
 from rollfleet.engine.logprobs import LogprobAsk
 from rollfleet.engine.lora_merge import LORA_OFF
 from rollfleet.engine.service import Answer, BadRequest, Engine, EngineService, fail, validation_message
-from rollfleet.engine.streaming import stream_response
+from rollfleet.engine.streaming import answers, stream_response
 from rollfleet.wire.protocol import GenerateRequest, SamplingParams
 
 router = APIRouter()
@@ -98,11 +98,11 @@ def check_prompts(engine: EngineService, prompts: list[list[int]]) -> None:
 
 
 @router.post("/generate")
-async def generate(req: GenerateRequest, engine: Engine):
+async def generate(req: GenerateRequest, engine: Engine, request: Request):
     seqs, is_batch = await submit_generate(engine, req)
     if req.stream:
         return stream_response(engine, seqs, is_batch or len(seqs) > 1)
-    results = await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
+    results = await answers(engine, request, seqs)
     # json.dumps, not FastAPI's encoder: that walks every result in Python on the event loop (0.1 s for 1024)
     return Answer(results if is_batch or len(results) > 1 else results[0])
 
