@@ -229,6 +229,26 @@ def test_a_host_that_is_no_host_is_refused_before_any_join(server, route, body, 
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "method, route, raw, status, needles",
+    [
+        ("POST", "/generate", b'{"input_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, ["JSON object"]),
+        ("POST", "/generate", b"\xff\xfe{", 400, ["error parsing the body", "UTF-8"]),
+        ("POST", "/generate", b'{"input_ids": [1,', 400, ["not valid JSON (at character 17", "one JSON object"]),
+        ("GET", "/generate", b"", 405, ["GET /generate", "use POST"]),
+        ("POST", "/no_such_route", b"{}", 404, ["/no_such_route", "no such route"]),
+    ],
+)
+def test_bodies_fastapi_cannot_parse_get_this_servers_error_shape(server, method, route, raw, status, needles):
+    """These answered FastAPI's {"detail": ...}, naming neither the request nor the fix."""
+    json_body = {"content-type": "application/json"}
+    response = httpx.request(method, server.url + route, content=raw, headers=json_body, timeout=30)
+    assert response.status_code == status and set(response.json()) == {"success", "message"}, response.text
+    assert all(needle in response.json()["message"] for needle in needles), response.text
+    openai = httpx.post(server.url + "/v1/completions", content=b"\xff", headers=json_body, timeout=30).json()
+    assert openai["object"] == "error" and "POST /v1/completions" in openai["message"], openai
+
+
 # ---- weight payloads ------------------------------------------------------------------------------
 class _EmptyStorage:
     def __reduce__(self):

@@ -73,6 +73,10 @@ def fail(message: str, status_code: int = 400) -> JSONResponse:
 def validation_message(exc: ValidationError | RequestValidationError) -> str:
     parts = []
     for error in exc.errors():
+        if error.get("type") == "json_invalid":  # FastAPI's: loc is ("body", character offset)
+            offset, why = error.get("loc", (None, None))[-1], (error.get("ctx") or {}).get("error", "")
+            parts.append(f"the body is not valid JSON (at character {offset}: {why}): send one JSON object")
+            continue
         where = ".".join(str(x) for x in error.get("loc", ()) if x != "body")
         parts.append(f"{where or 'body'}: {error.get('msg')} (got {error.get('input')!r})"[:300])
     return "; ".join(parts)
