@@ -76,6 +76,18 @@ def assert_still_serving(server):
         (b'{"input_ids": [1], "sampling_params": {"stop": ["\\ud800"]}}', ["stop", "surrogate"]),
         (b'{"input_ids": [1], "sampling_params": {"n": 10000000}}', ["n=10000000", "--max-samples-per-request"]),
         (b'{"input_ids": [[1], [2]], "sampling_params": {"n": 600}}', ["1200 samples", "at most 1024"]),
+        (b'{"input_ids": [1], "sampling_params": {"stop": ' + json.dumps(["x"] * 33).encode() + b"}}", ["33", "32"]),
+        (b'{"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 5}}', ["min_new_tokens=5"]),
+        (
+            b'{"input_ids": [1], "sampling_params": {"min_new_tokens": 2, "stop_token_ids": '
+            + json.dumps(list(range(1, VOCAB))).encode()  # with EOS (0): every token
+            + b"}}",
+            ["stop_token_ids", f"every one of the vocabulary's {VOCAB} tokens", "min_new_tokens=2"],
+        ),
+        # SGLang's fields this engine cannot honour were ignored: the answer looked as if they held
+        (b'{"input_ids": [1], "sampling_params": {"regex": "a+"}}', ["sampling_params.regex='a+'", "constrained"]),
+        (b'{"input_ids": [[1], [2]], "sampling_params": [{}, {"json_schema": "{}"}]}', ["sampling_params[1].json"]),
+        (b'{"input_ids": [1], "sampling_params": {"logit_bias": {"5": -100}}}', ["logit_bias={'5': -100}"]),
     ],
 )
 def test_bad_generate_values_get_400_naming_the_field_and_the_engine_goes_on(server, raw, needles):
@@ -85,6 +97,67 @@ def test_bad_generate_values_get_400_naming_the_field_and_the_engine_goes_on(ser
     for needle in needles:
         assert needle in message, message
     assert_still_serving(server)
+
+
+def test_null_fields_take_sglangs_defaults(server):
+    """SGLang reads a null sampling or logprob field as its default (null max_new_tokens: up to the
+    context length); here they were 400s, failing clients that send every field."""
+    defaults = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 4, "sampling_seed": 7}}
+    nulls = {"temperature", "top_p", "top_k", "min_p", "n", "ignore_eos", "min_new_tokens", "repetition_penalty"}
+    params = {**defaults["sampling_params"], **dict.fromkeys(nulls), "stop_token_ids": [None]}
+    top = dict.fromkeys(["return_logprob", "logprob_start_len", "top_logprobs_num", "stream"])
+    answers = [post(server, "/generate", body) for body in (defaults, {**defaults, **top, "sampling_params": params})]
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    assert answers[0].json()["output_ids"] == answers[1].json()["output_ids"]
+    assert "output_token_logprobs" not in answers[1].json()["meta_info"]
+    uncapped = {"max_new_tokens": None, "ignore_eos": True, "temperature": 0}
+    answer = post(server, "/generate", {"input_ids": [5] * 500, "sampling_params": uncapped}).json()
+    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 12}  # the context is 512
+
+
+def waiting_requests(server) -> int:
+    return httpx.get(server.url + "/get_server_info", timeout=10).json()["scheduler_stats"]["waiting_requests"]
+
+
+def test_a_rid_in_use_is_refused_so_an_abort_hits_one_request(server):
+    """Two requests with one rid were both served, and /abort_request of that rid ended both; SGLang
+    refuses the second (duplicate request ID), within one request too."""
+    post(server, "/pause_generation", {"mode": "in_place"})
+    try:
+        first = {"input_ids": [1, 2], "sampling_params": SHORT, "rid": "twin"}
+        sender = threading.Thread(target=lambda: first.setdefault("reply", post(server, "/generate", first)))
+        sender.start()
+        deadline = time.monotonic() + 30
+        while waiting_requests(server) < 1:
+            assert time.monotonic() < deadline, "the first request never queued"
+            time.sleep(0.01)
+        for body, needle in [
+            ({"input_ids": [3], "rid": "twin"}, "rid 'twin' is used by an unfinished request"),
+            ({"input_ids": [[3], [4]], "rid": ["x", "x"]}, "rid 'x' names two samples of this request"),
+        ]:
+            response = post(server, "/generate", {**body, "sampling_params": SHORT}, timeout=10)
+            assert response.status_code == 400 and needle in response.json()["message"], response.text
+    finally:
+        post(server, "/continue_generation", {})
+    sender.join()
+    assert first["reply"].status_code == 200 and first["reply"].json()["meta_info"]["id"] == "twin"
+
+
+def test_a_client_that_goes_away_aborts_its_request(server):
+    """A /generate whose client timed out ran on to its end (here: waited forever, paused) and held its
+    rid; SGLang aborts it when the client disconnects."""
+    post(server, "/pause_generation", {"mode": "in_place"})
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            post(server, "/generate", {"input_ids": [1, 2], "sampling_params": SHORT, "rid": "gone"}, timeout=1)
+        deadline = time.monotonic() + 10
+        while waiting_requests(server):
+            assert time.monotonic() < deadline, "the request of a client that went away still waits"
+            time.sleep(0.05)
+    finally:
+        post(server, "/continue_generation", {})
+    again = post(server, "/generate", {"input_ids": [1, 2], "sampling_params": SHORT, "rid": "gone"})
+    assert again.status_code == 200 and again.json()["meta_info"]["finish_reason"]["type"] == "length"
 
 
 @pytest.mark.parametrize("seed", [10**14, 2**63 - 1, -(2**63)])
@@ -109,7 +182,7 @@ def test_smallest_top_p_and_largest_temperature_that_fit_float32_generate(server
         (
             "/init_weights_update_group",
             b'{"master_address": "\\ud800", "master_port": 1, "rank_offset": 1, "world_size": 2}',
-            ["master_address", "surrogate"],
+            ["master_address", "not a host name"],
         ),
         (
             "/init_weights_update_group",
@@ -131,6 +204,49 @@ def test_unencodable_strings_and_absurd_numbers_are_refused_at_the_door(server, 
         assert needle in response.json()["message"], response.json()
     assert_still_serving(server)
     assert httpx.get(server.url + "/get_model_info", timeout=10).json()["weight_version"] == "default"
+
+
+GROUP = {"master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "gloo", "timeout_s": 1}
+RFORK = {"ports": "29600", "group_rank": 0, "world_size": 2, "backend": "gloo"}
+
+
+@pytest.mark.parametrize("host", ["", "x?rank=3", "a/b", "::1", "a b"])
+@pytest.mark.parametrize(
+    "route, body, field",
+    [
+        ("/init_weights_update_group", GROUP, "master_address"),
+        ("/init_weights_send_group_for_remote_instance", RFORK, "master_address"),
+        ("/send_weights_to_remote_instance", {"ports": "29600"}, "master_address"),
+        ("/rollfleet/load_from_remote_instance", {"seed_port": 1, "ports": "29600", "timeout_s": 1}, "seed_host"),
+    ],
+)
+def test_a_host_that_is_no_host_is_refused_before_any_join(server, route, body, field, host):
+    """ "" and "x?rank=3" failed torch's rendezvous asserts (500; on tp > 1 every rank raised outside
+    the refusal path and the engine stopped)."""
+    response = post(server, route, {**body, field: host}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert f"{field}: Value error, {host!r} is not a host name" in response.json()["message"], response.text
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "method, route, raw, status, needles",
+    [
+        ("POST", "/generate", b'{"input_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, ["JSON object"]),
+        ("POST", "/generate", b"\xff\xfe{", 400, ["error parsing the body", "UTF-8"]),
+        ("POST", "/generate", b'{"input_ids": [1,', 400, ["not valid JSON (at character 17", "one JSON object"]),
+        ("GET", "/generate", b"", 405, ["GET /generate", "use POST"]),
+        ("POST", "/no_such_route", b"{}", 404, ["/no_such_route", "no such route"]),
+    ],
+)
+def test_bodies_fastapi_cannot_parse_get_this_servers_error_shape(server, method, route, raw, status, needles):
+    """These answered FastAPI's {"detail": ...}, naming neither the request nor the fix."""
+    json_body = {"content-type": "application/json"}
+    response = httpx.request(method, server.url + route, content=raw, headers=json_body, timeout=30)
+    assert response.status_code == status and set(response.json()) == {"success", "message"}, response.text
+    assert all(needle in response.json()["message"] for needle in needles), response.text
+    openai = httpx.post(server.url + "/v1/completions", content=b"\xff", headers=json_body, timeout=30).json()
+    assert openai["object"] == "error" and "POST /v1/completions" in openai["message"], openai
 
 
 # ---- weight payloads ------------------------------------------------------------------------------
@@ -166,6 +282,12 @@ def _deep_bucket_pickle(depth: int) -> bytes:
     return pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + flat + pickle.SETITEM + meta + pickle.SETITEM + pickle.STOP
 
 
+def _bucket_of_norm(**record) -> dict:
+    """A bucket of model.norm.weight (64 floats) with some metadata field replaced."""
+    meta = {"name": "model.norm.weight", "shape": (64,), "dtype": torch.float32, "start_idx": 0, "end_idx": 64}
+    return {"flattened_tensor": torch.full((64,), 3.0), "metadata": [{**meta, "numel": 64, **record}]}
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -176,10 +298,12 @@ def _b64(data: bytes) -> str:
         (_b64(pickle.dumps([("model.norm.weight", _GrownTensor())])), None, ["needs 256 bytes", "holds 0"]),
         (_b64(pickle.dumps([("model.norm.weight", _FreshStorage())])), None, ["calling", "UntypedStorage"]),
         (_b64(_deep_bucket_pickle(100_000)), "flattened_bucket", [f"nest more than {MAX_NESTING} deep"]),
+        (serialize(_bucket_of_norm(shape=(-8, -8))), "flattened_bucket", ["shape (-8, -8) has a negative size"]),
+        (serialize(_bucket_of_norm(start_idx=0.5)), "flattened_bucket", ["model.norm.weight", "malformed", "float"]),
     ],
-    ids=["storage-grown-by-set_", "storage-class-called", "100000-deep-metadata"],
+    ids=["storage-grown-by-set_", "storage-class-called", "100000-deep-metadata", "negative-dims", "float-offset"],
 )
-def test_payloads_that_would_make_memory_or_recurse_are_refused(server, payload, load_format, needles):
+def test_payloads_torch_never_sends_are_refused_and_change_nothing(server, payload, load_format, needles):
     before = post(server, "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 8}).json()
     body = {"serialized_named_tensors": [payload], "load_format": load_format}
     response = post(server, "/update_weights_from_tensor", body)
@@ -252,6 +376,39 @@ def test_weight_reads_after_a_release_are_refused_and_touch_no_freed_memory(serv
     after = [read_weights(server, *read) for read in WEIGHT_READS]
     assert [reply.status_code for reply in after] == [200] * len(WEIGHT_READS)
     assert [reply.json() for reply in after] == before
+    assert_still_serving(server)
+
+
+def strict_json(text: str):
+    """JSON as the standard has it: Python's parser would take NaN and Infinity too."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_nan_weights_answer_null_where_values_are_not_finite(server, qwen3_dir):
+    """Weights holding NaN (a diverged trainer's push, accepted as SGLang accepts it) made every answer
+    that carries their values a 500, or a stream of non-JSON `NaN`; SGLang's answers (orjson) write null."""
+    nan = serialize([("model.norm.weight", torch.full((64,), float("nan")))])
+    assert post(server, "/update_weights_from_tensor", {"serialized_named_tensors": [nan]}).status_code == 200
+    try:
+        weights = post(server, "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 3})
+        assert weights.status_code == 200 and strict_json(weights.text) == [None] * 3, weights.text
+        greedy = {"input_ids": [1, 2], "sampling_params": {**SHORT, "temperature": 0}, "return_logprob": True}
+        answer = post(server, "/generate", greedy)
+        assert answer.status_code == 200, answer.text
+        assert [v for v, _, _ in strict_json(answer.text)["meta_info"]["output_token_logprobs"]] == [None, None]
+        chunks = post(server, "/generate", {**greedy, "stream": True}).text.split("\n\n")
+        assert chunks[-2:] == ["data: [DONE]", ""]
+        assert strict_json(chunks[-3].removeprefix("data: "))["meta_info"]["output_token_logprobs"][-1][0] is None
+        body = {"prompt": [1, 2], "max_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+        completion = post(server, "/v1/completions", body)
+        assert completion.status_code == 200, completion.text
+        assert strict_json(completion.text)["choices"][0]["logprobs"]["token_logprobs"] == [None, None]
+    finally:
+        assert post(server, "/update_weights_from_disk", {"model_path": qwen3_dir}).status_code == 200
     assert_still_serving(server)
 
 
@@ -451,7 +608,7 @@ def _small(value) -> bool:
     params = value.get("sampling_params")
     items = params if isinstance(params, list) else [params]
     limit = [p.get("max_new_tokens") for p in items if isinstance(p, dict)]
-    return all(not isinstance(m, (int, float)) or m <= 8 for m in limit)
+    return all(m is not None and (not isinstance(m, (int, float)) or m <= 8) for m in limit)  # None: uncapped
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

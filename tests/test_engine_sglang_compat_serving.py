@@ -103,16 +103,31 @@ def test_chat_stream_sends_the_role_then_deltas(server):
         assert mine[-1]["finish_reason"] == "length"
 
 
+def text_part(text) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text}]}]
+
+
 def test_openai_errors_have_openai_shape(server):
-    for route, body in [
-        ("/v1/chat/completions", {"messages": []}),
-        ("/v1/completions", {"prompt": "x", "temperature": -1}),
-        ("/v1/completions", {"prompt": [10**6]}),
+    for route, body, needles in [
+        ("/v1/chat/completions", {"messages": []}, ["messages"]),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, ["temperature"]),
+        ("/v1/completions", {"prompt": [10**6]}, ["1000000"]),
+        # these three were 500s: an empty batch of prompts, and content parts read unchecked
+        ("/v1/completions", {"prompt": []}, ["prompt is an empty list"]),
+        ("/v1/chat/completions", {"messages": text_part("a\ud800")}, ["text", "surrogate"]),
+        ("/v1/chat/completions", {"messages": text_part({"x": 1})}, ["text", "valid string", "{'x': 1}"]),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, ["needs 'text'"]),
+        # ignored before, so the answer looked constrained when it was not
+        ("/v1/chat/completions", {"messages": text_part("hi"), "response_format": {"type": "json_object"}}, ["json"]),
+        ("/v1/completions", {"prompt": "x", "regex": "[0-9]+"}, ["regex='[0-9]+'", "constrained decoding"]),
     ]:
-        response = post(server, route, body)
+        raw = json.dumps(body)  # a lone surrogate travels as its \\ud800 escape
+        headers = {**AUTH, "content-type": "application/json"}
+        response = httpx.post(server.url + route, content=raw, headers=headers, timeout=60)
         assert response.status_code == 400, response.text
         error = response.json()
-        assert error["object"] == "error" and error["code"] == 400 and error["message"], error
+        assert error["object"] == "error" and error["code"] == 400, error
+        assert all(needle in error["message"] for needle in needles), error
 
 
 def test_models_and_loads(server, qwen3_dir):

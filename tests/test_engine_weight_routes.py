@@ -151,6 +151,17 @@ def test_bad_tensor_updates_change_nothing(servers, qwen3_dir, qwen3_dir_b):
             push_tensors(engine, 2, list(iter_buckets(tensors.items(), BUCKET_BYTES)), weight_version="bad")
         assert err.value.status_code == 400 and offender in err.value.message, err.value.message
         assert state(engine) == before
+    record = {"name": "model.norm.weight", "dtype": torch.float32, "start_idx": 0, "end_idx": 64, "numel": 64}
+    negative = {"flattened_tensor": torch.ones(64), "metadata": [{**record, "shape": (-8, -8)}]}  # 64 elements
+    with pytest.raises(EngineError) as err:  # every rank failed it outside the refusal path: the engine died
+        call(
+            engine,
+            "update_weights_from_tensor",
+            [serialize(negative) for _ in range(2)],
+            load_format="flattened_bucket",
+        )
+    assert err.value.status_code == 400 and "shape (-8, -8) has a negative size" in err.value.message
+    assert state(engine) == before
     with pytest.raises(EngineError) as err:  # one payload for two ranks
         call(engine, "update_weights_from_tensor", [serialize(list(good.items()))], weight_version="bad")
     assert err.value.status_code == 400 and "tp_size=2" in err.value.message

@@ -403,6 +403,9 @@ def _bad_adapters(peft_model, qwen3_dir, tmp_path):
         ("policy", ("tensors", config, good), "lora_name='policy' is already loaded"),
         ("dora", ("directory", str(dora)), "use_dora=True"),
         ("missing", ("directory", str(tmp_path / "nope")), "is not a directory"),
+        # a null pattern value raised TypeError on every rank, outside the refusal path: the engine stopped
+        ("null-alpha", ("tensors", {**config, "alpha_pattern": {"q_proj": None}}, good), "{'q_proj': None}: each"),
+        ("list-pattern", ("tensors", {**config, "rank_pattern": ["q_proj"]}, good), "must be a dict"),
     ]
 
 
@@ -570,6 +573,10 @@ def test_scale_follows_rslora_and_patterns(qwen3_dir):
             linear_targets(model, params),
             LoraLimits(target_modules=frozenset({"q_proj"})),
         )
+    for change in [{"lora_alpha": float("nan")}, {"alpha_pattern": {"q_proj": float("inf")}}]:  # NaN weights
+        with pytest.raises(LoraError, match="must be a finite number"):
+            config = {**source.config_dict(), **change}
+            parse_adapter("p", "__tensor__", config, tensors, model, linear_targets(model, params), LoraLimits())
     tied = AutoModelForCausalLM.from_config(
         tiny_config("qwen3", vocab_size=model.config.vocab_size, tie_word_embeddings=True)
     )

@@ -26,6 +26,14 @@ class Aborts:
             self._wakeup.notify()
         return count
 
+    def abort_sequences(self, seqs: list[Sequence], message: str) -> int:
+        """Abort these sequences (not others whose rid merely starts the same)."""
+        ids = {id(seq) for seq in seqs}
+        with self._wakeup:
+            count = self._abort_matching(lambda seq: id(seq) in ids, message)
+            self._wakeup.notify()
+        return count
+
     def _drop_aborted_running(self) -> None:
         with self._wakeup:
             for seq in self.running:

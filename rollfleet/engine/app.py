@@ -10,6 +10,7 @@ import secrets
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollfleet.engine.openai_api import error_body
 from rollfleet.engine.routes import control, generate, lora, openai, remote, weights
@@ -24,6 +25,7 @@ def create_app(engine: EngineService) -> FastAPI:
     app.middleware("http")(require_api_key)
     app.exception_handler(RequestValidationError)(on_invalid_request)
     app.exception_handler(BadRequest)(on_bad_request)
+    app.exception_handler(StarletteHTTPException)(on_http_error)
     return app
 
 
@@ -45,6 +47,26 @@ async def on_invalid_request(request: Request, exc: RequestValidationError):
     if request.url.path in weights.UPDATE_ROUTES:  # a refused call fails an open weight-update session
         request.app.state.engine.sessions.after_refusal(request.url.path, message)
     return fail(message)
+
+
+HTTP_FIXES = {
+    400: "send the body as one JSON object, UTF-8 encoded",  # FastAPI could not parse it
+    404: "no such route on this server (it serves SGLang's routes and rollfleet's /rollfleet/ ones)",
+    405: "use the method this route takes",
+}
+
+
+async def on_http_error(request: Request, exc: StarletteHTTPException):
+    """FastAPI's own refusals (a body that is not JSON, an unknown route or method) in this server's error
+    shape, naming the request and the fix, instead of `{"detail": ...}`."""
+    allow = (exc.headers or {}).get("Allow")
+    fix = f"use {allow}" if exc.status_code == 405 and allow else HTTP_FIXES.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}" + (f": {fix}" if fix else "")
+    if request.url.path.startswith("/v1/"):
+        return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+    response = fail(message, exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def on_bad_request(_request: Request, exc: BadRequest):

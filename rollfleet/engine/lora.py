@@ -157,7 +157,9 @@ def parse_adapter(
             f"config_dict must be a peft LoraConfig as a dict (adapter_config.json), got {type(config).__name__}"
         )
     rank, alpha = _config_numbers(config)
-    problems = _config_problems(config)
+    problems, unreadable = _config_problems(config), _pattern_problems(config)
+    if unreadable:  # every target reads the patterns
+        raise LoraError(f"adapter {name!r} refused, nothing changed: {'; '.join(problems + unreadable)}")
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = KEY.match(key)
@@ -197,9 +199,34 @@ def _config_numbers(config: dict) -> tuple[int, float]:
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise LoraError(f"config r={rank!r}: must be a positive integer (the LoRA rank)")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise LoraError(f"config lora_alpha={alpha!r}: must be a number")
+    if not _finite_number(alpha):
+        raise LoraError(f"config lora_alpha={alpha!r}: must be a finite number")
     return rank, float(alpha)
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _pattern_problems(config: dict) -> list[str]:
+    """peft's rank_pattern / alpha_pattern: {module pattern: positive rank / finite alpha}. Anything else
+    failed outside the refusal path (a null alpha: TypeError; on tp > 1 every rank raised it, and the
+    engine stopped) or as NaN weights."""
+    problems = []
+    for key, valid, what in [
+        ("rank_pattern", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
+        ("alpha_pattern", _finite_number, "a finite number"),
+    ]:
+        patterns = config.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            problems.append(f"config {key}={patterns!r:.80}: must be a dict {{module pattern: value}} (or null)")
+            continue
+        bad = {pattern: value for pattern, value in patterns.items() if not valid(value)}
+        if bad:
+            problems.append(f"config {key}={bad!r:.80}: each value must be {what}")
+    return problems
 
 
 def _config_problems(config: dict) -> list[str]:

@@ -35,7 +35,7 @@ class StopRules:
                 if stop in text:  # SGLang cuts the text at the stop string, or after it with no_stop_trim
                     seq.text = text[: text.index(stop) + (len(stop) if seq.params.no_stop_trim else 0)]
                     return FinishReason(type="stop", matched=stop)
-        if len(seq.output_ids) >= seq.params.max_new_tokens:
+        if seq.params.max_new_tokens is not None and len(seq.output_ids) >= seq.params.max_new_tokens:
             return FinishReason(type="length", length=len(seq.output_ids))
         if len(seq.prompt_ids) + len(seq.output_ids) >= self.context_length:
             return FinishReason(type="length", length=len(seq.output_ids))

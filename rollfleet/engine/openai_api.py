@@ -6,7 +6,9 @@ SGLang's extra fields that RL frameworks send are taken: `top_k`, `min_p`, `min_
 `stop_token_ids`, `no_stop_trim`, `ignore_eos`, `skip_special_tokens`, `repetition_penalty`,
 `lora_path`, `rid`, `return_text_in_logprobs`, `chat_template_kwargs`, `return_routed_experts` and
 `routed_experts_start_len`; `separate_reasoning` and other fields this engine has no use for are
-ignored (no reasoning parser: `reasoning_content` is null). Unknown fields are ignored, as SGLang does.
+ignored (no reasoning parser: `reasoning_content` is null). Unknown fields are ignored, as SGLang does;
+those that would change the output and cannot be honoured here (`response_format` other than text,
+`regex`, `json_schema`, `logit_bias`, ...: admission.UNSERVED) are refused.
 
 What SGLang 0.5.23 adds to the answers is added the same way: `metadata` (the first answer's
 `weight_version`, and its `weight_versions` spans) on non-streamed answers, and `sglext.routed_experts`
@@ -18,8 +20,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
+from rollfleet.engine.admission import unserved
 from rollfleet.wire.protocol import MAX_TOP_LOGPROBS, SEED_RANGE, GenerateRequest, Utf8Str, _Lenient
 
 
@@ -54,6 +57,13 @@ class _Sampling(_Lenient):
     return_text_in_logprobs: bool = False  # accepted: the OpenAI answers always carry token texts
     return_routed_experts: bool = False  # the engine needs --enable-return-routed-experts (/generate checks)
     routed_experts_start_len: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nothing_unserved(cls, fields: Any) -> Any:
+        if isinstance(fields, dict) and (why := unserved(fields)):
+            raise ValueError(why)
+        return fields
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """/generate's sampling_params; fields left unset keep /generate's defaults (checked there)."""
@@ -99,6 +109,13 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, value):
+        if value == []:  # SGLang: "Prompt cannot be empty"
+            raise ValueError("prompt is an empty list: give a prompt (a string, token ids, or a list of either)")
+        return value
+
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, value: bool) -> bool:
@@ -122,19 +139,32 @@ class CompletionRequest(_Sampling):
         )
 
 
+class ContentPart(_Lenient):
+    """One part of a message's content; parts other than text are refused when the prompt is made."""
+
+    type: Utf8Str
+    text: Utf8Str | None = None
+
+    @model_validator(mode="after")
+    def _text_has_text(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a content part of type 'text' needs 'text' (a string)")
+        return self
+
+
 class ChatMessage(_Lenient):
     role: Utf8Str
-    content: Utf8Str | list[dict[str, Any]] | None = None
+    content: Utf8Str | list[ContentPart] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as chat templates read it: text parts joined into one string."""
         content = self.content
         if isinstance(content, list):
-            kinds = sorted({str(part.get("type")) for part in content} - {"text"})
+            kinds = sorted({part.type for part in content} - {"text"})
             if kinds:
                 raise ValueError(f"message content parts of type {kinds}: this engine takes text parts only")
-            content = "".join(str(part.get("text", "")) for part in content)
-        return {**self.model_dump(exclude_none=True), "content": content or ""}
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
 
 
 class ChatCompletionRequest(_Sampling):

@@ -114,7 +114,14 @@ class Scheduler(Aborts):
 
     def check_request(self, prompts: list[list[int]], params: list[SamplingParams], field: str = "input_ids") -> None:
         """ValueError naming the field, the value and the fix for what the model cannot take (admission.py)."""
-        check_request(prompts, params, field, vocab_size=self.vocab_size, max_samples=self.max_samples_per_request)
+        check_request(
+            prompts,
+            params,
+            field,
+            vocab_size=self.vocab_size,
+            max_samples=self.max_samples_per_request,
+            eos_token_ids=self.stops.eos_token_ids,
+        )
 
     def submit(
         self,
@@ -232,6 +239,10 @@ class Scheduler(Aborts):
         if self._thread.ident is not None and not self._thread.is_alive() and not self.stopped:
             return "the engine loop thread has exited"
         return None
+
+    def unfinished_rids(self) -> set[str]:
+        with self._wakeup:
+            return {seq.rid for seq in itertools.chain(self.waiting, self.running)}
 
     @property
     def num_unfinished(self) -> int:

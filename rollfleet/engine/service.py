@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -37,6 +39,33 @@ class BadRequest(Exception):
         self.message, self.status_code = message, status_code
 
 
+def finite(value: Any) -> Any:
+    """`value` with every NaN and infinite float replaced by None, as SGLang's answers (orjson) write them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)):
+        return [finite(item) for item in value]
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    return value
+
+
+def dumps(content: Any) -> bytes:
+    """JSON of an answer; NaN and infinities (logprobs or weights of a model pushed NaN weights) as null:
+    JSON has no such numbers, and json.dumps would refuse them (HTTP 500) or write non-JSON `NaN`."""
+    try:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError:
+        return dumps(finite(content))
+
+
+class Answer(JSONResponse):
+    """A JSON answer (results, weights) that may hold non-finite floats (`dumps`)."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content)
+
+
 def fail(message: str, status_code: int = 400) -> JSONResponse:
     return JSONResponse({"success": False, "message": message}, status_code=status_code)
 
@@ -44,6 +73,10 @@ def fail(message: str, status_code: int = 400) -> JSONResponse:
 def validation_message(exc: ValidationError | RequestValidationError) -> str:
     parts = []
     for error in exc.errors():
+        if error.get("type") == "json_invalid":  # FastAPI's: loc is ("body", character offset)
+            offset, why = error.get("loc", (None, None))[-1], (error.get("ctx") or {}).get("error", "")
+            parts.append(f"the body is not valid JSON (at character {offset}: {why}): send one JSON object")
+            continue
         where = ".".join(str(x) for x in error.get("loc", ()) if x != "body")
         parts.append(f"{where or 'body'}: {error.get('msg')} (got {error.get('input')!r})"[:300])
     return "; ".join(parts)

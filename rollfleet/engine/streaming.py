@@ -6,7 +6,8 @@ per generated token whose `text`, `output_ids` and logprobs are cumulative and w
 `meta_info.finish_reason` is null until the last event, then `data: [DONE]\n\n`. A request that
 SGLang treats as a batch (several prompts, or n > 1) interleaves its samples' events and adds
 `index`, the sample's place in the prompt-major answer list. A batch that fails ends its samples
-with an abort finish_reason, as without streaming. A client that goes away aborts what it left running.
+with an abort finish_reason, as without streaming. A client that goes away aborts what it left running,
+streamed or not (`answers`).
 
 The engine thread calls each sequence's `on_token` after every token that did not finish it and
 resolves its future when it finished; both only post to this request's queue on the event loop.
@@ -15,18 +16,18 @@ resolves its future when it finished; both only post to this request's queue on 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
 from rollfleet.engine.sequence import Sequence, wire_result
+from rollfleet.engine.service import dumps
 
 DONE = b"data: [DONE]\n\n"
 
 
 def sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+    return b"data: " + dumps(payload) + b"\n\n"
 
 
 async def progress(engine, seqs: list[Sequence]) -> AsyncIterator[tuple[int, dict, bool]]:
@@ -54,8 +55,28 @@ async def progress(engine, seqs: list[Sequence]) -> AsyncIterator[tuple[int, dic
             else:
                 yield index, wire_result(seq, engine.scheduler.weight_version, engine.tokenizer, upto=count), False
     finally:
-        for index in unfinished:
-            engine.scheduler.abort(seqs[index].rid, message="the client closed the stream")
+        engine.scheduler.abort_sequences([seqs[index] for index in unfinished], "the client closed the stream")
+
+
+async def answers(engine, request, seqs: list[Sequence]) -> list[dict]:
+    """The finished answers of `seqs`, for an answer that is not streamed. A client that went away
+    (a timeout, a closed connection) aborts what it left unfinished, as SGLang does, instead of
+    leaving it to run to its end and hold its rid."""
+    gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs)))
+    gone = asyncio.ensure_future(_disconnect(request))  # request.is_disconnected() never sees it behind middleware
+    try:
+        await asyncio.wait({gathered, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not gathered.done():
+        engine.scheduler.abort_sequences(seqs, "the client went away")
+    return await gathered
+
+
+async def _disconnect(request) -> None:
+    """Return once the client has disconnected (the request's body was read before: only that can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(1)  # not expected; wait on without spinning
 
 
 def stream_response(engine, seqs: list[Sequence], indexed: bool) -> StreamingResponse:

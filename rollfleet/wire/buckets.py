@@ -18,6 +18,7 @@ its unpickling allowlist admits `types.*`), with `shape` a `torch.Size` and `dty
 from __future__ import annotations
 
 import math
+import operator
 import types
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -85,17 +86,20 @@ class FlattenedTensorMetadata:
                 raise ValueError(f"bucket metadata record {record!r} has no {key!r}")
             return value
 
-        try:
-            return cls(
+        try:  # operator.index: whole numbers only (int(0.5) would read element 0 of a sender's mistake)
+            meta = cls(
                 name=str(field("name")),
-                shape=tuple(int(d) for d in field("shape")),
+                shape=tuple(operator.index(d) for d in field("shape")),
                 dtype=dtype_from_name(field("dtype")),
-                start_idx=int(field("start_idx")),
-                end_idx=int(field("end_idx")),
-                numel=int(field("numel")),
+                start_idx=operator.index(field("start_idx")),
+                end_idx=operator.index(field("end_idx")),
+                numel=operator.index(field("numel")),
             )
         except TypeError as exc:
             raise ValueError(f"bucket metadata record {record!r} is malformed: {exc}") from exc
+        if any(d < 0 for d in meta.shape):  # (-2, -2) has 4 elements, and no tensor has that shape
+            raise ValueError(f"bucket metadata record of {meta.name}: shape {meta.shape} has a negative size")
+        return meta
 
 
 @dataclass

@@ -8,6 +8,7 @@ ignored, as SGLang does, so a client built for a newer SGLang still talks to thi
 from __future__ import annotations
 
 import math
+import re
 import struct
 from typing import Annotated, Any, Literal
 
@@ -19,6 +20,7 @@ GREEDY_TEMPERATURE = 1e-6  # SGLang: a temperature below this means argmax
 SEED_RANGE = (-(2**63), 2**63 - 1)  # SGLang's sampling_seed range
 MAX_TIMEOUT_S = 86400.0  # one day: longer waits are a mistake, and timedelta overflows on absurd ones
 MAX_TOP_LOGPROBS = 1024  # most logprobs per position one request may ask for (top-k or listed token ids)
+MAX_STOP_STRINGS = 32  # SGLang's MAX_STOP_COUNT
 MAX_TENSOR_BYTES = 2**62  # a shape whose numel * 8 bytes goes past this cannot be allocated anywhere
 
 
@@ -36,6 +38,23 @@ def _utf8(value: str) -> str:
 
 
 Utf8Str = Annotated[str, AfterValidator(_utf8)]
+
+
+_HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
+
+
+def _host(value: str) -> str:
+    """An address that goes into `tcp://HOST:PORT`: anything else breaks torch's rendezvous URL ("" or
+    "x?rank=3" fail its asserts, outside the errors a failed join raises)."""
+    if not _HOST.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a host name or an IP address: give the address of group rank 0's host "
+            "(an IPv6 address in brackets, as [::1])"
+        )
+    return value
+
+
+HostStr = Annotated[str, AfterValidator(_host)]
 
 
 def _utf8_texts(value: Any) -> Any:
@@ -59,12 +78,20 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+def _null_is_default(fields: Any, nullable: tuple[str, ...] = ()) -> Any:
+    """SGLang reads a null field as its default (its SamplingParams.__post_init__ and GenerateReqInput's
+    normalize): drop every null but those of `nullable` fields, where null is a value."""
+    if not isinstance(fields, dict):
+        return fields
+    return {key: value for key, value in fields.items() if value is not None or key in nullable}
+
+
 class SamplingParams(_Lenient):
     """SGLang's sampling fields and ranges (its `SamplingParams.verify`), checked as the engine's
     float32 tensors will see them. Token ids are checked against the vocabulary by the server, and
     `n` against its --max-samples-per-request."""
 
-    max_new_tokens: int = Field(128, ge=0)
+    max_new_tokens: int | None = Field(128, ge=0)  # None: up to the context length (SGLang's null)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
@@ -83,6 +110,14 @@ class SamplingParams(_Lenient):
     no_stop_trim: bool = False  # keep the matched stop string (or stop token's text) in `text`
 
     _stop_is_utf8 = field_validator("stop")(_utf8_texts)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, fields: Any) -> Any:
+        fields = _null_is_default(fields, ("max_new_tokens",))
+        if isinstance(fields, dict) and isinstance(fields.get("stop_token_ids"), list):  # SGLang drops null ids
+            fields["stop_token_ids"] = [t for t in fields["stop_token_ids"] if t is not None]
+        return fields
 
     @field_validator("temperature")
     @classmethod
@@ -107,6 +142,16 @@ class SamplingParams(_Lenient):
     def _check(self) -> SamplingParams:
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k={self.top_k}: use -1 (all tokens) or a positive number")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:  # SGLang's rule
+            raise ValueError(
+                f"min_new_tokens={self.min_new_tokens} is more than max_new_tokens={self.max_new_tokens}: "
+                "give at most max_new_tokens"
+            )
+        if len(self.stop_strings) > MAX_STOP_STRINGS:  # SGLang's MAX_STOP_COUNT; each is searched every token
+            raise ValueError(
+                f"stop holds {len(self.stop_strings)} strings, at most {MAX_STOP_STRINGS} are allowed (as in SGLang): "
+                "keep the ones that matter, or stop on token ids (stop_token_ids)"
+            )
         return self
 
     @property
@@ -139,6 +184,11 @@ class GenerateRequest(_Lenient):
 
     _texts_are_utf8 = field_validator("text", "rid", "lora_path")(_utf8_texts)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, fields: Any) -> Any:
+        return _null_is_default(fields)  # return_logprob: null -> False, logprob_start_len: null -> -1, ...
+
     @model_validator(mode="after")
     def _one_prompt_field(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
@@ -165,7 +215,7 @@ class UpdateWeightsFromTensorRequest(_Lenient):
 
 
 class InitWeightsUpdateGroupRequest(_Lenient):
-    master_address: Utf8Str
+    master_address: HostStr
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(le=2**31 - 1)
     world_size: int = Field(ge=2, le=2**31 - 1)
@@ -298,7 +348,7 @@ def _ports_field(ports: str) -> str:
 class InitWeightsSendGroupForRemoteInstanceRequest(_Lenient):
     """SGLang's InitWeightsSendGroupForRemoteInstanceReqInput (sent to the seed by the destination)."""
 
-    master_address: Utf8Str = Field(min_length=1)
+    master_address: HostStr
     ports: Annotated[Utf8Str, AfterValidator(_ports_field)]
     group_rank: int
     world_size: int
@@ -330,7 +380,7 @@ class InitWeightsSendGroupForRemoteInstanceRequest(_Lenient):
 class SendWeightsToRemoteInstanceRequest(_Lenient):
     """SGLang's SendWeightsToRemoteInstanceReqInput."""
 
-    master_address: Utf8Str = Field(min_length=1)
+    master_address: HostStr
     ports: Annotated[Utf8Str, AfterValidator(_ports_field)]
     group_name: Utf8Str = Field("weight_send_group", min_length=1)
 
@@ -339,7 +389,7 @@ class LoadFromRemoteInstanceRequest(_Lenient):
     """rollfleet extension: a running engine pulls its weights from a seed (the destination's side of
     R-Fork, which SGLang runs only at start)."""
 
-    seed_host: Utf8Str = Field(min_length=1)
+    seed_host: HostStr
     seed_port: int = Field(ge=1, le=65535)
     ports: Annotated[Utf8Str, AfterValidator(_ports_field)]
     group_name: Utf8Str | None = Field(None, min_length=1, description="default: send_weights_<this engine's host>")

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import ValidationError
 
+from rollfleet.engine.admission import unserved
 from rollfleet.engine.logprobs import LogprobAsk
 from rollfleet.engine.lora_merge import LORA_OFF
-from rollfleet.engine.service import BadRequest, Engine, EngineService, fail, validation_message
-from rollfleet.engine.streaming import stream_response
+from rollfleet.engine.service import Answer, BadRequest, Engine, EngineService, fail, validation_message
+from rollfleet.engine.streaming import answers, stream_response
 from rollfleet.wire.protocol import GenerateRequest, SamplingParams
 
 router = APIRouter()
@@ -33,6 +35,9 @@ def sampling_of(req: GenerateRequest, count: int) -> list[SamplingParams]:
     if isinstance(raw, list) and len(raw) != count:
         raise BadRequest(f"sampling_params has {len(raw)} entries for {count} prompts: give one per prompt")
     raw_list = raw if isinstance(raw, list) else [raw] * count
+    for index, item in enumerate(raw_list):
+        if why := unserved(item, "sampling_params." if not isinstance(raw, list) else f"sampling_params[{index}]."):
+            raise BadRequest(why)
     try:
         return [SamplingParams(**item) for item in raw_list]
     except ValidationError as exc:
@@ -60,12 +65,24 @@ def lora_names_of(engine: EngineService, req: GenerateRequest, count: int) -> li
     return names
 
 
-def rids_of(req: GenerateRequest, count: int, is_batch: bool) -> list[str | None]:
+def rids_of(engine: EngineService, req: GenerateRequest, params: list[SamplingParams], is_batch: bool) -> list:
+    """The rid of each prompt (None: one is made up); each sample's rid (`rid`, or `rid-i` when n > 1)
+    must be unique among the unfinished requests, as SGLang requires, or an abort would hit others."""
+    count = len(params)
     rids = req.rid if isinstance(req.rid, list) else [req.rid] * count
     if len(rids) != count:
         raise BadRequest(f"rid has {len(rids)} entries for {count} prompts")
     if is_batch and isinstance(req.rid, str):
         rids = [f"{req.rid}-{i}" for i in range(count)]
+    samples = [r if p.n == 1 else f"{r}-{i}" for r, p in zip(rids, params) if r is not None for i in range(p.n)]
+    taken = engine.scheduler.unfinished_rids()
+    twice = sorted(r for r, n in Counter(samples).items() if n > 1 or r in taken)
+    if twice:
+        where = "is used by an unfinished request" if twice[0] in taken else "names two samples of this request"
+        raise BadRequest(
+            f"rid {twice[0]!r} {where} (SGLang refuses a duplicate request ID): give each request (and each "
+            "prompt of a batch) its own rid, or omit rid"
+        )
     return rids
 
 
@@ -81,13 +98,13 @@ def check_prompts(engine: EngineService, prompts: list[list[int]]) -> None:
 
 
 @router.post("/generate")
-async def generate(req: GenerateRequest, engine: Engine):
+async def generate(req: GenerateRequest, engine: Engine, request: Request):
     seqs, is_batch = await submit_generate(engine, req)
     if req.stream:
         return stream_response(engine, seqs, is_batch or len(seqs) > 1)
-    results = await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
+    results = await answers(engine, request, seqs)
     # json.dumps, not FastAPI's encoder: that walks every result in Python on the event loop (0.1 s for 1024)
-    return JSONResponse(results if is_batch or len(results) > 1 else results[0])
+    return Answer(results if is_batch or len(results) > 1 else results[0])
 
 
 async def submit_generate(engine: EngineService, req: GenerateRequest) -> tuple[list, bool]:
@@ -106,7 +123,7 @@ async def submit_generate(engine: EngineService, req: GenerateRequest) -> tuple[
     check_prompts(engine, prompts)
     ask = logprob_ask(engine, req, prompts)
     routes_start = routes_start_of(engine, req, prompts)
-    rids = rids_of(req, len(prompts), is_batch)
+    rids = rids_of(engine, req, params, is_batch)
     try:  # no await between the adapter check above and this submission: an unload cannot slip in
         seqs = [
             seq

@@ -11,7 +11,7 @@ import pathlib
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError  # transformers renders chat templates with jinja2
 
@@ -28,8 +28,9 @@ from rollfleet.engine.openai_api import (
     weight_version_metadata,
 )
 from rollfleet.engine.routes.generate import submit_generate
-from rollfleet.engine.service import VERSION, BadRequest, Engine, EngineService
+from rollfleet.engine.service import VERSION, Answer, BadRequest, Engine, EngineService
 from rollfleet.engine.streaming import DONE, progress, sse
+from rollfleet.engine.streaming import answers as answers_of
 
 router = APIRouter()
 
@@ -39,7 +40,7 @@ def openai_error(exc: BadRequest) -> JSONResponse:
 
 
 @router.post("/v1/completions")
-async def completions(req: CompletionRequest, engine: Engine):
+async def completions(req: CompletionRequest, engine: Engine, request: Request):
     try:
         seqs, _ = await submit_generate(engine, req.generate_request())
     except BadRequest as exc:
@@ -47,16 +48,16 @@ async def completions(req: CompletionRequest, engine: Engine):
     model, with_logprobs = req.model, req.logprobs is not None
     if req.stream:
         return _stream(engine, seqs, req, "text_completion", lambda meta, at: _text_choice(meta, at, with_logprobs))
-    answers = await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
+    answers = await answers_of(engine, request, seqs)
     choices = [
         {"index": i, "text": a["text"], **_text_choice(a["meta_info"], 0, with_logprobs)} for i, a in enumerate(answers)
     ]
     body = {**envelope("text_completion", answers[0]["meta_info"]["id"], model), "choices": choices}
-    return JSONResponse(_with_extensions({**body, "usage": usage(answers, req.n)}, req, answers))
+    return Answer(_with_extensions({**body, "usage": usage(answers, req.n)}, req, answers))
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, engine: Engine):
+async def chat_completions(req: ChatCompletionRequest, engine: Engine, request: Request):
     try:
         input_ids = await asyncio.to_thread(chat_prompt, engine, req)
         seqs, _ = await submit_generate(engine, req.generate_request(input_ids))
@@ -64,7 +65,7 @@ async def chat_completions(req: ChatCompletionRequest, engine: Engine):
         return openai_error(exc)
     if req.stream:
         return _stream(engine, seqs, req, "chat.completion.chunk", lambda meta, start: _chat_extra(meta, start, req))
-    answers = await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
+    answers = await answers_of(engine, request, seqs)
     choices = [
         {
             "index": i,
@@ -74,7 +75,7 @@ async def chat_completions(req: ChatCompletionRequest, engine: Engine):
         for i, a in enumerate(answers)
     ]
     body = {**envelope("chat.completion", answers[0]["meta_info"]["id"], req.model), "choices": choices}
-    return JSONResponse(_with_extensions({**body, "usage": usage(answers, req.n)}, req, answers))
+    return Answer(_with_extensions({**body, "usage": usage(answers, req.n)}, req, answers))
 
 
 def _with_extensions(body: dict, req, answers: list[dict]) -> dict:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rollfleet.engine.call_order import CallOrderError
 from rollfleet.engine.lockstep import Action
-from rollfleet.engine.service import BadRequest, Engine, EngineService
+from rollfleet.engine.service import Answer, BadRequest, Engine, EngineService
 from rollfleet.wire.protocol import (
     DestroyWeightsUpdateGroupRequest,
     GetWeightsByNameRequest,
@@ -180,9 +180,11 @@ async def update_weight_version(req: UpdateWeightVersionRequest, engine: Engine)
 
 @router.api_route("/get_weights_by_name", methods=["GET", "POST"])
 async def get_weights_by_name(req: GetWeightsByNameRequest, engine: Engine):
-    return await engine.control(
-        lambda: engine.lockstep(Action.GET_WEIGHTS_BY_NAME, name=req.name, truncate_size=req.truncate_size),
-        needs_idle=False,
+    return Answer(
+        await engine.control(
+            lambda: engine.lockstep(Action.GET_WEIGHTS_BY_NAME, name=req.name, truncate_size=req.truncate_size),
+            needs_idle=False,
+        )
     )
 
 
