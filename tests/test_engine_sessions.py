@@ -242,23 +242,22 @@ def test_requests_wait_while_a_session_syncs_and_run_on_the_committed_weights(en
 
 
 def test_a_weight_update_waits_for_the_running_batch(engine, qwen3_dir_b):
+    """The update, queued while a batch runs, is applied after its last token: every token of the
+    answer is from the old version (one span). The two HTTP answers may then arrive in either order."""
+
     async def go():
         async with client_for(engine) as client:
-            answered = []
             generating = asyncio.create_task(client.generate(input_ids=[1, 2, 3], sampling_params=LONG, rid="long"))
-            generating.add_done_callback(lambda _: answered.append("generate"))
             await scheduler_stats_when(client, lambda s: s["running_requests"] == 1)
             updating = asyncio.create_task(client.update_weights_from_disk(qwen3_dir_b, weight_version="new"))
-            updating.add_done_callback(lambda _: answered.append("update"))
             # the update is queued on the engine thread while the batch still runs
             seen = await scheduler_stats_when(client, lambda s: s["queued_controls"] == 1 or updating.done())
             out = await generating
             await updating
-            return seen, out, answered
+            return seen, out
 
-    seen, out, answered = run(go())
+    seen, out = run(go())
     assert seen["queued_controls"] == 1 and seen["running_requests"] == 1, seen
     assert out["meta_info"]["weight_version"] == "a" and len(out["output_ids"]) == 400
     assert out["meta_info"]["weight_versions"] == [{"version": "a", "start": 0, "end": 400}]  # one span: not paused
-    assert answered == ["generate", "update"]
     assert version(engine) == "new"
