@@ -272,7 +272,8 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     assert any("process exited" in e["why"] for e in events)  # the dead one was noticed
     assert sum(r["engine_failures"] for r in rows) >= 3
     assert sum(r["engine_recoveries"] for r in rows) >= 2  # both came back, verified
-    assert any(e["to"] == "ACTIVE" and e["why"].endswith("(peer)") for e in events)  # restored from the other engine
+    history = "; ".join(f"{e['engine_id']} {e['to']} ({e['why'][:70]})" for e in events)
+    assert any(e["to"] == "ACTIVE" and e["why"].endswith("(peer)") for e in events), history  # from the other engine
     assert sum(r["recovery_errors"] for r in rows) == 0
     last = {e["engine_id"]: e["to"] for e in events}
     assert set(last.values()) == {"ACTIVE"}, last
