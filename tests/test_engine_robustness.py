@@ -88,6 +88,9 @@ def assert_still_serving(server):
         (b'{"input_ids": [1], "sampling_params": {"regex": "a+"}}', ["sampling_params.regex='a+'", "constrained"]),
         (b'{"input_ids": [[1], [2]], "sampling_params": [{}, {"json_schema": "{}"}]}', ["sampling_params[1].json"]),
         (b'{"input_ids": [1], "sampling_params": {"logit_bias": {"5": -100}}}', ["logit_bias={'5': -100}"]),
+        # penalties were accepted and not applied; only their neutral values are now
+        (b'{"input_ids": [1], "sampling_params": {"repetition_penalty": 1.1}}', ["repetition_penalty=1.1", "1 "]),
+        (b'{"input_ids": [[1], [2]], "sampling_params": [{}, {"presence_penalty": -0.5}]}', ["[1].presence_pen"]),
     ],
 )
 def test_bad_generate_values_get_400_naming_the_field_and_the_engine_goes_on(server, raw, needles):

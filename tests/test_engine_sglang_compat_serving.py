@@ -120,6 +120,7 @@ def test_openai_errors_have_openai_shape(server):
         # ignored before, so the answer looked constrained when it was not
         ("/v1/chat/completions", {"messages": text_part("hi"), "response_format": {"type": "json_object"}}, ["json"]),
         ("/v1/completions", {"prompt": "x", "regex": "[0-9]+"}, ["regex='[0-9]+'", "constrained decoding"]),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, ["frequency_penalty=0.5", "no penalties"]),
     ]:
         raw = json.dumps(body)  # a lone surrogate travels as its \\ud800 escape
         headers = {**AUTH, "content-type": "application/json"}

@@ -1,4 +1,5 @@
-"""What a /generate request must satisfy before it is queued, beyond its schema: every token id
+"""What a /generate request must satisfy before it is queued, beyond its schema: penalties at
+their neutral values (none is applied here), every token id
 inside the model's vocabulary (outside it would fail inside the model, failing the whole batch),
 no more samples than the server takes per request (`--max-samples-per-request`), a token left to
 sample, and none of SGLang's fields this engine cannot honour (`unserved`)."""
@@ -21,6 +22,9 @@ UNSERVED = {
     "beam_width": "beam search",
     "custom_logit_processor": "custom logit processors",
 }
+
+# accepted at their neutral values (clients written for SGLang send them), refused otherwise
+NEUTRAL_PENALTIES = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 def check_request(
@@ -50,6 +54,12 @@ def check_request(
             raise ValueError(f"{where}={token} is {vocab}: send token ids of this model's tokenizer")
     for index, p in enumerate(params):
         where = "sampling_params" if len(params) == 1 else f"sampling_params[{index}]"
+        for key, neutral in NEUTRAL_PENALTIES.items():
+            if getattr(p, key) != neutral:
+                raise ValueError(
+                    f"{where}.{key}={getattr(p, key)!r}: the embedded engine applies no penalties; send "
+                    f"{key}={neutral:g} (or leave it out), or serve with SGLang (rollout.backend=sglang)"
+                )
         bad = [t for t in p.stop_token_ids or [] if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{where}.stop_token_ids holds {bad[:5]}, {vocab}: drop them")
