@@ -160,7 +160,8 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     the push fails part-way (the engines that may hold part of it wait, out of rotation, until the
     repeated push verifies them), then an engine dies (SIGKILL) at a random moment and (c) its
     replacement hangs as soon as it is up, during its restore (the probes catch it; it is killed and
-    restarted). Every step finishes, no prompt is lost or duplicated, every sample comes from its
+    restarted), and (d) an engine dies while the loop waits between pushes (restored from its peer,
+    which a push cannot race). Every step finishes, no prompt is lost or duplicated, every sample comes from its
     step's weight version (checked here on what the test recorded, and inside the loop), and the
     metrics record each failure and recovery."""
     import os
@@ -220,6 +221,10 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
                 faults.append("hang before a push")
             if step >= settle_from and "kill" in faults:  # the rest needs no step of the loop's
                 settled(str(step))
+            if step == settle_from:  # (d) a death while no push can come: restored from the peer
+                os.killpg(rng.choice(sorted(engines())), signal.SIGKILL)
+                faults.append("kill between pushes")
+                settled(str(step))  # the loop waits here: no push comes, so the survivor seeds the restore
 
     def settled(version: str, timeout: float = 300) -> None:
         """Waits until every fault was made and both engines (replacements included) serve `version`:
@@ -259,7 +264,7 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, steps + 1)) and sorted(recorder.steps) == list(range(steps))
     for step in range(steps):
         recorder.check(step, 4, str(step) if step else "default", engines={0, 1})
-    assert faults == ["bad requests", "hang before a push", "kill", "hang during a restore"]
+    assert faults == ["bad requests", "hang before a push", "kill", "hang during a restore", "kill between pushes"]
     assert bad_answers == [400] * 4
     events = [e for r in rows for e in r["engine_events"]]
     assert not [e for r in rows[:hang_at] for e in r["engine_events"] if e["to"] == "INACTIVE"]  # (a) took none out
