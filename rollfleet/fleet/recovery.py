@@ -53,14 +53,14 @@ class Recovery:
     def __init__(self, fleet: Fleet):
         self.fleet, self.rollout = fleet, fleet.rollout
         self._lock = threading.Condition()  # the one lock: every state change made here, and the restarts
-        self.gate = RestartGate(self._lock, on_resume=self._kick_set)  # what may run beside a push
+        self._kick = threading.Event()  # an engine died, or a skipped restore may run: the restarter reacts now
+        self.gate = RestartGate(self._lock, on_resume=self._kick.set)  # what may run beside a push
         self._checkpoints: dict[str, str] = {}  # version -> HF directory (insertion order)
         # in order; the first that is available for an engine is tried
         self.peer = PeerRestore(fleet)
         self.sources: list[RestoreSource] = [self.peer, CheckpointRestore(fleet, self.checkpoint_for), WaitForPush()]
         self.failed_restores: set[tuple[str, str, str]] = set()  # (source, version, engine url): not again
         self._closing = threading.Event()
-        self._kick = threading.Event()  # an engine died, or a skipped restore may run: the restarter reacts now
         self._threads = [
             threading.Thread(target=target, name=f"rollfleet-{name}", daemon=True)
             for name, target in (
@@ -150,9 +150,6 @@ class Recovery:
             self.gate.wait_idle()
             return standby.promote(self.fleet.slots)
 
-    def _kick_set(self) -> None:
-        self._kick.set()
-
     def _restart_in_background(self) -> None:
         while not self._closing.is_set():
             self._kick.wait(self.rollout.probe_interval_s)  # a death kicks it: a standby takes over at once
@@ -194,7 +191,7 @@ class Recovery:
             slots = [s for s in inactive if force or not self.restart_wait_s(s)]
             if not slots and not (restore and self._restorable(self.fleet.version, restore_from)):
                 return []
-            self.gate.begin(pulls)
+            self.gate.begin(restoring=pulls)
             for slot in slots:
                 slot.lifecycle.to(EngineState.RECOVERING, "restart")
         try:
@@ -282,7 +279,7 @@ class Recovery:
         slots = [self.fleet.slots[e] for e in engine_ids]
         with self._lock:
             self.gate.wait_idle()
-            self.gate.phase = "restoring"
+            self.gate.begin(restoring=True)
             for slot in slots:
                 if slot.state in (EngineState.ACTIVE, EngineState.SLEEPING):
                     slot.lifecycle.to(EngineState.AWAITING_WEIGHTS, f"restore of version {version!r}")

@@ -45,7 +45,8 @@ class RestartGate:
                 self._pauses -= 1
                 self._start_pauses -= starts
                 resume = self._skipped and not self._pauses
-                self._skipped = self._skipped and not resume
+                if resume:
+                    self._skipped = False
             if resume:
                 self._on_resume()
 
@@ -58,9 +59,10 @@ class RestartGate:
         forbids its first phase; a caller's own always (the caller knows what it holds)."""
         return not (background and (self._pauses if pulls_at_start else self._start_pauses))
 
-    def begin(self, pulls_at_start: bool) -> None:
-        """(Under the lock, once idle) take the gate for a restart."""
-        self.phase = "restoring" if pulls_at_start else "starting"
+    def begin(self, restoring: bool) -> None:
+        """(Under the lock, once idle) take the gate: for a restore, or a start that pulls weights
+        (`restoring`), else for a start."""
+        self.phase = "restoring" if restoring else "starting"
 
     def restoring(self, background: bool) -> bool:
         """Enter the restoring phase; False (the restore is skipped) when a background restart

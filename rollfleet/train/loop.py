@@ -27,7 +27,6 @@ from rollfleet.config import RunConfig
 from rollfleet.data.prompts import PromptDataset, PromptItem
 from rollfleet.data.synthetic import make_records
 from rollfleet.fleet.fleet import Fleet
-from rollfleet.fleet.lifecycle import EngineState
 from rollfleet.rewards import load_reward
 from rollfleet.sample import Sample
 from rollfleet.train.grpo import group_advantages
@@ -252,8 +251,7 @@ def _restart_inactive(fleet: Fleet) -> int:
     on with the engines that serve instead of waiting for a start. A failure here never ends the run
     (the engines stay out of rotation; the background restarter and the next step try again): it is
     logged and counted in the step's metrics."""
-    serving = any(s.state == EngineState.ACTIVE and s.version == fleet.version for s in fleet.slots)
-    if fleet.rollout.auto_restart and serving:
+    if fleet.rollout.auto_restart and fleet.router.serving(fleet.version, exclude=set()):
         return 0
     try:
         fleet.restart_inactive()
