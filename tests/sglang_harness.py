@@ -7,7 +7,8 @@ does (FastAPI with the structs as bodies), `normalize_serialized_named_tensor_pa
 tokenizer manager does, its `SchedulerWeightUpdaterManager` (session checks, versions), its tp
 worker's `deserialize_own_rank` and `load_lora_adapter_from_tensors`, its model runner's
 `WeightUpdater` (flattened buckets, the gloo/nccl update group and bucketed receive) and its
-safetensors iterator for disk updates. What is not SGLang's: the model (it records what
+safetensors iterator for disk updates, and its release and resume of memory by tag (the memory
+saver recorded). What is not SGLang's: the model (it records what
 `load_weights` gets), the runtime context its launcher would publish (tp rank 0 of 1, the gloo
 world group), and the scheduler's version bookkeeping (recorded). `/contract/*` routes read the
 records, and `/contract/feed` sends SGLang's own client payloads to another engine.
@@ -35,6 +36,7 @@ import torch.multiprocessing.reductions  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi import Body, FastAPI  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.entrypoints.openai.protocol import ModelCard, ModelList  # noqa: E402
 from sglang.srt.lora.lora_registry import LoRARef, LoRARegistry  # noqa: E402
 from sglang.srt.managers import io_struct as req  # noqa: E402
@@ -79,11 +81,28 @@ context = SimpleNamespace(tp_rank=0, tp_size=1, dp_size=1, tp_group=None)  # wha
 for module in (scheduler_side, runner_side, tp_worker_module):
     module.get_parallel = lambda: context
 runner_side.get_model = lambda: SimpleNamespace(weight_cache_mode="off")
+scheduler_side.get_model = runner_side.get_model  # read by its release/resume of weights (0.5.23)
 
 
 def record_lora(ref, tensors, config_dict, added_tokens_config):
     adapters[ref.lora_name] = {"tensors": {k: describe(v) for k, v in tensors.items()}, "config": config_dict}
     return req.LoRAUpdateOutput(success=True, loaded_adapters={name: "__tensor__" for name in adapters})
+
+
+class MemorySaver:
+    """Stands for SGLang's torch_memory_saver adapter: records what is paused and resumed, by tag."""
+
+    def __init__(self):
+        self.events: list[list[str]] = []
+
+    def pause(self, tag: str) -> None:
+        self.events.append(["pause", tag])
+
+    def resume(self, tag: str) -> None:
+        self.events.append(["resume", tag])
+
+
+memory_saver = MemorySaver()
 
 
 class TpWorker:
@@ -108,7 +127,7 @@ class TpWorker:
         )
         # tp_rank: where SGLang 0.5.21 reads a worker's rank (later releases: the runtime context)
         self.model_runner = SimpleNamespace(
-            weight_updater=updater, load_lora_adapter_from_tensors=record_lora, tp_rank=0, tp_size=1
+            weight_updater=updater, load_lora_adapter_from_tensors=record_lora, tp_rank=0, tp_size=1, model=model
         )
 
     def weight_update_runners(self):
@@ -199,6 +218,23 @@ async def unload_lora(obj: Annotated[req.UnloadLoRAAdapterReqInput, Body()]):
     return answer(req.LoRAUpdateOutput(success=True, loaded_adapters={name: "__tensor__" for name in adapters}))
 
 
+@app.post("/release_memory_occupation")
+def release_memory(obj: Annotated[req.ReleaseMemoryOccupationReqInput, Body()]):
+    manager.release_memory_occupation(obj)
+    return None  # SGLang's http_server answers both with an empty body
+
+
+@app.post("/resume_memory_occupation")
+def resume_memory(obj: Annotated[req.ResumeMemoryOccupationReqInput, Body()]):
+    manager.resume_memory_occupation(obj)  # SGLang's own bookkeeping: a tag not released raises KeyError
+    return None
+
+
+@app.get("/contract/memory")
+def memory_record():
+    return {"events": memory_saver.events, "released": sorted(manager.offload_tags)}
+
+
 @app.get("/v1/models")
 def available_models():
     """SGLang's /v1/models with LoRA enabled (its http_server's available_models, over its own
@@ -271,10 +307,14 @@ if __name__ == "__main__":
         **({"tp_cpu_group": context.tp_group.cpu_group} if takes_group else {}),
         tp_worker=worker,
         draft_worker=None,
-        memory_saver_adapter=None,
+        memory_saver_adapter=memory_saver,
         flush_cache=lambda **kwargs: True,
         is_fully_idle=lambda **kwargs: True,
-        scheduler=SimpleNamespace(record_weight_version_change=lambda new_version: versions.append(new_version)),
+        scheduler=SimpleNamespace(
+            record_weight_version_change=lambda new_version: versions.append(new_version),
+            _engine_paused=False,
+            disaggregation_mode=DisaggregationMode.NULL,
+        ),
     )
     port = free_port()
     print(f"LISTENING {port} sglang={sglang.__version__}", flush=True)

@@ -8,6 +8,7 @@ the embedded engine bit-exact. Skipped, with the reason, only when the wheel is 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import subprocess
@@ -20,9 +21,10 @@ import pytest
 import torch
 
 from rollfleet.config import DiskSync, LoraSync, NcclSync, TensorSync
+from rollfleet.fleet.colocation import RESUME_AFTER_PUSH, release_tags
 from rollfleet.weights.adapter import LoraSource
 from rollfleet.weights.transports.base import EngineTarget, make_transport
-from rollfleet.wire.client import SUPPORTED_SGLANG, UnsupportedEngine, check_supported
+from rollfleet.wire.client import SUPPORTED_SGLANG, EngineClient, UnsupportedEngine, check_supported
 from tests.conftest import call
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,6 +117,37 @@ def test_rollfleet_transports_load_bit_exact_through_sglangs_own_updaters(sglang
     recorded = _send(sglang_url, spec, "v7", Named(weights), **options)
     assert recorded["weights"] == {name: describe(t) for name, t in weights.items()}
     assert recorded["versions"][-1] == "v7"  # in a session: each call carries the version
+
+
+def _colocated_turn(url: str, release: list[str] | None, resumes: list[list[str]]) -> dict:
+    """A colocated trainer turn's memory calls, as the fleet makes them, through SGLang's own release
+    and resume (its bookkeeping raises on resuming a tag it did not release); what its memory saver saw."""
+
+    async def turn():
+        async with EngineClient(url) as client:
+            await client.release_memory_occupation(release)
+            for tags in resumes:
+                await client.resume_memory_occupation(tags)
+
+    before = len(httpx.get(f"{url}/contract/memory").json()["events"])
+    asyncio.run(turn())
+    seen = httpx.get(f"{url}/contract/memory").json()
+    return {"events": seen["events"][before:], "released": seen["released"]}
+
+
+@pytest.mark.parametrize("release_weights", [True, False])
+def test_a_colocated_turn_resumes_every_tag_it_released_in_sglangs_order(sglang_url, release_weights):
+    """The fleet's trainer turn (rollfleet.fleet.colocation) through SGLang's scheduler-side release and
+    resume: nothing stays released (an unmapped CUDA graph pool would be read by the next replay), and
+    the graphs come back before the KV cache, as slime resumes them."""
+    resumes = ([["weights"]] if release_weights else []) + [RESUME_AFTER_PUSH]  # Fleet._push wakes weights
+    seen = _colocated_turn(sglang_url, release_tags(release_weights), resumes)
+    paused = {tag for verb, tag in seen["events"] if verb == "pause"}
+    assert paused == set(release_tags(release_weights)) and seen["released"] == []
+    assert [tag for verb, tag in seen["events"] if verb == "resume"][-2:] == ["cuda_graph", "kv_cache"]
+    # what the fleet did before: releasing everything and resuming only weights and the KV cache
+    assert _colocated_turn(sglang_url, None, [["weights"], ["kv_cache"]])["released"] == ["cuda_graph"]
+    httpx.post(f"{sglang_url}/resume_memory_occupation", json={"tags": ["cuda_graph"]}).raise_for_status()
 
 
 def test_disk_transport_loads_bit_exact_through_sglangs_safetensors_reader(sglang_url, tmp_path):

@@ -78,6 +78,13 @@ class RolloutConfig(_Section):
     placement: Literal["colocated", "disaggregated"] = Field(
         "disaggregated", description="colocated: trainer and engines share GPUs; disaggregated: separate GPUs."
     )
+    release_weights: bool = Field(
+        True,
+        description="Colocated: the engines release their weights for the trainer's turn (true) or keep them "
+        "on the GPU (false: they release only the KV cache and CUDA graphs, and a push writes into weights "
+        "that never left, with no re-allocation before it; their memory must fit beside the trainer's). "
+        "Ignored when disaggregated.",
+    )
     gpus_per_worker: float = Field(
         1.0, gt=0.0, le=1.0, description="GPU fraction one rollout worker reserves in Ray (below 1 when colocated)."
     )

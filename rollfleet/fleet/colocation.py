@@ -2,11 +2,13 @@
 its turn and take them back after, with the bytes and seconds of every move recorded.
 
 Order on entry: no engine restart may start (the trainer is about to hold the GPUs); engines
-release their weights and KV cache; then the trainer onloads (it needs the memory they freed).
-Inside: train, then `Fleet.sync_from` (which resumes the engines' weights first: SGLang's order is
-resume weights, push, resume KV cache). On exit, also after an error: the trainer offloads (after
-the push: its parameters are what was sent) and the engines resume their KV cache; restarts may
-start again.
+release their KV cache, CUDA graphs and (with `rollout.release_weights`, the default) weights; then
+the trainer onloads (it needs the memory they freed). Inside: train, then `Fleet.sync_from` (which
+resumes released weights first). On exit, also after an error: the trainer offloads (after the
+push: its parameters are what was sent) and the engines resume their CUDA graphs, then their KV
+cache; restarts may start again. This is SGLang's order (slime's too): resume weights, push,
+resume CUDA graphs and KV cache. Every tag released is resumed: SGLang keeps a released tag's
+memory unmapped until it is resumed, and its next CUDA graph replay would read unmapped memory.
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rollfleet.fleet.fleet import Fleet, Trainers
+
+# SGLang's memory tags (sglang.srt.constants); the embedded engine has no CUDA graphs and skips that tag
+RESUME_AFTER_PUSH = ["cuda_graph", "kv_cache"]
+
+
+def release_tags(release_weights: bool) -> list[str]:
+    """What the engines release for the trainer's turn."""
+    return ["kv_cache", "weights", "cuda_graph"] if release_weights else ["kv_cache", "cuda_graph"]
 
 
 def freed_bytes(answers: list) -> int:
@@ -53,7 +63,7 @@ def trainer_turn(
     with fleet.recovery.paused():
         with timed("sleep_wake"):
             start = time.perf_counter()
-            moves["engine_released_bytes"] = freed_bytes(fleet.sleep())
+            moves["engine_released_bytes"] = freed_bytes(fleet.sleep(release_tags(fleet.rollout.release_weights)))
             moves["engine_release_seconds"] = time.perf_counter() - start
             moves["trainer_onload_bytes"], moves["trainer_onload_seconds"] = _moved(trainers.onload())
         try:
@@ -73,7 +83,7 @@ def _offload_and_resume(fleet: Fleet, trainers: Trainers, moves: dict) -> None:
 
     def resume() -> None:
         start = time.perf_counter()
-        fleet.wake(["kv_cache"])
+        fleet.wake(RESUME_AFTER_PUSH)
         moves["engine_resume_seconds"] = time.perf_counter() - start
 
     if fleet.rollout.backend != "embedded":
