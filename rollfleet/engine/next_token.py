@@ -4,6 +4,8 @@ unless `ignore_eos`, and `stop_token_ids`; none before `min_new_tokens`), a stop
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,17 +31,52 @@ class StopRules:
         string also sets the sample's text."""
         if token in self.stop_ids(seq):
             return FinishReason(type="stop", matched=token)
-        if seq.params.stop_strings:
+        if seq.params.stop_strings and (stop := self.new_stop_string(seq)) is not None:
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
-            for stop in seq.params.stop_strings:
-                if stop in text:  # SGLang cuts the text at the stop string, or after it with no_stop_trim
-                    seq.text = text[: text.index(stop) + (len(stop) if seq.params.no_stop_trim else 0)]
-                    return FinishReason(type="stop", matched=stop)
+            # SGLang cuts the text at the stop string, or after it with no_stop_trim (one whole decode, at the end)
+            seq.text = text[: text.index(stop) + (len(stop) if seq.params.no_stop_trim else 0)]
+            return FinishReason(type="stop", matched=stop)
         if seq.params.max_new_tokens is not None and len(seq.output_ids) >= seq.params.max_new_tokens:
             return FinishReason(type="length", length=len(seq.output_ids))
         if len(seq.prompt_ids) + len(seq.output_ids) >= self.context_length:
             return FinishReason(type="length", length=len(seq.output_ids))
         return None
+
+    def new_stop_string(self, seq: Sequence) -> str | None:
+        """The first of `seq`'s stop strings (in the order given) that its text holds now that its newest
+        token is in; None when none does. No stop string was in the text one token ago (it would have
+        finished then), so only the text's end can hold one (see `text_a_stop_can_end_in`)."""
+        stops = seq.params.stop_strings
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=seq.params.skip_special_tokens)
+        tail = text_a_stop_can_end_in(seq.output_ids, max(map(len, stops)), decode)
+        return next((stop for stop in stops if stop in tail), None)
+
+
+# A window of tokens can start inside a character: its first token's continuation bytes decode to up to
+# three U+FFFD (the whole text has the one character there), and some decoders drop a first token's
+# leading space. Past this many characters the window's text is the whole text's.
+WINDOW_EDGE_CHARS = 4
+
+
+def text_a_stop_can_end_in(ids: list[int], longest: int, decode: Callable[[list[int]], str]) -> str:
+    """The end of the text of `ids` in which any string of at most `longest` characters that the text
+    of `ids[:-1]` does not hold must lie: from `longest - 1` characters before the first character the
+    newest token changed (or added) on. Decodes only a window of trailing tokens, twice (with and
+    without the newest), so the work per token is bounded by `longest` and not by the output's length
+    (decoding the whole output each token made long outputs quadratic); the window doubles while it is
+    too short to reach WINDOW_EDGE_CHARS characters before that point (tokens that decode to nothing,
+    bytes of one character), and is the whole output at most."""
+    count = longest + WINDOW_EDGE_CHARS + 2  # a token usually decodes to a character or more
+    while True:
+        window = ids[-count:]
+        now, before = decode(window), decode(window[:-1])
+        changed = next((i for i, (a, b) in enumerate(zip(now, before)) if a != b), min(len(now), len(before)))
+        start = changed - max(longest - 1, 0)
+        if count >= len(ids):  # the whole output: its text exactly
+            return now[max(start, 0) :]
+        if start >= WINDOW_EDGE_CHARS:
+            return now[start:]
+        count *= 2
 
 
 def advance(seq: Sequence, logits: torch.Tensor, logprobs: torch.Tensor, stops: StopRules) -> None:
