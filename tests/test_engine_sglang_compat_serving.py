@@ -17,7 +17,11 @@ from transformers import AutoTokenizer
 KEY = "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = [5, 17, 42, 99, 7, 150, 23]
-TEMPLATE = (
+TEMPLATE = (  # renders tools as many models' templates do (`tool | tojson`); kwargs make it ignore them, or
+    # take bare functions only (as Mistral's)
+    "{% if tools and not hide_tools %}{% for t in tools %}"
+    "{% if bare_functions and t.function is defined %}{{ raise_exception('bare functions only') }}{% endif %}"
+    "<tool>{{ t | tojson }}\n{% endfor %}{% endif %}"
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
     "{% if greeting %}{{ greeting }}{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}"
 )
@@ -103,6 +107,60 @@ def test_chat_stream_sends_the_role_then_deltas(server):
         assert mine[-1]["finish_reason"] == "length"
 
 
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+TOOL = {"type": "function", "function": WEATHER}
+
+
+TOOLS = [{"type": "function", "function": WEATHER, "extra": 1}]
+ASK = [{"role": "user", "content": "weather in paris?"}]
+
+
+def tools_prompt(tokenizer, bare: bool = False) -> list[int]:
+    """ASK with TOOLS as SGLang 0.5.23 renders them: its Tool.model_dump() keeps the function's fields as
+    sent, then the missing ones as null, drops unknown ones, and adds the tool's defer_loading; a
+    template that fails on that gets the bare functions."""
+    function = {**WEATHER, "description": None}
+    rendered = function if bare else {"type": "function", "function": function, "defer_loading": None}
+    text = tokenizer.apply_chat_template(
+        ASK, tools=[rendered], chat_template=TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    assert text.startswith('<tool>{"name": "get_weather"' if bare else '<tool>{"type": "function", "function": ')
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_chat_renders_tools_into_the_template_as_sglang(server, qwen3_dir):
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    prompt = tools_prompt(tokenizer)
+    body = {"messages": ASK, "tools": TOOLS, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    for choice in (None, "auto"):
+        answer = ok(post(server, "/v1/chat/completions", {**body, "tool_choice": choice}))
+        assert answer["usage"]["prompt_tokens"] == len(prompt)
+        message = answer["choices"][0]["message"]
+        # no tool-call parser: the model's raw text is the content
+        expected = tokenizer.decode(reference_greedy(qwen3_dir, prompt, 8)[0], skip_special_tokens=False)
+        assert message["content"] == expected and message["tool_calls"] is None
+    untouched = tokenizer.encode("<user>weather in paris?\n<assistant>", add_special_tokens=False)
+    unrendered = ok(post(server, "/v1/chat/completions", {**body, "tool_choice": "none"}))
+    assert unrendered["usage"]["prompt_tokens"] == len(untouched)
+    bare = ok(post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"bare_functions": True}}))
+    assert bare["usage"]["prompt_tokens"] == len(tools_prompt(tokenizer, bare=True))
+
+
+def test_chat_with_tools_keeps_special_tokens_in_the_text_as_sglang(server, qwen3_dir):
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    prompt, sampled = tools_prompt(tokenizer), {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 64}
+    for seed in range(20):  # a sample with a special token in it (the tiny model's are close to uniform)
+        params = {**sampled, "sampling_seed": seed, "skip_special_tokens": False}
+        out = ok(post(server, "/generate", {"input_ids": prompt, "sampling_params": params}))
+        if set(out["output_ids"]) & set(tokenizer.all_special_ids):
+            break
+    else:
+        pytest.fail("no sample of 20 held a special token")
+    body = {"messages": ASK, "tools": TOOLS, "max_tokens": 64, "temperature": 1.0, "ignore_eos": True, "seed": seed}
+    content = ok(post(server, "/v1/chat/completions", body))["choices"][0]["message"]["content"]
+    assert content == out["text"] != tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+
+
 def text_part(text) -> list[dict]:
     return [{"role": "user", "content": [{"type": "text", "text": text}]}]
 
@@ -121,6 +179,35 @@ def test_openai_errors_have_openai_shape(server):
         ("/v1/chat/completions", {"messages": text_part("hi"), "response_format": {"type": "json_object"}}, ["json"]),
         ("/v1/completions", {"prompt": "x", "regex": "[0-9]+"}, ["regex='[0-9]+'", "constrained decoding"]),
         ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, ["frequency_penalty=0.5", "no penalties"]),
+        # tools were dropped silently before: a malformed one, a forced call, a template that ignores them
+        ("/v1/chat/completions", {"messages": text_part("hi"), "tools": ["x"]}, ["tools[0]='x'", '"type": "function"']),
+        ("/v1/chat/completions", {"messages": text_part("hi"), "tools": [TOOL, {"type": "custom"}]}, ["tools[1].type"]),
+        (
+            "/v1/chat/completions",
+            {"messages": text_part("hi"), "tools": [{"function": {"description": "d"}}]},
+            ["tools[0].function.name=None", "a function needs a 'name'"],
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": text_part("hi"), "tools": [TOOL], "tool_choice": "required"},
+            ["tool_choice='required'", "constrained decoding", "'auto'", "rollout.backend=sglang"],
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": text_part("hi"), "tools": [TOOL], "tool_choice": {"type": "function", "function": WEATHER}},
+            ["tool_choice=", "get_weather", "constrained decoding"],
+        ),
+        ("/v1/chat/completions", {"messages": text_part("hi"), "tool_choice": "maybe"}, ["tool_choice='maybe'"]),
+        (
+            "/v1/chat/completions",
+            {"messages": text_part("hi"), "chat_template_kwargs": {"tools": [TOOL]}},
+            ["chat_template_kwargs.tools", "`tools` field"],
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": text_part("hi"), "tools": [TOOL], "chat_template_kwargs": {"hide_tools": True}},
+            ["tools:", "same prompt without the 1 tools", "--chat-template", "tool_choice 'none'"],
+        ),
     ]:
         raw = json.dumps(body)  # a lone surrogate travels as its \\ud800 escape
         headers = {**AUTH, "content-type": "application/json"}

@@ -6,9 +6,11 @@ SGLang's extra fields that RL frameworks send are taken: `top_k`, `min_p`, `min_
 `stop_token_ids`, `no_stop_trim`, `ignore_eos`, `skip_special_tokens`, `repetition_penalty`,
 `lora_path`, `rid`, `return_text_in_logprobs`, `chat_template_kwargs`, `return_routed_experts` and
 `routed_experts_start_len`; `separate_reasoning` and other fields this engine has no use for are
-ignored (no reasoning parser: `reasoning_content` is null). Unknown fields are ignored, as SGLang does;
-those that would change the output and cannot be honoured here (`response_format` other than text,
-`regex`, `json_schema`, `logit_bias`, ...: admission.UNSERVED) are refused.
+ignored (no reasoning parser: `reasoning_content` is null). Chat `tools` go into the chat template
+and `tool_choice` "auto" / "none" is followed, as SGLang without a tool-call parser (chat_tools.py).
+Unknown fields are ignored, as SGLang does; those that would change the output and cannot be
+honoured here (`response_format` other than text, `regex`, `json_schema`, `logit_bias`, ...:
+admission.UNSERVED; `tool_choice` "required" or a named function) are refused.
 
 What SGLang 0.5.23 adds to the answers is added the same way: `metadata` (the first answer's
 `weight_version`, and its `weight_versions` spans) on non-streamed answers, and `sglext.routed_experts`
@@ -23,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from rollfleet.engine.admission import unserved
+from rollfleet.engine.chat_tools import check_tool_choice, check_tools, template_tool
 from rollfleet.wire.protocol import MAX_TOP_LOGPROBS, SEED_RANGE, GenerateRequest, Utf8Str, _Lenient
 
 
@@ -176,11 +179,33 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True  # accepted and ignored: no reasoning parser here
     continue_final_message: bool = False
+    tools: list[Any] | None = None  # OpenAI function tools, rendered by the chat template (chat_tools.py)
+    tool_choice: Any = None  # "auto" (the default with tools) or "none"; forcing a call is refused
+
+    _tools_are_function_tools = field_validator("tools")(check_tools)
+    _tool_choice_is_served = field_validator("tool_choice")(check_tool_choice)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_tools_kwarg(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and "tools" in value:  # SGLang passes both to the template: a TypeError there
+            raise ValueError("chat_template_kwargs.tools: send the tools in the request's `tools` field")
+        return value
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template, in SGLang's shape; None when there are none to render
+        (no tools, or tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [template_tool(tool) for tool in self.tools]
 
     def generate_request(self, input_ids: list[int]) -> GenerateRequest:
+        params = self.sampling_params(self.max_completion_tokens or self.max_tokens)
+        if self.template_tools() is not None:  # SGLang keeps special tokens then: tool-call markers often are
+            params["skip_special_tokens"] = False
         return GenerateRequest(
             input_ids=input_ids,
-            sampling_params=self.sampling_params(self.max_completion_tokens or self.max_tokens),
+            sampling_params=params,
             return_logprob=self.logprobs,
             top_logprobs_num=(self.top_logprobs or 0) if self.logprobs else 0,
             return_text_in_logprobs=True,

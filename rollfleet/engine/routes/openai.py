@@ -97,8 +97,9 @@ def _chat_extra(meta: dict, start: int, req: ChatCompletionRequest) -> dict[str,
 
 
 def chat_prompt(engine: EngineService, req: ChatCompletionRequest) -> list[int]:
-    """The prompt's token ids: the messages through the chat template (--chat-template, else the
-    tokenizer's own), then tokenized without adding special tokens (the template has them)."""
+    """The prompt's token ids: the messages (and tools) through the chat template (--chat-template,
+    else the tokenizer's own), then tokenized without adding special tokens (the template has them).
+    Tools a template does not render are refused: dropping them silently answers another question."""
     template = _read_template(engine.args.chat_template) if engine.args.chat_template else None
     if template is None and not getattr(engine.tokenizer, "chat_template", None):
         raise BadRequest(
@@ -107,8 +108,35 @@ def chat_prompt(engine: EngineService, req: ChatCompletionRequest) -> list[int]:
         )
     try:
         messages = [message.as_template_input() for message in req.messages]
-        text = engine.tokenizer.apply_chat_template(
+    except ValueError as exc:  # content parts other than text
+        raise BadRequest(f"messages: {exc}") from exc
+    tools = req.template_tools()
+    text = _render_with_tools(functools.partial(_render, engine.tokenizer, messages, template, req), tools)
+    if tools is not None and text == _render(engine.tokenizer, messages, template, req, None):
+        raise BadRequest(
+            f"tools: the chat template renders the same prompt without the {len(tools)} tools (it has no tools "
+            "section): start the server with a --chat-template that renders `tools`, send tool_choice 'none', "
+            "or describe the tools in the messages"
+        )
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _render_with_tools(render, tools: list[dict] | None) -> str:
+    """`render(tools)`; when the template fails on OpenAI's tool shape, SGLang's second try: the
+    functions without their wrapper (some templates, Mistral's, take them so)."""
+    try:
+        return render(tools)
+    except BadRequest:
+        if not tools:
+            raise
+        return render([tool["function"] for tool in tools])
+
+
+def _render(tokenizer, messages: list[dict], template: str | None, req: ChatCompletionRequest, tools) -> str:
+    try:
+        return tokenizer.apply_chat_template(
             messages,
+            tools=tools,
             tokenize=False,
             chat_template=template,
             add_generation_prompt=not req.continue_final_message,
@@ -117,7 +145,6 @@ def chat_prompt(engine: EngineService, req: ChatCompletionRequest) -> list[int]:
         )
     except (ValueError, TypeError, TemplateError) as exc:  # the template's own errors (raise_exception, ...)
         raise BadRequest(f"messages: the chat template failed on them: {exc}") from exc
-    return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
 @functools.lru_cache(maxsize=4)
