@@ -232,7 +232,8 @@ def resume_memory(obj: Annotated[req.ResumeMemoryOccupationReqInput, Body()]):
 
 @app.get("/contract/memory")
 def memory_record():
-    return {"events": memory_saver.events, "released": sorted(manager.offload_tags)}
+    held = getattr(manager, "offload_tags", None)  # SGLang's own record of released tags (0.5.23)
+    return {"events": memory_saver.events, "released": None if held is None else sorted(held)}
 
 
 @app.get("/v1/models")

@@ -142,11 +142,13 @@ def test_a_colocated_turn_resumes_every_tag_it_released_in_sglangs_order(sglang_
     the graphs come back before the KV cache, as slime resumes them."""
     resumes = ([["weights"]] if release_weights else []) + [RESUME_AFTER_PUSH]  # Fleet._push wakes weights
     seen = _colocated_turn(sglang_url, release_tags(release_weights), resumes)
-    paused = {tag for verb, tag in seen["events"] if verb == "pause"}
-    assert paused == set(release_tags(release_weights)) and seen["released"] == []
-    assert [tag for verb, tag in seen["events"] if verb == "resume"][-2:] == ["cuda_graph", "kv_cache"]
+    paused = [tag for verb, tag in seen["events"] if verb == "pause"]
+    resumed = [tag for verb, tag in seen["events"] if verb == "resume"]
+    assert sorted(paused) == sorted(resumed) == sorted(release_tags(release_weights))
+    assert resumed[-2:] == ["cuda_graph", "kv_cache"] and seen["released"] in ([], None)
     # what the fleet did before: releasing everything and resuming only weights and the KV cache
-    assert _colocated_turn(sglang_url, None, [["weights"], ["kv_cache"]])["released"] == ["cuda_graph"]
+    before = _colocated_turn(sglang_url, None, [["weights"], ["kv_cache"]])
+    assert before["released"] in (["cuda_graph"], None)  # None: a release that keeps no record of tags
     httpx.post(f"{sglang_url}/resume_memory_occupation", json={"tags": ["cuda_graph"]}).raise_for_status()
 
 
