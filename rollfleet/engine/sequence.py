@@ -113,9 +113,12 @@ def weight_version_spans(events: list[tuple[str, int]], current: str, num_tokens
     return spans
 
 
-def wire_result(seq: Sequence, weight_version: str, tokenizer=None, upto: int | None = None) -> dict[str, Any]:
+def wire_result(
+    seq: Sequence, weight_version: str, tokenizer=None, upto: int | None = None, text: str | None = None
+) -> dict[str, Any]:
     """A finished sequence as one /generate answer (text, output_ids, meta_info); with `upto`, the
-    sequence's first `upto` output tokens, unfinished (a stream chunk, cumulative as SGLang's).
+    sequence's first `upto` output tokens, unfinished (a stream chunk, cumulative as SGLang's), whose
+    `text` the stream decoded (stream_text.py: decoding the whole output per chunk is quadratic).
     As SGLang, only a finished answer carries `weight_versions`; its `weight_version` is the last span's."""
     output_ids = seq.output_ids[:upto]
     meta = {
@@ -134,7 +137,7 @@ def wire_result(seq: Sequence, weight_version: str, tokenizer=None, upto: int | 
     if seq.routes_start is not None and upto is None:  # SGLang collects them once the request finished
         meta["routed_experts"] = encode_routed_experts(routed_rows(seq)[seq.routes_start :])
     if upto is not None:
-        text = tokenizer.decode(output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        assert text is not None, "a stream chunk's text comes from its StreamText"
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
     return {"text": seq.text, "output_ids": output_ids, "meta_info": meta}
 

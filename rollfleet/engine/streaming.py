@@ -2,7 +2,8 @@
 OpenAI routes stream from.
 
 SGLang (without `--incremental-streaming-output`, its default) sends one `data: {json}\n\n` event
-per generated token whose `text`, `output_ids` and logprobs are cumulative and whose
+per generated token whose `text`, `output_ids` and logprobs are cumulative (the text as far as it is
+settled: stream_text.py) and whose
 `meta_info.finish_reason` is null until the last event, then `data: [DONE]\n\n`. A request that
 SGLang treats as a batch (several prompts, or n > 1) interleaves its samples' events and adds
 `index`, the sample's place in the prompt-major answer list. A batch that fails ends its samples
@@ -22,6 +23,7 @@ from fastapi.responses import StreamingResponse
 
 from rollfleet.engine.sequence import Sequence, wire_result
 from rollfleet.engine.service import dumps
+from rollfleet.engine.stream_text import StreamText
 
 DONE = b"data: [DONE]\n\n"
 
@@ -30,15 +32,19 @@ def sse(payload: dict) -> bytes:
     return b"data: " + dumps(payload) + b"\n\n"
 
 
-async def progress(engine, seqs: list[Sequence]) -> AsyncIterator[tuple[int, dict, bool]]:
-    """(index, cumulative answer, finished) per token of every sequence, as they come; a sequence's
-    last item is its finished answer. Sequences left unfinished when the consumer stops are aborted."""
+async def progress(engine, seqs: list[Sequence]) -> AsyncIterator[tuple[int, dict, str, bool]]:
+    """(index, cumulative answer, text new since the last item, finished) per token of every sequence,
+    as they come; a sequence's last item is its finished answer. An unfinished answer's text is what
+    its StreamText shows (a prefix of the finished text, decoded a bounded window at a time), so the
+    new texts of a sequence add up to its finished answer's text. Sequences left unfinished when the
+    consumer stops are aborted."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
 
     def post(item):
         loop.call_soon_threadsafe(queue.put_nowait, item)
 
+    texts = [StreamText(engine.tokenizer, seq.params) for seq in seqs]
     for index, seq in enumerate(seqs):
         seq.on_token = lambda s, i=index: post((i, len(s.output_ids)))
         seq.future.add_done_callback(lambda _f, i=index: post((i, None)))
@@ -46,14 +52,17 @@ async def progress(engine, seqs: list[Sequence]) -> AsyncIterator[tuple[int, dic
     try:
         while unfinished:
             index, count = await queue.get()
-            seq = seqs[index]
+            seq, text = seqs[index], texts[index]
             if index not in unfinished or (count is not None and seq.future.done()):
                 continue  # its finished answer is queued behind this
             if count is None:
                 unfinished.discard(index)
-                yield index, seq.future.result(), True
+                answer = seq.future.result()
+                yield index, answer, answer["text"][len(text.text) :], True
             else:
-                yield index, wire_result(seq, engine.scheduler.weight_version, engine.tokenizer, upto=count), False
+                new_text = text.update(seq.output_ids[:count])
+                version = engine.scheduler.weight_version
+                yield index, wire_result(seq, version, engine.tokenizer, upto=count, text=text.text), new_text, False
     finally:
         engine.scheduler.abort_sequences([seqs[index] for index in unfinished], "the client closed the stream")
 
@@ -83,7 +92,7 @@ def stream_response(engine, seqs: list[Sequence], indexed: bool) -> StreamingRes
     """SGLang's /generate stream of `seqs`; `indexed`: add each sample's `index` (a batch request)."""
 
     async def events():
-        async for index, answer, _finished in progress(engine, seqs):
+        async for index, answer, _new_text, _finished in progress(engine, seqs):
             yield sse({**answer, "index": index} if indexed else answer)
         yield DONE
 

@@ -153,25 +153,24 @@ def _read_template(path: str) -> str:
 
 
 def _stream(engine: EngineService, seqs, req, kind: str, extra) -> StreamingResponse:
-    """OpenAI chunks: per token of each choice the new text (chat: a first chunk with the role),
-    the last one with finish_reason; then, as SGLang, a chunk with no choices carrying `sglext`
-    (routed experts, when asked); with stream_options.include_usage a last chunk of counts."""
+    """OpenAI chunks: per token of each choice the new text (chat: a first chunk with the role;
+    a token that settles no new text sends no chunk, as SGLang), the last one with finish_reason;
+    the texts add up to the answer's text (streaming.progress). Then, as SGLang, a chunk with no
+    choices carrying `sglext` (routed experts, when asked); with stream_options.include_usage a
+    last chunk of counts."""
     head = envelope(kind, seqs[0].rid, req.model)
     chat = kind == "chat.completion.chunk"
 
     async def events():
-        sent_text, sent_tokens, answers = {}, {}, {}
+        sent_tokens, answers = {}, {}
         if chat:
             for index in range(len(seqs)):
                 first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
                 yield sse({**head, "choices": [{**first, "finish_reason": None}]})
-        async for index, answer, finished in progress(engine, seqs):
-            text, before, start = answer["text"], sent_text.get(index, ""), sent_tokens.get(index, 0)
-            if not finished and text.endswith("\ufffd"):
-                continue  # a character cut in the middle of its bytes: send it with the next token
-            # a matched stop string is cut from the finished text: what was sent of it stays sent
-            new_text = text[len(before) :] if text.startswith(before) else ""
-            sent_text[index], sent_tokens[index] = text if new_text else before, len(answer["output_ids"])
+        async for index, answer, new_text, finished in progress(engine, seqs):
+            if not new_text and not finished:
+                continue  # nothing settled yet (SGLang sends no empty delta): its logprobs go with the next chunk
+            start, sent_tokens[index] = sent_tokens.get(index, 0), len(answer["output_ids"])
             choice = {"index": index, **extra(answer["meta_info"], start)}
             if chat:
                 choice["delta"] = {"content": new_text} if new_text or not finished else {}
