@@ -7,7 +7,9 @@ SGLang's extra fields that RL frameworks send are taken: `top_k`, `min_p`, `min_
 `lora_path`, `rid`, `return_text_in_logprobs`, `chat_template_kwargs`, `return_routed_experts` and
 `routed_experts_start_len`; `separate_reasoning` and other fields this engine has no use for are
 ignored (no reasoning parser: `reasoning_content` is null). Chat `tools` go into the chat template
-and `tool_choice` "auto" / "none" is followed, as SGLang without a tool-call parser (chat_tools.py).
+and `tool_choice` "auto" / "none" is followed, as SGLang without a tool-call parser (chat_tools.py);
+messages keep `tool_calls`, `tool_call_id`, `name` and `reasoning_content` for the template
+(chat_messages.py).
 Unknown fields are ignored, as SGLang does; those that would change the output and cannot be
 honoured here (`response_format` other than text, `regex`, `json_schema`, `logit_bias`, ...:
 admission.UNSERVED; `tool_choice` "required" or a named function) are refused.
@@ -25,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from rollfleet.engine.admission import unserved
+from rollfleet.engine.chat_messages import check_tool_calls, template_message
 from rollfleet.engine.chat_tools import check_tool_choice, check_tools, template_tool
 from rollfleet.wire.protocol import MAX_TOP_LOGPROBS, SEED_RANGE, GenerateRequest, Utf8Str, _Lenient
 
@@ -156,18 +159,26 @@ class ContentPart(_Lenient):
 
 
 class ChatMessage(_Lenient):
+    """A chat message with what multi-turn tool conversations carry (chat_messages.py: as SGLang
+    passes them to the chat template)."""
+
     role: Utf8Str
     content: Utf8Str | list[ContentPart] | None = None
+    tool_calls: Any = None  # an assistant's calls, checked by the request (chat_messages.check_tool_calls)
+    tool_call_id: Utf8Str | None = None  # a tool message: the call it answers
+    name: Utf8Str | None = None
+    reasoning_content: Utf8Str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
-        """The message as chat templates read it: text parts joined into one string."""
+        """The message as chat templates read it: text parts joined into one string (a tool
+        message's with spaces, as SGLang's normalize_tool_content), content null as ""."""
         content = self.content
         if isinstance(content, list):
             kinds = sorted({part.type for part in content} - {"text"})
             if kinds:
                 raise ValueError(f"message content parts of type {kinds}: this engine takes text parts only")
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+            content = (" " if self.role == "tool" else "").join(part.text for part in content)
+        return template_message(self.role, content or "", self.model_dump(exclude={"role", "content"}))
 
 
 class ChatCompletionRequest(_Sampling):
@@ -182,6 +193,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None  # OpenAI function tools, rendered by the chat template (chat_tools.py)
     tool_choice: Any = None  # "auto" (the default with tools) or "none"; forcing a call is refused
 
+    _tool_calls_are_served = field_validator("messages")(check_tool_calls)
     _tools_are_function_tools = field_validator("tools")(check_tools)
     _tool_choice_is_served = field_validator("tool_choice")(check_tool_choice)
 
