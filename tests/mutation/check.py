@@ -58,6 +58,8 @@ def apply(mutant: Mutant, tree: Path) -> None:
 
 def run_tests(mutant: Mutant, tree: Path, timeout_s: float) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    if (ROOT / ".sglang-site").is_dir():  # ignored, so not copied: the contract tests read it from here
+        env.setdefault("ROLLFLEET_SGLANG_SITE", str(ROOT / ".sglang-site"))
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests]
     try:
         done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)

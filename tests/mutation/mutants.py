@@ -129,6 +129,25 @@ MUTANTS: list[Mutant] = [
         ),
     ),
     Mutant(
+        id="colocated-turn-leaves-graphs-released",
+        claim="a colocated trainer turn resumes every memory tag it releases (SGLang's CUDA graphs too)",
+        file="rollfleet/fleet/colocation.py",
+        old='RESUME_AFTER_PUSH = ["cuda_graph", "kv_cache"]',
+        new='RESUME_AFTER_PUSH = ["kv_cache"]',
+        tests=("tests/test_sglang_contract.py::test_a_colocated_turn_resumes_every_tag_it_released_in_sglangs_order",),
+    ),
+    Mutant(
+        id="colocated-turn-ignores-release-weights",
+        claim="rollout.release_weights=false keeps the engines' weights through a colocated turn",
+        file="rollfleet/fleet/colocation.py",
+        old="fleet.sleep(release_tags(fleet.rollout.release_weights))",
+        new="fleet.sleep(release_tags(True))",
+        tests=(
+            "tests/test_colocated_feed.py::"
+            "test_a_trainer_turn_releases_what_the_config_says_and_the_engines_serve_after",
+        ),
+    ),
+    Mutant(
         id="engine-follower-survives-failed-batch",
         claim="a tp follower whose batch action fails like rank 0's goes on with the next batch",
         file="rollfleet/engine/lockstep.py",
