@@ -1,19 +1,19 @@
-"""Two spawned sender processes (a gloo group) kept for a test module, for tests/test_feed.py.
+"""Two sender processes (a gloo group) kept for a test module, for tests/test_feed.py.
 
-Spawning a sender costs far more than a push (a fresh interpreter imports torch and transformers
-and loads the model: tens of seconds on a shared 2-core machine, a push a few seconds), so the
-ranks are started once and each test hands them a list of pushes. This module is kept apart from
-the test module so that the spawned processes import only what a sender needs (not pytest's
-conftest and Ray)."""
+Starting a sender costs more than a push (it joins the group and loads the model; spawned, it also
+imported torch and transformers: tens of seconds on a shared 2-core machine), so the ranks are
+started once (forked: helper_processes) and each test hands them a list of pushes. This module is
+kept apart from the test module so that the processes import only what a sender needs (not
+pytest's conftest and Ray)."""
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import queue
 import time
 
+import helper_processes
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
@@ -93,7 +93,7 @@ class SenderRanks:
     """WORLD sender processes started once; `push` runs a list of pushes on every rank together."""
 
     def __init__(self, targets):
-        context = multiprocessing.get_context("spawn")
+        context = helper_processes.context()
         self.results, port = context.Queue(), free_port()
         self.commands = [context.Queue() for _ in range(WORLD)]
         self.procs = [

@@ -5,10 +5,10 @@ its scheduler, as rollfleet.engine.server does after the door."""
 
 from __future__ import annotations
 
-import multiprocessing
 import queue
 import traceback
 
+import helper_processes
 import pytest
 import torch.distributed as dist
 from conftest import reference_greedy
@@ -60,7 +60,7 @@ def _rank(rank: int, model_path: str, port: int, results) -> None:
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_batch_failing_on_every_rank_aborts_its_requests_and_both_ranks_go_on(qwen3_dir):
-    context = multiprocessing.get_context("spawn")
+    context = helper_processes.context()
     results, port = context.Queue(), free_port()
     procs = [context.Process(target=_rank, args=(rank, qwen3_dir, port, results), daemon=True) for rank in (0, 1)]
     for proc in procs:

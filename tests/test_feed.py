@@ -64,7 +64,7 @@ def engines(qwen3_server, weight_servers):
 
 @pytest.fixture(scope="module")
 def senders(engines):
-    """The two sender ranks, spawned once for the module's pushes."""
+    """The two sender ranks, started once for the module's pushes."""
     ranks = SenderRanks(engines)
     yield ranks
     ranks.close()

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helper_processes import start_method
 
 from rollfleet.config import ConfigError, load_config
 from rollfleet.fleet.colocation import freed_bytes
@@ -206,7 +207,9 @@ def _offload_worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
 def test_offload_onload_through_reused_buffers_keeps_training_exact(qwen3_dir, tmp_path):
     model_dir = make_tiny_model(tmp_path / "model", "qwen3", seed=0)
-    mp.spawn(_offload_worker, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=2)
+    mp.start_processes(
+        _offload_worker, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=2, start_method=start_method()
+    )
     result = torch.load(tmp_path / "offload.pt")
     for name, tensor in result["staying"].items():  # offload + onload between steps changed nothing
         assert torch.equal(result["moving"][name], tensor), name

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helper_processes import start_method
 from safetensors.torch import load_file
 
 from rollfleet.tiny_models import make_tiny_model
@@ -40,8 +41,8 @@ def _counted_gathers(run) -> tuple[object, int]:
 
 def _worker(rank: int, cases: list[tuple[int, int, str, str]]) -> None:
     """One process for every case (world, port, model dir, out) whose world includes its rank: each
-    case is a default group of its own, made and destroyed in turn (a spawn per case paid torch's
-    import in each of its processes)."""
+    case is a default group of its own, made and destroyed in turn (one start of the processes for
+    all cases)."""
     torch.set_num_threads(1)
     for world, port, model_dir, out in cases:
         if rank < world:
@@ -77,7 +78,7 @@ CASES = [("qwen3", 3), ("qwen3_moe", 2), ("qwen3", 1)]
 
 @pytest.fixture(scope="module")
 def gathered(tmp_path_factory) -> dict[tuple[str, int], Path]:
-    """Every case run by one spawn of as many processes as the largest world; case -> its directory."""
+    """Every case run by one start of as many processes as the largest world; case -> its directory."""
     dirs = {case: tmp_path_factory.mktemp(f"{case[0]}-world{case[1]}") for case in CASES}
     for (kind, _), path in dirs.items():
         make_tiny_model(path / kind, kind, seed=3)
@@ -87,7 +88,7 @@ def gathered(tmp_path_factory) -> dict[tuple[str, int], Path]:
         if port not in ports:
             ports.append(port)
     cases = [(world, port, str(path / kind), str(path)) for ((kind, world), path), port in zip(dirs.items(), ports)]
-    mp.spawn(_worker, args=(cases,), nprocs=max(world for _, world in CASES))
+    mp.start_processes(_worker, args=(cases,), nprocs=max(world for _, world in CASES), start_method=start_method())
     return dirs
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helper_processes import start_method
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -42,7 +43,7 @@ def full_weights(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world_size: int, port: int, scenario: str, model_dirs: list, out_dir: str, mbs: int) -> None:
     """One rank: `scenario` on model_dirs[0]; "all+moe" then goes on to "moe" on model_dirs[1] in the
-    same group (two independent cases, one spawn: each spawn pays torch's import per rank)."""
+    same group (two independent cases, one start of the ranks)."""
     init_distributed(rank, world_size, master_port=port, backend="gloo")
     torch.set_num_threads(1)
     try:
@@ -81,9 +82,14 @@ def _scenario(trainer: PolicyTrainer, scenario: str, out: Path) -> dict:
     return result
 
 
-def spawn(world_size: int, scenario: str, model_dirs: list[str], out_dir: Path, mbs: int = 2) -> dict:
+def run_ranks(world_size: int, scenario: str, model_dirs: list[str], out_dir: Path, mbs: int = 2) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(world_size, free_port(), scenario, model_dirs, str(out_dir), mbs), nprocs=world_size)
+    mp.start_processes(
+        _worker,
+        args=(world_size, free_port(), scenario, model_dirs, str(out_dir), mbs),
+        nprocs=world_size,
+        start_method=start_method(),
+    )
     return torch.load(out_dir / "result.pt")
 
 
@@ -92,8 +98,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     model_dir = str(make_tiny_model(root / "model", "qwen3", seed=0))
     moe_dir = str(make_tiny_model(root / "moe", "qwen3_moe", seed=0))
-    one = spawn(1, "step", [model_dir], root / "world1", mbs=3)
-    two = spawn(2, "all+moe", [model_dir, moe_dir], root / "world2", mbs=2)
+    one = run_ranks(1, "step", [model_dir], root / "world1", mbs=3)
+    two = run_ranks(2, "all+moe", [model_dir, moe_dir], root / "world2", mbs=2)
     return model_dir, root, one, two
 
 
