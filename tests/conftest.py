@@ -31,6 +31,23 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def _plain_http(request):
+    """httpx's module functions build a client per call, whose default SSL context loads the CA
+    bundle: tens of ms of CPU per request (tens of seconds over the suite) that the tests' plain
+    http:// requests to loopback servers never use. Each call still gets a client and a connection
+    of its own; a call that passes `verify` keeps it."""
+
+    @functools.wraps(request)
+    def plain(*args, **kwargs):
+        kwargs.setdefault("verify", False)
+        return request(*args, **kwargs)
+
+    return plain
+
+
+httpx.get, httpx.post = _plain_http(httpx.get), _plain_http(httpx.post)
+
+
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("qwen3"), "qwen3", seed=0))
