@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import itertools
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
 from rollfleet.engine.zygote_client import SHARED_ZYGOTE_ENV, Zygote
-from rollfleet.tiny_models import make_tiny_model
+from rollfleet.tiny_models import make_tiny_model, tiny_config
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.client import EngineClient
 from rollfleet.wire.net import free_port
@@ -199,12 +200,23 @@ def shared_zygote() -> Zygote:
     the tests' engines fork from it as a fleet's do (rollout.engine_launcher: zygote), so an engine
     start costs no imports (seconds of CPU each on this 2-core machine); it listens at
     ROLLFLEET_ZYGOTE_SOCKET, where the fleets' engine workers connect for a sub-zygote of it
-    (workers started before it listens start their own). A zygote that died is replaced;
-    EngineProcess spawns when a fork fails, saying so in the engine's log."""
+    (workers started before it listens start their own). It also imports the tiny models' code
+    (transformers' modeling modules and torch._dynamo, which either architecture pulls in: over a
+    second of CPU per engine process otherwise, tp followers included). A zygote that died is
+    replaced; EngineProcess spawns when a fork fails, saying so in the engine's log."""
     global _ZYGOTE
     if _ZYGOTE is None or not _ZYGOTE.is_alive():
-        _ZYGOTE = Zygote(_ZYGOTE_SOCKET.with_suffix(".log"), listen=_ZYGOTE_SOCKET)
+        _ZYGOTE = Zygote(_ZYGOTE_SOCKET.with_suffix(".log"), listen=_ZYGOTE_SOCKET, preload_model=_model_config_dir())
     return _ZYGOTE
+
+
+@functools.cache
+def _model_config_dir() -> str:
+    """A directory with only a tiny qwen3 config.json (all the zygote's preload reads), for the run."""
+    directory = tempfile.mkdtemp(prefix="rf-test-zygote-config-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    tiny_config("qwen3").save_pretrained(directory)
+    return directory
 
 
 @contextlib.contextmanager
