@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from conftest import call, client_for, reference_greedy, run
+from conftest import call, client_for, reference_greedy, run, scheduler_stats_when
 from transformers import AutoModelForCausalLM
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
@@ -138,8 +138,8 @@ def test_concurrent_requests_share_one_batch(server):
             tasks = [
                 asyncio.create_task(client.generate(input_ids=[i + 1, 2], sampling_params=GREEDY)) for i in range(8)
             ]
-            await asyncio.sleep(1.0)
-            before = (await client.get_server_info())["scheduler_stats"]["batches"]
+            queued = await scheduler_stats_when(client, lambda s: s["waiting_requests"] == 8)
+            before = queued["batches"]
             await client.continue_generation()
             outs = await asyncio.gather(*tasks)
             stats = (await client.get_server_info())["scheduler_stats"]
