@@ -27,9 +27,10 @@ def cluster():
     saved = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = temp  # the Cluster helper writes its address file under Ray's temp dir
     os.makedirs(os.path.join(temp, "ray"))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "temp_dir": temp})
-    for gpus in (2, 1, 1):  # node A: 2 GPUs; nodes B and C: 1 GPU each
-        cluster.add_node(num_cpus=2, num_gpus=gpus)
+    # node A (the head): 2 GPUs; nodes B and C: 1 GPU each
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2, "temp_dir": temp})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, num_gpus=1)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     yield cluster
     ray.shutdown()
