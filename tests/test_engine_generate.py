@@ -148,3 +148,22 @@ def test_concurrent_requests_share_one_batch(server):
     before, stats, outs = run(go())
     assert all(len(o["output_ids"]) == 12 for o in outs)
     assert stats["batches"] == before + 1 and stats["largest_batch"] >= 8
+
+
+def test_a_step_moves_the_sampled_ids_and_asked_logprobs_to_the_host_never_the_logits(server):
+    """The logits of a step stay on the model's device: per sampled token, an int64 id and a float32
+    logprob cross (the engine's `host_bytes`), plus the top-k asked for; never a row of the vocabulary."""
+
+    def stats():
+        return call(server, "get_server_info")["scheduler_stats"]
+
+    before = stats()
+    sampling = {"max_new_tokens": 16, "temperature": 1.0, "n": 4, "ignore_eos": True}
+    call(server, "generate", input_ids=[[5, 6, 7], [8, 9]], sampling_params=sampling, return_logprob=True)
+    middle = stats()
+    tokens = middle["generated_tokens"] - before["generated_tokens"]
+    assert tokens == 2 * 4 * 16
+    assert middle["host_bytes"] - before["host_bytes"] == tokens * (8 + 4)
+    call(server, "generate", input_ids=[5, 6, 7], sampling_params=sampling, return_logprob=True, top_logprobs_num=3)
+    after = stats()
+    assert after["host_bytes"] - middle["host_bytes"] == 4 * 16 * (8 + 4 + 3 * (4 + 8))

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from rollfleet.engine.app import create_app
 from rollfleet.engine.lockstep import Lockstep
+from rollfleet.engine.logprobs import LogprobAsk
 from rollfleet.engine.model import ModelRunner
 from rollfleet.engine.scheduler import Scheduler
 from rollfleet.engine.server import build_parser, check_args
@@ -489,8 +490,10 @@ def test_a_failing_batch_fails_only_its_own_requests(engine_parts):
         (outside,) = scheduler.submit([1, VOCAB + 5], SamplingParams(**SHORT), rid="bad", return_logprob=False)
         reason = _result(outside)["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and "the engine failed this batch" in reason["message"], reason
-        no_tokens = SamplingParams.model_construct(**{**SamplingParams().model_dump(), "top_p": 1e-46, **SHORT})
-        (unsampleable,) = scheduler.submit([1, 2], no_tokens, rid="zero-top-p", return_logprob=False)
+        outside_ask = LogprobAsk(token_ids=(VOCAB + 5,))  # the sampler's gather raises
+        (unsampleable,) = scheduler.submit(
+            [1, 2], SamplingParams(**SHORT), rid="bad-id", return_logprob=True, ask=outside_ask
+        )
         assert _result(unsampleable)["meta_info"]["finish_reason"]["type"] == "abort"
         (good,) = scheduler.submit([1, 2], SamplingParams(**SHORT), rid="good", return_logprob=False)
         assert _result(good)["meta_info"]["finish_reason"] == {"type": "length", "length": 2}

@@ -5,7 +5,6 @@ per token."""
 
 from __future__ import annotations
 
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +39,7 @@ def params(stop, **fields) -> SamplingParams:
 def generate(ids: list[int], stop, tokenizer=TOKENIZER, **fields):
     """Feed `ids` one at a time as the engine appends sampled tokens: (finish reason, the sample's text,
     tokens taken), or (None, None, all of them) when no stop string matched."""
-    seq = Sequence("r", [1], params(stop, **fields), torch.Generator(), return_logprob=False)
+    seq = Sequence("r", [1], params(stop, **fields), None, return_logprob=False)
     rules = StopRules(frozenset(), context_length=100_000, tokenizer=tokenizer)
     for token in ids:
         seq.output_ids.append(token)
@@ -109,7 +108,7 @@ def test_the_decoding_per_token_is_bounded_by_the_stop_strings_not_the_output():
     ids = encode(" ".join([TEXT] * 40))
     assert len(ids) > 400
     counting = CountingTokenizer(TOKENIZER)
-    seq = Sequence("r", [1], params(["zzz", "jumps!"]), torch.Generator(), return_logprob=False)
+    seq = Sequence("r", [1], params(["zzz", "jumps!"]), None, return_logprob=False)
     rules = StopRules(frozenset(), context_length=100_000, tokenizer=counting)
     per_token = []
     for token in ids:

@@ -11,7 +11,6 @@ import json
 import random
 
 import httpx
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_stop_strings import ANY_IDS, TEXT, TEXTS, TOKENIZER, CountingTokenizer, encode, params
@@ -27,7 +26,7 @@ REPLACEMENT_IDS = [i for i in range(len(TOKENIZER)) if TOKENIZER.decode([i]) == 
 def stream_as_the_engine(ids: list[int], stop, tokenizer=TOKENIZER, **fields):
     """Feed `ids` as the engine appends sampled tokens, a StreamText taking every unfinished step:
     (the texts it showed after each step, the new texts, the finished answer's text)."""
-    seq = Sequence("r", [1], params(stop, **fields), torch.Generator(), return_logprob=False)
+    seq = Sequence("r", [1], params(stop, **fields), None, return_logprob=False)
     rules = StopRules(frozenset(), context_length=100_000, tokenizer=TOKENIZER)
     text = StreamText(tokenizer, seq.params)
     shown, new = [], []

@@ -1,8 +1,10 @@
 """Logprobs as SGLang returns them in `meta_info`: of the prompt's tokens (`logprob_start_len >= 0`),
 the top-k at each position (`top_logprobs_num`) and of chosen token ids (`token_ids_logprob`).
 
-Every value is `log_softmax` of the raw logits (no temperature, no top-p), as SGLang's default.
-SGLang's layout, kept here because its clients index into it:
+Input logprobs are `log_softmax` of the raw logits; output ones are taken by the sampler
+(sampling.py) as SGLang 0.5.23 takes them: `log_softmax(logits / temperature)` (raw for a greedy
+row), before top-k / top-p / min-p. Both are computed on the model's device; only the values asked
+for cross to the host. SGLang's layout, kept here because its clients index into it:
 - `input_token_logprobs` holds one `[logprob, token_id, text]` per prompt token from
   `logprob_start_len` on; the first entry's logprob is None (SGLang prepends None and drops the
   last position, whose logits predict the first output token), whatever the start.
@@ -56,34 +58,24 @@ def input_positions(prompt_len: int, ask: LogprobAsk) -> int:
     return max(prompt_len - 1 - ask.start, 0)
 
 
-def _top(row: torch.Tensor, top_n: int) -> Row:
-    values, ids = torch.topk(row, min(top_n, row.numel()))
-    return list(zip(values.tolist(), ids.tolist()))
-
-
-def _chosen(row: torch.Tensor, token_ids: tuple[int, ...]) -> Row:
-    return list(zip(row[list(token_ids)].tolist(), token_ids))
-
-
-def fill_input(record: LogprobRecord, logprobs: torch.Tensor, prompt: list[int], ask: LogprobAsk) -> None:
-    """`logprobs[i]` is log_softmax at prompt position `ask.start + i` (it predicts token start+i+1)."""
+def fill_input(record: LogprobRecord, logprobs: torch.Tensor, prompt: list[int], ask: LogprobAsk) -> int:
+    """`logprobs[i]` is log_softmax at prompt position `ask.start + i` (it predicts token start+i+1),
+    on the model's device; only the asked values cross to the host. Returns the bytes that crossed."""
     if not ask.wants_input or ask.start >= len(prompt):
-        return
-    following = torch.tensor(prompt[ask.start + 1 :], dtype=torch.long)
-    record.input_values = [None, *logprobs.gather(1, following[:, None])[:, 0].tolist()]
+        return 0
+    following = torch.tensor(prompt[ask.start + 1 :], dtype=torch.long).to(logprobs.device)
+    moved = [logprobs.gather(1, following[:, None])[:, 0]]
+    record.input_values = [None, *moved[-1].tolist()]
     record.input_ids = list(prompt[ask.start :])
     if ask.top_n > 0:
-        record.input_top = [None, *(_top(row, ask.top_n) for row in logprobs)]
+        values, ids = torch.topk(logprobs, min(ask.top_n, logprobs.shape[1]), dim=-1)
+        moved += [values, ids]
+        record.input_top = [None, *(list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist()))]
     if ask.token_ids is not None:
-        record.input_chosen = [None, *(_chosen(row, ask.token_ids) for row in logprobs)]
-
-
-def fill_output(record: LogprobRecord, logprobs: torch.Tensor, ask: LogprobAsk) -> None:
-    """The top-k and chosen ids of one output token's distribution `logprobs` (one row)."""
-    if ask.top_n > 0:
-        record.output_top.append(_top(logprobs, ask.top_n))
-    if ask.token_ids is not None:
-        record.output_chosen.append(_chosen(logprobs, ask.token_ids))
+        chosen = torch.tensor(ask.token_ids, dtype=torch.long).to(logprobs.device)
+        moved.append(logprobs[:, chosen])
+        record.input_chosen = [None, *(list(zip(row, ask.token_ids)) for row in moved[-1].tolist())]
+    return sum(t.nbytes for t in moved)
 
 
 def meta_fields(
@@ -136,13 +128,14 @@ def prefill_keep(seqs) -> int:
     return 1 + max((_input_positions_now(s) for s in seqs), default=0)
 
 
-def take_input_logprobs(seqs, logits: torch.Tensor) -> torch.Tensor:
-    """Fill each sequence's input logprobs from a prefill's `[batch, keep, vocab]` logits and return
-    the last position's `[batch, vocab]` (the next token's)."""
-    keep = logits.shape[1]
+def take_input_logprobs(seqs, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Fill each sequence's input logprobs from a prefill's `[batch, keep, vocab]` logits (on the
+    device) and return the last position's `[batch, vocab]` (the next token's) and the bytes that
+    crossed to the host."""
+    keep, moved = logits.shape[1], 0
     for row, seq in enumerate(seqs):
         count = _input_positions_now(seq)
         if seq.ask.wants_input and not seq.output_ids:
-            positions = logits[row, keep - 1 - count : keep - 1]
-            fill_input(seq.record, torch.log_softmax(positions, dim=-1), seq.prompt_ids, seq.ask)
-    return logits[:, -1, :]
+            positions = logits[row, keep - 1 - count : keep - 1].float()
+            moved += fill_input(seq.record, torch.log_softmax(positions, dim=-1), seq.prompt_ids, seq.ask)
+    return logits[:, -1, :], moved

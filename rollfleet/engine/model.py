@@ -146,25 +146,28 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Start a batch: left-pad the prompts, fill a fresh KV cache, return last-position logits
         ([batch, vocab]; with keep > 1 the last `keep` positions', [batch, keep, vocab], for input
-        logprobs). The whole batch runs with one LoRA adapter, or none. `capture_routes`: keep the
-        routers' choices in `last_routes` (route_capture.py)."""
+        logprobs), on this rank's device: sampling happens there (sampling.py). The whole batch runs
+        with one LoRA adapter, or none. `capture_routes`: keep the routers' choices in `last_routes`
+        (route_capture.py)."""
         self.lora.use(lora_name)
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        self.mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            self.mask[row, width - len(prompt) :] = 1
+            mask[row, width - len(prompt) :] = 1
+        self.mask = mask.to(self.device)
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
-        self.next_position = positions[:, -1] + 1
+        self.next_position = positions[:, -1:] + 1
         self.cache = DynamicCache(config=self.model.config)
-        return self._forward(ids, positions, keep, capture_routes)
+        return self._forward(ids.to(self.device), positions, keep, capture_routes)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], lora_name: str | None = None, capture_routes: bool = False) -> torch.Tensor:
         self.lora.use(lora_name)  # merged again if a read or update restored the base mid-batch
-        self.mask = torch.cat([self.mask, torch.ones(len(tokens), 1, dtype=torch.long)], dim=1)
-        logits = self._forward(torch.tensor(tokens)[:, None], self.next_position[:, None], 1, capture_routes)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
+        ids = torch.tensor(tokens, dtype=torch.long)[:, None].to(self.device)
+        logits = self._forward(ids, self.next_position, 1, capture_routes)
         self.next_position = self.next_position + 1
         return logits
 
@@ -173,22 +176,22 @@ class ModelRunner:
         if capture_routes:
             self.route_capture.start()
         out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=self.mask.to(self.device),
-            position_ids=positions.to(self.device),
+            input_ids=ids,
+            attention_mask=self.mask,
+            position_ids=positions,
             cache=self.cache,
             use_cache=True,
             logits_to_keep=keep,
         )
         if capture_routes:
             self.last_routes = self.route_capture.stop(*ids.shape)
-        logits = out.logits[:, -keep:, :].float().cpu()
+        logits = out.logits[:, -keep:, :]
         return logits[:, -1, :] if keep == 1 else logits
 
     def keep_rows(self, rows: list[int]) -> None:
         """Drop finished sequences from the running batch."""
-        index = torch.tensor(rows, dtype=torch.long)
-        self.cache.batch_select_indices(index.to(self.device))
+        index = torch.tensor(rows, dtype=torch.long).to(self.device)
+        self.cache.batch_select_indices(index)
         self.mask, self.next_position = self.mask[index], self.next_position[index]
 
     def end_batch(self) -> None:

@@ -1,4 +1,4 @@
-"""How a sample takes its next token, and when it stops, as SGLang decides it: a stop token (EOS
+"""How a sample records its next token, and when it stops, as SGLang decides it: a stop token (EOS
 unless `ignore_eos`, and `stop_token_ids`; none before `min_new_tokens`), a stop string,
 `max_new_tokens`, or the model's context length."""
 
@@ -8,10 +8,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-from rollfleet.engine.logprobs import fill_output
-from rollfleet.engine.sampling import sample_token
+from rollfleet.engine.logprobs import Row
 from rollfleet.engine.sequence import Sequence
 from rollfleet.wire.protocol import FinishReason
 
@@ -79,16 +76,17 @@ def text_a_stop_can_end_in(ids: list[int], longest: int, decode: Callable[[list[
         count *= 2
 
 
-def advance(seq: Sequence, logits: torch.Tensor, logprobs: torch.Tensor, stops: StopRules) -> None:
-    """Sample `seq`'s next token from its row of logits, record it and its logprobs, and set
+def record_token(
+    seq: Sequence, token: int, logprob: float | None, top: Row | None, chosen: Row | None, stops: StopRules
+) -> None:
+    """Record `seq`'s newest token (sampled on the device, sampling.py) and its logprobs, and set
     `seq.finish` when it stops; a stream's listener hears of every unfinished step."""
-    if len(seq.output_ids) < seq.params.min_new_tokens:
-        logits = logits.clone()
-        logits[list(stops.stop_ids(seq))] = float("-inf")
-    token = sample_token(logits, seq.params, seq.generator)
     seq.output_ids.append(token)
-    seq.logprobs.append(float(logprobs[token]))
-    fill_output(seq.record, logprobs, seq.ask)
+    seq.logprobs.append(logprob)
+    if top is not None:
+        seq.record.output_top.append(top)
+    if chosen is not None:
+        seq.record.output_chosen.append(chosen)
     seq.finish = stops.finish_reason(seq, token)
     if seq.on_token is not None and seq.finish is None:  # the finished answer comes from the future
         seq.on_token(seq)

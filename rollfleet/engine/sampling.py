@@ -1,44 +1,235 @@
-"""Token sampling for one decode step: temperature, top-k, top-p, min-p, per-sample seeds.
+"""One step's next tokens and their logprobs, for the whole batch at once, on the model's device.
 
-Each sample owns a `torch.Generator`, so a seeded sample draws the same tokens whatever
-else shares its batch (same seed + same weights = same tokens).
+The step's logits (`[rows, vocab]`) never leave the device: what crosses to the host is, per row,
+the sampled token id and its logprob, and only where a request asked for them the top-k logprobs
+(`top_logprobs_num`) and the logprobs of chosen ids (`token_ids_logprob`): kilobytes a step, not
+rows x vocab x 4 bytes. `Sampled.host_bytes` counts what crossed (the engine's `host_bytes` stat).
+
+As SGLang 0.5.23 samples (`srt/layers/sampler.py`):
+- temperature below 1e-6 is greedy: the argmax of the raw logits;
+- otherwise softmax(logits / temperature), with top-k (the k most likely), top-p (the fewest most
+  likely tokens whose mass reaches top_p) and min-p (tokens of at least min_p x the largest
+  probability) applied together to that distribution; the token is drawn from what they keep;
+- `min_new_tokens`: the stop tokens are banned (logit -inf) until that many tokens are out, before
+  anything else, so the logprobs see the ban too;
+- logprobs (the sampled token's, top-k and chosen ids) are log_softmax(logits / temperature), the
+  distribution before top-k / top-p / min-p, and of the raw logits for a greedy row; -inf is
+  clamped to float32's lowest value (JSON has no -inf).
+
+Draws are Gumbel-max (argmax of the kept scaled logits plus Gumbel noise: an exact draw from their
+softmax). A seeded sample's noise is a counter-based hash of (its seed, its sample index, the output
+position, the token id), so the same seed and weights give the same tokens whatever shares the
+batch, whatever the device, and after a retract or a recompute; unseeded rows draw their noise
+from one generator on the device.
 """
 
 from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from rollfleet.wire.protocol import SamplingParams
 
+MASK32 = 0xFFFFFFFF
+LOWEST = torch.finfo(torch.float32).min
 
-def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator:
-    generator = torch.Generator()
+
+def seed_key(params: SamplingParams, sample_index: int) -> int | None:
+    """The noise key of sample `sample_index` of a request (None: unseeded, the device generator's)."""
     if params.sampling_seed is None:
-        generator.seed()
-    else:
-        # manual_seed takes [-2**63, 2**64): fold the whole of SGLang's seed range (and the index) into it
-        generator.manual_seed((params.sampling_seed * 1_000_003 + sample_index) % 2**64)
-    return generator
+        return None
+    return _mix64((params.sampling_seed * 1_000_003 + sample_index) % 2**64)
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities of one row after temperature, top-k, top-p and min-p."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_k > 0 and params.top_k < probs.numel():
-        kth = torch.topk(probs, params.top_k).values[-1]
-        probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep a token if the mass before it is below top_p (the first token always stays)
-        drop_sorted = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p
-        probs = probs.scatter(0, order[drop_sorted], 0.0)
-    if params.min_p > 0.0:
-        probs = torch.where(probs < params.min_p * probs.max(), torch.zeros_like(probs), probs)
-    return probs / probs.sum()
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer on a Python int (host side: one per row per step)."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB % 2**64
+    return x ^ (x >> 31)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    if params.is_greedy:
-        return int(torch.argmax(logits))
-    probs = filtered_probs(logits, params)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+def step_key(key: int, position: int) -> int:
+    """The 32-bit noise key of one output position of a seeded sample."""
+    return _mix64((key + position * 0x9E3779B97F4A7C15) % 2**64) & MASK32
+
+
+def _fmix(x: torch.Tensor, constant: int, shift: int) -> torch.Tensor:
+    """One multiply-xorshift round on int64 values below 2**32: every product stays below 2**63
+    (constants below 2**31), so the hash is the same on every device and never overflows."""
+    x = (x * constant) & MASK32
+    return x ^ (x >> shift)
+
+
+def hashed_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`[rows, vocab]` uniforms in (0, 1), a function of each row's 32-bit key and the token id only."""
+    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    x = keys[:, None] ^ ((ids * 0x61C88647) & MASK32)[None, :]
+    x = x ^ (x >> 16)
+    for constant, shift in ((0x7FEB352D, 15), (0x5BD1E995, 13), (0x2C1B3C6D, 16)):
+        x = _fmix(x, constant, shift)
+    return ((x >> 8).to(torch.float32) + 0.5) / 2**24  # 24 bits: exact in float32, never 0 or 1
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """What the sampler needs of one running sample this step."""
+
+    params: SamplingParams
+    key: int | None  # seed_key, None when unseeded
+    position: int  # output tokens so far: the index of the token drawn now
+    banned: frozenset[int] = frozenset()  # stop ids banned this step (min_new_tokens not reached)
+    top_n: int = 0
+    token_ids: tuple[int, ...] | None = None
+    wants_logprob: bool = True
+
+
+@dataclass
+class Sampled:
+    """One step's result on the host: per row the token, its logprob (None where not asked), and the
+    asked top-k / chosen-id rows as [(logprob, token id)]."""
+
+    tokens: list[int]
+    logprobs: list[float | None]
+    top: list[list[tuple[float, int]] | None]
+    chosen: list[list[tuple[float, int]] | None]
+    host_bytes: int
+
+
+class Sampler:
+    """Samples the steps of one engine (rank 0's scheduler); owns the unseeded rows' generator."""
+
+    def __init__(self, seed: int | None = None):
+        """`seed`: of the unseeded rows' generator (default: a fresh random one)."""
+        self._seed = secrets.randbits(63) if seed is None else seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self._seed)
+        return self._generators[device]
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> Sampled:
+        """The next token of every row of `logits` ([rows, vocab], on the device)."""
+        assert logits.shape[0] == len(rows), (logits.shape, len(rows))
+        moved: list[torch.Tensor] = []
+        logits = _ban(logits.float(), rows)
+        greedy = [r.params.is_greedy for r in rows]
+        tokens = torch.argmax(logits, dim=-1)
+        temperature = self._per_row([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)], logits)
+        scaled = logits if all(greedy) else logits / temperature[:, None]
+        drawn = [i for i, g in enumerate(greedy) if not g]
+        if drawn:
+            tokens[drawn] = self._draw(scaled, rows, drawn)
+        logprobs = torch.log_softmax(scaled, dim=-1).clamp_(min=LOWEST)
+        tokens_host = _to_host(tokens, moved)
+        asked = [i for i, r in enumerate(rows) if r.wants_logprob]
+        token_logprobs: list[float | None] = [None] * len(rows)
+        if asked:
+            index = torch.tensor(asked, device=logits.device)
+            values = _to_host(logprobs[index, tokens[index]], moved)
+            for i, value in zip(asked, values):
+                token_logprobs[i] = value
+        return Sampled(
+            tokens_host,
+            token_logprobs,
+            _top(logprobs, rows, moved),
+            _chosen(logprobs, rows, moved),
+            sum(t.nbytes for t in moved),
+        )
+
+    def _per_row(self, values: list[float], like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32).to(like.device, non_blocking=True)
+
+    def _draw(self, scaled: torch.Tensor, rows: Seq[SampleRow], drawn: list[int]) -> torch.Tensor:
+        """Gumbel-max draws for the non-greedy rows `drawn` of the temperature-scaled logits."""
+        kept = _filter(scaled[drawn], [rows[i].params for i in drawn])
+        noise = torch.empty_like(kept)
+        seeded = [j for j, i in enumerate(drawn) if rows[i].key is not None]
+        unseeded = [j for j, i in enumerate(drawn) if rows[i].key is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), kept.shape[1], device=kept.device).exponential_(
+                generator=self._generator(kept.device)
+            )
+        if seeded:
+            keys = [step_key(rows[drawn[j]].key, rows[drawn[j]].position) for j in seeded]
+            uniform = hashed_uniform(torch.tensor(keys, dtype=torch.int64).to(kept.device), kept.shape[1])
+            noise[seeded] = -torch.log(uniform)  # Exp(1)
+        noise.clamp_(min=torch.finfo(torch.float32).tiny)  # an exact 0 would make its token certain
+        return torch.argmax(kept - torch.log(noise), dim=-1)  # -log(Exp(1)) is Gumbel(0, 1)
+
+
+def _ban(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
+    pairs = [(i, token) for i, r in enumerate(rows) for token in r.banned if token < logits.shape[1]]
+    if pairs:
+        index = torch.tensor(pairs, dtype=torch.long).to(logits.device)
+        logits = logits.clone()  # the model's own logits stay as they are
+        logits[index[:, 0], index[:, 1]] = float("-inf")
+    return logits
+
+
+def filters(params: SamplingParams, vocab: int) -> bool:
+    return 0 < params.top_k < vocab or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def _filter(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`scaled` with -inf where top-k, top-p or min-p drop a token; only the rows that filter are
+    sorted (a plain temperature row costs nothing here)."""
+    vocab = scaled.shape[1]
+    rows = [i for i, p in enumerate(params) if filters(p, vocab)]
+    if not rows:
+        return scaled
+
+    def column(values):
+        return torch.tensor(values, dtype=torch.float32).to(scaled.device)[:, None]
+
+    top_k = column([p.top_k if 0 < p.top_k < vocab else vocab for p in (params[i] for i in rows)])
+    top_p = column([params[i].top_p for i in rows])
+    min_p = column([params[i].min_p for i in rows])
+    probs, order = torch.softmax(scaled[rows], dim=-1).sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scaled.device, dtype=torch.float32)[None, :]
+    drop = (rank >= top_k) | ((probs.cumsum(dim=-1) - probs) >= top_p) | (probs < min_p * probs[:, :1])
+    drop[:, 0] = False  # the most likely token always stays
+    dropped = torch.zeros_like(drop).scatter_(1, order, drop)
+    scaled = scaled.clone()
+    scaled[rows] = scaled[rows].masked_fill(dropped, float("-inf"))
+    return scaled
+
+
+def _top(logprobs: torch.Tensor, rows: Seq[SampleRow], moved: list) -> list[list[tuple[float, int]] | None]:
+    out: list[list[tuple[float, int]] | None] = [None] * len(rows)
+    asked = [i for i, r in enumerate(rows) if r.top_n > 0]
+    if not asked:
+        return out
+    k = min(max(rows[i].top_n for i in asked), logprobs.shape[1])
+    values, ids = torch.topk(logprobs[asked], k, dim=-1)
+    values, ids = _to_host(values, moved), _to_host(ids, moved)
+    for j, i in enumerate(asked):
+        n = min(rows[i].top_n, k)
+        out[i] = list(zip(values[j][:n], ids[j][:n]))
+    return out
+
+
+def _chosen(logprobs: torch.Tensor, rows: Seq[SampleRow], moved: list) -> list[list[tuple[float, int]] | None]:
+    out: list[list[tuple[float, int]] | None] = [None] * len(rows)
+    asked = [i for i, r in enumerate(rows) if r.token_ids is not None]
+    if not asked:
+        return out
+    width = max(len(rows[i].token_ids) for i in asked)
+    if width == 0:
+        return [[] if r.token_ids is not None else None for r in rows]
+    padded = [list(rows[i].token_ids) + [0] * (width - len(rows[i].token_ids)) for i in asked]
+    index = torch.tensor(padded, dtype=torch.long).to(logprobs.device)
+    values = _to_host(logprobs[asked].gather(1, index), moved)
+    for j, i in enumerate(asked):
+        ids = rows[i].token_ids
+        out[i] = list(zip(values[j][: len(ids)], ids))
+    return out
+
+
+def _to_host(tensor: torch.Tensor, moved: list) -> list:
+    moved.append(tensor)
+    return tensor.tolist()

@@ -47,14 +47,15 @@ import torch
 
 from rollfleet.engine.aborts import Aborts
 from rollfleet.engine.admission import check_request
+from rollfleet.engine.batch_step import advance_batch
 from rollfleet.engine.lockstep import Action
-from rollfleet.engine.logprobs import LogprobAsk, prefill_keep, take_input_logprobs
-from rollfleet.engine.next_token import StopRules, advance
+from rollfleet.engine.logprobs import LogprobAsk
+from rollfleet.engine.next_token import StopRules
+from rollfleet.engine.sampling import Sampler
 from rollfleet.engine.sequence import (
     ControlAction,
     Sequence,
     mark_version_change,
-    record_routes,
     sample_group,
     wire_result,
 )
@@ -104,7 +105,11 @@ class Scheduler(Aborts):
         self.refusing: str | None = None  # why requests are refused now (mixed weights)
         self.stopped = False
         self.failure: BaseException | None = None
-        self.stats = {"batches": 0, "largest_batch": 0, "generated_tokens": 0, "recomputed_prefixes": 0}
+        self.sampler = Sampler()
+        # host_bytes: what crossed from the model's device to the host for sampling and logprobs
+        self.stats = dict.fromkeys(
+            ("batches", "largest_batch", "generated_tokens", "recomputed_prefixes", "host_bytes"), 0
+        )
         self._wakeup = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="rollfleet-engine", daemon=True)
 
@@ -333,22 +338,18 @@ class Scheduler(Aborts):
             self._fail_batch(exc)
 
     def _advance_batch(self) -> None:
-        batch = {"lora_name": self.batch_lora, "capture_routes": any(s.routes_start is not None for s in self.running)}
         if self.needs_prefill:
-            prompts, keep = [s.prefill_ids for s in self.running], prefill_keep(self.running)
             self.stats["recomputed_prefixes"] += sum(1 for s in self.running if s.output_ids)
-            for seq in self.running:
-                seq.routes.clear()  # a (re)prefill reads every position again: its routes replace any kept
-            logits = self.lockstep(Action.PREFILL, prompts=prompts, keep=keep, **batch)
-            logits = take_input_logprobs(self.running, logits) if keep > 1 else logits
-            self.needs_prefill = False
-        else:
-            logits = self.lockstep(Action.DECODE, tokens=[s.output_ids[-1] for s in self.running], **batch)
-        if batch["capture_routes"]:
-            record_routes(self.running, self.read_routes())
-        logprobs = torch.log_softmax(logits, dim=-1)
-        for seq, row, row_logprobs in zip(self.running, logits, logprobs):
-            advance(seq, row, row_logprobs, self.stops)
+        self.stats["host_bytes"] += advance_batch(
+            self.running,
+            prefill=self.needs_prefill,
+            lora_name=self.batch_lora,
+            lockstep=self.lockstep,
+            sampler=self.sampler,
+            stops=self.stops,
+            read_routes=self.read_routes,
+        )
+        self.needs_prefill = False
         self.stats["generated_tokens"] += len(self.running)
         with self._wakeup:
             self._retire_finished()

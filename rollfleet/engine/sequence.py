@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from rollfleet.engine.logprobs import LogprobAsk, LogprobRecord, meta_fields
-from rollfleet.engine.sampling import make_generator
+from rollfleet.engine.sampling import SampleRow, seed_key
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 from rollfleet.wire.routed_experts import encode_routed_experts
 
@@ -23,7 +23,7 @@ class Sequence:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    key: int | None  # the seeded noise key (sampling.seed_key); None: unseeded
     return_logprob: bool
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -45,6 +45,20 @@ class Sequence:
         """What a prefill of this sequence reads: its prompt and the output made so far (a sequence
         whose KV cache was dropped, retracted or stale after a weight update, recomputes it)."""
         return self.prompt_ids + self.output_ids
+
+    def sampling_row(self, stop_ids: set[int]) -> SampleRow:
+        """What the sampler needs of this sample for its next token; `stop_ids` are banned while
+        fewer than `min_new_tokens` tokens are out."""
+        position = len(self.output_ids)
+        return SampleRow(
+            self.params,
+            self.key,
+            position,
+            frozenset(stop_ids) if position < self.params.min_new_tokens else frozenset(),
+            self.ask.top_n,
+            self.ask.token_ids,
+            self.return_logprob,
+        )
 
     def finished_text(self, tokenizer) -> str:
         """The text of the output ids, as SGLang's detokenizer trims it: without a matched stop
@@ -70,7 +84,7 @@ def sample_group(
             rid if params.n == 1 else f"{rid}-{i}",
             prompt_ids,
             params,
-            make_generator(params, i),
+            seed_key(params, i),
             return_logprob,
             lora_name=lora_name,
             ask=ask,

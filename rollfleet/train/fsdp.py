@@ -49,6 +49,7 @@ from rollfleet.train.offload import Offloader
 from rollfleet.train.routing_replay import RoutingReplay, replay_routes
 from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
+from rollfleet.wire.protocol import GREEDY_TEMPERATURE
 
 STATE_META = "trainer_state.json"
 # Files of a model directory that are weights or are rewritten by save_hf; everything else
@@ -72,9 +73,11 @@ class PolicyTrainer:
     """A HF causal LM sharded with FSDP2, trained with the clipped GRPO loss (see the module docstring)."""
 
     def __init__(
-        self, model_path: str | Path, config: TrainConfig | None = None, *, device: str | torch.device | None = None
+        self, model_path: str | Path, config: TrainConfig | None = None, *, device=None, sampling_temperature=1.0
     ):
+        """`sampling_temperature`: the engines'; logprobs are of logits / it, as theirs (greedy: raw)."""
         self.config = config or TrainConfig()
+        self.temperature = sampling_temperature if sampling_temperature >= GREEDY_TEMPERATURE else 1.0
         self.model_path = Path(model_path)
         self.device = torch.device(device) if device is not None else _default_device()
         self.compute_dtype = _compute_dtype(self.config.mixed_precision, self.device)
@@ -252,12 +255,15 @@ class PolicyTrainer:
         return {key: value.to(self.device) for key, value in out.items()}
 
     def _logprobs(self, model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-        """log p(token p+1 | tokens <= p) in fp32, shape [rows, width-1] (raw logits, no temperature,
-        like the engine's logprobs); with routing replay the MoE layers take the engine's experts."""
+        """log p(token p+1 | tokens <= p) in fp32, shape [rows, width-1], of logits / the sampling
+        temperature like the engines' logprobs (SGLang's convention); with routing replay the MoE
+        layers take the engine's experts."""
         replay = self.replays.get(id(model))
         with replay.forcing(micro["routes"]) if replay is not None else contextlib.nullcontext():
             logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits
         logits = logits[:, :-1].float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         targets = micro["input_ids"][:, 1:].unsqueeze(-1)
         return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 

@@ -27,12 +27,20 @@ DEFAULT_TIMEOUT_S = 600.0  # a transport's engine-call timeout when the options 
 
 
 class TrainWorker:
-    def __init__(self, rank: int, world_size: int, master_port: int, model_path: str, train_config: dict):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_port: int,
+        model_path: str,
+        train_config: dict,
+        sampling_temperature: float = 1.0,
+    ):
         from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
 
         init_distributed(rank, world_size, "127.0.0.1", master_port)
         self.rank = rank
-        self.trainer = PolicyTrainer(model_path, TrainConfig(**train_config))
+        self.trainer = PolicyTrainer(model_path, TrainConfig(**train_config), sampling_temperature=sampling_temperature)
         self.transport, self.transport_key = None, None  # kept connected across steps (NCCL groups are costly)
         self.snapshots, self.snapshot_buffers = None, None
         self.copying: threading.Thread | None = None  # a snapshot's host copy under way (start_snapshot)
@@ -232,7 +240,7 @@ class TrainerGroup:
                 )
             workers.append(
                 RemoteTrainWorker.options(**options).remote(
-                    rank, world, port, rollout.model_path, self.cfg.train.model_dump()
+                    rank, world, port, rollout.model_path, self.cfg.train.model_dump(), rollout.sampling.temperature
                 )
             )
         return workers
