@@ -5,12 +5,11 @@ One engine thread owns the model. It runs, in this order of priority:
      engine waits until the running batch ends, unless generation is paused in place; an
      action with `waits_for` (unloading a LoRA adapter) waits until no unfinished request
      matches it;
-  2. one decode step of the running batch (every request in it advances one token);
-  3. a new batch made of the waiting requests that use the same LoRA adapter (or none) as the
-     oldest waiting one (up to `max_running_requests`): a batch runs with one adapter.
-Requests that arrive while a batch runs wait for the next batch. Every model call goes
-through `lockstep` (lockstep.py), which broadcasts it to the other tp ranks first, so all ranks
-execute the same actions in the same order.
+  2. one step of the running batch (every request in it advances one token), which waiting
+     requests of its adapter may join first (admission_batch.py says when);
+  3. a new batch of waiting requests of one adapter (admission_batch.py).
+Every model call goes through `lockstep` (lockstep.py), which broadcasts it to the other tp
+ranks first, so all ranks execute the same actions in the same order.
 
 Pausing (SGLang's /pause_generation, then /continue_generation) stops every batch; control
 actions, weight updates included, run while paused. "abort" ends every unfinished request;
@@ -47,6 +46,7 @@ import torch
 
 from rollfleet.engine.aborts import Aborts
 from rollfleet.engine.admission import check_request
+from rollfleet.engine.admission_batch import joiners, new_batch, without
 from rollfleet.engine.batch_step import advance_batch
 from rollfleet.engine.lockstep import Action
 from rollfleet.engine.logprobs import LogprobAsk
@@ -62,6 +62,8 @@ from rollfleet.engine.sequence import (
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 log = logging.getLogger("rollfleet.engine")
+# cumulative; host_bytes: what crossed from the model's device to the host for sampling and logprobs
+STATS = ("batches", "joined", "largest_batch", "generated_tokens", "recomputed_prefixes", "host_bytes")
 
 
 class EngineStopped(RuntimeError):
@@ -106,10 +108,7 @@ class Scheduler(Aborts):
         self.stopped = False
         self.failure: BaseException | None = None
         self.sampler = Sampler()
-        # host_bytes: what crossed from the model's device to the host for sampling and logprobs
-        self.stats = dict.fromkeys(
-            ("batches", "largest_batch", "generated_tokens", "recomputed_prefixes", "host_bytes"), 0
-        )
+        self.stats = dict.fromkeys(STATS, 0)
         self._wakeup = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="rollfleet-engine", daemon=True)
 
@@ -153,6 +152,9 @@ class Scheduler(Aborts):
                     self.waiting.append(seq)
             self._wakeup.notify()
         return seqs
+
+    def submitting(self) -> threading.Condition:  # held around a request's submits: one batch for all
+        return self._wakeup
 
     def control(
         self,
@@ -288,17 +290,18 @@ class Scheduler(Aborts):
         if any(seq.abort_message is not None for seq in self.running):
             return self._drop_aborted_running  # aborts take effect at once, paused or not
         if self.running and not self.halted:
+            joining = (
+                [] if self.controls else joiners(self.running, self.waiting, self.batch_lora, self.max_running_requests)
+            )
+            if joining:  # the whole batch prefills again with them (admission_batch.py says when)
+                self.running, self.waiting = [*self.running, *joining], without(self.waiting, joining)
+                self.needs_prefill = True
+                self.stats["joined"] += len(joining)
             return self._step
         if self.waiting and not self.halted:
-            self.batch_lora = self.waiting[0].lora_name
-            self.running = [seq for seq in self.waiting if seq.lora_name == self.batch_lora][
-                : self.max_running_requests
-            ]
-            taken = {id(seq) for seq in self.running}
-            self.waiting = deque(seq for seq in self.waiting if id(seq) not in taken)
+            self.batch_lora, self.running, self.waiting = new_batch(self.waiting, self.max_running_requests)
             self.needs_prefill = True
             self.stats["batches"] += 1
-            self.stats["largest_batch"] = max(self.stats["largest_batch"], len(self.running))
             return self._step
         return None
 
@@ -338,6 +341,7 @@ class Scheduler(Aborts):
             self._fail_batch(exc)
 
     def _advance_batch(self) -> None:
+        self.stats["largest_batch"] = max(self.stats["largest_batch"], len(self.running))
         if self.needs_prefill:
             self.stats["recomputed_prefixes"] += sum(1 for s in self.running if s.output_ids)
         self.stats["host_bytes"] += advance_batch(

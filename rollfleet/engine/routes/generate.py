@@ -125,22 +125,27 @@ async def submit_generate(engine: EngineService, req: GenerateRequest) -> tuple[
     routes_start = routes_start_of(engine, req, prompts)
     rids = rids_of(engine, req, params, is_batch)
     try:  # no await between the adapter check above and this submission: an unload cannot slip in
-        seqs = [
-            seq
-            for prompt, p, rid, lora_name in zip(prompts, params, rids, lora_names)
-            for seq in engine.scheduler.submit(
-                prompt,
-                p,
-                rid=rid,
-                return_logprob=req.return_logprob,
-                lora_name=lora_name,
-                ask=ask,
-                routes_start=routes_start,
-            )
-        ]
+        with engine.scheduler.submitting():
+            seqs = _submit_all(engine, req, prompts, params, rids, lora_names, ask, routes_start)
     except RuntimeError as exc:
         raise BadRequest(str(exc), 503) from exc
     return seqs, is_batch
+
+
+def _submit_all(engine, req, prompts, params, rids, lora_names, ask, routes_start) -> list:
+    return [
+        seq
+        for prompt, p, rid, lora_name in zip(prompts, params, rids, lora_names)
+        for seq in engine.scheduler.submit(
+            prompt,
+            p,
+            rid=rid,
+            return_logprob=req.return_logprob,
+            lora_name=lora_name,
+            ask=ask,
+            routes_start=routes_start,
+        )
+    ]
 
 
 # Input logprobs make a prefill return [batch, positions, vocab] float32 logits: bound one request's share
