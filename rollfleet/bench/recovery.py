@@ -70,7 +70,7 @@ SINGLE_ENGINE_PATHS = PATHS[:2]  # what one GPU can run: the fleet's only engine
 def planned_paths(gpus: int) -> tuple[tuple[str, ...], dict[str, str]]:
     """The paths this machine runs, and those it skips with why (gpus 0: CPU, every path)."""
     if gpus == 1:
-        why = "needs 2 GPUs (a second engine on a GPU of its own)"
+        why = "needs 2 GPUs: a second engine on a GPU of its own"
         return SINGLE_ENGINE_PATHS, {path: why for path in PATHS if path not in SINGLE_ENGINE_PATHS}
     return PATHS, {}
 
