@@ -13,7 +13,8 @@ def main(argv: list[str] | None = None) -> None:
         "       rollfleet bench batching [--requests N]\n"
         "       rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X\n"
         "       rollfleet bench recovery [--hidden 256 --layers 8]\n"
-        "       rollfleet bench grpo-step [--runs colocated,disaggregated --steps 8]"
+        "       rollfleet bench grpo-step [--runs colocated,disaggregated --steps 8]\n"
+        "       rollfleet bench generate [--cases 64x8x256,16x8x32,1x1x256 --engines embedded,generate,generate_batch]"
     )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> None:
         from rollfleet.bench.grpo_step import main as bench_grpo_step
 
         bench_grpo_step(rest[1:])
+    elif command == "bench" and rest[:1] == ["generate"]:
+        from rollfleet.bench.generate import main as bench_generate
+
+        bench_generate(rest[1:])
     elif command == "bench" and rest[:1] == ["weight-sync"]:
         from rollfleet.bench.weight_sync import main as bench_weight_sync
 

@@ -2,6 +2,8 @@
 
 `make_tiny_model(directory, kind)` writes a complete HF model directory: config, random weights
 from a fixed seed, a byte-level BPE tokenizer trained in milliseconds, and a generation config.
+`make_word_tokenizer(vocab_size)` builds a word-level tokenizer of exactly that many entries (a real
+model's vocabulary size, e.g. 151,936) without training, for benchmarks that need a real-sized vocabulary.
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token=None
+    )
+
+
+def make_word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of exactly `vocab_size` entries: the tiny tokenizer's special tokens first
+    (ids 0-2, so eos = pad = 0 as in `tiny_config`), then the words `w3`, `w4`, ... (whitespace-split;
+    an unknown word maps to eos). Built from a dict, no training: well under a second for 151,936."""
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size={vocab_size}: must exceed the {len(SPECIAL_TOKENS)} special tokens")
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    vocab.update((f"w{i}", i) for i in range(len(SPECIAL_TOKENS), vocab_size))
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token=None
     )
@@ -66,11 +85,17 @@ def tiny_config(kind: str = "qwen3", vocab_size: int = 320, **overrides):
 
 
 def make_tiny_model(
-    directory: str | Path, kind: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+    directory: str | Path,
+    kind: str = "qwen3",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    **overrides,
 ) -> Path:
-    """Write a tiny HF model directory (weights in `dtype`) and return its path."""
+    """Write a tiny HF model directory (weights in `dtype`) and return its path; the vocabulary is the
+    tokenizer's (default: the tiny BPE tokenizer, 320 entries)."""
     directory = Path(directory)
-    tokenizer = make_tokenizer()
+    tokenizer = tokenizer or make_tokenizer()
     torch.manual_seed(seed)
     config = tiny_config(kind, vocab_size=len(tokenizer), **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -26,7 +26,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollfleet.bench.grpo_step import write_model
+from rollfleet.bench.shapes import write_model
 from rollfleet.config import load_config
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.weights.source import ModuleSource

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollfleet.bench.grpo_step import write_model
+from rollfleet.bench.shapes import write_model
 from rollfleet.config import TensorSync
 from rollfleet.engine.launch import EngineProcess, embedded_argv
 from rollfleet.engine.zygote_client import Zygote

@@ -4,9 +4,9 @@
     python scripts/make_tables.py --check    # exit 1 if a committed table differs from its records
 
 A table lives between `<!-- table:NAME -->` and `<!-- /table -->`; everything between the markers is
-generated (NAME: weight-sync, recovery, batching, demo, demo-summary). Records are the JSON files the
-benchmarks write with --json (rollfleet/bench/record.py); a GPU run's files dropped into
-docs/results/ join the tables on the next run of this script.
+generated (NAME: weight-sync, recovery, batching, grpo-step, generate, demo, demo-summary). Records
+are the JSON files the benchmarks write with --json (rollfleet/bench/record.py); a GPU run's files
+dropped into docs/results/ join the tables on the next run of this script.
 """
 
 from __future__ import annotations
@@ -148,6 +148,40 @@ def _sync_split(phases: dict[str, dict]) -> str:
     return "".join(rows)
 
 
+GENERATE_ENGINES = ("embedded", "generate", "generate_batch")
+
+
+def generate(records: list[tuple[str, dict]]) -> str:
+    """Per `rollfleet bench generate` record: one row per case, each engine's output tokens/s beside
+    the roofline of the case's decode steps, and the ratios."""
+    out = []
+    for name, r in [(n, r) for n, r in records if r["benchmark"] == "generate"]:
+        c, s = r["config"], r["summary"]
+        out.append(
+            ("\n" if out else "") + f"hidden {c['hidden']}, {c['layers']} layers, vocab {c['vocab']:,} "
+            f"({s['model']['weights_bytes'] / 1e9:.2f} GB {c['dtype']}), prompts of {c['prompt_tokens']} tokens, "
+            f"on {c['device']}; device copy {_range(s['copy_gb_per_s'], '.0f')} GB/s; output tokens/s, median "
+            f"(min-max) of {c['repeats']} passes; ms / step = wall time / new tokens; record {_source(name, r)}:\n\n"
+        )
+        heads = [f"{e} tok/s" for e in GENERATE_ENGINES] + ["embedded ms / step", "**embedded / generate**"]
+        heads += ["**embedded / generate_batch**"] + [f"{e} / roofline" for e in GENERATE_ENGINES]
+        out.append("| prompts x n x new tokens | roofline tok/s | " + " | ".join(heads) + " |\n")
+        out.append("|---|---|" + "---|" * len(heads) + "\n")
+        for case, f in s["cases"].items():
+            engines, ratios = f["engines"], f["ratios"]
+            speeds = [_range(engines[e]["tok_s"], ",.0f") if e in engines else "-" for e in GENERATE_ENGINES]
+            step = f"{engines['embedded']['ms_per_step']:.1f}" if "embedded" in engines else "-"
+            shares = [f"{engines[e]['of_roofline']:.3f}" if e in engines else "-" for e in GENERATE_ENGINES]
+            against = [
+                f"**{ratios[k]:.2f}**" if k in ratios else "-" for k in ("embedded/generate", "embedded/generate_batch")
+            ]
+            cells = [f"{f['roofline']['tok_s']:,.0f}", *speeds, step, *against, *shares]
+            out.append(f"| {case} | " + " | ".join(cells) + " |\n")
+        if not r["ok"]:
+            out.append(f"\nThe record is marked failed: {r['failure']}\n")
+    return "".join(out) or "(no records)\n"
+
+
 def batching(records: list[tuple[str, dict]]) -> str:
     head = "| one by one tokens/s | all at once tokens/s | speed-up | requests x new tokens | n | record |\n"
     rows = [head + "|---|---|---|---|---|---|\n"]
@@ -207,6 +241,7 @@ TABLES: dict[str, Callable[[list[tuple[str, dict]]], str]] = {
     "recovery": recovery,
     "batching": batching,
     "grpo-step": grpo_step,
+    "generate": generate,
     "demo": demo,
     "demo-summary": demo_summary,
 }

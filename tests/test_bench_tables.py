@@ -57,7 +57,7 @@ def test_bench_modules_stay_small():
 def weight_sync_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, dict]]:
     """The weight-sync benchmark run twice at a tiny CPU size, honest and with its verification forced
     to fail: both at once (each mostly waits on its own engine and imports), by run name."""
-    args = ["--transport", "nccl", "--size-gb", "0.002", "--device", "cpu", "--repeats", "2"]
+    args = ["--transport", "nccl", "--size-gb", "0.002", "--vocab", "320", "--device", "cpu", "--repeats", "2"]
     shared_zygote()  # listening: the benchmarks' engines fork from it (ROLLFLEET_ZYGOTE_SOCKET), no imports
     runs = {}
     for name, extra in (("honest", []), ("tampered", ["--tamper-for-test"])):

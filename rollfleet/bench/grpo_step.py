@@ -3,7 +3,8 @@
     rollfleet bench grpo-step [--runs colocated,disaggregated] [--max-staleness 0,1,2] [--steps 8] [--json F]
 
 Runs `rollfleet train` (a separate process, the real loop) on a Qwen3-shaped model written in bf16
-(default: the step-time issue's 1.46B shape, hidden 2048, 24 layers), 16 prompts x n=8 x 32 new
+(rollfleet.bench.shapes; default: hidden 2048, 24 layers, vocab 151,936: 2.08B parameters; `--vocab
+320` gives the step-time issue's 1.46B model with the tiny test tokenizer), 16 prompts x n=8 x 32 new
 tokens, in up to two layouts:
 - colocated: trainer world 2, two tp=1 engines, one per GPU, `tensor` sync, 2048 MB buckets (on one
   GPU, `--gpus 1`: trainer world 1 beside one engine; the all-gather ceiling is then one copy);
@@ -42,7 +43,7 @@ import torch.multiprocessing as mp
 
 from rollfleet.bench.raw_ceiling import raw_broadcast
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
-from rollfleet.tiny_models import make_tiny_model
+from rollfleet.bench.shapes import add_vocab_flag, write_model
 from rollfleet.train.host_copy import pinned_copy_ceiling
 from rollfleet.wire.net import free_port
 
@@ -71,23 +72,6 @@ def layout_overrides(layout: str, gpus: int) -> list[str]:
     if gpus == 1:
         return [*LAYOUTS[layout], "rollout.num_engines=1", "trainer.world_size=1"]
     return LAYOUTS[layout]
-
-
-def write_model(directory: Path, hidden: int, layers: int, dtype: torch.dtype) -> Path:
-    """A Qwen3-shaped model in `dtype` (intermediate 4 x hidden, head_dim 128 from hidden 1024 up)."""
-    if (directory / "config.json").exists():
-        return directory
-    big = hidden >= 1024
-    return make_tiny_model(
-        directory,
-        dtype=dtype,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=4 * hidden,
-        num_attention_heads=hidden // 128 if big else 4,
-        num_key_value_heads=max(2, hidden // 512),
-        head_dim=128 if big else hidden // 4,
-    )
 
 
 def planned_runs(layouts: str, staleness: str) -> dict[str, tuple[str, int]]:
@@ -265,6 +249,7 @@ def parse(argv: list[str] | None):
     p.add_argument("--config", default="examples/cpu-demo.yaml")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=24)
+    add_vocab_flag(p)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the medians (warm-up)")
     p.add_argument("--prompts", type=int, default=16)
@@ -286,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if gpu else torch.float32
-    model = write_model(out / f"qwen3-h{args.hidden}-l{args.layers}", args.hidden, args.layers, dtype)
+    name = f"qwen3-h{args.hidden}-l{args.layers}-v{args.vocab}"
+    model = write_model(out / name, args.hidden, args.layers, dtype, args.vocab)
     planned = planned_runs(args.runs, args.max_staleness)
     runs = {name: run_layout(name, model, out, args, gpu, layout, k) for name, (layout, k) in planned.items()}
     results = {name: steady(run["rows"], args.skip) for name, run in runs.items() if len(run["rows"]) > args.skip}

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from rollfleet.tiny_models import make_tokenizer, tiny_config
+from rollfleet.bench.shapes import REAL_VOCAB, qwen3_shape
+from rollfleet.tiny_models import tiny_config
 from rollfleet.wire.group import join_weight_update_group
 from rollfleet.wire.hf_files import iter_checkpoint
 from rollfleet.wire.net import free_port
@@ -30,22 +31,15 @@ RAW_PATHS = {
 }
 
 
-def model_for(size_gb: float, dtype: torch.dtype, device: str):
-    """A Qwen3-shaped model of about size_gb, built directly on `device`."""
+def model_for(size_gb: float, dtype: torch.dtype, device: str, vocab: int = REAL_VOCAB):
+    """A model of the benchmarks' shape (rollfleet.bench.shapes) of about size_gb with its embedding and
+    lm_head of `vocab` entries, built directly on `device`."""
     bytes_per = torch.finfo(dtype).bits // 8
     hidden = 4096 if size_gb >= 12 else 2048 if size_gb >= 1 else 256  # 8B-class models have hidden 4096
     per_layer = 12 * hidden * hidden * bytes_per  # attention 4h^2 (GQA ~3h^2) + MLP 3*h*4h
-    layers = max(1, round(size_gb * 1e9 / per_layer))
-    config = tiny_config(
-        "qwen3",
-        vocab_size=len(make_tokenizer()),
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=4 * hidden,
-        num_attention_heads=hidden // 128 if hidden >= 1024 else 4,
-        num_key_value_heads=max(2, hidden // 512),
-        head_dim=128 if hidden >= 1024 else 64,
-    )
+    embeddings = 2 * vocab * hidden * bytes_per  # embed_tokens and an untied lm_head
+    layers = max(1, round((size_gb * 1e9 - embeddings) / per_layer))
+    config = tiny_config("qwen3", vocab_size=vocab, **qwen3_shape(hidden, layers))
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -1,6 +1,6 @@
 """Time from an engine's death to ACTIVE again, split into detect, restart, restore and verify.
 
-    rollfleet bench recovery [--hidden 256 --layers 8 --repeats 3 --json F]
+    rollfleet bench recovery [--hidden 2048 --layers 24 --dtype bfloat16 --repeats 3 --json F]
 
 A local Ray fleet of two embedded engines (CPU, or GPUs when present) holds weights of version v1
 (pushed over disk, so a checkpoint exists). Six ways back: one engine restored from the disk
@@ -24,6 +24,12 @@ ACTIVE) is the sum of all of them.
 engine/start_timing.py; the slowest engine when two restart): spawn, imports, model code, device and
 process group, model build (construction + weight allocation), tokenizer, server set-up, listening;
 `outside` is the rest of `restart` (stopping the dead process, Ray calls, seeing the engine up).
+
+On one GPU the fleet has one engine and only the single-engine paths run (disk checkpoint, trainer
+push); the paths that need a second engine on a GPU of its own (peer, two engines, standby: NCCL
+needs the two ends on different devices) are named as skipped before the run, in its output and in
+the record (`config.skipped_paths`). The model is the benchmarks' shape (rollfleet.bench.shapes)
+with a 151,936-token vocabulary by default (`--vocab`).
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollfleet.bench.grpo_step import write_model
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
+from rollfleet.bench.shapes import add_vocab_flag, write_model
 from rollfleet.config import TensorSync, load_config
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.weights.checkpoint import CheckpointSource
@@ -58,6 +64,15 @@ PATHS = (
     "standby + peer",
 )
 STANDBY_PATH = PATHS[-1]
+SINGLE_ENGINE_PATHS = PATHS[:2]  # what one GPU can run: the fleet's only engine dies and comes back
+
+
+def planned_paths(gpus: int) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The paths this machine runs, and those it skips with why (gpus 0: CPU, every path)."""
+    if gpus == 1:
+        why = "needs 2 GPUs: a second engine on a GPU of its own"
+        return SINGLE_ENGINE_PATHS, {path: why for path in PATHS if path not in SINGLE_ENGINE_PATHS}
+    return PATHS, {}
 
 
 def _kill_and_restart(fleet: Fleet, engine_ids: list[int]) -> tuple[dict[str, float], dict[str, float]]:
@@ -121,10 +136,10 @@ def _from_peer(fleet: Fleet, version: str, engine_ids: list[int]) -> tuple[dict[
     return {"restore": restore, "verify": verify}, split
 
 
-def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
-    rows = []
-    for path in PATHS[:-1]:  # the standby path runs on a fleet of its own
-        engines = [1] if path.startswith("1 engine") else [0, 1]
+def _one_round(fleet: Fleet, model, checkpoint: str, paths: tuple[str, ...]) -> list[dict]:
+    rows, last = [], len(fleet.slots) - 1
+    for path in [p for p in paths if p != STANDBY_PATH]:  # the standby path runs on a fleet of its own
+        engines = [last] if path.startswith("1 engine") else [0, 1]
         times, start_split = _kill_and_restart(fleet, engines)
         pull_split = {}
         if path in (PATHS[0], PATHS[3]):
@@ -137,7 +152,7 @@ def _one_round(fleet: Fleet, model, checkpoint: str) -> list[dict]:
         else:
             times |= _push(fleet, CheckpointSource(checkpoint), "v1", engines)
         states = [s.state.value for s in fleet.slots]
-        assert states == ["ACTIVE", "ACTIVE"], f"{path}: engines {states} after recovery"
+        assert states == ["ACTIVE"] * len(fleet.slots), f"{path}: engines {states} after recovery"
         row = {"path": path, **{k: times.get(k, 0.0) for k in PHASES}, "total": sum(times.values())}
         rows.append({**row, "restart_split": start_split, "pull_split": pull_split})
     return rows
@@ -169,19 +184,21 @@ def _standby_round(fleet: Fleet) -> dict:
 
 
 def _model(args, scratch: Path) -> Path:
-    return write_model(scratch / "model", args.hidden, args.layers, DTYPES[args.dtype])
+    return write_model(scratch / "model", args.hidden, args.layers, DTYPES[args.dtype], args.vocab)
 
 
 BESIDE = ["rollout.standby_beside=[1]", "rollout.mem_fraction_static=0.45", "rollout.standby_mem_fraction_static=0.45"]
 
 
-def _fleet(model_dir: Path, scratch: Path, launcher: str, standby_engines: int = 0, beside: bool = False) -> Fleet:
+def _fleet(
+    model_dir: Path, scratch: Path, launcher: str, standby_engines: int = 0, beside: bool = False, engines: int = 2
+) -> Fleet:
     overrides = [
         *(BESIDE if beside else []),
         f"rollout.engine_launcher={launcher}",
         f"rollout.model_path={model_dir}",
         "rollout.use_gpu=true",
-        "rollout.num_engines=2",
+        f"rollout.num_engines={engines}",
         f"rollout.standby_engines={standby_engines}",
         "rollout.auto_restart=false",  # the benchmark times each restart itself
         f"rollout.log_dir={scratch}/logs",
@@ -211,7 +228,7 @@ def _rounds(fleet: Fleet, model_dir: Path, args, one_round) -> tuple[list[dict],
         fleet.shutdown()
 
 
-def _run(args) -> tuple[list[dict], float, bool]:
+def _run(args, paths: tuple[str, ...]) -> tuple[list[dict], float, bool]:
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as scratch:
         scratch = Path(scratch)
         model_dir, gpus = _model(args, scratch), torch.cuda.device_count()
@@ -219,9 +236,12 @@ def _run(args) -> tuple[list[dict], float, bool]:
             num_cpus=8, num_gpus=gpus or 3, _temp_dir=str(scratch / "ray"), include_dashboard=False, log_to_driver=False
         )
         try:
-            fleet = _fleet(model_dir, scratch / "a", args.launcher)
-            rows, checkpoint = _rounds(fleet, model_dir, args, _one_round)
+            engines = 1 if gpus == 1 else 2
+            fleet = _fleet(model_dir, scratch / "a", args.launcher, engines=engines)
+            rows, checkpoint = _rounds(fleet, model_dir, args, lambda f, m, c: _one_round(f, m, c, paths))
             size_mb = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors")) / 1e6
+            if STANDBY_PATH not in paths:
+                return rows, size_mb, gpus > 0
             beside = args.standby_layout == "beside" or (args.standby_layout == "auto" and (gpus or 3) < 3)
             print(
                 f"  {STANDBY_PATH}: the standby on {'engine 1' + chr(39) + 's GPU' if beside else 'a GPU of its own'}"
@@ -262,9 +282,13 @@ def _print_restart_split(summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rollfleet bench recovery")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="of the checkpoint and the engines")
+    gpu = torch.cuda.is_available()
+    parser.add_argument("--hidden", type=int, default=2048 if gpu else 256)
+    parser.add_argument("--layers", type=int, default=24 if gpu else 8)
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bfloat16" if gpu else "float32", help="of the weights"
+    )
+    add_vocab_flag(parser)
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the six paths")
     parser.add_argument(
         "--standby-layout",
@@ -276,7 +300,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
     args = parser.parse_args(argv)
     command, started = command_line(["rollfleet", "bench", "recovery"], argv), start()
-    rows, size_mb, gpu = _run(args)
+    paths, skipped = planned_paths(torch.cuda.device_count())
+    for path, why in skipped.items():
+        print(f"  skipped on this machine: {path} ({why})", flush=True)
+    rows, size_mb, gpu = _run(args, paths)
     summary = _summary(rows, size_mb, gpu)
     print(
         f"recovery, embedded engines on {summary['device']}, checkpoint {size_mb:.1f} MB, median of {args.repeats} "
@@ -292,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
             + ", ".join(f"{name} {figures['median']:.3f}" for name, figures in split.items())
         )
     print("  targets on CPU: detect < 2 s, total < 20 s")
-    config = {k: v for k, v in vars(args).items() if k != "json"}
+    config = {**{k: v for k, v in vars(args).items() if k != "json"}, "skipped_paths": skipped}
     write_record(args.json, make_record("recovery", command, config, rows, summary, True, started=started))
 
 

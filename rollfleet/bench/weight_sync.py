@@ -2,7 +2,8 @@
 
     rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X [--repeats 5] [--json F]
 
-A Qwen3-shaped model of about X GB lives in this process (the "trainer", GPU 0 or CPU); one
+A model of the benchmarks' shape (rollfleet.bench.shapes: vocab 151,936 by default, `--vocab`) of
+about X GB lives in this process (the "trainer", GPU 0 or CPU); one
 embedded engine is started (tensor: on the same GPU; nccl and disk: on GPU 1 when there is one).
 Raw ceiling (rollfleet/bench/raw_ceiling.py): nccl = plain broadcasts of the same buckets to a
 bare receiver process on the engine's device; tensor = a device-to-device copy of the same bytes;
@@ -28,11 +29,11 @@ import torch
 
 from rollfleet.bench.raw_ceiling import measure_raw, model_for
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
+from rollfleet.bench.shapes import add_vocab_flag, bench_tokenizer
 from rollfleet.config import DiskSync, NcclSync, TensorSync
 from rollfleet.engine.launch import EngineProcess, embedded_argv
 from rollfleet.engine.server import dump_stacks_if_hung
 from rollfleet.engine.zygote_client import Zygote
-from rollfleet.tiny_models import make_tokenizer
 from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import EngineTarget, make_transport
@@ -47,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--transport", choices=["tensor", "nccl", "disk"], required=True)
     parser.add_argument("--size-gb", type=float, default=0.05)
     parser.add_argument("--bucket-mb", type=float, default=512)
+    add_vocab_flag(parser)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--repeats", "--repeat", type=int, default=5, help="timed passes of the ceiling and timed syncs (after warm-up)"
@@ -71,9 +73,9 @@ def _say(what: str) -> None:
 
 def _prepare(args, scratch: Path, dtype: torch.dtype, device: str):
     """The sender's model (saved first, as the engine's starting weights, then perturbed) and its buckets."""
-    model = model_for(args.size_gb, dtype, device)
+    model = model_for(args.size_gb, dtype, device, args.vocab)
     save_checkpoint(ModuleSource(model).named_tensors(), scratch / "model", None)
-    make_tokenizer().save_pretrained(scratch / "model")
+    bench_tokenizer(args.vocab).save_pretrained(scratch / "model")
     model.config.save_pretrained(scratch / "model")
     with torch.no_grad():  # the trainer's "new" weights differ from the engine's
         for param in model.parameters():

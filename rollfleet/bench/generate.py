@@ -1,0 +1,266 @@
+"""Output tokens/s of the embedded engine over HTTP, beside transformers, against the HBM roofline.
+
+    rollfleet bench generate [--cases 64x8x256,16x8x32,1x1x256] [--engines embedded,generate,generate_batch]
+                             [--device cuda] [--hidden 2048 --layers 24 --vocab 151936] [--repeats 2] [--json F]
+
+A case is prompts x n x new tokens: that many prompts of `--prompt-tokens` (64) random token ids, n
+samples each, `new tokens` each at temperature 1, EOS ignored. The model is the benchmarks' shape
+(rollfleet.bench.shapes: Qwen3, hidden 2048, 24 layers, vocab 151,936, 2.08B parameters) with random
+weights, written once to a temp dir with a word-level tokenizer of the vocabulary's size. Each engine
+runs each case in a process of its own (rollfleet/bench/generate_engines.py says how each is driven):
+- embedded: the engine server driven as a GRPO step drives it (one /generate per prompt with n,
+  return_logprob, all at once), `--max-running-requests` = prompts x n so the case runs as one batch;
+- generate: transformers `model.generate` on one left-padded batch, num_return_sequences n;
+- generate_batch: transformers continuous batching (`model.generate_batch`, TRL's GRPO path).
+Every engine answers one small request first (untimed), then `--repeats` timed passes.
+
+Roofline: one forward per new token; the forward for token t reads the weights (all but the input
+embedding table, of which it reads a row per sequence) and the KV cache live at that step, rows x
+(prompt + t) tokens of layers x 2 x kv_heads x head_dim x dtype bytes each. Their sum over the case's
+steps, over the bandwidth of a device-to-device copy measured in the same run (a buffer of
+`--copy-gb` copied, read and written bytes over time, CUDA events), is the roofline's time: what the
+case costs when only memory traffic counts (the prefill's compute and the attention's arithmetic are
+left out, so the bound is optimistic). Printed per case: output tokens/s (median of the passes), ms
+per decode step (wall time / new tokens, the prefill included), each engine over the roofline and
+embedded over each transformers path. A pass whose output token count is not prompts x n x new
+tokens makes the run fail (the record says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rollfleet.bench.record import command_line, make_record, spread, start, write_record
+from rollfleet.bench.shapes import add_vocab_flag, write_model
+
+ENGINES = ("embedded", "generate", "generate_batch")
+DEFAULT_CASES = "64x8x256,16x8x32,1x1x256"
+FIRST_ID = 3  # after the tokenizer's special tokens (rollfleet.tiny_models.SPECIAL_TOKENS)
+
+
+def parse_cases(text: str) -> list[tuple[int, int, int]]:
+    cases = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(
+                f"--cases {text!r}: {item!r} is not PROMPTSxNxNEW_TOKENS of positive integers (e.g. 16x8x32)"
+            )
+        cases.append(tuple(int(p) for p in parts))
+    return cases
+
+
+def case_name(case: tuple[int, int, int]) -> str:
+    return "x".join(map(str, case))
+
+
+def model_figures(model_dir: Path) -> dict:
+    """What the roofline needs, from the written model: bytes a decode step reads of the weights, and
+    KV bytes per token."""
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    total = embedding = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(path, "pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_slice(name)
+                count = 1
+                for dim in tensor.get_shape():
+                    count *= dim
+                size = count * {"BF16": 2, "F16": 2, "F32": 4}[tensor.get_dtype()]
+                total += size
+                embedding += size if name.endswith("embed_tokens.weight") else 0
+    dtype_bytes = 2 if config.get("dtype", config.get("torch_dtype")) in ("bfloat16", "float16") else 4
+    kv_per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * dtype_bytes
+    return {
+        "weights_bytes": total,
+        "embedding_bytes": embedding,
+        "weights_read_per_step_bytes": total - embedding,
+        "kv_bytes_per_token": kv_per_token,
+    }
+
+
+def roofline(case: tuple[int, int, int], prompt_tokens: int, figures: dict, copy_gb_per_s: float) -> dict:
+    prompts, n, new_tokens = case
+    rows = prompts * n
+    live_tokens = rows * sum(prompt_tokens + t for t in range(new_tokens))  # over the steps
+    nbytes = new_tokens * figures["weights_read_per_step_bytes"] + live_tokens * figures["kv_bytes_per_token"]
+    seconds = nbytes / (copy_gb_per_s * 1e9)
+    return {"steps": new_tokens, "bytes": nbytes, "seconds": seconds, "tok_s": rows * new_tokens / seconds}
+
+
+def write_prompts(path: Path, count: int, length: int, vocab: int, seed: int) -> Path:
+    draw = random.Random(seed)
+    path.write_text(json.dumps([[draw.randrange(FIRST_ID, vocab) for _ in range(length)] for _ in range(count)]))
+    return path
+
+
+def run_worker(engine: str, args, scratch: Path, case: tuple[int, int, int] | None = None, prompts=None) -> dict:
+    """One engine on one case (or the copy) in a process of its own; stopped after --timeout-s."""
+    name = f"{engine}-{case_name(case)}" if case else engine
+    out, log = scratch / f"{name}.json", scratch / f"{name}.log"
+    command = [sys.executable, "-m", "rollfleet.bench.generate_engines", engine, "--out", str(out)]
+    repeats = max(5, args.repeats) if engine == "copy" else args.repeats
+    command += ["--device", args.device, "--dtype", args.dtype, "--repeats", str(repeats)]
+    command += ["--model", str(scratch / "model"), "--copy-gb", str(args.copy_gb), "--timeout-s", str(args.timeout_s)]
+    if case:
+        command += ["--prompts", str(prompts), "--n", str(case[1]), "--new-tokens", str(case[2])]
+    print(f"  {name} ...", flush=True)
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            code = _stop(proc)
+            return {"engine": engine, "failure": f"not done after --timeout-s {args.timeout_s:g}", "exit_code": code}
+    if code != 0 or not out.exists():
+        tail = log.read_text(errors="replace")[-3000:]
+        return {"engine": engine, "failure": f"exit code {code}", "exit_code": code, "log_tail": tail}
+    return json.loads(out.read_text())
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    """SIGTERM (the worker stops its engine server on the way out), SIGKILL 60 s later."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def case_summary(case, answers: dict[str, dict], limit: dict) -> dict:
+    """Per engine: tokens/s (spread), ms per decode step, share of the roofline, token counts checked."""
+    prompts, n, new_tokens = case
+    expected = prompts * n * new_tokens
+    engines, problems = {}, []
+    for engine, answer in answers.items():
+        if "failure" in answer:
+            problems.append(f"{engine} {case_name(case)}: {answer['failure']}")
+            continue
+        passes = answer["passes"]
+        short = [p["tokens"] for p in passes if p["tokens"] != expected]
+        if short:
+            problems.append(f"{engine} {case_name(case)}: {short} output tokens, expected {expected}")
+        tok_s = statistics.median(p["tokens"] / p["seconds"] for p in passes)
+        engines[engine] = {
+            "tok_s": spread([p["tokens"] / p["seconds"] for p in passes]),
+            "seconds": spread([p["seconds"] for p in passes]),
+            "ms_per_step": statistics.median(p["seconds"] for p in passes) / new_tokens * 1e3,
+            "of_roofline": tok_s / limit["tok_s"],
+            "tokens_ok": not short,
+        }
+    ratios = {}
+    for other in ("generate", "generate_batch"):
+        if "embedded" in engines and other in engines:
+            ratios[f"embedded/{other}"] = engines["embedded"]["tok_s"]["median"] / engines[other]["tok_s"]["median"]
+    summary = {"expected_tokens": expected, "roofline": limit, "engines": engines, "ratios": ratios}
+    return {**summary, "problems": problems}
+
+
+def table(cases: dict[str, dict]) -> str:
+    lines = ["| case | engine | tok/s (median) | ms / step | / roofline | s per pass |", "|---|---|---|---|---|---|"]
+    for name, case in cases.items():
+        limit = case["roofline"]
+        lines.append(
+            f"| {name} | roofline | {limit['tok_s']:,.0f} | {limit['seconds'] / limit['steps'] * 1e3:.2f} | 1 "
+            f"| {limit['seconds']:.3f} |"
+        )
+        for engine, figures in case["engines"].items():
+            lines.append(
+                f"| {name} | {engine} | {figures['tok_s']['median']:,.0f} | {figures['ms_per_step']:.2f} "
+                f"| {figures['of_roofline']:.3f} | {figures['seconds']['median']:.2f} |"
+            )
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in case["ratios"].items())
+        lines += [f"| {name} | ratios | {ratios} | | | |"] if ratios else []
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    import torch
+
+    p = argparse.ArgumentParser(prog="rollfleet bench generate", description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default=DEFAULT_CASES, help="prompts x n x new tokens, comma-separated")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"any of {', '.join(ENGINES)}")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bfloat16 on cuda")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=24)
+    add_vocab_flag(p)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="timed passes per engine and case (after a warm-up)")
+    p.add_argument("--copy-gb", type=float, default=None, help="the bandwidth probe's buffer (default 2 GB, CPU 0.2)")
+    p.add_argument("--timeout-s", type=float, default=300, help="one engine on one case, start to end")
+    p.add_argument("--seed", type=int, default=0, help="of the weights and the prompts")
+    p.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.copy_gb = args.copy_gb or (2.0 if args.device == "cuda" else 0.2)
+    unknown = set(args.engines.split(",")) - set(ENGINES)
+    if unknown:
+        p.error(f"--engines {args.engines}: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ENGINES)}")
+    return args
+
+
+def measure(args, scratch: Path) -> tuple[dict, dict, list[dict], dict]:
+    """The model, the bandwidth, every engine on every case: (figures, bandwidth, answers, summaries)."""
+    import torch
+
+    model = write_model(scratch / "model", args.hidden, args.layers, getattr(torch, args.dtype), args.vocab, args.seed)
+    figures = model_figures(model)
+    copy = run_worker("copy", args, scratch)
+    if "failure" in copy:
+        raise SystemExit(f"the bandwidth probe failed: {copy['failure']}\n{copy.get('log_tail', '')}")
+    bandwidth = spread([p["gb_per_s"] for p in copy["passes"]])
+    answers, cases = [], {}
+    for case in parse_cases(args.cases):
+        prompts = write_prompts(
+            scratch / f"prompts-{case_name(case)}.json", case[0], args.prompt_tokens, args.vocab, args.seed + case[0]
+        )
+        mine = {engine: run_worker(engine, args, scratch, case, prompts) for engine in args.engines.split(",")}
+        answers += [{"case": case_name(case), **answer} for answer in mine.values()]
+        limit = roofline(case, args.prompt_tokens, figures, bandwidth["median"])
+        cases[case_name(case)] = case_summary(case, mine, limit)
+    return figures, bandwidth, answers, cases
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, started = parse(argv), start()
+    command = command_line(["rollfleet", "bench", "generate"], argv)
+    with tempfile.TemporaryDirectory(prefix="rf-bench-generate-") as scratch:
+        figures, bandwidth, answers, cases = measure(args, Path(scratch))
+        text = json.dumps(answers).replace(scratch, "$WORK")  # logs name the temp dir, a path of this machine
+    answers = json.loads(text)
+    problems = [p for case in cases.values() for p in case.pop("problems")]
+    print(f"device copy {bandwidth['median']:.1f} GB/s (read + written); model {figures['weights_bytes'] / 1e9:.2f} GB")
+    rendered = table(cases)
+    print(rendered)
+    for problem in problems:
+        print(f"  FAILED: {problem}")
+    config = {k: v for k, v in vars(args).items() if k != "json"}
+    repeats = [
+        {"case": a["case"], "engine": a["engine"], "pass": i + 1, **p}
+        for a in answers
+        for i, p in enumerate(a.get("passes", []))
+    ]
+    failed = [a for a in answers if "failure" in a]
+    summary = {"copy_gb_per_s": bandwidth, "model": figures, "cases": cases, "failed_runs": failed, "table": rendered}
+    failure = "; ".join(problems) or None
+    record = make_record("generate", command, config, repeats, summary, not problems, failure, started)
+    write_record(args.json, record)
+    if problems:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

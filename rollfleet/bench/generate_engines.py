@@ -1,0 +1,240 @@
+"""One engine of `rollfleet bench generate` on one case, in a process of its own (the benchmark starts
+one per engine and case, so no GPU memory or allocator state passes from one to the next).
+
+    python -m rollfleet.bench.generate_engines ENGINE --model DIR --prompts FILE --n 8 --new-tokens 256 \
+        --repeats 2 --device cuda --dtype bfloat16 --out FILE.json
+
+ENGINE is one of:
+- embedded: `python -m rollfleet.engine.server` started from here (forked from a shared zygote where
+  the environment names one, else spawned), driven over HTTP as a GRPO step drives it: one /generate
+  per prompt with `input_ids`, sampling_params n, max_new_tokens, temperature 1, ignore_eos, and
+  return_logprob, all sent at once so the engine batches them;
+- generate: transformers `model.generate` on one left-padded batch of every prompt, do_sample at
+  temperature 1 with no top-k / top-p, num_return_sequences n, min_new_tokens = max_new_tokens (EOS
+  never ends a row, as ignore_eos); no logprobs (keeping the scores would keep every step's logits);
+- generate_batch: transformers continuous batching (`model.generate_batch`, what TRL's GRPO trainer
+  calls), the same sampling, eos_token_id -1 (no EOS), return_logprobs, its KV cache sized for the
+  case (`cache_size`); each timed call builds its own manager (cache, CUDA graphs), as a call per
+  GRPO step does;
+- copy: no model; the device-to-device copy bandwidth the benchmark's roofline divides by.
+Every engine answers one small request first (warm-up, untimed). The answer (JSON at --out): each
+timed pass's seconds, output tokens and rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # transformers: sampling from the whole distribution
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- embedded engine over HTTP ----------------------------------------------------------------------
+def run_embedded(args, prompts: list[list[int]]) -> list[dict]:
+    from rollfleet.engine.launch import EngineProcess, embedded_argv
+    from rollfleet.engine.zygote_client import Zygote
+    from rollfleet.wire.net import free_port
+
+    port, log = free_port(), Path(args.out).with_suffix(".engine.log")
+    flags = ["--device", args.device, "--dtype", args.dtype]
+    flags += ["--max-running-requests", str(len(prompts) * args.n), "--max-samples-per-request", str(max(1, args.n))]
+    engine = EngineProcess(
+        embedded_argv(args.model, port, extra=flags), port=port, log_path=log, zygote=Zygote.shared(log)
+    )
+    try:
+        engine.wait_until_up(timeout=args.start_timeout_s)
+        return asyncio.run(_embedded_passes(engine.url, prompts, args))
+    finally:
+        engine.stop()
+
+
+async def _embedded_passes(url: str, prompts: list[list[int]], args) -> list[dict]:
+    from rollfleet.wire.client import EngineClient
+
+    def params(n: int, new_tokens: int) -> dict:
+        # SGLang's defaults are top_k -1 and top_p 1 (no filter)
+        return {"n": n, "max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
+
+    async with EngineClient(url, timeout=args.timeout_s) as client:
+        await client.generate(input_ids=prompts[0][:8], sampling_params=params(1, 4), return_logprob=True)
+        passes = []
+        for _ in range(args.repeats):
+            begin = time.perf_counter()
+            answers = await asyncio.gather(
+                *(
+                    client.generate(input_ids=p, sampling_params=params(args.n, args.new_tokens), return_logprob=True)
+                    for p in prompts
+                )
+            )
+            seconds = time.perf_counter() - begin
+            outs = [o for a in answers for o in (a if isinstance(a, list) else [a])]
+            logprobs = sum(len(o["meta_info"].get("output_token_logprobs") or []) for o in outs)
+            tokens = sum(len(o["output_ids"]) for o in outs)
+            passes.append({"seconds": seconds, "tokens": tokens, "rows": len(outs), "logprobs": logprobs})
+        return passes
+
+
+# ---- transformers -------------------------------------------------------------------------------------
+def _load(args):
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+    return model.to(args.device).eval()
+
+
+def _left_padded(prompts: list[list[int]], pad: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
+def run_generate(args, prompts: list[list[int]]) -> list[dict]:
+    from transformers import GenerationConfig
+
+    model = _load(args)
+
+    def config(n: int, new_tokens: int) -> GenerationConfig:
+        return GenerationConfig(
+            do_sample=True,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            num_return_sequences=n,
+            eos_token_id=0,
+            pad_token_id=0,
+            **SAMPLING,
+        )
+
+    def one_pass(batch: list[list[int]], n: int, new_tokens: int) -> dict:
+        ids, mask = _left_padded(batch, 0, args.device)
+        _sync(args.device)
+        begin = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(n, new_tokens))
+        _sync(args.device)
+        seconds = time.perf_counter() - begin
+        return {"seconds": seconds, "tokens": out.shape[0] * (out.shape[1] - ids.shape[1]), "rows": out.shape[0]}
+
+    one_pass([prompts[0][:8]], 1, 4)  # warm-up
+    return [one_pass(prompts, args.n, args.new_tokens) for _ in range(args.repeats)]
+
+
+def cache_size(batch: list[list[int]], n: int, new_tokens: int, page_size: int = 256) -> dict[str, int]:
+    """generate_batch's KV cache sized for the case: a page per `page_size` tokens of every row's prompt
+    and new tokens, and room to prefill every prompt in one batch (left unset, both are sized from the
+    device's free memory: on CPU that took 10-25 s per call for 4 rows of 8 tokens)."""
+    rows, longest = len(batch) * n, max(len(p) for p in batch) + new_tokens
+    pages = rows * -(-longest // page_size) + 16
+    return {"page_size": page_size, "num_blocks": pages, "max_batch_tokens": max(rows, sum(len(p) for p in batch))}
+
+
+def run_generate_batch(args, prompts: list[list[int]]) -> list[dict]:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model = _load(args)
+
+    def one_pass(batch: list[list[int]], n: int, new_tokens: int) -> dict:
+        config = GenerationConfig(
+            do_sample=True,
+            max_new_tokens=new_tokens,
+            num_return_sequences=n,
+            eos_token_id=-1,
+            pad_token_id=0,
+            **SAMPLING,
+        )
+        _sync(args.device)
+        begin = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate_batch(
+                inputs=batch,
+                generation_config=config,
+                continuous_batching_config=ContinuousBatchingConfig(
+                    return_logprobs=True, **cache_size(batch, n, new_tokens)
+                ),
+                progress_bar=False,
+            )
+        _sync(args.device)
+        seconds = time.perf_counter() - begin
+        failed = [o.error for o in out.values() if o.error is not None]
+        assert not failed, f"generate_batch: {len(failed)} requests failed, the first: {failed[0]}"
+        tokens = sum(len(o.generated_tokens) for o in out.values())
+        logprobs = sum(len(o.logprobs or []) for o in out.values())
+        return {"seconds": seconds, "tokens": tokens, "rows": len(out), "logprobs": logprobs}
+
+    one_pass([prompts[0][:8]], 1, 4)  # warm-up
+    return [one_pass(prompts, args.n, args.new_tokens) for _ in range(args.repeats)]
+
+
+# ---- the roofline's bandwidth ---------------------------------------------------------------------------
+def run_copy(args, prompts: list[list[int]]) -> list[dict]:
+    """`repeats` timed copies of a large buffer (CUDA events on a GPU); a copy reads and writes its
+    bytes, so each pass moves twice the buffer's size."""
+    nbytes = int(args.copy_gb * 1e9)
+    source = torch.ones(nbytes, dtype=torch.uint8, device=args.device)
+    target = torch.empty_like(source)
+    target.copy_(source)  # warm-up
+    passes = []
+    for _ in range(args.repeats):
+        if args.device == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            begin.record()
+            target.copy_(source)
+            end.record()
+            end.synchronize()
+            seconds = begin.elapsed_time(end) / 1e3
+        else:
+            start = time.perf_counter()
+            target.copy_(source)
+            seconds = time.perf_counter() - start
+        passes.append({"seconds": seconds, "bytes_moved": 2 * nbytes, "gb_per_s": 2 * nbytes / seconds / 1e9})
+    return passes
+
+
+ENGINES = {"embedded": run_embedded, "generate": run_generate, "generate_batch": run_generate_batch, "copy": run_copy}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rollfleet.bench.generate_engines")
+    p.add_argument("engine", choices=sorted(ENGINES))
+    p.add_argument("--model", default=None)
+    p.add_argument("--prompts", default=None, help="a JSON list of prompts, each a list of token ids")
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--copy-gb", type=float, default=2.0)
+    p.add_argument("--timeout-s", type=float, default=600, help="one HTTP answer (embedded)")
+    p.add_argument("--start-timeout-s", type=float, default=600, help="the engine server's start (embedded)")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    # the benchmark stops an engine that runs too long with SIGTERM: end through `finally` (an embedded
+    # engine's server is stopped with it)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else []
+    began = time.perf_counter()
+    passes = ENGINES[args.engine](args, prompts)
+    answer = {"engine": args.engine, "passes": passes, "process_s": time.perf_counter() - began}
+    Path(args.out).write_text(json.dumps(answer))
+
+
+if __name__ == "__main__":
+    main()

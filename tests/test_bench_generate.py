@@ -1,0 +1,108 @@
+"""`rollfleet bench generate` end to end on CPU at a tiny shape (the embedded engine over HTTP and the
+transformers generate baseline, each in its own process), its record, and the table made from it;
+the word-level tokenizer the GPU benchmarks use."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import shared_zygote
+
+from rollfleet.bench.generate import case_summary, parse_cases, roofline
+from rollfleet.tiny_models import make_word_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+RECORD_KEYS = {"schema", "benchmark", "ok", "failure", "code", "machine", "command", "config", "repeats", "summary"}
+
+
+def _make_tables():
+    spec = importlib.util.spec_from_file_location("make_tables", REPO / "scripts" / "make_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def generate_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    record = tmp_path_factory.mktemp("generate") / "generate-cpu.json"
+    shared_zygote()  # the embedded engine forks from it (ROLLFLEET_ZYGOTE_SOCKET): no imports to pay
+    args = ["--device", "cpu", "--hidden", "64", "--layers", "2", "--vocab", "2000", "--cases", "2x2x8"]
+    args += ["--engines", "embedded,generate", "--repeats", "2", "--timeout-s", "120", "--json", str(record)]
+    command = [sys.executable, "-m", "rollfleet", "bench", "generate", *args]
+    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert record.exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    return out, json.loads(record.read_text())
+
+
+def test_generate_benchmark_writes_a_complete_record(generate_run):
+    out, record = generate_run
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert RECORD_KEYS <= set(record) and record["ok"] is True and record["benchmark"] == "generate"
+    assert record["command"].startswith("rollfleet bench generate --device cpu")
+    assert record["config"]["vocab"] == 2000 and record["config"]["engines"] == "embedded,generate"
+    # every pass of every engine produced prompts x n x new tokens (a baseline that stopped early fails)
+    assert sorted((r["engine"], r["pass"]) for r in record["repeats"]) == [
+        ("embedded", 1),
+        ("embedded", 2),
+        ("generate", 1),
+        ("generate", 2),
+    ]
+    assert all(r["tokens"] == 2 * 2 * 8 and r["rows"] == 4 and r["seconds"] > 0 for r in record["repeats"])
+    embedded = [r for r in record["repeats"] if r["engine"] == "embedded"]
+    assert all(r["logprobs"] == r["tokens"] for r in embedded)  # return_logprob: one per output token
+    case = record["summary"]["cases"]["2x2x8"]
+    assert case["expected_tokens"] == 32 and set(case["engines"]) == {"embedded", "generate"}
+    assert case["roofline"]["steps"] == 8 and case["roofline"]["tok_s"] > 0
+    assert case["ratios"]["embedded/generate"] > 0 and "embedded/generate_batch" not in case["ratios"]
+    assert record["summary"]["copy_gb_per_s"]["median"] > 0 and not record["summary"]["failed_runs"]
+    assert "| 2x2x8 | embedded |" in out.stdout and "rf-bench-generate" not in json.dumps(record)
+
+
+def test_generate_table_renders_from_the_record(generate_run):
+    _, record = generate_run
+    text = _make_tables().generate([("generate-cpu.json", record)])
+    assert "vocab 2,000" in text and "`generate-cpu.json`" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 2x2x8 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 11 and cells[4] == "-"  # generate_batch was not asked for
+    assert float(cells[6].strip("*")) == pytest.approx(
+        record["summary"]["cases"]["2x2x8"]["ratios"]["embedded/generate"], abs=0.01
+    )
+
+
+def test_a_pass_with_fewer_tokens_than_asked_is_a_problem():
+    case = parse_cases("2x2x8")[0]
+    limit = roofline(case, 64, {"weights_read_per_step_bytes": 10**6, "kv_bytes_per_token": 512}, 10.0)
+    answers = {
+        "embedded": {"passes": [{"seconds": 1.0, "tokens": 32}]},
+        "generate": {"passes": [{"seconds": 1.0, "tokens": 32}, {"seconds": 1.0, "tokens": 20}]},
+    }
+    summary = case_summary(case, answers, limit)
+    assert summary["problems"] == ["generate 2x2x8: [20] output tokens, expected 32"]
+    assert summary["engines"]["embedded"]["tokens_ok"] and not summary["engines"]["generate"]["tokens_ok"]
+
+
+def test_roofline_sums_weights_and_live_kv_over_the_steps():
+    limit = roofline((2, 3, 4), 10, {"weights_read_per_step_bytes": 1000, "kv_bytes_per_token": 8}, 1e-6)
+    rows, live = 6, sum(10 + t for t in range(4))
+    assert limit["bytes"] == 4 * 1000 + rows * live * 8 and limit["seconds"] == pytest.approx(limit["bytes"] / 1e3)
+
+
+def test_cases_are_checked():
+    assert parse_cases("64x8x256, 1x1x256") == [(64, 8, 256), (1, 1, 256)]
+    with pytest.raises(SystemExit, match="PROMPTSxNxNEW_TOKENS"):
+        parse_cases("64x8")
+
+
+def test_word_tokenizer_has_exactly_the_asked_size(tmp_path):
+    from transformers import AutoTokenizer
+
+    make_word_tokenizer(151_936).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == 151_936 and tokenizer.eos_token_id == tokenizer.pad_token_id == 0
+    assert tokenizer.encode("w3 w151935") == [3, 151_935] and tokenizer.decode([3, 4]) == "w3 w4"
