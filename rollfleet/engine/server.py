@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     """How much one batch and one request may ask of the engine."""
-    p.add_argument("--max-running-requests", type=int, default=64, help="largest batch")
+    p.add_argument("--max-running-requests", type=int, help="largest batch (CPU: 64; GPU: sized from memory)")
     p.add_argument(
         "--max-samples-per-request",
         type=int,
@@ -150,7 +150,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"{flag} {lora_flags[flag]}: must be >= 1")
     for flag in ("--max-samples-per-request", "--max-request-bytes", "--max-running-requests"):
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value < 1:
+        if value is not None and value < 1:
             parser.error(f"{flag} {value}: must be >= 1")
     check_remote_instance_args(parser, args)
     if args.enable_return_routed_experts and routing_shape(AutoConfig.from_pretrained(args.model_path)) is None:
@@ -327,6 +327,7 @@ def _start_follower(method: str, args, rank: int, store_port: int):
 
 def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: StartTimer) -> None:
     from rollfleet.engine.app import create_app
+    from rollfleet.engine.capacity import max_running_requests
     from rollfleet.engine.remote_pull import load_at_start
     from rollfleet.engine.scheduler import Scheduler
     from rollfleet.engine.service import EngineService
@@ -335,6 +336,7 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: St
     # it after every socket call. 5 ms (the default) times the dozens of such calls a reply makes let a
     # busy engine delay /health by a second on a loaded host; 1 ms keeps it fast.
     sys.setswitchinterval(0.001)
+    args.max_running_requests = max_running_requests(args, runner, _context_length(runner))
     scheduler = Scheduler(
         lockstep,
         tokenizer,
