@@ -12,7 +12,7 @@ runs each case in a process of its own (rollfleet/bench/generate_engines.py says
   return_logprob, all at once), `--max-running-requests` = prompts x n so the case runs as one batch;
 - generate: transformers `model.generate` on one left-padded batch, num_return_sequences n;
 - generate_batch: transformers continuous batching (`model.generate_batch`, TRL's GRPO path).
-Every engine answers one small request first (untimed), then `--repeats` timed passes.
+Every engine first runs the case's batch for a few tokens (untimed warm-up), then `--repeats` timed passes.
 
 Roofline: one forward per new token; the forward for token t reads the weights (all but the input
 embedding table, of which it reads a row per sequence) and the KV cache live at that step, rows x
@@ -125,8 +125,12 @@ def run_worker(engine: str, args, scratch: Path, case: tuple[int, int, int] | No
             return {"engine": engine, "failure": f"not done after --timeout-s {args.timeout_s:g}", "exit_code": code}
     if code != 0 or not out.exists():
         tail = log.read_text(errors="replace")[-3000:]
+        print(f"  {name}: FAILED, exit code {code}\n{tail[-1500:]}", flush=True)
         return {"engine": engine, "failure": f"exit code {code}", "exit_code": code, "log_tail": tail}
-    return json.loads(out.read_text())
+    answer = json.loads(out.read_text())
+    passes = ", ".join(f"{p['seconds']:.3f} s {p.get('engine', '')}" for p in answer.get("passes", []))
+    print(f"  {name}: {passes}", flush=True)  # as it comes: a run cut short still says what it measured
+    return answer
 
 
 def _stop(proc: subprocess.Popen) -> int:

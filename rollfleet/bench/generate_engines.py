@@ -17,7 +17,7 @@ ENGINE is one of:
   case (`cache_size`); each timed call builds its own manager (cache, CUDA graphs), as a call per
   GRPO step does;
 - copy: no model; the device-to-device copy bandwidth the benchmark's roofline divides by.
-Every engine answers one small request first (warm-up, untimed). The answer (JSON at --out): each
+Every engine first runs the case's batch for WARM_UP_TOKENS tokens (warm-up, untimed). The answer (JSON at --out): each
 timed pass's seconds, output tokens and rows.
 """
 
@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # transformers: sampling from the whole distribution
+
+
+WARM_UP_TOKENS = 8
 
 
 def _sync(device: str) -> None:
@@ -68,9 +71,15 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args) -> list[dic
         return {"n": n, "max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
 
     async with EngineClient(url, timeout=args.timeout_s) as client:
-        await client.generate(input_ids=prompts[0][:8], sampling_params=params(1, 4), return_logprob=True)
+        await asyncio.gather(  # warm-up: the case's batch, a few tokens (first-use costs of its shapes)
+            *(
+                client.generate(input_ids=p, sampling_params=params(args.n, WARM_UP_TOKENS), return_logprob=True)
+                for p in prompts
+            )
+        )
         passes = []
         for _ in range(args.repeats):
+            before = (await client.get_server_info())["scheduler_stats"]
             begin = time.perf_counter()
             answers = await asyncio.gather(
                 *(
@@ -82,7 +91,13 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args) -> list[dic
             outs = [o for a in answers for o in (a if isinstance(a, list) else [a])]
             logprobs = sum(len(o["meta_info"].get("output_token_logprobs") or []) for o in outs)
             tokens = sum(len(o["output_ids"]) for o in outs)
-            passes.append({"seconds": seconds, "tokens": tokens, "rows": len(outs), "logprobs": logprobs})
+            after = (await client.get_server_info())["scheduler_stats"]
+            engine = {
+                key: after[key] - before[key] for key in ("batches", "joined", "recomputed_prefixes", "host_bytes")
+            }
+            passes.append(
+                {"seconds": seconds, "tokens": tokens, "rows": len(outs), "logprobs": logprobs, "engine": engine}
+            )
         return passes
 
 
@@ -128,7 +143,7 @@ def run_generate(args, prompts: list[list[int]]) -> list[dict]:
         seconds = time.perf_counter() - begin
         return {"seconds": seconds, "tokens": out.shape[0] * (out.shape[1] - ids.shape[1]), "rows": out.shape[0]}
 
-    one_pass([prompts[0][:8]], 1, 4)  # warm-up
+    one_pass(prompts, args.n, WARM_UP_TOKENS)  # warm-up: the case's batch, a few tokens
     return [one_pass(prompts, args.n, args.new_tokens) for _ in range(args.repeats)]
 
 
@@ -174,7 +189,7 @@ def run_generate_batch(args, prompts: list[list[int]]) -> list[dict]:
         logprobs = sum(len(o.logprobs or []) for o in out.values())
         return {"seconds": seconds, "tokens": tokens, "rows": len(out), "logprobs": logprobs}
 
-    one_pass([prompts[0][:8]], 1, 4)  # warm-up
+    one_pass(prompts, args.n, WARM_UP_TOKENS)  # warm-up: the case's batch, a few tokens
     return [one_pass(prompts, args.n, args.new_tokens) for _ in range(args.repeats)]
 
 
