@@ -128,7 +128,7 @@ def run_worker(engine: str, args, scratch: Path, case: tuple[int, int, int] | No
         print(f"  {name}: FAILED, exit code {code}\n{tail[-1500:]}", flush=True)
         return {"engine": engine, "failure": f"exit code {code}", "exit_code": code, "log_tail": tail}
     answer = json.loads(out.read_text())
-    passes = ", ".join(f"{p['seconds']:.3f} s {p.get('engine', '')}" for p in answer.get("passes", []))
+    passes = ", ".join(f"{p['seconds']:.3f} s {p.get('scheduler', '')}" for p in answer.get("passes", []))
     print(f"  {name}: {passes}", flush=True)  # as it comes: a run cut short still says what it measured
     return answer
 
