@@ -96,7 +96,7 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args) -> list[dic
                 key: after[key] - before[key] for key in ("batches", "joined", "recomputed_prefixes", "host_bytes")
             }
             passes.append(
-                {"seconds": seconds, "tokens": tokens, "rows": len(outs), "logprobs": logprobs, "engine": engine}
+                {"seconds": seconds, "tokens": tokens, "rows": len(outs), "logprobs": logprobs, "scheduler": engine}
             )
         return passes
 
