@@ -18,6 +18,7 @@ from rollfleet.config import ConfigError, TrainConfig, load_config
 from rollfleet.config.lora import LoraTrainConfig
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.train.fsdp import PolicyTrainer
+from rollfleet.train.loop import train
 from rollfleet.train.lora import check_targets
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
@@ -108,7 +109,6 @@ def test_targets_checked_against_the_model(qwen3_dir, moe_dir, tmp_path):
 @pytest.mark.parametrize(
     "overrides, field, fix",
     [
-        (["weight_sync.transport=lora"], "weight_sync.transport='lora'", "set train.lora"),
         (["train.lora.rank=4"], "weight_sync.transport='disk'", "set weight_sync.transport=lora"),
         (["weight_sync.transport=lora", "train.lora.rank=128"], "train.lora.rank=128", "max_lora_rank"),
         (
@@ -132,6 +132,12 @@ def test_lora_run_config_refusals(overrides, field, fix):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["rollout.model_path=m", *overrides])
     assert field in str(err.value) and fix in str(err.value)
+
+
+def test_grpo_refuses_the_lora_transport_without_train_lora(qwen3_dir):
+    cfg = load_config(None, [f"rollout.model_path={qwen3_dir}", "weight_sync.transport=lora"])  # a fleet may
+    with pytest.raises(ConfigError, match=r"weight_sync.transport='lora'.*fix: set train.lora"):
+        train(cfg)
 
 
 def test_lora_run_config_accepted():

@@ -44,17 +44,9 @@ class LoraTrainConfig(Section):
 
 
 def check_lora_run(cfg: RunConfig) -> None:
-    """train.lora and weight_sync.transport=lora come together, and the engines can serve the adapter."""
+    """train.lora needs weight_sync.transport=lora, and engines that can serve the adapter."""
     lora, sync = cfg.train.lora, cfg.weight_sync
-    if lora is None:
-        if sync.transport == "lora":
-            raise FieldProblem(
-                "the lora transport sends only an adapter, and this run trains the full weights (train.lora unset)",
-                "set train.lora (e.g. train.lora.rank=8) to train an adapter, or weight_sync.transport to "
-                "tensor, nccl or disk",
-                field="weight_sync.transport",
-                value=sync.transport,
-            )
+    if lora is None:  # a fleet may take a LoRA transport for a trainer of its own; `rollfleet train` refuses it
         return
     if sync.transport != "lora":
         raise FieldProblem(
