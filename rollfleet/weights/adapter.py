@@ -68,7 +68,8 @@ class LoraSource(AdapterSource):
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from peft import get_peft_model_state_dict  # imported here: peft takes seconds to import
 
-        state = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)
+        # never the base layers (peft adds lm_head/embeddings' full weights when they are targets): engines hold them
+        state = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name, save_embedding_layers=False)
         for name, tensor in state.items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if self.keep:
