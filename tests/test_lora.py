@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -127,6 +128,10 @@ def unverified(report, procs: dict[int, EngineProcess]) -> dict[int, str]:
 
 
 def sync(spec: LoraSync, source: LoraSource, version: str, procs: dict[int, EngineProcess], ranks: dict[int, int]):
+    """One sync; the adapter directory every sync leaves goes to a temporary directory unless the spec names one."""
+    if spec.path == LoraSync().path:
+        with tempfile.TemporaryDirectory(prefix="rf-adapters-") as scratch:
+            return sync(spec.model_copy(update={"path": scratch}), source, version, procs, ranks)
     transport = make_transport(
         spec,
         [EngineTarget(engine_id=e, url=p.url, num_ranks=ranks[e], rank_offset=0) for e, p in procs.items()],
