@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint mutants bench-batching clean sglang-site
+.PHONY: demo demo-lora test lint mutants bench-batching clean sglang-site
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ mutants: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) -m rollfleet.demo
+
+# the same task as a LoRA run: only the adapter trains and moves (examples/cpu-demo-lora.yaml)
+demo-lora: $(VENV)/.installed
+	$(PY) -m rollfleet.demo examples/cpu-demo-lora.yaml
 
 bench-batching: $(VENV)/.installed
 	$(PY) -m rollfleet bench batching

@@ -1,7 +1,8 @@
 """`make demo`: a GRPO run on CPU with the embedded engine (examples/cpu-demo.yaml).
 
 Writes the tiny model the config points at (a Qwen3 of hidden 64 and 2 layers with a BPE
-tokenizer trained in code; nothing is downloaded), then runs `rollfleet train` on it.
+tokenizer trained in code; nothing is downloaded), then runs `rollfleet train` on it. A first
+argument ending in .yaml names another config (`make demo-lora`: examples/cpu-demo-lora.yaml).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ CONFIG = Path(__file__).resolve().parent.parent / "examples" / "cpu-demo.yaml"
 
 def main(argv: list[str] | None = None) -> None:
     overrides = list(sys.argv[1:] if argv is None else argv)
-    cfg = load_config(str(CONFIG), overrides)
+    config = overrides.pop(0) if overrides and overrides[0].endswith(".yaml") else str(CONFIG)
+    cfg = load_config(config, overrides)
     model_dir = Path(cfg.rollout.model_path)
     if not (model_dir / "config.json").exists():
         make_tiny_model(model_dir, "qwen3", seed=0)

@@ -2,6 +2,10 @@
 of each run: the mean over its first 10 and last 10 steps (README's demo figure).
 
     python scripts/demo_seeds.py --seeds 0 1 2 --json docs/results/demo-cpu.json [key.path=value ...]
+    python scripts/demo_seeds.py --config examples/cpu-demo-lora.yaml --json docs/results/demo-cpu-lora.json \
+        'weight_sync.path={scratch}/adapters'
+
+An override's `{scratch}` is the run's temporary directory.
 
 `grpo.seed` sets the prompt order; the engine's sampling is not seeded, so runs with the same seed
 differ too. Each run writes into its own temporary directory (model, metrics, checkpoints).
@@ -23,11 +27,12 @@ from rollfleet.bench.record import command_line, make_record, spread, start, wri
 WINDOW = 10  # steps averaged at each end
 
 
-def run_one(seed: int, overrides: list[str]) -> dict:
+def run_one(seed: int, overrides: list[str], config: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="rf-demo-") as scratch:
         argv = [f"grpo.seed={seed}", f"grpo.output_dir={scratch}", f"rollout.model_path={scratch}/tiny-qwen3"]
+        argv += [o.replace("{scratch}", scratch) for o in overrides]
         start = time.perf_counter()
-        command = [sys.executable, "-m", "rollfleet.demo", *argv, *overrides]
+        command = [sys.executable, "-m", "rollfleet.demo", config, *argv]
         done = subprocess.run(command, capture_output=True, text=True)
         seconds = time.perf_counter() - start
         if done.returncode != 0:
@@ -49,12 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="scripts/demo_seeds.py")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--json", default=None)
-    parser.add_argument("overrides", nargs="*", help="extra key.path=value overrides of examples/cpu-demo.yaml")
+    parser.add_argument("--config", default="examples/cpu-demo.yaml", help="the demo's config (a .yaml)")
+    parser.add_argument("overrides", nargs="*", help="extra key.path=value overrides of the config")
     args = parser.parse_args(argv)
     started = start()
     runs = []
     for seed in args.seeds:
-        runs.append(run_one(seed, args.overrides))
+        runs.append(run_one(seed, args.overrides, args.config))
         r = runs[-1]
         print(
             f"seed {seed}: reward {r['reward_first']:.3f} (first {WINDOW} steps) -> {r['reward_last']:.3f} "
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         "seconds_of_steps": spread([r["seconds_of_steps"] for r in runs]),
         "seconds_end_to_end": spread([r["seconds_end_to_end"] for r in runs]),
     }
-    config = {"config_file": "examples/cpu-demo.yaml", "seeds": args.seeds, "overrides": args.overrides}
+    config = {"config_file": args.config, "seeds": args.seeds, "overrides": args.overrides}
     record = make_record(
         "demo", command_line(["python", "scripts/demo_seeds.py"], argv), config, runs, summary, True, started=started
     )

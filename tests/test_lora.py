@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -127,6 +128,10 @@ def unverified(report, procs: dict[int, EngineProcess]) -> dict[int, str]:
 
 
 def sync(spec: LoraSync, source: LoraSource, version: str, procs: dict[int, EngineProcess], ranks: dict[int, int]):
+    """One sync; the adapter directory every sync leaves goes to a temporary directory unless the spec names one."""
+    if spec.path == LoraSync().path:
+        with tempfile.TemporaryDirectory(prefix="rf-adapters-") as scratch:
+            return sync(spec.model_copy(update={"path": scratch}), source, version, procs, ranks)
     transport = make_transport(
         spec,
         [EngineTarget(engine_id=e, url=p.url, num_ranks=ranks[e], rank_offset=0) for e, p in procs.items()],
@@ -175,10 +180,11 @@ def test_transport_sends_an_adapter_that_serves_like_peft_merge(
     assert want != base_expected  # the adapter changes what the model says
     engines = {0: servers["tp1"], 1: servers["tp2"]}
     spec = LoraSync(source=source, path=str(tmp_path / "adapters"))
-    # synced twice: the second sync unloads the adapter the first one loaded under the same name
+    # synced twice: each version is a new name, and the second sync unloads the first one's
     for version in (f"{source}-1", f"{source}-2"):
         report = sync(spec, LoraSource(peft_model), version, engines, ranks={0: 1, 1: 2})
-    assert report.lora_name == "policy" and report.tensors == len(get_peft_model_state_dict(peft_model)) == 16
+    name = report.lora_name
+    assert name == f"policy-v{source}-2" and report.tensors == len(get_peft_model_state_dict(peft_model)) == 16
     assert unverified(report, engines) == {}
     bad = copy.deepcopy(report)
     key = sorted(bad.fingerprints[1])[3]
@@ -186,16 +192,16 @@ def test_transport_sends_an_adapter_that_serves_like_peft_merge(
     problems = unverified(bad, engines)
     assert list(problems) == [1] and key in problems[1]
     for proc in engines.values():
-        assert list(loaded(proc)) == ["policy"]
+        assert list(loaded(proc)) == [name]
         assert call(proc, "get_model_info")["weight_version"] == f"{source}-2"
-        assert_matches(generate(proc, "policy"), want)
+        assert_matches(generate(proc, name), want)
         assert_matches(generate(proc), base_expected)
-        mixed, batches = generate_together(proc, ["policy", None])  # two adapters (one is none): two batches
+        mixed, batches = generate_together(proc, [name, None])  # two adapters (one is none): two batches
         assert batches == 2
         assert_matches(mixed, [want[0], base_expected[1]])
     if source == "directory":  # what the transport wrote is a peft adapter directory
         directory = tmp_path / "adapters" / "version-directory-2"
-        assert loaded(servers["tp1"])["policy"] == str(directory.resolve())
+        assert loaded(servers["tp1"])[name] == str(directory.resolve())
         reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(qwen3_dir), directory)
         sent = get_peft_model_state_dict(peft_model)
         assert all(torch.equal(t, sent[k]) for k, t in get_peft_model_state_dict(reloaded).items())
@@ -204,27 +210,27 @@ def test_transport_sends_an_adapter_that_serves_like_peft_merge(
 def test_base_update_while_an_adapter_is_loaded(servers, adapter, qwen3_dir, qwen3_dir_b, tmp_path):
     peft_model, want = adapter
     proc = servers["tp2"]
-    sync(LoraSync(), LoraSource(peft_model), "a", {0: proc}, ranks={0: 2})
-    assert_matches(generate(proc, "policy"), want)  # the adapter is merged now
+    name = sync(LoraSync(), LoraSource(peft_model), "a", {0: proc}, ranks={0: 2}).lora_name
+    assert_matches(generate(proc, name), want)  # the adapter is merged now
     # fingerprints read the base weights, not the merged ones
     base_prints = fingerprints(load_file(f"{qwen3_dir}/model.safetensors").items())
     assert call(proc, "weights_fingerprint", sorted(base_prints)) == base_prints
     call(proc, "update_weights_from_disk", qwen3_dir_b, weight_version="b")
     assert_matches(generate(proc), expected(qwen3_dir_b))
-    assert_matches(generate(proc, "policy"), expected(merged_dir(on_base(peft_model, qwen3_dir_b), tmp_path / "m")))
+    assert_matches(generate(proc, name), expected(merged_dir(on_base(peft_model, qwen3_dir_b), tmp_path / "m")))
     call(proc, "update_weights_from_disk", qwen3_dir, weight_version="a")
-    assert_matches(generate(proc, ["policy", None]), [want[0], expected(qwen3_dir)[1]])
+    assert_matches(generate(proc, [name, None]), [want[0], expected(qwen3_dir)[1]])
 
 
 def test_a_base_read_mid_batch_keeps_the_adapter(servers, adapter):
     """Fingerprints restore the base weights; a batch paused in place around them goes on with its adapter."""
     proc = servers["tp2"]
-    sync(LoraSync(), LoraSource(adapter[0]), "mid", {0: proc}, ranks={0: 2})
+    name = sync(LoraSync(), LoraSource(adapter[0]), "mid", {0: proc}, ranks={0: 2}).lora_name
     request = {
         "input_ids": PROMPTS[0],
         "sampling_params": {**GREEDY, "max_new_tokens": 40},
         "return_logprob": True,
-        "lora_path": "policy",
+        "lora_path": name,
     }
     uninterrupted = call(proc, "generate", **request)
     batches = call(proc, "get_server_info")["scheduler_stats"]["batches"]
@@ -247,13 +253,13 @@ def test_unload_and_unknown_adapters(servers, adapter, base_expected, tmp_path):
     peft_model, want = adapter
     proc = servers["tp1"]  # started with --max-loaded-loras 2
     source = LoraSource(peft_model)
-    sync(LoraSync(), source, "u", {0: proc}, ranks={0: 1})
+    name = sync(LoraSync(), source, "u", {0: proc}, ranks={0: 1}).lora_name
     directory = save_adapter(source.named_tensors(), source.config_dict(), tmp_path / "extra")
     out = call(proc, "load_lora_adapter", "extra", str(directory))
-    assert out["success"] is True and out["loaded_adapters"] == {"policy": "__tensor__", "extra": str(directory)}
-    assert_matches(generate(proc, "policy"), want)  # loaded first, used last: "extra" is the least recently used
+    assert out["success"] is True and out["loaded_adapters"] == {name: "__tensor__", "extra": str(directory)}
+    assert_matches(generate(proc, name), want)  # loaded first, used last: "extra" is the least recently used
     out = call(proc, "load_lora_adapter", "third", str(directory))  # past --max-loaded-loras: SGLang's LRU eviction
-    assert out["success"] is True and out["loaded_adapters"] == {"policy": "__tensor__", "third": str(directory)}
+    assert out["success"] is True and out["loaded_adapters"] == {name: "__tensor__", "third": str(directory)}
     assert loaded(proc) == out["loaded_adapters"]
     assert_matches(generate(proc, "third"), want)
     out = call(proc, "unload_lora_adapter", "third")
@@ -377,7 +383,7 @@ def test_sglang_lora_payload_forms(servers, adapter):
 
 
 def _bad_adapters(peft_model, qwen3_dir, tmp_path):
-    """(lora_name, how to load it, what the refusal names), all against an engine holding 'policy'."""
+    """(lora_name, how to load it, what the refusal names), all against an engine holding 'policy-vgood'."""
     config = LoraSource(peft_model).config_dict()
     good = {k: v.clone() for k, v in get_peft_model_state_dict(peft_model).items()}
     q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -400,7 +406,7 @@ def _bad_adapters(peft_model, qwen3_dir, tmp_path):
         ("unknown", ("tensors", config, unknown), "module 'model.layers.0.self_attn.qq_proj' cannot be a LoRA target"),
         ("big", ("tensors", big_source.config_dict(), dict(big_source.named_tensors())), "rank 16 > --max-lora-rank 8"),
         ("mismatch", ("tensors", config, rank_mismatch), "rank 2 differs from the config's r=4"),
-        ("policy", ("tensors", config, good), "lora_name='policy' is already loaded"),
+        ("policy-vgood", ("tensors", config, good), "lora_name='policy-vgood' is already loaded"),
         ("dora", ("directory", str(dora)), "use_dora=True"),
         ("missing", ("directory", str(tmp_path / "nope")), "is not a directory"),
         # a null pattern value raised TypeError on every rank, outside the refusal path: the engine stopped
@@ -418,14 +424,14 @@ def _load(proc, ranks: int, name: str, how):
 def test_bad_adapters_change_nothing(servers, adapter, qwen3_dir, tmp_path):
     peft_model, want = adapter
     proc = servers["tp2"]
-    sync(LoraSync(), LoraSource(peft_model), "good", {0: proc}, ranks={0: 2})
-    before, tokens = loaded(proc), generate(proc, ["policy", None])
-    for name, how, offender in _bad_adapters(peft_model, qwen3_dir, tmp_path):
+    name = sync(LoraSync(), LoraSource(peft_model), "good", {0: proc}, ranks={0: 2}).lora_name
+    before, tokens = loaded(proc), generate(proc, [name, None])
+    for bad, how, offender in _bad_adapters(peft_model, qwen3_dir, tmp_path):
         with pytest.raises(EngineError) as err:
-            _load(proc, 2, name, how)
+            _load(proc, 2, bad, how)
         assert err.value.status_code == 400 and offender in err.value.message, err.value.message
         assert loaded(proc) == before
-    assert generate(proc, ["policy", None]) == tokens
+    assert generate(proc, [name, None]) == tokens
     assert_matches(tokens[:1], want[:1])
 
 
@@ -456,7 +462,7 @@ def test_moe_tp2_ep2_serves_an_attention_adapter_and_refuses_experts(servers, mo
     assert want != base
     report = sync(LoraSync(), LoraSource(peft_model), "moe-1", {0: proc}, ranks={0: 2})
     assert unverified(report, {0: proc}) == {}
-    assert_matches(generate(proc, ["policy", None]), [want[0], base[1]])
+    assert_matches(generate(proc, [report.lora_name, None]), [want[0], base[1]])
     # an adapter on the fused experts (peft's target_parameters) is refused, nothing changes
     experts = make_adapter(moe_dir, ["q_proj"], target_parameters=["mlp.experts.down_proj"])
     source = LoraSource(experts)
@@ -470,8 +476,8 @@ def test_moe_tp2_ep2_serves_an_attention_adapter_and_refuses_experts(servers, mo
         with pytest.raises(EngineError) as err:
             call(proc, "load_lora_adapter_from_tensors", "experts", config_dict, tensors_payload(tensors, 2))
         assert err.value.status_code == 400 and offender in err.value.message, err.value.message
-    assert list(loaded(proc)) == ["policy"]
-    assert_matches(generate(proc, ["policy", None]), [want[0], base[1]])
+    assert list(loaded(proc)) == [report.lora_name]
+    assert_matches(generate(proc, [report.lora_name, None]), [want[0], base[1]])
 
 
 # ---- an engine without --enable-lora -------------------------------------------------------------------
@@ -517,19 +523,23 @@ def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, ada
         assert info["enable_lora"] is True and info["max_lora_rank"] == 8
         assert [s.output_ids for s in fleet.generate(PROMPTS, sampling=GREEDY)] == [t for t, _ in base_expected]
         report = fleet.sync_weights(LoraSource(peft_model), "1")  # verified inside
-        assert report.lora_name == fleet.lora_name == "policy"
+        assert report.lora_name == fleet.lora_name == "policy-v1"
         samples = fleet.generate(PROMPTS, sampling=GREEDY)
         assert [s.output_ids for s in samples] == [t for t, _ in want] and {s.weight_version for s in samples} == {"1"}
-        # a restarted engine loads the base weights itself (a LoRA run never sends them), waits for the adapter
+        # a restarted engine loads the base weights itself (a LoRA run never sends them), then the current
+        # adapter from the directory its sync left, verified before it serves
         ray.get(fleet.slots[0].head.kill_engine.remote())
         deadline = time.monotonic() + 10
         while fleet.slots[0].state.value != "INACTIVE":
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert fleet.restart_inactive() == [0] and fleet.slots[0].state.value == "AWAITING_WEIGHTS"
+        assert fleet.restart_inactive() == [0] and fleet.slots[0].state.value == "ACTIVE"
+        assert fleet.slots[0].lifecycle.history[-1].why == "recovered: verified at version '1' (adapter)"
         (base,) = every_engine(fleet, "generate", input_ids=PROMPTS, sampling_params=GREEDY)
-        assert [o["output_ids"] for o in base] == [t for t, _ in base_expected]
+        assert [o["output_ids"] for o in base] == [t for t, _ in base_expected]  # its base: the model's
+        assert [s.output_ids for s in fleet.generate(PROMPTS, sampling=GREEDY)] == [t for t, _ in want]
         fleet.sync_weights(LoraSource(peft_model), "2")
+        assert every_engine(fleet, "loaded_lora_adapters") == [{"policy-v2": str(tmp_path / "adapters" / "version-2")}]
         assert [s.output_ids for s in fleet.generate(PROMPTS, sampling=GREEDY)] == [t for t, _ in want]
     finally:
         fleet.shutdown()

@@ -91,8 +91,8 @@ def _submodel(model: type[BaseModel], key: str, current: Any = None) -> type[Bas
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     members = [m for m in get_args(annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
-    if not members:
-        return None
+    if len(members) < 2:  # none, or an optional section (train.lora: LoraTrainConfig | None)
+        return members[0] if members else None
     chosen = current.get("transport") if isinstance(current, dict) else None
     for member in members:
         if member.model_fields["transport"].default == chosen:

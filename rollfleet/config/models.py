@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rollfleet.config.errors import FieldProblem
 from rollfleet.config.grpo import GrpoConfig
+from rollfleet.config.lora import LoraTrainConfig, check_lora_run
 from rollfleet.config.section import Section as _Section
 from rollfleet.config.standby import check_standby_beside
 from rollfleet.config.weight_sync import DiskSync, WeightSyncConfig
@@ -207,7 +208,10 @@ class TrainConfig(_Section):
         True, description="Divide group advantages by the group's reward std (False: Dr. GRPO)."
     )
     kl_coef: float = Field(
-        0.0, ge=0.0, description="Weight of the k3 KL to a frozen reference model; 0 loads no reference."
+        0.0,
+        ge=0.0,
+        description="Weight of the k3 KL to a frozen reference model; 0 loads no reference. With train.lora the "
+        "reference is the base model with the adapter disabled, in the same module (no second copy).",
     )
     tis_cap: float = Field(
         2.0,
@@ -228,6 +232,9 @@ class TrainConfig(_Section):
         "Ignored when disaggregated and on CPU.",
     )
     seed: int = Field(0, description="Torch seed set before the model is built.")
+    lora: LoraTrainConfig | None = Field(
+        None, description="Train a LoRA adapter (peft) instead of the full weights; needs weight_sync.transport=lora."
+    )
     routing_replay: bool = Field(
         False,
         description="MoE only: the trainer's forward uses the experts the engine chose for each token (SGLang's "
@@ -269,6 +276,11 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_lora(self) -> RunConfig:
+        check_lora_run(self)
+        return self
+
+    @model_validator(mode="after")
     def _check_verification(self) -> RunConfig:
         if self.rollout.backend == "sglang" and self.weight_sync.verify == "fingerprint":
             raise FieldProblem(
@@ -296,7 +308,8 @@ class RunConfig(_Section):
         every = self.grpo.recovery_checkpoint_every
         if every != "auto":
             return every
-        return 1 if self.rollout.num_engines == 1 else 0
+        # a LoRA run restores from the base weights and the adapter its syncs leave on disk
+        return 1 if self.rollout.num_engines == 1 and self.train.lora is None else 0
 
     @model_validator(mode="after")
     def _check_colocation(self) -> RunConfig:

@@ -105,7 +105,7 @@ class Fleet:
         try:
             placements = ray.get([w.placement.remote() for w in workers])
             check_engines_on_one_node(ranks, {p["rank"]: p["node_id"] for p in placements})
-            formats = partial(standby.start_format, num_engines=rollout.num_engines, load_format=load_format)
+            formats = partial(standby.start_format, cfg=cfg, load_format=load_format)
             slots = cls._start_engines(ranks, workers, placements, formats)
             standby.mark_started(slots, rollout.num_engines, load_format)
         except BaseException:

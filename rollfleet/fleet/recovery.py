@@ -11,7 +11,7 @@ Ordering, stated once:
   RECOVERING -> new process with the transport's restart load format -> AWAITING_WEIGHTS (no
   traffic; the engine itself refuses generate). Then every AWAITING_WEIGHTS engine (restarted, or
   left by a push that failed part-way) is restored: the sources in order (a peer engine at the
-  fleet's version, a checkpoint of it, the next push), each engine verified on
+  fleet's version, a checkpoint of it, in a LoRA run the adapter of it, the next push), each engine verified on
   its own and ACTIVE once verified, whatever happens to the others. A source that fails an engine
   while no engine of its restore died is not tried again for that engine at that version; with no
   source left the engine waits for the trainer's next push.
@@ -38,7 +38,15 @@ from rollfleet.fleet import standby
 from rollfleet.fleet.lifecycle import FAILED, EngineSlot, EngineState
 from rollfleet.fleet.peer_restore import PeerRestore
 from rollfleet.fleet.restart_gate import RestartGate
-from rollfleet.fleet.restore import CheckpointRestore, RestoreError, RestoreSource, WaitForPush, run_before, verify_each
+from rollfleet.fleet.restore import (
+    AdapterRestore,
+    CheckpointRestore,
+    RestoreError,
+    RestoreSource,
+    WaitForPush,
+    run_before,
+    verify_each,
+)
 from rollfleet.weights.transports.base import transport_class
 from rollfleet.wire.client import UnsupportedEngine
 
@@ -58,7 +66,8 @@ class Recovery:
         self._checkpoints: dict[str, str] = {}  # version -> HF directory (insertion order)
         # in order; the first that is available for an engine is tried
         self.peer = PeerRestore(fleet)
-        self.sources: list[RestoreSource] = [self.peer, CheckpointRestore(fleet, self.checkpoint_for), WaitForPush()]
+        checkpoint = CheckpointRestore(fleet, self.checkpoint_for)
+        self.sources: list[RestoreSource] = [self.peer, checkpoint, AdapterRestore(fleet), WaitForPush()]
         self.failed_restores: set[tuple[str, str, str]] = set()  # (source, version, engine url): not again
         self._closing = threading.Event()
         self._threads = [
@@ -214,12 +223,13 @@ class Recovery:
     def _start_again(self, slots: list[EngineSlot]) -> list[int]:
         """Stop, then start each engine (in parallel across engines); a call that fails or outlives
         its timeout leaves its engine INACTIVE ("restart failed")."""
-        load_format = transport_class(self.fleet.cfg.weight_sync).restart_load_format
+        spec = self.fleet.cfg.weight_sync
+        load_format, standby_format = transport_class(spec).restart_load_format, standby.standby_format(spec)
         stops = [s.head.stop_engine.remote() for s in slots]
         stopped = [s for s, stop in zip(slots, stops) if self._wait(s, stop, STOP_TIMEOUT_S)]
         version = self.fleet.version
         seeds = self.peer.start_seeds(standby.in_rotation(stopped), version)  # SGLang pulls only at start
-        formats = {s.engine_id: standby.STANDBY_LOAD_FORMAT if s.standby else load_format for s in stopped}
+        formats = {s.engine_id: standby_format if s.standby else load_format for s in stopped}
         starts = [s.head.start_engine.remote(s.gpu_ids, formats[s.engine_id], seeds.get(s.engine_id)) for s in stopped]
         restarted = []
         for slot, start in zip(stopped, starts):

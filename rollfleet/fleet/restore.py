@@ -5,8 +5,9 @@ A source only *loads* weights into engines and says what they must then report (
 it changes no state. Recovery runs it under the restore's deadline (`rollout.restore_timeout_s`),
 verifies every engine on its own, and moves each verified one to ACTIVE under its lock. The order
 today: a peer engine at the fleet's version (R-Fork, rollfleet.fleet.peer_restore), a checkpoint of
-exactly the fleet's version (registered by the trainer, or left by the disk transport), then "wait
-for the trainer's next push" (loads nothing).
+exactly the fleet's version (registered by the trainer, or left by the disk transport), in a LoRA
+run the adapter of the fleet's version on top of the base weights (`AdapterRestore`), then "wait for
+the trainer's next push" (loads nothing).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from rollfleet.config import TensorSync
 from rollfleet.fleet.lifecycle import EngineSlot
+from rollfleet.weights.adapter import SavedAdapter
 from rollfleet.weights.checkpoint import CheckpointSource
 from rollfleet.weights.transports import SyncReport
+from rollfleet.weights.transports.base import transport_class
 from rollfleet.weights.verify import find_unverified
 
 if TYPE_CHECKING:
@@ -75,6 +78,34 @@ class CheckpointRestore:
             return self.fleet.send_weights(source, version, targets, TensorSync(), timeout_s=timeout_s)
         self.fleet.pool.on_all("update_weights_from_disk", engine_ids, directory, weight_version=version)
         return self.fleet.expected_from_checkpoint(directory, version, engine_ids)
+
+
+class AdapterRestore:
+    """A LoRA run: the engine holds the base weights (a restart or a standby loads them from the model
+    path; a failed adapter push never touches them) and gets the adapter of the version from the
+    directory that version's sync left (`saved_adapter` of the transport), sent as that sync sent
+    it (the same served name, fingerprints and version), so it is verified like the push."""
+
+    name = "adapter"
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+
+    def _directory(self, version: str) -> str | None:
+        spec = self.fleet.cfg.weight_sync
+        return transport_class(spec).saved_adapter(spec, version)
+
+    def available(self, version: str, slot: EngineSlot) -> bool:
+        return self._directory(version) is not None
+
+    def restore(self, slots: list[EngineSlot], version: str, deadline: float) -> SyncReport:
+        directory = self._directory(version)
+        if directory is None:
+            raise RestoreError(f"no adapter directory holds version {version!r} any more")
+        targets = self.fleet.weight_targets([s.engine_id for s in slots])
+        timeout_s = max(1.0, deadline - time.monotonic())
+        spec = self.fleet.cfg.weight_sync
+        return self.fleet.send_weights(SavedAdapter(directory), version, targets, spec, timeout_s=timeout_s)
 
 
 class WaitForPush:

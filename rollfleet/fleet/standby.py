@@ -9,6 +9,8 @@ place so that no engine restart lies on the path from a death back to serving.
   serving engine swaps roles with a standby that is up. The standby becomes a serving engine still
   AWAITING_WEIGHTS, restored at once (peer first, then the next sources) and verified before it is
   ACTIVE; the dead slot becomes the standby, restarted afterwards with a dummy load.
+- A LoRA run never sends base weights (only the adapter moves), so there a standby starts with the
+  base weights from the model path (`standby_format`) and is restored with the current adapter.
 - So the engines in rotation stay `rollout.num_engines`; engine ids of serving engines change.
 - Disaggregated fleets only. A standby lives on GPUs of its own (a spare GPU), or beside a serving
   engine (`rollout.standby_beside`): then its workers share that engine's placement-group bundles
@@ -25,9 +27,17 @@ from rollfleet.config import RolloutConfig
 from rollfleet.config.standby import mem_fraction
 from rollfleet.fleet.lifecycle import EngineSlot, EngineState
 from rollfleet.layout import RankInfo
+from rollfleet.weights.transports.base import transport_class
 
 log = logging.getLogger("rollfleet.standby")
 STANDBY_LOAD_FORMAT = "dummy"  # a standby holds no weights of value: it is restored when it takes a place
+
+
+def standby_format(weight_sync) -> str:
+    """A standby's load: dummy, or (a transport that sends no base weights: LoRA) what a restarted
+    engine loads, the base weights from the model path."""
+    transport = transport_class(weight_sync)
+    return STANDBY_LOAD_FORMAT if transport.sends_full_weights else transport.restart_load_format
 
 
 def with_standbys(rollout: RolloutConfig) -> RolloutConfig:
@@ -70,9 +80,10 @@ def with_mem_fraction(rollout: RolloutConfig, engine_id: int) -> RolloutConfig:
     )
 
 
-def start_format(engine_id: int, num_engines: int, load_format: str) -> str:
-    """The load format an engine of a new fleet starts with: a standby's is a dummy load."""
-    return STANDBY_LOAD_FORMAT if engine_id >= num_engines else load_format
+def start_format(engine_id: int, cfg, load_format: str) -> str:
+    """The load format an engine of a new fleet (of run config `cfg`) starts with: a standby's is
+    `standby_format`."""
+    return standby_format(cfg.weight_sync) if engine_id >= cfg.rollout.num_engines else load_format
 
 
 def mark_started(slots: list[EngineSlot], num_engines: int, load_format: str) -> None:
@@ -82,7 +93,7 @@ def mark_started(slots: list[EngineSlot], num_engines: int, load_format: str) ->
         slot.standby = slot.engine_id >= num_engines
         if slot.standby:
             slot.version = ""  # it holds no verified weights
-            slot.lifecycle.to(EngineState.AWAITING_WEIGHTS, "started as a standby (dummy weights)")
+            slot.lifecycle.to(EngineState.AWAITING_WEIGHTS, "started as a standby")
         else:
             ready = EngineState.AWAITING_WEIGHTS if load_format == "dummy" else EngineState.ACTIVE
             slot.lifecycle.to(ready, f"started ({load_format} weights)")

@@ -20,6 +20,10 @@ synchronous run, fp32) both give the same gradient. Every step measures the engi
 mismatch (`logprob_mismatch_*`) and the TIS ratio (`tis_ratio_mean/max`, `tis_truncated_share`).
 The loss is normalised by the whole batch's token count (or sequence count), and multiplied by
 world_size to undo FSDP's gradient averaging, so world sizes and micro-batch sizes give the same update.
+
+LoRA (`train.lora`): the policy is wrapped with peft before sharding (rollfleet.train.lora); only the
+adapter trains, sits in the optimizer and in the resumable state, and leaves as the weight source and
+the saved model; the KL reference is the same module with the adapter disabled.
 """
 
 from __future__ import annotations
@@ -37,16 +41,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import TrainConfig
+from rollfleet.train import lora
+from rollfleet.train.batch import check_batch, collate
 from rollfleet.train.grpo import logprob_mismatch, policy_loss, truncated_is_weights
 from rollfleet.train.offload import Offloader
-from rollfleet.train.routing_replay import RoutingReplay, replay_routes
+from rollfleet.train.routing_replay import RoutingReplay
+from rollfleet.weights.adapter import LoraSource
 from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.protocol import GREEDY_TEMPERATURE
@@ -88,13 +95,18 @@ class PolicyTrainer:
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(self.config.seed)
+        self.lora = self.config.lora is not None
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("fsdp",))
         self.model = self._load_sharded(trainable=True)
-        self.ref_model = self._load_sharded(trainable=False) if self.config.kl_coef > 0 else None
+        # a LoRA run's reference is the same module with the adapter disabled (`_reference`)
+        self.ref_model = self._load_sharded(trainable=False) if self.config.kl_coef > 0 and not self.lora else None
         # the engine's expert choices in every forward (routing_replay.py)
         self.replays = {id(m): RoutingReplay(m) for m in self._models() if self.config.routing_replay}
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
+        self.optimizer = torch.optim.AdamW(  # with LoRA only the adapter requires grad
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.config.lr,
+            betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
         )
         self.step = 0
         self.pad_token_id = self.model.config.pad_token_id or 0
@@ -106,6 +118,8 @@ class PolicyTrainer:
     def _load_sharded(self, *, trainable: bool) -> torch.nn.Module:
         # Every rank reads the full checkpoint on CPU, then keeps its shard (moved to self.device).
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        if trainable and self.lora:
+            model = lora.wrap(model, self.config)  # peft freezes the base; the adapter is sharded with it
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
         layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
         if not layers:
@@ -134,7 +148,7 @@ class PolicyTrainer:
         ranks: loss, grad_norm, clip_frac, ratio_mean, kl, logprob_mismatch_mean/max, tis_ratio_mean/max,
         tis_truncated_share, tokens, samples, step; with replay replay_routes, replay_changed_share.
         """
-        _check_batch(batch)
+        check_batch(batch)
         replay = self.replays.get(id(self.model))
         if replay is not None:
             replay.check(batch)
@@ -176,9 +190,9 @@ class PolicyTrainer:
         engine = micro["old_logprobs"]
         weights, tis = truncated_is_weights(logprobs, engine, micro["mask"], cfg.tis_cap)
         ref_logprobs = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_logprobs = self._logprobs(self.ref_model, micro)
+        if cfg.kl_coef > 0:
+            with torch.no_grad(), self._reference() as reference:
+                ref_logprobs = self._logprobs(reference, micro)
         loss, stats = policy_loss(
             logprobs,
             logprobs.detach() if cfg.tis_cap > 0 else engine,
@@ -198,6 +212,13 @@ class PolicyTrainer:
         per_token = (stats["clip_frac"], stats["ratio_mean"], stats["kl"], mismatch["mean"], tis["ratio_mean"])
         values = (float(loss.detach()), *(v * tokens for v in per_token), tis["truncated_share"] * tokens, tokens)
         return values, (mismatch["max"], tis["ratio_max"])
+
+    def _reference(self):
+        """The KL term's reference policy, as a context: the frozen copy, or (LoRA) this module with
+        the adapter disabled."""
+        if self.ref_model is not None:
+            return contextlib.nullcontext(self.ref_model)
+        return _disabled_adapter(self.model)
 
     def _reduced(self, sums: list[float], maxima: list[float]) -> dict[str, float]:
         """The step's figures summed (worst mismatch and TIS ratio: max) over ranks, per token."""
@@ -221,38 +242,8 @@ class PolicyTrainer:
         }
 
     def _collate(self, items: Sequence[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:
-        """Right-padded prompt+output ids; per-position tensors are aligned with logits[:, :-1]
-        (position p predicts token p+1), masked to the output tokens."""
-        rows = [
-            (list(it["prompt_ids"]), list(it["output_ids"]), list(it["logprobs"]), float(it["advantage"]))
-            if it is not None
-            else ([self.pad_token_id], [self.pad_token_id], [0.0], 0.0)
-            for it in items
-        ]
-        width = max(len(p) + len(o) for p, o, _, _ in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width - 1))
-        old = torch.zeros((len(rows), width - 1))
-        for row, ((prompt, output, logprobs, _), item) in enumerate(zip(rows, items, strict=True)):
-            length = len(prompt) + len(output)
-            input_ids[row, :length] = torch.tensor(prompt + output)
-            attention[row, :length] = 1
-            if item is not None and output:
-                span = slice(len(prompt) - 1, length - 1)
-                mask[row, span] = 1
-                old[row, span] = torch.tensor(logprobs, dtype=torch.float32)
-        advantages = torch.tensor([adv for _, _, _, adv in rows])
-        out = {
-            "input_ids": input_ids,
-            "attention_mask": attention,
-            "mask": mask,
-            "old_logprobs": old,
-            "advantages": advantages,
-        }
-        if self.replays:
-            out["routes"] = replay_routes(items, width, self.replays[id(self.model)].shape)
-        return {key: value.to(self.device) for key, value in out.items()}
+        routes_shape = self.replays[id(self.model)].shape if self.replays else None
+        return {key: value.to(self.device) for key, value in collate(items, self.pad_token_id, routes_shape).items()}
 
     def _logprobs(self, model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """log p(token p+1 | tokens <= p) in fp32, shape [rows, width-1], of logits / the sampling
@@ -271,8 +262,11 @@ class PolicyTrainer:
 
     def weight_source(self, dtype: torch.dtype | None = None, *, keep: bool | None = None) -> ModuleSource:
         """Full tensors in checkpoint naming, kept on rank 0 (`keep=True`: on every rank); every rank
-        must iterate it together. `dtype`: the engines' dtype, cast to on each shard before gathering."""
+        must iterate it together. `dtype`: the engines' dtype, cast to on each shard before gathering.
+        A LoRA run's source is its adapter alone (peft naming, the trainer's dtype: no cast)."""
         self._require_onloaded("weight_source")
+        if self.lora:
+            return LoraSource(self.model, keep=self.rank == 0 if keep is None else keep)
         return ModuleSource(self.model, keep=self.rank == 0 if keep is None else keep, dtype=dtype)
 
     def save_hf(self, path: str | Path, *, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -285,6 +279,9 @@ class PolicyTrainer:
         """
         self._require_onloaded("save_hf")
         path = Path(path)
+        if self.lora:  # the adapter in peft's layout; its config names the base model it trains on
+            lora.save_adapter_dir(self.model, path, keep=self.rank == 0)
+            return dist.barrier()
         with torch.no_grad():
             tensors = (
                 (name, tensor.to(device="cpu", dtype=dtype or tensor.dtype))
@@ -314,7 +311,7 @@ class PolicyTrainer:
         so `path` must be one directory every rank can reach) and the step; `extra` (JSON) rides along."""
         self._require_onloaded("save_state")
         path = Path(path)
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
         if self.rank == 0:
             meta = {"step": self.step, "world_size": self.world_size, "extra": dict(extra or {})}
@@ -330,13 +327,25 @@ class PolicyTrainer:
                 f"{path} holds no trainer state ({STATE_META} is missing); "
                 "pass a directory written by PolicyTrainer.save_state"
             )
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        options = self._state_options()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
+        )
         meta = json.loads((path / STATE_META).read_text())
         self.step = int(meta["step"])
         return meta["extra"]
+
+    def _state_options(self) -> StateDictOptions:
+        """A LoRA run's state holds what trains (the adapter and its optimizer state), not the frozen base
+        (which a load therefore leaves as the trainer loaded it from the model path)."""
+        return StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
 
     # ---------------------------------------------------------------- colocation
 
@@ -366,6 +375,12 @@ class PolicyTrainer:
             raise RuntimeError(f"{verb} on an offloaded trainer (fix: call onload() first)")
 
 
+@contextlib.contextmanager
+def _disabled_adapter(model: torch.nn.Module):
+    with model.disable_adapter():
+        yield model
+
+
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -379,22 +394,3 @@ def _compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
     if mixed_precision == "bf16" or (mixed_precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32
-
-
-_REQUIRED = ("prompt_ids", "output_ids", "logprobs", "advantage")
-
-
-def _check_batch(batch: Sequence[Mapping[str, Any]]) -> None:
-    if not batch:
-        raise ValueError("train_step got an empty batch")
-    for index, item in enumerate(batch):
-        missing = [key for key in _REQUIRED if key not in item]
-        if missing:
-            raise ValueError(f"batch[{index}] lacks {missing} (each item needs {list(_REQUIRED)})")
-        if len(item["logprobs"]) != len(item["output_ids"]):
-            raise ValueError(
-                f"batch[{index}] has {len(item['logprobs'])} logprobs for "
-                f"{len(item['output_ids'])} output tokens (one engine logprob per output token)"
-            )
-        if not item["prompt_ids"]:
-            raise ValueError(f"batch[{index}] has no prompt tokens (the first output token needs a prompt)")

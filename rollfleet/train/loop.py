@@ -23,7 +23,7 @@ from pathlib import Path
 import ray
 from rich.console import Console
 
-from rollfleet.config import RunConfig
+from rollfleet.config import ConfigError, RunConfig
 from rollfleet.data.prompts import PromptDataset, PromptItem
 from rollfleet.data.synthetic import make_records
 from rollfleet.fleet.fleet import Fleet
@@ -31,6 +31,7 @@ from rollfleet.rewards import load_reward
 from rollfleet.sample import Sample
 from rollfleet.train.grpo import group_advantages
 from rollfleet.train.invariants import check_complete, check_samples, check_staleness
+from rollfleet.train.lora import check_targets
 from rollfleet.train.metrics import MetricsLog, StepClock, console_line, plot, sleep_wake_figures, step_metrics
 from rollfleet.train.prompt_cursor import PromptCursor
 from rollfleet.train.recovery import RecoverySnapshots
@@ -38,7 +39,6 @@ from rollfleet.train.routing_replay import check_replayable
 from rollfleet.train.sample_stream import SampleStream, generate_and_reward
 from rollfleet.train.worker import TrainerGroup
 from rollfleet.weights.checkpoint import atomic_directory
-from rollfleet.weights.transports.base import transport_class
 
 log = logging.getLogger("rollfleet.loop")
 Observer = Callable[[int, list[PromptItem], list[Sample]], None]
@@ -79,12 +79,13 @@ def latest_state(output_dir: Path) -> Path | None:
 def train(
     cfg: RunConfig, *, resume: bool = False, console: Console | None = None, observe: Observer | None = None
 ) -> Path:
-    if not transport_class(cfg.weight_sync).sends_full_weights:
-        raise ValueError(
-            f"weight_sync.transport={cfg.weight_sync.transport!r}: the GRPO trainer trains full weights, and "
-            "this transport sends only an adapter; use tensor, nccl or disk (a LoRA run pushes with "
-            "Fleet.sync_weights(LoraSource(peft_model), version))"
+    if cfg.train.lora is None and cfg.weight_sync.transport == "lora":
+        raise ConfigError(
+            "weight_sync.transport='lora': the lora transport sends only an adapter, and this run trains the full "
+            "weights (fix: set train.lora, e.g. train.lora.rank=8, or weight_sync.transport to tensor, nccl or disk)"
         )
+    if cfg.train.lora is not None:  # the config paired it with the lora transport; here: the model's modules
+        check_targets(cfg.train.lora, cfg.rollout.model_path)
     if cfg.train.routing_replay:
         check_replayable(cfg.rollout.model_path)
     console = console or Console()
@@ -272,15 +273,17 @@ def _train_item(sample: Sample, advantage: float) -> dict:
 
 
 def _checkpoint(run: Run, step: int) -> None:
-    """An HF checkpoint and a resumable state, each written under a temporary name and renamed,
-    so an interrupted save never replaces the last good one. A colocated trainer sits offloaded
-    between steps: it comes back for the save and leaves again."""
+    """An HF checkpoint (a LoRA run: its adapter, whose config names the base) and a resumable state,
+    each written under a temporary name and renamed, so an interrupted save never replaces the last
+    good one. A colocated trainer sits offloaded between steps: it comes back for the save and leaves
+    again."""
     root, trainers = run.output_dir / "checkpoints", run.trainers
     colocated = run.cfg.rollout.placement == "colocated"
     if colocated:
         trainers.onload()
     extra = {"step": step} if run.stream is None else {"step": step, "prompt_cursor": run.stream.cursor.state()}
-    for kind, save in (("hf", trainers.save_hf), ("state", lambda p: trainers.save_state(p, extra))):
+    model = "adapter" if run.cfg.train.lora is not None else "hf"  # a LoRA run saves its adapter (peft layout)
+    for kind, save in ((model, trainers.save_hf), ("state", lambda p: trainers.save_state(p, extra))):
         with atomic_directory(root / f"{kind}-step-{step}") as partial:
             save(str(partial))
     if colocated:

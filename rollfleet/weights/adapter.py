@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from rollfleet.weights.checkpoint import atomic_directory
@@ -21,7 +21,35 @@ from rollfleet.wire.hf_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
 from rollfleet.wire.hf_files import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
 
 
-class LoraSource:
+class AdapterSource:
+    """What the lora transport sends: an adapter's named tensors and its peft config; `directory`:
+    where it already lies as a peft directory (engines then read it there), or None."""
+
+    directory: str | None = None
+
+    def config_dict(self) -> dict:
+        raise NotImplementedError
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+
+class SavedAdapter(AdapterSource):
+    """A peft adapter directory (what `save_adapter` wrote): a restore sends it again."""
+
+    WEIGHTS_FILE = WEIGHTS_FILE
+
+    def __init__(self, directory: str | Path):
+        self.directory = str(directory)
+
+    def config_dict(self) -> dict:
+        return json.loads((Path(self.directory) / CONFIG_FILE).read_text())
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from load_file(Path(self.directory) / WEIGHTS_FILE).items()
+
+
+class LoraSource(AdapterSource):
     """The LoRA adapter of a peft model (possibly FSDP2-sharded: `full_tensor()` is collective, so
     every rank iterates together and only the sending rank keeps the results)."""
 
@@ -40,7 +68,8 @@ class LoraSource:
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from peft import get_peft_model_state_dict  # imported here: peft takes seconds to import
 
-        state = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)
+        # never the base layers (peft adds lm_head/embeddings' full weights when they are targets): engines hold them
+        state = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name, save_embedding_layers=False)
         for name, tensor in state.items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if self.keep:

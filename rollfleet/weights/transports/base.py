@@ -66,7 +66,7 @@ class Transport(ABC):
     what a restarted engine loads, which checkpoint a restore may use, what the sender needs."""
 
     name: ClassVar[str]
-    sends_full_weights: ClassVar[bool] = True  # False: only an adapter moves (the GRPO trainer cannot use it)
+    sends_full_weights: ClassVar[bool] = True  # False: only an adapter moves (a LoRA run: train.lora)
     restart_load_format: ClassVar[str] = "dummy"  # a restarted engine's load: its weights come by restore or push
     # True: every rank of a sharded sender may feed the engine ranks on its own device (a `feed=`
     # argument, transports/feed.py); False: rank 0 sends and the others only take part in the gathers
@@ -80,6 +80,11 @@ class Transport(ABC):
     @classmethod
     def restore_checkpoint(cls, spec, version: str) -> str | None:
         """A directory this transport's own syncs left holding exactly `version`, or None."""
+        return None
+
+    @classmethod
+    def saved_adapter(cls, spec, version: str) -> str | None:
+        """A LoRA adapter directory this transport's own syncs left holding `version`, or None."""
         return None
 
     @classmethod

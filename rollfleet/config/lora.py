@@ -1,0 +1,96 @@
+"""`train.lora`: the trainer trains a LoRA adapter (peft) instead of the full weights, and only the
+adapter moves to the engines (`weight_sync.transport: lora`). What a LoRA run needs of the rest of
+the config is checked here, once (`check_lora_run`); the targets are checked against the model
+itself when the run starts (rollfleet.train.lora.check_targets), since the model may not exist yet
+when the config is read."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import Field
+
+from rollfleet.config.errors import FieldProblem
+from rollfleet.config.section import Section
+
+if TYPE_CHECKING:
+    from rollfleet.config.models import RunConfig
+
+
+class LoraTrainConfig(Section):
+    """The adapter the trainer trains (peft's LoraConfig: plain LoRA, no bias, no DoRA)."""
+
+    rank: int = Field(8, ge=1, description="LoRA rank r (peft's r); at most weight_sync.max_lora_rank.")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input while training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names of the nn.Linear modules that get an adapter (the last part of a module's name, e.g. "
+        "q_proj); checked against the model when the run starts (not tied lm_head, not fused MoE experts).",
+    )
+
+    def peft_config(self):
+        """peft's LoraConfig for these settings."""
+        from peft import LoraConfig  # imported here: peft takes seconds to import
+
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            bias="none",
+        )
+
+
+def check_lora_run(cfg: RunConfig) -> None:
+    """train.lora needs weight_sync.transport=lora, and engines that can serve the adapter."""
+    lora, sync = cfg.train.lora, cfg.weight_sync
+    if lora is None:  # a fleet may take a LoRA transport for a trainer of its own; `rollfleet train` refuses it
+        return
+    if sync.transport != "lora":
+        raise FieldProblem(
+            "a LoRA run moves only its adapter to the engines",
+            "set weight_sync.transport=lora, or remove train.lora to train the full weights",
+            field="weight_sync.transport",
+            value=sync.transport,
+        )
+    if lora.rank > sync.max_lora_rank:
+        raise FieldProblem(
+            f"the engines accept adapters of rank <= weight_sync.max_lora_rank={sync.max_lora_rank}",
+            f"set train.lora.rank <= {sync.max_lora_rank}, or weight_sync.max_lora_rank >= {lora.rank}",
+            field="train.lora.rank",
+            value=lora.rank,
+        )
+    outside = sorted(set(lora.target_modules) - set(sync.lora_target_modules or lora.target_modules))
+    if outside:
+        raise FieldProblem(
+            f"targets {outside} are not in weight_sync.lora_target_modules={sync.lora_target_modules} "
+            "(the engines would refuse the adapter)",
+            "add them to weight_sync.lora_target_modules, or leave it unset",
+            field="train.lora.target_modules",
+            value=lora.target_modules,
+        )
+    _check_memory_moves(cfg)
+
+
+def _check_memory_moves(cfg: RunConfig) -> None:
+    """Nothing of a LoRA run ever sends base weights: the engines keep theirs for the whole run."""
+    rollout = cfg.rollout
+    if rollout.placement == "colocated" and rollout.release_weights:
+        raise FieldProblem(
+            "a LoRA run never pushes base weights, so colocated engines must keep theirs for the trainer's "
+            "turn (they release only the KV cache)",
+            "set rollout.release_weights=false, or rollout.placement=disaggregated",
+            field="rollout.release_weights",
+            value=True,
+        )
+    every = cfg.grpo.recovery_checkpoint_every
+    if every != "auto" and every > 0:
+        raise FieldProblem(
+            "a LoRA run restores engines from their base weights and the adapter each sync leaves on disk "
+            "(weight_sync.path); a full-weight recovery checkpoint is never used",
+            "set grpo.recovery_checkpoint_every to 'auto' or 0",
+            field="grpo.recovery_checkpoint_every",
+            value=every,
+        )
