@@ -290,10 +290,8 @@ class Scheduler(Aborts):
         if any(seq.abort_message is not None for seq in self.running):
             return self._drop_aborted_running  # aborts take effect at once, paused or not
         if self.running and not self.halted:
-            joining = (
-                [] if self.controls else joiners(self.running, self.waiting, self.batch_lora, self.max_running_requests)
-            )
-            if joining:  # the whole batch prefills again with them (admission_batch.py says when)
+            joining = joiners(self.running, self.waiting, self.batch_lora, self.max_running_requests)
+            if joining and not self.controls:  # the whole batch prefills again with them (admission_batch.py)
                 self.running, self.waiting = [*self.running, *joining], without(self.waiting, joining)
                 self.needs_prefill = True
                 self.stats["joined"] += len(joining)
