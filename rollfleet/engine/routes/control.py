@@ -34,14 +34,21 @@ async def model_info(engine: Engine):
     }
 
 
+@router.get("/get_weight_version")
+async def get_weight_version(engine: Engine):
+    """SGLang before 0.5.21 (removed there; slime's engine wrapper still reads it): the version label."""
+    return {"weight_version": engine.scheduler.weight_version}
+
+
 @router.get("/get_server_info")
 @router.get("/server_info")
 async def server_info(engine: Engine):
     args = engine.args
-    info = {k: v for k, v in vars(args).items() if k != "api_key"}
+    info = {k: v for k, v in vars(args).items() if k not in ("api_key", "admin_api_key")}
     return {
         **info,
         "api_key_set": bool(args.api_key),
+        "admin_api_key_set": bool(args.admin_api_key),
         "version": VERSION,
         "engine": "rollfleet-embedded",
         # SGLang's KV pool size; here the most tokens the running batch may hold (no fixed pool)
