@@ -9,13 +9,13 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
 from rollfleet.engine.lockstep import Action
+from rollfleet.engine.memory_tags import ReleasedTags
 from rollfleet.engine.scheduler import EngineStopped
 from rollfleet.engine.service import VERSION, BadRequest, Engine, EngineService
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.protocol import AbortRequest, MemoryRequest, PauseGenerationRequest
 
 router = APIRouter()
-ALL_MEMORY_TAGS = ["weights", "kv_cache"]
 
 
 @router.get("/get_model_info")
@@ -83,7 +83,8 @@ async def memory(engine: Engine):
 
 
 async def move_memory(engine: EngineService, req: MemoryRequest, action: Action) -> dict:
-    tags = [t for t in (req.tags or ALL_MEMORY_TAGS) if t != "cuda_graph"]  # no CUDA graphs here
+    named = ReleasedTags.of(req.tags)
+    tags = [t for t in named if t != "cuda_graph"]  # no CUDA graphs here (their state is kept all the same)
 
     def act():
         if engine.scheduler.num_unfinished:
@@ -91,15 +92,17 @@ async def move_memory(engine: EngineService, req: MemoryRequest, action: Action)
                 f"{engine.scheduler.num_unfinished} requests are unfinished: pause or abort them "
                 "before releasing or resuming memory"
             )
-        if action is Action.RELEASE_MEMORY:
-            engine.sessions.check_release(tags)
-        if action is Action.RELEASE_MEMORY:
-            # a host copy only of weights that may be served again (not of a session's mixed ones)
-            backup = engine.args.enable_weights_cpu_backup and engine.sessions.mixed is None
-            memory = engine.lockstep(action, tags=tags, cpu_backup=backup)
-            engine.sessions.after_release(tags)
-            return memory
-        return engine.lockstep(action, tags=tags)
+        if action is Action.RESUME_MEMORY:
+            engine.memory_tags.check_resume(named)
+            engine.lockstep(action, tags=tags)
+            return engine.memory_tags.after_resume(named)
+        engine.memory_tags.check_release(named)
+        engine.sessions.check_release(tags)
+        # a host copy only of weights that may be served again (not of a session's mixed ones)
+        backup = engine.args.enable_weights_cpu_backup and engine.sessions.mixed is None
+        engine.lockstep(action, tags=tags, cpu_backup=backup)
+        engine.sessions.after_release(tags)
+        engine.memory_tags.after_release(named)
 
     await engine.control(act)
     return None  # SGLang answers release and resume with an empty (null) body; GET /rollfleet/memory says more
