@@ -61,6 +61,7 @@ async def server_info(engine: Engine):
         "rollfleet_weight_calls_waiting": engine.call_order.waiting,
         "rollfleet_weight_update_sessions": True,
         "rollfleet_remote_instance": engine.remote.report(),
+        "rollfleet_released_memory": sorted(engine.memory_tags.released),  # tags released and not resumed
         "start_breakdown": engine.start_breakdown,  # seconds per phase of this engine's start
         # the GPUs this server was given (a zygote-forked engine sets it after fork, so /proc/PID/environ
         # still shows the zygote's)
