@@ -279,9 +279,11 @@ def reset_server(proc: EngineProcess, model_dir: str) -> None:
         ("/end_weight_update", {}),
         ("/abort_request", {"abort_all": True}),
         ("/continue_generation", {}),
-        ("/resume_memory_occupation", {}),
     ):
         httpx.post(proc.url + route, json=body, timeout=60)
+    released = call(proc, "get_server_info")["rollfleet_released_memory"]
+    if released:  # exactly these: a resume of a tag not released is refused, and resumes nothing
+        call(proc, "resume_memory_occupation", released)
     call(proc, "update_weights_from_disk", model_dir, weight_version="default")
     info = call(proc, "get_model_info")
     assert info["weights_ready"] and info["weight_version"] == "default", info

@@ -103,9 +103,10 @@ def test_override_into_a_section_the_yaml_left_null(tmp_path):
     assert load_config(path, ["rollout.sampling.n=4"]).rollout.sampling.n == 4
 
 
-def test_api_key_not_in_repr():
-    cfg = load_config(None, [MODEL, "rollout.api_key=hunter2"])
-    assert "hunter2" not in repr(cfg)
+def test_api_keys_not_in_repr():
+    cfg = load_config(None, [MODEL, "rollout.api_key=hunter2", "rollout.admin_api_key=swordfish"])
+    assert cfg.rollout.admin_api_key == "swordfish"
+    assert "hunter2" not in repr(cfg) and "swordfish" not in repr(cfg)
 
 
 # --- unknown keys ---------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""API key on every route but SGLang's open health paths, loopback binding, and bad requests
+"""API key on every route but SGLang's open health paths; with --admin-api-key too, SGLang's split (the
+admin routes take only the admin key, the others only the API key); loopback binding, and bad requests
 answered with 400 while serving on."""
 
 from __future__ import annotations
@@ -7,11 +8,14 @@ import socket
 
 import httpx
 import pytest
-from conftest import engine_server
+from conftest import engine_server, run
 
 from rollfleet.engine.server import main as server_main
+from rollfleet.wire.auth import is_admin_route
+from rollfleet.wire.client import EngineClient
 
 KEY = "s3cret"
+ADMIN_KEY = "adm1n"
 ROUTES = [
     ("POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}}),
     ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
@@ -21,6 +25,7 @@ ROUTES = [
     ("GET", "/get_model_info", None),
     ("GET", "/model_info", None),
     ("GET", "/get_server_info", None),
+    ("GET", "/get_weight_version", None),
     ("GET", "/server_info", None),
     ("POST", "/flush_cache", None),
     ("POST", "/update_weights_from_disk", {"model_path": "/nonexistent"}),
@@ -70,6 +75,13 @@ def server(qwen3_dir, tmp_path_factory):
         yield proc
 
 
+@pytest.fixture(scope="module")
+def admin_server(qwen3_dir, tmp_path_factory):
+    extra = ["--admin-api-key", ADMIN_KEY]
+    with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs"), api_key=KEY, extra=extra) as proc:
+        yield proc
+
+
 def send(server, method, route, body=None, key=KEY, raw=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if raw is not None:
@@ -90,6 +102,43 @@ def test_every_route_needs_the_key(server):
     assert send(server, "GET", "/openapi.json", key=None).status_code == 401
     for route in OPEN_ROUTES:  # SGLang leaves probes open (--api-key-open-paths)
         assert send(server, "GET", route, key=None).status_code == 200, route
+
+
+def test_with_an_admin_key_admin_routes_take_only_it_and_the_others_only_the_api_key(admin_server):
+    admin = [(method, route) for method, route, _ in ROUTES if is_admin_route(route)]
+    assert len(admin) == 25 and ("POST", "/generate") not in admin
+    for method, route, body in ROUTES:
+        wrong = KEY if is_admin_route(route) else ADMIN_KEY
+        for key in (None, wrong):
+            response = send(admin_server, method, route, body, key=key)
+            assert response.status_code == 401, (route, key)
+            assert response.json()["error"] == "Unauthorized"  # SGLang's body, and a message with the fix
+            assert ("--admin-api-key" in response.json()["message"]) == is_admin_route(route), route
+    for method, route, _ in ROUTES:
+        # the right key passes the check: a body the route cannot parse (a list) answers 400, not 401
+        right = ADMIN_KEY if is_admin_route(route) else KEY
+        response = send(admin_server, method, route, [] if method == "POST" else None, key=right)
+        assert response.status_code != 401, (route, response.text)
+    scheme = {"Authorization": f"bearer {ADMIN_KEY}"}  # any case, as SGLang
+    assert httpx.post(admin_server.url + "/continue_generation", json={}, headers=scheme).status_code == 200
+    assert httpx.request("OPTIONS", admin_server.url + "/release_memory_occupation").status_code != 401
+    for route in OPEN_ROUTES:
+        assert send(admin_server, "GET", route, key=None).status_code == 200, route
+    info = send(admin_server, "GET", "/get_server_info").json()
+    assert info["admin_api_key_set"] and ADMIN_KEY not in str(info) and KEY not in str(info)
+
+
+def test_the_client_sends_each_route_its_key(admin_server, qwen3_dir):
+    async def go():
+        async with EngineClient(admin_server.url, api_key=KEY, admin_api_key=ADMIN_KEY) as client:
+            await client.pause_generation("in_place")
+            await client.continue_generation()
+            await client.update_weights_from_disk(qwen3_dir, weight_version="admin")
+            out = await client.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
+            return out, (await client.get_model_info())["weight_version"]
+
+    out, version = run(go())
+    assert out["meta_info"]["weight_version"] == version == "admin"
 
 
 @pytest.mark.parametrize(

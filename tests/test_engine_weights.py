@@ -129,7 +129,10 @@ def test_release_and_resume_memory(server, qwen3_dir):
     with pytest.raises(EngineError) as err:  # a refused disk update leaves them released
         call(server, "update_weights_from_disk", "/nonexistent")
     assert call(server, "memory")[0]["weight_bytes"] == 0
-    assert call(server, "resume_memory_occupation", None) is None
+    with pytest.raises(EngineError) as err:  # None is every tag, cuda_graph too: not released (SGLang's state)
+        call(server, "resume_memory_occupation", None)
+    assert "tag 'cuda_graph' is not currently released" in err.value.message
+    assert call(server, "resume_memory_occupation", ["kv_cache", "weights"]) is None
     assert call(server, "memory")[0]["weight_bytes"] == before["weight_bytes"]
     assert status(server, "/health_generate") == 503  # without a host copy the contents are gone until a push
     call(server, "update_weights_from_disk", qwen3_dir, weight_version="v10")

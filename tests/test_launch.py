@@ -42,10 +42,13 @@ def test_sglang_colocated_key_and_extras():
         "rollout.backend=sglang",
         "rollout.placement=colocated",
         "rollout.api_key=k",
+        "rollout.admin_api_key=a",
         "rollout.server_extras=['--mem-fraction-static', '0.6']",
     )
     argv = engine_argv(cfg, EngineLaunch(port=1, host="0.0.0.0"))
-    assert "--enable-memory-saver" in argv and flag(argv, "--api-key") == "k"
+    assert "--enable-memory-saver" in argv and flag(argv, "--api-key") == "k" and flag(argv, "--admin-api-key") == "a"
+    embedded = engine_argv(cfg.model_copy(update={"backend": "embedded"}), EngineLaunch(port=1))
+    assert flag(embedded, "--api-key") == "k" and flag(embedded, "--admin-api-key") == "a"
     assert argv[-2:] == ["--mem-fraction-static", "0.6"] and flag(argv, "--host") == "0.0.0.0"
 
 

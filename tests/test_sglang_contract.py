@@ -200,3 +200,38 @@ def test_an_sglang_release_outside_the_proven_range_is_refused_naming_the_range(
     for version in ("0.5.20", "0.6.0", "", None):
         with pytest.raises(UnsupportedEngine, match=f"{low} to {high}"):
             check_supported({"version": version}, "http://e")
+
+
+# (call, tags, refused by SGLang 0.5.23's bookkeeping): each refusal fails on its first tag, so that
+# SGLang's record (it removes tag by tag) is left unchanged as the embedded engine's is
+MEMORY_STEPS = [
+    ("resume", ["kv_cache"], True),  # nothing released
+    ("release", ["kv_cache"], False),
+    ("resume", ["weights"], True),  # another tag than the one released
+    ("resume", ["kv_cache"], False),
+    ("release", None, False),  # all tags
+    ("resume", ["weights"], False),
+    ("resume", ["weights"], True),
+    ("resume", ["cuda_graph", "kv_cache"], False),
+]
+
+
+def test_release_and_resume_state_matches_sglangs_own_bookkeeping(sglang_url, qwen3_server):
+    """The embedded engine refuses (400, nothing changed) exactly the resumes SGLang's scheduler-side
+    manager raises on, and records the same released tags; a second release SGLang 0.5.23 accepts
+    (its record is a set) is refused here, as SGLang's later release/resume state tests require."""
+    for verb, tags, sglang_refuses in MEMORY_STEPS:
+        route = f"/{verb}_memory_occupation"
+        theirs = httpx.post(sglang_url + route, json={"tags": tags}, timeout=60)
+        ours = httpx.post(qwen3_server.url + route, json={"tags": tags}, timeout=60)
+        assert (theirs.status_code != 200) == sglang_refuses, (verb, tags, theirs.text[:300])
+        assert ours.status_code == (400 if sglang_refuses else 200), (verb, tags, ours.text)
+        released = httpx.get(f"{sglang_url}/contract/memory").json()["released"]
+        assert call(qwen3_server, "get_server_info")["rollfleet_released_memory"] == released, (verb, tags)
+    for url in (sglang_url, qwen3_server.url):
+        httpx.post(url + "/release_memory_occupation", json={"tags": ["kv_cache"]}).raise_for_status()
+    assert httpx.post(sglang_url + "/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    again = httpx.post(qwen3_server.url + "/release_memory_occupation", json={"tags": ["kv_cache"]})
+    assert again.status_code == 400 and "already released" in again.json()["message"]
+    for url in (sglang_url, qwen3_server.url):
+        httpx.post(url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}).raise_for_status()

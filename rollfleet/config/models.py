@@ -94,7 +94,16 @@ class RolloutConfig(_Section):
     server_extras: list[str] = Field(
         default_factory=list, description="Extra command-line arguments appended to the engine server's argv."
     )
-    api_key: str | None = Field(None, repr=False, description="API key the engine servers require; None: no auth.")
+    api_key: str | None = Field(
+        None, repr=False, description="API key the engine servers require (generate, OpenAI, status); None: no auth."
+    )
+    admin_api_key: str | None = Field(
+        None,
+        repr=False,
+        description="Admin key (SGLang's --admin-api-key): the engines' weight, memory, pause and abort routes then "
+        "take only it, not api_key; the fleet's own control calls send it, its generate traffic api_key. "
+        "None: those routes take api_key.",
+    )
     host: str = Field("127.0.0.1", description="Address engine servers bind; 0.0.0.0 for multi-node (set api_key).")
     request_timeout_s: float = Field(600.0, gt=0.0, description="Seconds one generate request may take.")
     probe_interval_s: float = Field(
@@ -130,6 +139,11 @@ class RolloutConfig(_Section):
     def layout(self) -> Layout:
         """The fleet's shape (engines, tp, pp, ep); valid once this config validated."""
         return Layout(self.num_engines, self.tp_size, self.pp_size, self.ep_size)
+
+    @property
+    def keys(self) -> dict[str, str | None]:
+        """The engines' keys, as EngineClient and EnginePool take them: each call sends the one its route takes."""
+        return {"api_key": self.api_key, "admin_api_key": self.admin_api_key}
 
     @property
     def gpus_per_engine(self) -> int:

@@ -1,11 +1,9 @@
 """The embedded engine's HTTP app (SGLang's route names, fields and response shapes): the routes of
-rollfleet.engine.routes over one EngineService, an API-key check, and errors as
-`{"success": false, "message": ...}` with a 4xx status.
+rollfleet.engine.routes over one EngineService, SGLang's key check per route (rollfleet.wire.auth:
+--api-key, --admin-api-key), and errors as `{"success": false, "message": ...}` with a 4xx status.
 """
 
 from __future__ import annotations
-
-import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,12 +13,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rollfleet.engine.openai_api import error_body
 from rollfleet.engine.routes import control, generate, lora, openai, remote, weights
 from rollfleet.engine.service import VERSION, BadRequest, EngineService, fail, validation_message
+from rollfleet.wire.auth import refusal
+
+ROUTE_MODULES = (generate, weights, lora, control, remote, openai)
 
 
 def create_app(engine: EngineService) -> FastAPI:
     app = FastAPI(title="rollfleet embedded engine", version=VERSION)
     app.state.engine = engine
-    for module in (generate, weights, lora, control, remote, openai):
+    for module in ROUTE_MODULES:
         app.include_router(module.router)
     app.middleware("http")(require_api_key)
     app.exception_handler(RequestValidationError)(on_invalid_request)
@@ -30,13 +31,19 @@ def create_app(engine: EngineService) -> FastAPI:
 
 
 async def require_api_key(request: Request, call_next):
-    """SGLang's rule: with --api-key every request needs `Authorization: Bearer <key>` (the scheme
-    in any case), except CORS preflights (OPTIONS) and the --api-key-open-paths (health probes)."""
+    """SGLang's rule per route (rollfleet.wire.auth), the open paths being --api-key-open-paths; a refusal
+    is SGLang's 401 `{"error": "Unauthorized"}` with this server's message naming the key to send."""
     args = request.app.state.engine.args
-    if args.api_key and request.method != "OPTIONS" and not request.url.path.startswith(tuple(args.api_key_open_paths)):
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), args.api_key.encode()):
-            return fail("missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
+    why = refusal(
+        request.method,
+        request.url.path,
+        request.headers.get("authorization"),
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        open_paths=tuple(args.api_key_open_paths),
+    )
+    if why is not None:
+        return JSONResponse({"error": "Unauthorized", "success": False, "message": why}, status_code=401)
     return await call_next(request)
 
 

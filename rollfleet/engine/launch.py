@@ -50,6 +50,7 @@ def embedded_argv(
     ep_size: int = 1,
     load_format: str = "auto",
     api_key: str | None = None,
+    admin_api_key: str | None = None,
     extra: list[str] | None = None,
 ) -> list[str]:
     argv = [
@@ -69,9 +70,12 @@ def embedded_argv(
         "--load-format",
         load_format,
     ]
-    if api_key:
-        argv += ["--api-key", api_key]
-    return argv + list(extra or [])
+    return argv + key_argv(api_key, admin_api_key) + list(extra or [])
+
+
+def key_argv(api_key: str | None, admin_api_key: str | None) -> list[str]:
+    """The same flags for SGLang and the embedded engine."""
+    return (["--api-key", api_key] if api_key else []) + (["--admin-api-key", admin_api_key] if admin_api_key else [])
 
 
 @dataclass(frozen=True)
@@ -134,9 +138,7 @@ def sglang_argv(rollout, launch: EngineLaunch) -> list[str]:
     ]
     if rollout.placement == "colocated":
         argv.append("--enable-memory-saver")  # release/resume of weights and KV cache around training
-    if rollout.api_key:
-        argv += ["--api-key", rollout.api_key]
-    return argv + list(rollout.server_extras)
+    return argv + key_argv(rollout.api_key, rollout.admin_api_key) + list(rollout.server_extras)
 
 
 def embedded_fleet_argv(rollout, launch: EngineLaunch) -> list[str]:
@@ -150,6 +152,7 @@ def embedded_fleet_argv(rollout, launch: EngineLaunch) -> list[str]:
         ep_size=rollout.ep_size,
         load_format=LOAD_FORMAT if launch.seed is not None else launch.load_format,
         api_key=rollout.api_key,
+        admin_api_key=rollout.admin_api_key,
         extra=extra,
     )
 

@@ -31,6 +31,7 @@ from rollfleet.engine.remote_instance import RemoteInstance
 from rollfleet.engine.route_capture import RouteCapture
 from rollfleet.engine.shards import full_of, local_of, tensor_sha256
 from rollfleet.engine.weight_groups import WeightGroups, WeightUpdateError
+from rollfleet.engine.weight_storage import HostCopy, own_storages, unique_storages
 from rollfleet.engine.weight_update import SYNC_TIMING, WeightSchema, WeightUpdater
 from rollfleet.wire.fingerprint import Fingerprints
 from rollfleet.wire.naming import model_to_checkpoint
@@ -62,8 +63,8 @@ class ModelRunner:
         params = dict(self.model.named_parameters(remove_duplicate=False))
         self.dtype = next(iter(params.values())).dtype
         self.schema = WeightSchema.of(self.model, params)
-        _own_storages(params)
-        self._storages = _unique_storages(params)  # (storage, bytes when resident)
+        own_storages(params)
+        self._storages = unique_storages(params)  # (storage, bytes when resident)
         self.load_prints = LoadPrints(self.schema.plain_to_param, self.schema.checkpoint_shapes)
         self.lora = LoraMerge(self.model, params, lora, self.ranks, on_merge=self.load_prints.forget)
         groups = WeightGroups(self.ranks, tp_size, self.device)
@@ -81,7 +82,7 @@ class ModelRunner:
         self.cache: DynamicCache | None = None
         self.route_capture = RouteCapture(self.model)
         self.last_routes: torch.Tensor | None = None  # [batch, positions, layers, top_k] of the last forward asked
-        self._weight_backup: list[torch.UntypedStorage] | None = None  # released weights' host copy
+        self.host_copy = HostCopy()  # of released weights, with --enable-weights-cpu-backup
         mark("model_prepare")
 
     @property
@@ -260,17 +261,17 @@ class ModelRunner:
 
     def release_memory(self, tags: list[str], cpu_backup: bool = False) -> list[dict[str, int]]:
         """Free the tagged memory; with `cpu_backup` (SGLang's --enable-weights-cpu-backup) complete
-        weights are copied to the host first and come back on resume, ready to serve."""
-        params = self.lora.base_params()  # no adapter's saved base values outlive the weights
+        weights are copied to the host first (pinned memory beside a GPU) and come back on resume,
+        bit-exact and ready to serve."""
+        params = self.lora.base_params()  # no adapter's saved base values outlive the weights (nor are copied)
         before = self._memory()
         self.weights.drop_held_payloads()
         if WEIGHT_TAG in tags:
             if not self.weights_released():  # a second release keeps the first one's copy
-                self._weight_backup = _host_copies(self._storages) if cpu_backup and self.weights.ready else None
-            for storage, _ in _unique_storages(params):
-                storage.resize_(0)
-            self.weights.forget_loaded()
-            self.load_prints.forget()
+                self.host_copy.drop()
+                if cpu_backup and self.weights.ready:
+                    self.host_copy.take(self._storages, pin=self.device.type == "cuda")
+            self._free_weights(params)
         if KV_CACHE_TAG in tags:
             self.cache = None
         self._empty_cache()
@@ -279,33 +280,42 @@ class ModelRunner:
     def resume_memory(self, tags: list[str]) -> list[dict[str, int]]:
         before = self._memory()
         if WEIGHT_TAG in tags:
-            for storage, nbytes in self._storages:
-                if storage.nbytes() == 0:
-                    storage.resize_(nbytes)
-            backup, self._weight_backup = self._weight_backup, None
-            if backup is not None:
-                for (storage, _), copy in zip(self._storages, backup):
-                    storage.copy_(copy)
+            self._allocate_weights()
+            if self.host_copy.restore(self._storages):
                 self.weights.mark_loaded()
         return self.ranks.gather({"before": before, "after": self._memory()})
 
     def update_weights_from_disk(self, model_path: str) -> list[str]:
         """A disk update loads every tensor, so SGLang-style clients send it whatever the memory state
         (AReaL's colocated cycle sends it while weights are released): released weights are
-        allocated again first, and released again if the update is refused (nothing changed)."""
-        was_released = self.weights_released()
-        if was_released:
-            self.resume_memory([WEIGHT_TAG])
-        try:
+        allocated again first, and released again if the update is refused (nothing changed: a host
+        copy of them is kept for the resume); a loaded update replaces the host copy."""
+        if not self.weights_released():
             return self.weights.from_disk(model_path)
+        self._allocate_weights()
+        try:
+            names = self.weights.from_disk(model_path)
         except WeightUpdateError:
-            if was_released:
-                self.release_memory([WEIGHT_TAG])
+            self._free_weights(self.lora.base_params())
             raise
+        self.host_copy.drop()
+        return names
+
+    def _free_weights(self, params: dict[str, torch.Tensor]) -> None:
+        for storage, _ in unique_storages(params):
+            storage.resize_(0)
+        self.weights.forget_loaded()
+        self.load_prints.forget()
+
+    def _allocate_weights(self) -> None:
+        """Released storages get their size back, without values."""
+        for storage, nbytes in self._storages:
+            if storage.nbytes() == 0:
+                storage.resize_(nbytes)
 
     def _memory(self) -> dict[str, int]:
         weight_bytes = sum(storage.nbytes() for storage, _ in self._storages)
-        stats = {"weight_bytes": weight_bytes}
+        stats = {"weight_bytes": weight_bytes, **self.host_copy.stats()}
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             stats.update(
@@ -349,29 +359,6 @@ def _quiet_load_report():
         yield
     finally:
         report.setLevel(level)
-
-
-@torch.no_grad()
-def _own_storages(params: dict[str, torch.Tensor]) -> None:
-    """Give every parameter a storage of its own: loaded tensors may alias a file buffer, which
-    cannot be resized, and release/resume frees and re-allocates storages in place."""
-    for param in {id(p): p for p in params.values()}.values():
-        local = local_of(param)
-        if not local.untyped_storage().resizable():
-            local.set_(local.clone())
-
-
-def _host_copies(storages: list[tuple[torch.UntypedStorage, int]]) -> list[torch.UntypedStorage]:
-    """A host copy of each storage (a new one also on the CPU, where `.cpu()` would alias it)."""
-    return [torch.UntypedStorage(storage.nbytes(), device="cpu").copy_(storage) for storage, _ in storages]
-
-
-def _unique_storages(params: dict[str, torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:
-    seen: dict[int, tuple[torch.UntypedStorage, int]] = {}
-    for param in params.values():
-        storage = local_of(param).untyped_storage()
-        seen.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
-    return list(seen.values())
 
 
 def model_class(config_or_path) -> type:

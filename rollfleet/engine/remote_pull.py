@@ -116,7 +116,9 @@ async def load_from_seed(engine: EngineService, source: SeedSource, timeout_s: f
 async def _pull(engine: EngineService, source: SeedSource, timeout_s: float, phases: dict[str, float]) -> str:
     """The pull's steps; `phases` gets the seconds of each one done (layout, join, transfer, check)."""
     done = Laps(phases).done
-    async with EngineClient(source.url, api_key=engine.args.api_key, timeout=timeout_s) as seed:
+    async with EngineClient(
+        source.url, api_key=engine.args.api_key, admin_api_key=engine.args.admin_api_key, timeout=timeout_s
+    ) as seed:
         try:
             layout = await seed.weight_layout()
         except EngineError as exc:

@@ -70,7 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto = float32 on CPU, the checkpoint's dtype on GPU",
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but --api-key-open-paths)")
     p.add_argument("--weight-version", default="default")
     _add_limit_flags(p)
     add_remote_instance_flags(p)

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from rollfleet.engine.call_order import CallOrder
 from rollfleet.engine.lockstep import Lockstep
 from rollfleet.engine.lora_recency import AdapterRecency
+from rollfleet.engine.memory_tags import ReleasedTags
 from rollfleet.engine.model import ModelRunner
 from rollfleet.engine.scheduler import EngineStopped, Scheduler
 from rollfleet.engine.sequence import Sequence
@@ -116,6 +117,7 @@ class EngineService:
     start_breakdown: dict = field(default_factory=dict)  # start_timing.StartTimer.breakdown(), once listening
     sessions: WeightSessions = field(init=False)
     remote: RemoteTransfers = field(default_factory=RemoteTransfers)
+    memory_tags: ReleasedTags = field(default_factory=ReleasedTags)  # released tags, SGLang's state errors
 
     def __post_init__(self):
         self.sessions = WeightSessions(

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from rollfleet.wire.auth import OPEN_PATHS
 from rollfleet.wire.routed_experts import ROUTED_EXPERTS_FLAG
-
-# SGLang answers these without the API key (Kubernetes probes, Prometheus scrapes); matched by prefix
-OPEN_PATHS = ["/health", "/ready", "/metrics"]
 
 
 def add_serving_flags(p: argparse.ArgumentParser) -> None:
@@ -26,11 +24,20 @@ def add_serving_flags(p: argparse.ArgumentParser) -> None:
         help="keep a host copy of released weights and restore it on resume, so the engine serves "
         "again without a push (SGLang's flag); without it released weights must be pushed again",
     )
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (see --admin-api-key)")
+    p.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="SGLang's admin key: with it the admin routes (weight updates and their groups and sessions, "
+        "memory release/resume, pause/continue/abort, flush, LoRA loads, R-Fork sends, every /rollfleet/ "
+        "route) take only 'Authorization: Bearer ADMIN_KEY', never the --api-key; the other routes "
+        "(generate, OpenAI, status) take the --api-key, and are open without one",
+    )
     p.add_argument(
         "--api-key-open-paths",
         nargs="*",
-        default=OPEN_PATHS,
-        help="path prefixes answered without --api-key, as SGLang does (default: /health /ready /metrics, "
+        default=list(OPEN_PATHS),
+        help="path prefixes answered without a key, as SGLang does (default: /health /ready /metrics, "
         "which covers /health_generate); give none to require the key everywhere",
     )
     p.add_argument(

@@ -75,7 +75,7 @@ class Fleet:
         self._event_marks: dict[int, int] = {}
         self._weights_released = False
         self.pool = EnginePool.for_urls(
-            {s.engine_id: s.url for s in slots}, api_key=self.rollout.api_key, timeout=self.rollout.request_timeout_s
+            {s.engine_id: s.url for s in slots}, **self.rollout.keys, timeout=self.rollout.request_timeout_s
         )
         self.recovery = Recovery(self)
         self.router = Router(slots, self.pool, wait_s=self.rollout.recovery_wait_s, on_dead=self.recovery.mark_dead)
@@ -278,7 +278,7 @@ class Fleet:
                 num_ranks=ranks,
                 rank_offset=offset,
                 dtype=dtype_from_name(s.dtype) if s.dtype else None,
-                api_key=self.rollout.api_key,
+                **self.rollout.keys,
             )
             for s, offset in zip(slots, offsets)
         ]

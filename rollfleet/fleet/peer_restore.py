@@ -70,7 +70,7 @@ class PeerRestore:
         if slot.engine_id not in self._devices:
 
             async def ask() -> dict:  # a client of its own: a short timeout, not the pool's
-                async with EngineClient(slot.url, api_key=self.fleet.rollout.api_key, timeout=5) as client:
+                async with EngineClient(slot.url, **self.fleet.rollout.keys, timeout=5) as client:
                     return await client.get_server_info()
 
             try:

@@ -1,6 +1,7 @@
 """Async HTTP client for one engine: the embedded server or a real SGLang server (same protocol).
 
-Every method maps to one route. A non-2xx answer raises `EngineError` carrying the status and
+Every method maps to one route, and carries the key that route takes (rollfleet.wire.auth: the admin key
+on admin routes, the API key on the others). A non-2xx answer raises `EngineError` carrying the status and
 the server's own message; a slow answer raises `EngineTimeout` after `timeout` seconds.
 """
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from rollfleet.wire.auth import key_for
 from rollfleet.wire.errors import EngineError, EngineTimeout, message_of
 from rollfleet.wire.generation import GenerationRoutes
 from rollfleet.wire.protocol_versions import (  # noqa: F401  (EngineClient's callers import them here)
@@ -28,15 +30,16 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class EngineClient(GenerationRoutes):
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 300.0):
+    def __init__(
+        self, base_url: str, *, api_key: str | None = None, admin_api_key: str | None = None, timeout: float = 300.0
+    ):
         self.base_url = base_url.rstrip("/")
         self._server_info: dict | None = None  # server_protocol's answer, once read
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._keys = (api_key, admin_api_key)
         # An https engine gets httpx's default certificate checks; plain http needs no TLS context,
         # and building one (loading the CA bundle) costs 15-30 ms per client.
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
-            headers=headers,
             timeout=timeout,
             verify=self.base_url.startswith("https://"),
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
@@ -53,6 +56,7 @@ class EngineClient(GenerationRoutes):
 
     async def _call(self, method: str, route: str, payload: dict | None = None, *, timeout: float | None = None) -> Any:
         kwargs: dict[str, Any] = {} if payload is None else {"json": payload}
+        kwargs["headers"] = self.auth_headers(route)
         if timeout is not None:
             kwargs["timeout"] = timeout
         try:
@@ -67,6 +71,10 @@ class EngineClient(GenerationRoutes):
             return response.json()
         except ValueError:
             return response.text
+
+    def auth_headers(self, route: str) -> dict[str, str]:
+        key = key_for(route, *self._keys)
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     # ---- status (generation: rollfleet.wire.generation) ----------------------------------------
     async def health(self, timeout: float = 5) -> bool:

@@ -64,7 +64,9 @@ class GenerationRoutes:
         `fields` are `generate`'s. A refusal raises EngineError before the first event."""
         payload = {**generate_payload(**{"sampling_params": {}, **fields}), "stream": True}
         try:
-            async with self._http.stream("POST", "/generate", json=payload, timeout=timeout) as response:
+            async with self._http.stream(
+                "POST", "/generate", json=payload, timeout=timeout, headers=self.auth_headers("/generate")
+            ) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     raise EngineError("/generate", response.status_code, message_of(response))

@@ -5,7 +5,7 @@ Synchronous code (the fleet's verbs, weight senders, recovery threads) blocks on
 loop; async code (the router's generate requests) runs on it. An engine restarted on a new port gets
 a new client (`set_url`); the old one is closed.
 
-    pool = EnginePool(api_key=key, timeout=600)
+    pool = EnginePool(api_key=key, admin_api_key=admin_key, timeout=600)
     pool.set_url(0, "http://127.0.0.1:30000")
     info = pool.call(0, "get_model_info")
     answers = pool.each("update_weight_version", {0: (("v1",), {})}).result()
@@ -23,8 +23,9 @@ from rollfleet.wire.client import EngineClient
 
 
 class EnginePool:
-    def __init__(self, *, api_key: str | None = None, timeout: float = 600.0):
-        self.api_key, self.timeout = api_key, timeout
+    def __init__(self, *, api_key: str | None = None, admin_api_key: str | None = None, timeout: float = 600.0):
+        """The keys are the servers' --api-key and --admin-api-key; each call carries the one its route takes."""
+        self.api_key, self.admin_api_key, self.timeout = api_key, admin_api_key, timeout
         self._clients: dict[int, EngineClient] = {}
         self._lock = threading.Lock()  # set_url may run in several driver threads (restarts, probes)
         self._loop = asyncio.new_event_loop()
@@ -32,8 +33,15 @@ class EnginePool:
         self._thread.start()
 
     @classmethod
-    def for_urls(cls, urls: Mapping[int, str], *, api_key: str | None = None, timeout: float = 600.0) -> EnginePool:
-        pool = cls(api_key=api_key, timeout=timeout)
+    def for_urls(
+        cls,
+        urls: Mapping[int, str],
+        *,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        timeout: float = 600.0,
+    ) -> EnginePool:
+        pool = cls(api_key=api_key, admin_api_key=admin_api_key, timeout=timeout)
         for engine_id, url in urls.items():
             pool.set_url(engine_id, url)
         return pool
@@ -45,7 +53,9 @@ class EnginePool:
             old = self._clients.get(engine_id)
             if old is not None and old.base_url == url.rstrip("/"):
                 return
-            self._clients[engine_id] = EngineClient(url, api_key=self.api_key, timeout=self.timeout)
+            self._clients[engine_id] = EngineClient(
+                url, api_key=self.api_key, admin_api_key=self.admin_api_key, timeout=self.timeout
+            )
         if old is not None:
             self.submit(old.close())
 

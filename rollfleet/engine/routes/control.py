@@ -9,13 +9,13 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
 from rollfleet.engine.lockstep import Action
+from rollfleet.engine.memory_tags import ReleasedTags
 from rollfleet.engine.scheduler import EngineStopped
 from rollfleet.engine.service import VERSION, BadRequest, Engine, EngineService
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.protocol import AbortRequest, MemoryRequest, PauseGenerationRequest
 
 router = APIRouter()
-ALL_MEMORY_TAGS = ["weights", "kv_cache"]
 
 
 @router.get("/get_model_info")
@@ -34,14 +34,21 @@ async def model_info(engine: Engine):
     }
 
 
+@router.get("/get_weight_version")
+async def get_weight_version(engine: Engine):
+    """SGLang before 0.5.21 (removed there; slime's engine wrapper still reads it): the version label."""
+    return {"weight_version": engine.scheduler.weight_version}
+
+
 @router.get("/get_server_info")
 @router.get("/server_info")
 async def server_info(engine: Engine):
     args = engine.args
-    info = {k: v for k, v in vars(args).items() if k != "api_key"}
+    info = {k: v for k, v in vars(args).items() if k not in ("api_key", "admin_api_key")}
     return {
         **info,
         "api_key_set": bool(args.api_key),
+        "admin_api_key_set": bool(args.admin_api_key),
         "version": VERSION,
         "engine": "rollfleet-embedded",
         # SGLang's KV pool size; here the most tokens the running batch may hold (no fixed pool)
@@ -54,6 +61,7 @@ async def server_info(engine: Engine):
         "rollfleet_weight_calls_waiting": engine.call_order.waiting,
         "rollfleet_weight_update_sessions": True,
         "rollfleet_remote_instance": engine.remote.report(),
+        "rollfleet_released_memory": sorted(engine.memory_tags.released),  # tags released and not resumed
         "start_breakdown": engine.start_breakdown,  # seconds per phase of this engine's start
         # the GPUs this server was given (a zygote-forked engine sets it after fork, so /proc/PID/environ
         # still shows the zygote's)
@@ -76,7 +84,8 @@ async def memory(engine: Engine):
 
 
 async def move_memory(engine: EngineService, req: MemoryRequest, action: Action) -> dict:
-    tags = [t for t in (req.tags or ALL_MEMORY_TAGS) if t != "cuda_graph"]  # no CUDA graphs here
+    named = ReleasedTags.of(req.tags)
+    tags = [t for t in named if t != "cuda_graph"]  # no CUDA graphs here (their state is kept all the same)
 
     def act():
         if engine.scheduler.num_unfinished:
@@ -84,15 +93,17 @@ async def move_memory(engine: EngineService, req: MemoryRequest, action: Action)
                 f"{engine.scheduler.num_unfinished} requests are unfinished: pause or abort them "
                 "before releasing or resuming memory"
             )
-        if action is Action.RELEASE_MEMORY:
-            engine.sessions.check_release(tags)
-        if action is Action.RELEASE_MEMORY:
-            # a host copy only of weights that may be served again (not of a session's mixed ones)
-            backup = engine.args.enable_weights_cpu_backup and engine.sessions.mixed is None
-            memory = engine.lockstep(action, tags=tags, cpu_backup=backup)
-            engine.sessions.after_release(tags)
-            return memory
-        return engine.lockstep(action, tags=tags)
+        if action is Action.RESUME_MEMORY:
+            engine.memory_tags.check_resume(named)
+            engine.lockstep(action, tags=tags)
+            return engine.memory_tags.after_resume(named)
+        engine.memory_tags.check_release(named)
+        engine.sessions.check_release(tags)
+        # a host copy only of weights that may be served again (not of a session's mixed ones)
+        backup = engine.args.enable_weights_cpu_backup and engine.sessions.mixed is None
+        engine.lockstep(action, tags=tags, cpu_backup=backup)
+        engine.sessions.after_release(tags)
+        engine.memory_tags.after_release(named)
 
     await engine.control(act)
     return None  # SGLang answers release and resume with an empty (null) body; GET /rollfleet/memory says more

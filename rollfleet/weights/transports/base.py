@@ -34,6 +34,7 @@ class EngineTarget:
     rank_offset: int  # first rank of this engine in a weight-update group (1 + engine_id * num_ranks)
     dtype: torch.dtype | None = None  # the engine's parameter dtype, for fingerprints
     api_key: str | None = None
+    admin_api_key: str | None = None  # the servers' --admin-api-key: weight routes take only it
 
 
 @dataclass
@@ -98,8 +99,9 @@ class Transport(ABC):
         self.spec, self.targets = spec, targets
         self._own_pool = pool is None
         api_key = next((t.api_key for t in targets if t.api_key), None)
+        admin_api_key = next((t.admin_api_key for t in targets if t.admin_api_key), None)
         self.pool = pool or EnginePool.for_urls(
-            {t.engine_id: t.url for t in targets}, api_key=api_key, timeout=timeout_s
+            {t.engine_id: t.url for t in targets}, api_key=api_key, admin_api_key=admin_api_key, timeout=timeout_s
         )
         self.session_engines: set[int] | None = None  # engines that take weight-update sessions (asked once)
 
