@@ -167,14 +167,14 @@ def test_lora_transport_loads_one_bucket_dict_through_sglangs_tp_worker(sglang_u
         AutoModelForCausalLM.from_pretrained(qwen3_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
     )
     source = LoraSource(peft_model)
-    for version in ("2", "3"):  # the second sync finds the first adapter where SGLang lists it, and unloads it
+    for version in ("2", "3"):  # each version a new name; the second sync finds the first where SGLang lists it
         recorded = _send(sglang_url, LoraSync(adapter_name="policy"), version, source)
-        adapter = recorded["adapters"]["policy"]
+        adapter = recorded["adapters"][f"policy-v{version}"]
         assert adapter["tensors"] == {name: describe(t) for name, t in source.named_tensors()}
         assert adapter["config"]["r"] == 4 and recorded["versions"] == [version]
-        assert recorded["unloaded"] == ([] if version == "2" else ["policy"])  # SGLang's registry refuses a reload
+        assert recorded["unloaded"] == ([] if version == "2" else ["policy-v2"])  # after the new one loaded
     cards = httpx.get(f"{sglang_url}/v1/models").json()["data"]
-    assert [(c["id"], c["root"], c["parent"]) for c in cards[1:]] == [("policy", "__tensor__", "recording")]
+    assert [(c["id"], c["root"], c["parent"]) for c in cards[1:]] == [("policy-v3", "__tensor__", "recording")]
 
 
 @pytest.mark.parametrize("load_format", ["flattened_bucket", "direct"])
