@@ -350,16 +350,40 @@ def reference_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int
     return out, logprobs
 
 
-async def scheduler_stats_when(client: EngineClient, condition, timeout: float = 30) -> dict:
+async def scheduler_stats_when(client: EngineClient, condition, timeout: float = 60, task=None) -> dict:
     """The scheduler stats a server reports (`/get_server_info`) once `condition` holds of them:
-    waits on the server's own state, not on time."""
+    waits on the server's own state, not on time. A `task` (the request the condition is about)
+    that ends first fails the wait at once with what it returned; a dead server fails the call."""
     deadline = time.monotonic() + timeout
     while True:
         stats = (await client.get_server_info())["scheduler_stats"]
         if condition(stats):
             return stats
+        assert task is None or not task.done(), f"the request ended before the wait was met: {task.result()}"
         assert time.monotonic() < deadline, f"not reached within {timeout} s: {stats}"
         await asyncio.sleep(0.005)
+
+
+async def held_in_flight(client: EngineClient, steps: int = 1, samples: int = 1, **generate) -> asyncio.Task:
+    """A request made to be mid-generation, as a state instead of a race: the engine paused in place,
+    the request queued (`samples` sequences), then `steps` steps run (its prefill, then decode
+    steps), so its sequences hold `steps` tokens each and cannot finish until continue_generation
+    (or end by their own stop rules within those steps)."""
+    await client.pause_generation("in_place")
+    before = (await client.get_server_info())["scheduler_stats"]["waiting_requests"]
+    task = asyncio.create_task(client.generate(**generate))
+    await scheduler_stats_when(client, lambda s: s["waiting_requests"] >= before + samples, task=task)
+    answer = await client.step(steps)
+    assert answer["steps_run"] == steps and answer["scheduler_stats"]["running_requests"] >= 1, answer
+    return task
+
+
+async def engine_turns(client: EngineClient, turns: int = 2) -> None:
+    """Returns once the engine thread has chosen its next work `turns` times (each a control through
+    its queue): a request that could have started would have by then (controls and batches share
+    one loop), so "still waiting" after it is held, not slow."""
+    for _ in range(turns):
+        await client.memory()
 
 
 def kill(fleet, engine_id: int) -> float:

@@ -13,12 +13,13 @@ through `lockstep` (lockstep.py), which broadcasts it to the other tp ranks firs
 execute the same actions in the same order.
 
 Pausing (SGLang's /pause_generation, then /continue_generation) stops every batch; control
-actions, weight updates included, run while paused. "abort" ends every unfinished request;
-"in_place" keeps the running batch; "retract" puts it back at the head of the queue and drops
-its KV cache. A batch whose weights changed under it recomputes its KV cache (a prefill over
-prompt + output so far) before its next token, so every token after an update is the new
-weights' own (SGLang's in_place decodes on the old cache instead). A new version label marks
-where the old version's tokens end in every unfinished request (`meta_info.weight_versions`).
+actions, weight updates included, run while paused, and so do the n steps of `step(n)`
+(stepping.py). "abort" ends every unfinished request; "in_place" keeps the running batch;
+"retract" puts it back at the head of the queue and drops its KV cache. A batch whose weights
+changed under it recomputes its KV cache (a prefill over prompt + output so far) before its next
+token, so every token after an update is the new weights' own (SGLang's in_place decodes on the
+old cache instead). A new version label marks where the old version's tokens end in every
+unfinished request (`meta_info.weight_versions`).
 
 Two gates serve weight-update sessions (weight_session.py): `hold(reason)` keeps every request
 waiting (no batch starts or steps, as if paused in place) while a session's sync is in
@@ -58,6 +59,7 @@ from rollfleet.engine.sequence import (
     sample_group,
     wire_result,
 )
+from rollfleet.engine.stepping import Stepping
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 log = logging.getLogger("rollfleet.engine")
@@ -67,7 +69,7 @@ class EngineStopped(RuntimeError):
     """The engine loop has stopped: nothing more can run on this engine."""
 
 
-class Scheduler(Aborts):
+class Scheduler(Aborts, Stepping):
     def __init__(
         self,
         lockstep: Callable[..., Any],
@@ -217,15 +219,12 @@ class Scheduler(Aborts):
             self._wakeup.notify()
 
     @property
-    def live_stats(self) -> dict[str, int]:
-        """The cumulative stats, and the requests and control actions there are now."""
+    def live_stats(self) -> dict[str, int | bool | str | None]:
+        """The cumulative stats, the requests and control actions there are now, and what halts the engine."""
         with self._wakeup:
-            return {
-                **self.stats,
-                "running_requests": len(self.running),
-                "waiting_requests": len(self.waiting),
-                "queued_controls": len(self.controls),
-            }
+            now = {"running_requests": len(self.running), "waiting_requests": len(self.waiting)}
+            halts = {"paused": self.paused, "held": self.held, "steps_left": self.steps_left}
+            return {**self.stats, **now, "queued_controls": len(self.controls), **halts}
 
     @property
     def halted(self) -> bool:
@@ -275,6 +274,7 @@ class Scheduler(Aborts):
 
     def _next_work(self) -> Callable[[], None] | None:
         self._drop_aborted_waiting()
+        self._settle_steps()
         if self._pause_settled:
             return self._settle_pause
         if self.controls and self._can_run(self.controls[0]):
@@ -282,9 +282,9 @@ class Scheduler(Aborts):
             return lambda: self._run_control(action)
         if any(seq.abort_message is not None for seq in self.running):
             return self._drop_aborted_running  # aborts take effect at once, paused or not
-        if self.running and not self.halted:
+        if self.running and self._take_step():
             return self._step
-        if self.waiting and not self.halted:
+        if self.waiting and self._take_step():
             self.batch_lora = self.waiting[0].lora_name
             self.running = [seq for seq in self.waiting if seq.lora_name == self.batch_lora][
                 : self.max_running_requests
@@ -394,4 +394,5 @@ class Scheduler(Aborts):
             self._finish(seq, FinishReason(type="abort", message=str(error)))
         for future in [*(action.future for action in self.controls), *self._pause_settled]:
             future.set_exception(error)
+        self._fail_steps(error)
         self.waiting.clear(), self.running.clear(), self.controls.clear(), self._pause_settled.clear()
