@@ -9,7 +9,6 @@ import re
 import shutil
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ import ray
 import torch
 from conftest import FailsAfter, kill, reference_greedy, stop
 from transformers import AutoModelForCausalLM
+from waits import wait_until
 
 from rollfleet.config import TensorSync, load_config
 from rollfleet.fleet.fleet import Fleet
@@ -58,20 +58,21 @@ def fail_a_push(fleet, model, engine_ids=None):
         fleet.sync_weights(FailsAfter(model, 5), "partial", engine_ids=engine_ids, transport=TensorSync(bucket_mb=0.05))
 
 
-def wait_state(fleet, engine_id, state, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while fleet.slots[engine_id].state.value != state and time.monotonic() < deadline:
-        time.sleep(0.02)
+def wait_state(fleet, engine_id, state):
+    wait_until(
+        lambda: fleet.slots[engine_id].state.value == state,
+        what=f"engine {engine_id} {state} (history {fleet.slots[engine_id].lifecycle.history[-3:]})",
+    )
     return fleet.slots[engine_id].state.value
 
 
 def test_death_is_noticed_at_once_and_restore_waits_for_verified_weights(fleet, qwen3_dir, qwen3_dir_b):
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir_b, dtype=torch.float32)
     fleet.sync_weights(ModuleSource(model), "v1", config_dir=qwen3_dir)  # disk: leaves a checkpoint for v1
-    killed_at = kill(fleet, 1)
-    assert wait_state(fleet, 1, "INACTIVE", timeout=2.0) == "INACTIVE"
-    detected_in = time.monotonic() - killed_at
-    assert detected_in < 2.0
+    kill(fleet, 1)
+    assert wait_state(fleet, 1, "INACTIVE") == "INACTIVE"
+    # noticed at once: by the death watch (or a request the router saw fail), not by the probes
+    assert "process exited" in fleet.slots[1].lifecycle.history[-1].why
     samples = fleet.generate(PROMPTS, sampling=GREEDY)  # served by engine 0 alone meanwhile
     assert {s.engine_id for s in samples} == {0}
 
@@ -107,9 +108,11 @@ def test_generate_waits_for_recovery_when_no_engine_is_active(fleet, qwen3_dir_b
         results["samples"] = fleet.generate(PROMPTS, sampling=GREEDY)
 
     waiting = threading.Thread(target=generate)
+    retries = fleet.router.retries
     waiting.start()
-    waiting.join(timeout=1.0)
-    assert waiting.is_alive()  # nothing ACTIVE: it waits instead of failing
+    # nothing ACTIVE: the router holds the requests (no engine to try) instead of failing them
+    wait_until(lambda: fleet.router.waiting_requests, what="requests waiting for an engine", alive=waiting.is_alive)
+    assert fleet.router.retries == retries and "samples" not in results
     assert sorted(fleet.restart_inactive()) == [0, 1]  # restores v1 from the disk checkpoint and verifies
     waiting.join(timeout=60)
     samples = results["samples"]
@@ -121,7 +124,7 @@ def test_generate_waits_for_recovery_when_no_engine_is_active(fleet, qwen3_dir_b
 def test_a_hung_engine_is_caught_by_probes_and_both_restore_from_the_checkpoint(fleet, qwen3_dir_b):
     pid = ray.get(fleet.slots[0].head.engine_pid.remote())
     os.killpg(pid, signal.SIGSTOP)  # hung: the process lives but answers nothing
-    assert wait_state(fleet, 0, "INACTIVE", timeout=10) == "INACTIVE"
+    assert wait_state(fleet, 0, "INACTIVE") == "INACTIVE"
     assert "health probes failed" in fleet.slots[0].lifecycle.history[-1].why
     kill(fleet, 1)
     assert wait_state(fleet, 1, "INACTIVE") == "INACTIVE"
@@ -138,10 +141,10 @@ def test_background_restart_brings_a_dead_engine_back_without_being_asked(fleet,
         kill(fleet, 1)
         # the restart may begin within milliseconds of the death, and a peer restore is fast: wait for
         # ACTIVE after a failure, not for the INACTIVE state itself
-        deadline = time.monotonic() + 90
-        while not (fleet.slots[1].lifecycle.failed_since(mark) and fleet.slots[1].state.value == "ACTIVE"):
-            assert time.monotonic() < deadline, fleet.slots[1].lifecycle.history[mark:]
-            time.sleep(0.05)
+        wait_until(
+            lambda: fleet.slots[1].lifecycle.failed_since(mark) and fleet.slots[1].state.value == "ACTIVE",
+            what=f"engine 1 back ({fleet.slots[1].lifecycle.history[mark:]})",
+        )
     finally:
         fleet.rollout.auto_restart = False
     assert fleet.slots[1].version == "v1"
@@ -173,13 +176,12 @@ def test_a_seed_killed_during_the_pull_fails_only_that_restore_and_the_checkpoin
     assert fleet.restart_inactive(restore=False) == [1]
     stop(fleet, 0)  # the seed hangs: the pull waits on it, then the seed is killed mid-pull
     restore = threading.Thread(target=fleet.restart_inactive)
-    start = time.monotonic()
     restore.start()
-    time.sleep(0.5)
+    wait_until(lambda: fleet.recovery.gate.phase == "restoring", what="the restore under way", alive=restore.is_alive)
     kill(fleet, 0)
-    restore.join(timeout=60)
-    assert not restore.is_alive() and time.monotonic() - start < fleet.rollout.restore_timeout_s
+    restore.join()
     assert fleet.slots[1].state.value == "ACTIVE" and restored_by(fleet, 1) == "checkpoint"
+    assert not any("not done in" in t.why for t in fleet.slots[1].lifecycle.history)  # the kill ended it
     assert ("peer", "v1", fleet.slots[1].url) in fleet.recovery.failed_restores
     assert wait_state(fleet, 0, "INACTIVE") == "INACTIVE"
     assert fleet.restart_inactive() == [0]  # now engine 1 seeds engine 0
@@ -217,15 +219,14 @@ def test_a_failed_push_is_undone_by_a_restore_and_a_restore_past_its_timeout_giv
     stop(fleet, 0)
     restore = threading.Thread(target=fleet.restart_inactive)
     try:
-        start = time.monotonic()
         restore.start()
-        time.sleep(0.3)
+        wait_until(lambda: fleet.recovery.gate.phase == "restoring", what="the restore", alive=restore.is_alive)
         with fleet.recovery.paused():  # what a colocated step enters: it waits for the restore, bounded
-            entered = time.monotonic() - start
-        restore.join(timeout=30)
+            given_up = fleet.slots[0].lifecycle.history[-1].why  # it got in once the restore gave up
+        restore.join()
     finally:
         fleet.rollout.probe_failures, fleet.rollout.restore_timeout_s = probe_failures, restore_timeout_s
-    assert not restore.is_alive() and 2.0 <= entered < 10  # the timeout, the hung one's /health, its kill
+    assert "not done in 2.0 s" in given_up, given_up
     assert fleet.slots[0].state.value == "INACTIVE" and "not done in 2.0 s" in fleet.slots[0].lifecycle.history[-1].why
     assert fleet.slots[1].state.value == "AWAITING_WEIGHTS"  # it answered: not killed, not blamed
     assert fleet.restart_inactive() == [0]
@@ -239,11 +240,11 @@ def test_probes_catch_an_engine_hung_during_a_restore_and_the_healthy_one_goes_a
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
     fail_a_push(fleet, model)
     stop(fleet, 1)
-    start = time.monotonic()
     assert fleet.restart_inactive() == []  # nothing INACTIVE yet: both are restored from the checkpoint
-    assert time.monotonic() - start < fleet.rollout.restore_timeout_s  # the probes caught it, not the timeout
     assert [s.state.value for s in fleet.slots] == ["ACTIVE", "INACTIVE"]
-    assert any("health probes failed" in t.why for t in fleet.slots[1].lifecycle.history[-2:])
+    whys = [t.why for t in fleet.slots[1].lifecycle.history[-2:]]
+    assert any("health probes failed" in why for why in whys), whys  # the probes caught it, not the timeout
+    assert not any("not done in" in why for why in whys), whys
     assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0}
     assert fleet.restart_inactive() == [1] and fleet.slots[1].state.value == "ACTIVE"
 
@@ -293,7 +294,7 @@ def test_a_push_goes_on_while_an_engine_starts_and_the_engine_then_takes_its_ver
         report = fleet.sync_weights(ModuleSource(model), "v5", config_dir=fleet.rollout.model_path)
         assert report.verified == [0] and fleet.slots[1].state.value == "RECOVERING"
         os.kill(zygote, signal.SIGCONT)
-        assert wait_state(fleet, 1, "ACTIVE", timeout=90) == "ACTIVE", fleet.slots[1].lifecycle.history[-3:]
+        assert wait_state(fleet, 1, "ACTIVE") == "ACTIVE", fleet.slots[1].lifecycle.history[-3:]
     finally:
         os.kill(zygote, signal.SIGCONT)
         fleet.rollout.auto_restart = False
