@@ -18,6 +18,7 @@ import httpx
 import pytest
 import ray
 import torch
+from sleep_check import bare_sleeps
 from transformers import AutoModelForCausalLM
 
 from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
@@ -108,11 +109,23 @@ def _module(item) -> str:
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselected what will not run
 def pytest_collection_modifyitems(items):
+    _refuse_bare_sleeps({Path(str(item.fspath)) for item in items})
     items[:] = _ray_modules_together(items)
     for item in items:
         _MODULE_USES.setdefault(_module(item), set()).update(n for n in item.fixturenames if n.endswith("_lender"))
         for name in SHARED_UNTIL_LAST_MODULE & set(item.fixturenames):
             _LAST_MODULE[name] = _module(item)
+
+
+def _refuse_bare_sleeps(modules: set[Path]) -> None:
+    """The run stops before any test when a test sleeps before it asserts or signals (sleep_check.py)."""
+    helpers = [Path(__file__).parent / name for name in ("conftest.py", "waits.py", "helper_processes.py")]
+    bare = [line for path in sorted(modules | set(helpers)) for line in bare_sleeps(path)]
+    if bare:
+        raise pytest.UsageError(
+            "sleeps outside a polling loop (wait on an observable with tests/waits.py, or add the "
+            "line's function to sleep_check.ALLOWED with the reason):\n  " + "\n  ".join(bare)
+        )
 
 
 def _ray_modules_together(items: list) -> list:
@@ -384,6 +397,23 @@ async def engine_turns(client: EngineClient, turns: int = 2) -> None:
     one loop), so "still waiting" after it is held, not slow."""
     for _ in range(turns):
         await client.memory()
+
+
+def hold_with_requests(fleet, engine_id: int, *, alive, steps: int = 0) -> dict:
+    """Pause a fleet's engine in place, wait (while `alive()`, the caller's generate) until the router
+    has queued requests on it, then let it run `steps` steps: its requests are in flight by
+    construction, neither finished nor started by luck. Returns its scheduler stats then."""
+    from waits import wait_until
+
+    fleet.pool.call(engine_id, "pause_generation", "in_place")
+    wait_until(
+        lambda: fleet.pool.call(engine_id, "get_server_info")["scheduler_stats"]["waiting_requests"],
+        what=f"requests queued on engine {engine_id}",
+        alive=alive,
+    )
+    if steps:
+        return fleet.pool.call(engine_id, "step", steps)["scheduler_stats"]
+    return fleet.pool.call(engine_id, "get_server_info")["scheduler_stats"]
 
 
 def kill(fleet, engine_id: int) -> float:
