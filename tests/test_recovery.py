@@ -16,6 +16,7 @@ import pytest
 import ray
 import torch
 from conftest import FailsAfter, kill, reference_greedy, stop
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from waits import wait_until
 
@@ -272,6 +273,48 @@ def test_a_corrupt_checkpoint_fails_its_restore_once_and_the_next_push_verifies(
     fleet.sync_weights(ModuleSource(model), "v4", config_dir=qwen3_dir)  # the next push takes it along
     assert [s.state.value for s in fleet.slots] == ["ACTIVE", "ACTIVE"]
     assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0, 1}
+
+
+class TamperedCheckpoint:
+    """A restore source that loads without error but delivers other weights than the version it
+    claims: the engines read a copy of the version's checkpoint with one tensor changed, and the
+    report says what the true checkpoint holds (a checkpoint registered under the wrong version, or
+    one a disk changed under it)."""
+
+    name = "tampered checkpoint"
+
+    def __init__(self, fleet, true_dir: str, tampered_dir: str):
+        self.fleet, self.true_dir, self.tampered_dir = fleet, true_dir, tampered_dir
+
+    def available(self, version, slot) -> bool:
+        return True
+
+    def restore(self, slots, version, deadline):
+        ids = [s.engine_id for s in slots]
+        self.fleet.pool.on_all("update_weights_from_disk", ids, self.tampered_dir, weight_version=version)
+        return self.fleet.expected_from_checkpoint(self.true_dir, version, ids)
+
+
+def test_a_restore_that_delivers_other_weights_than_it_claims_is_not_served(fleet, qwen3_dir, tmp_path, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    fleet.sync_weights(ModuleSource(model), "tamper", config_dir=qwen3_dir)  # disk: a checkpoint of it
+    true_dir = fleet.checkpoint_for("tamper")
+    tampered = tmp_path / "tampered"
+    shutil.copytree(true_dir, tampered)
+    (shard,) = tampered.glob("*.safetensors")
+    tensors = load_file(shard)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 0.01  # one tensor changed; the files load as well as ever
+    save_file(tensors, shard, metadata={"format": "pt"})
+    sources = fleet.recovery.sources
+    monkeypatch.setattr(fleet.recovery, "sources", [TamperedCheckpoint(fleet, true_dir, str(tampered)), *sources[1:]])
+    fail_a_push(fleet, model, engine_ids=[1])
+    mark = fleet.slots[1].lifecycle.mark()
+    assert fleet.restart_inactive() == []  # the tampered load is refused, the true checkpoint follows
+    assert ("tampered checkpoint", "tamper", fleet.slots[1].url) in fleet.recovery.failed_restores
+    assert [t.new.value for t in fleet.slots[1].lifecycle.since(mark)] == ["ACTIVE"]
+    assert restored_by(fleet, 1) == "checkpoint"
+    assert fleet.pool.call(1, "weights_fingerprint", None) == fleet.pool.call(0, "weights_fingerprint", None)
 
 
 def zygote_of(fleet, engine_id: int) -> int:
