@@ -20,6 +20,7 @@ import ray
 import torch
 from sleep_check import bare_sleeps
 from transformers import AutoModelForCausalLM
+from waits import WaitTimedOut
 
 from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
 from rollfleet.engine.zygote_client import SHARED_ZYGOTE_ENV, Zygote
@@ -373,7 +374,8 @@ async def scheduler_stats_when(client: EngineClient, condition, timeout: float =
         if condition(stats):
             return stats
         assert task is None or not task.done(), f"the request ended before the wait was met: {task.result()}"
-        assert time.monotonic() < deadline, f"not reached within {timeout} s: {stats}"
+        if time.monotonic() >= deadline:
+            raise WaitTimedOut(f"not reached within {timeout} s: {stats}")
         await asyncio.sleep(0.005)
 
 

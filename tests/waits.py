@@ -9,6 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 
+class WaitTimedOut(AssertionError):
+    """A wait passed its deadline: the run was stuck or slow, which says nothing of the claim under
+    test (the mutation check does not count it as a kill)."""
+
+
 def wait_until(
     condition: Callable[[], Any],
     *,
@@ -26,5 +31,6 @@ def wait_until(
         if value:
             return value
         assert alive is None or alive(), f"{what}: what the wait is about ended first"
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        if time.monotonic() >= deadline:
+            raise WaitTimedOut(f"{what}: not within {timeout} s")
         time.sleep(interval)
