@@ -115,17 +115,17 @@ def test_client_timeout_raises_engine_timeout(server):
     from rollfleet.wire.client import EngineClient, EngineTimeout
 
     async def go():
-        async with EngineClient(server.url, timeout=0.05) as client:
-            await client.generate(input_ids=[1, 2, 3], sampling_params=LONG, rid="slow")
+        async with client_for(server) as control:
+            await control.pause_generation("in_place")  # the request cannot finish: the timeout must end the call
+            try:
+                async with EngineClient(server.url, timeout=0.05) as client:
+                    await client.generate(input_ids=[1, 2, 3], sampling_params=LONG, rid="slow")
+            finally:
+                await control.abort_request("slow")
+                await control.continue_generation()
 
     with pytest.raises(EngineTimeout):
         run(go())
-
-    async def clean_up():
-        async with client_for(server) as client:
-            await client.abort_request("slow")
-
-    run(clean_up())
 
 
 def test_step_runs_exactly_the_steps_asked_while_paused_then_holds(server):

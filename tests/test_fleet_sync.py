@@ -7,7 +7,6 @@ an engine: raised at once, not retried)."""
 from __future__ import annotations
 
 import shutil
-import time
 
 import httpx
 import pytest
@@ -89,12 +88,12 @@ def test_a_request_every_live_engine_fails_is_raised_after_one_try_each(fleet, m
     """Engines answer 503 (their weights were released behind the fleet's back): the router tries
     each live engine once and raises the engine's error, instead of retrying without end."""
     fleet.pool.on_all("release_memory_occupation", [0, 1], ["weights"])
-    retries, start = fleet.router.retries, time.monotonic()
+    retries = fleet.router.retries
     try:
         with pytest.raises(EngineError) as err:
             fleet.generate(PROMPTS[:1], sampling=GREEDY)
-        assert err.value.status_code == 503 and time.monotonic() - start < 5
-        assert fleet.router.retries - retries == 2  # one try on each engine
+        assert err.value.status_code == 503
+        assert fleet.router.retries - retries == 2  # one try on each engine, then raised (no retry without end)
         assert states(fleet) == ["ACTIVE", "ACTIVE"]  # a bad request takes no engine out
     finally:
         fleet.pool.on_all("resume_memory_occupation", [0, 1], ["weights"])
