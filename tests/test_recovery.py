@@ -53,6 +53,35 @@ def fleet(local_ray, qwen3_dir, tmp_path_factory):
     fleet.shutdown()
 
 
+_LABELS = iter(range(10**6))
+
+
+def _serving(fleet, model_dir: str, kind: str, config_dir: str) -> str:
+    """Both engines ACTIVE at a version holding `model_dir`'s weights with a checkpoint of it
+    (labels `kind-N`), whatever a test before left: each test sets up the state it asserts on."""
+    fleet.restart_inactive()
+    serving = all(s.state.value == "ACTIVE" and s.version == fleet.version for s in fleet.slots)
+    if serving and fleet.version.startswith(f"{kind}-") and fleet.checkpoint_for(fleet.version):
+        return fleet.version
+    version = f"{kind}-{next(_LABELS)}"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    report = fleet.sync_weights(ModuleSource(model), version, config_dir=config_dir)  # disk: leaves a checkpoint
+    assert report.verified == [0, 1] and fleet.version == version, report
+    return version
+
+
+@pytest.fixture
+def v1(fleet, qwen3_dir, qwen3_dir_b) -> str:
+    """The fleet's version: qwen3_dir_b's weights on both engines, a checkpoint of them on disk."""
+    return _serving(fleet, qwen3_dir_b, "b", qwen3_dir)
+
+
+@pytest.fixture
+def base(fleet, qwen3_dir) -> str:
+    """The fleet's version: qwen3_dir's weights on both engines, a checkpoint of them on disk."""
+    return _serving(fleet, qwen3_dir, "base", qwen3_dir)
+
+
 def fail_a_push(fleet, model, engine_ids=None):
     """A push that fails part-way (several calls, some applied): its engines wait, out of rotation."""
     with pytest.raises(RuntimeError, match="part-way"):
@@ -67,9 +96,7 @@ def wait_state(fleet, engine_id, state):
     return fleet.slots[engine_id].state.value
 
 
-def test_death_is_noticed_at_once_and_restore_waits_for_verified_weights(fleet, qwen3_dir, qwen3_dir_b):
-    model = AutoModelForCausalLM.from_pretrained(qwen3_dir_b, dtype=torch.float32)
-    fleet.sync_weights(ModuleSource(model), "v1", config_dir=qwen3_dir)  # disk: leaves a checkpoint for v1
+def test_death_is_noticed_at_once_and_restore_waits_for_verified_weights(fleet, v1, qwen3_dir, qwen3_dir_b):
     kill(fleet, 1)
     assert wait_state(fleet, 1, "INACTIVE") == "INACTIVE"
     # noticed at once: by the death watch (or a request the router saw fail), not by the probes
@@ -84,12 +111,12 @@ def test_death_is_noticed_at_once_and_restore_waits_for_verified_weights(fleet, 
     assert direct.status_code == 503 and "weights are not loaded" in direct.json()["message"]
     assert {s.engine_id for s in fleet.generate(PROMPTS, sampling=GREEDY)} == {0}  # still not routed to it
 
-    fleet.update_weights_from_disk(fleet.checkpoint_for("v1"), "v1", engine_ids=[1])  # restore + verify
-    assert fleet.slots[1].state.value == "ACTIVE" and fleet.slots[1].version == "v1"
+    fleet.update_weights_from_disk(fleet.checkpoint_for(v1), v1, engine_ids=[1])  # restore + verify
+    assert fleet.slots[1].state.value == "ACTIVE" and fleet.slots[1].version == v1
     samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
     assert {s.engine_id for s in samples} == {0, 1}
     assert [s.output_ids for s in samples[:4]] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]
-    assert {s.weight_version for s in samples} == {"v1"}
+    assert {s.weight_version for s in samples} == {v1}
     history = [(t.old.value, t.new.value) for t in fleet.slots[1].lifecycle.history]
     assert history[-4:] == [
         ("ACTIVE", "INACTIVE"),
@@ -99,7 +126,7 @@ def test_death_is_noticed_at_once_and_restore_waits_for_verified_weights(fleet, 
     ]
 
 
-def test_generate_waits_for_recovery_when_no_engine_is_active(fleet, qwen3_dir_b):
+def test_generate_waits_for_recovery_when_no_engine_is_active(fleet, v1, qwen3_dir_b):
     for engine_id in (0, 1):
         kill(fleet, engine_id)
         assert wait_state(fleet, engine_id, "INACTIVE") == "INACTIVE"
@@ -119,10 +146,10 @@ def test_generate_waits_for_recovery_when_no_engine_is_active(fleet, qwen3_dir_b
     samples = results["samples"]
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, 0) for p in range(4)]
     assert [s.output_ids for s in samples] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]
-    assert {s.weight_version for s in samples} == {"v1"}
+    assert {s.weight_version for s in samples} == {v1}
 
 
-def test_a_hung_engine_is_caught_by_probes_and_both_restore_from_the_checkpoint(fleet, qwen3_dir_b):
+def test_a_hung_engine_is_caught_by_probes_and_both_restore_from_the_checkpoint(fleet, v1, qwen3_dir_b):
     pid = ray.get(fleet.slots[0].head.engine_pid.remote())
     os.killpg(pid, signal.SIGSTOP)  # hung: the process lives but answers nothing
     assert wait_state(fleet, 0, "INACTIVE") == "INACTIVE"
@@ -135,7 +162,7 @@ def test_a_hung_engine_is_caught_by_probes_and_both_restore_from_the_checkpoint(
     assert [s.output_ids for s in samples] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]
 
 
-def test_background_restart_brings_a_dead_engine_back_without_being_asked(fleet, qwen3_dir_b):
+def test_background_restart_brings_a_dead_engine_back_without_being_asked(fleet, v1, qwen3_dir_b):
     fleet.rollout.auto_restart = True
     try:
         mark = fleet.slots[1].lifecycle.mark()
@@ -148,7 +175,7 @@ def test_background_restart_brings_a_dead_engine_back_without_being_asked(fleet,
         )
     finally:
         fleet.rollout.auto_restart = False
-    assert fleet.slots[1].version == "v1"
+    assert fleet.slots[1].version == v1
     samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
     assert {s.engine_id for s in samples} == {0, 1}
 
@@ -158,20 +185,20 @@ def restored_by(fleet, engine_id):
     return fleet.slots[engine_id].lifecycle.history[-1].why.rsplit("(", 1)[-1].rstrip(")")
 
 
-def test_a_restarted_engine_is_restored_from_its_peer_and_verified_against_the_seed(fleet, qwen3_dir_b):
+def test_a_restarted_engine_is_restored_from_its_peer_and_verified_against_the_seed(fleet, v1, qwen3_dir_b):
     kill(fleet, 1)
     assert wait_state(fleet, 1, "INACTIVE") == "INACTIVE"
     assert fleet.restart_inactive() == [1]
     assert fleet.slots[1].state.value == "ACTIVE" and restored_by(fleet, 1) == "peer"
-    assert fleet.slots[1].version == "v1" and [s.engine_id for s in fleet.recovery.peer.seeds("v1")] == [0, 1]
+    assert fleet.slots[1].version == v1 and [s.engine_id for s in fleet.recovery.peer.seeds(v1)] == [0, 1]
     seed_prints = fleet.pool.call(0, "weights_fingerprint", None)
     assert fleet.pool.call(1, "weights_fingerprint", None) == seed_prints
     samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
-    assert {s.engine_id for s in samples} == {0, 1} and {s.weight_version for s in samples} == {"v1"}
+    assert {s.engine_id for s in samples} == {0, 1} and {s.weight_version for s in samples} == {v1}
     assert [s.output_ids for s in samples[4:]] == [reference_greedy(qwen3_dir_b, p, 6)[0] for p in PROMPTS]
 
 
-def test_a_seed_killed_during_the_pull_fails_only_that_restore_and_the_checkpoint_follows(fleet):
+def test_a_seed_killed_during_the_pull_fails_only_that_restore_and_the_checkpoint_follows(fleet, v1):
     kill(fleet, 1)
     assert wait_state(fleet, 1, "INACTIVE") == "INACTIVE"
     assert fleet.restart_inactive(restore=False) == [1]
@@ -183,30 +210,30 @@ def test_a_seed_killed_during_the_pull_fails_only_that_restore_and_the_checkpoin
     restore.join()
     assert fleet.slots[1].state.value == "ACTIVE" and restored_by(fleet, 1) == "checkpoint"
     assert not any("not done in" in t.why for t in fleet.slots[1].lifecycle.history)  # the kill ended it
-    assert ("peer", "v1", fleet.slots[1].url) in fleet.recovery.failed_restores
+    assert ("peer", v1, fleet.slots[1].url) in fleet.recovery.failed_restores
     assert wait_state(fleet, 0, "INACTIVE") == "INACTIVE"
     assert fleet.restart_inactive() == [0]  # now engine 1 seeds engine 0
     assert fleet.slots[0].state.value == "ACTIVE" and restored_by(fleet, 0) == "peer"
     assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0, 1}
 
 
-def test_a_late_restore_of_an_older_version_does_not_move_the_fleet_back(fleet, qwen3_dir):
+def test_a_late_restore_of_an_older_version_does_not_move_the_fleet_back(fleet, v1, qwen3_dir):
     """The background restarter reads the fleet's version, restarts, restores that version; if the
     trainer pushed a newer one meanwhile, the restore's verification must not set the fleet back (the
     GRPO chaos test once served a step from the stale engine that way)."""
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
     fleet.sync_weights(ModuleSource(model), "v2", config_dir=qwen3_dir)
-    older = fleet.checkpoint_for("v1")
+    older = fleet.checkpoint_for(v1)
     assert older is not None and fleet.version == "v2"
-    fleet.restore(older, "v1", [1])  # what a restart that began before the v2 push finishes with
-    assert fleet.version == "v2" and fleet.slots[1].version == "v1"
+    fleet.restore(older, v1, [1])  # what a restart that began before the v2 push finishes with
+    assert fleet.version == "v2" and fleet.slots[1].version == v1
     samples = fleet.generate(PROMPTS * 2, sampling=GREEDY)
     assert {s.engine_id for s in samples} == {0} and {s.weight_version for s in samples} == {"v2"}
     fleet.sync_weights(ModuleSource(model), "v3", config_dir=qwen3_dir)  # the next push takes it along
     assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0, 1}
 
 
-def test_a_failed_push_is_undone_by_a_restore_and_a_restore_past_its_timeout_gives_up(fleet, qwen3_dir):
+def test_a_failed_push_is_undone_by_a_restore_and_a_restore_past_its_timeout_gives_up(fleet, base, qwen3_dir):
     """Both engines hold part of a failed push (AWAITING_WEIGHTS, no traffic); engine 0 hangs during
     the restore and probes are off: the restore gives up at `restore_timeout_s`, kills the hung
     engine, and a colocated step waiting in `paused()` gets in then, not later. The next restart
@@ -237,7 +264,7 @@ def test_a_failed_push_is_undone_by_a_restore_and_a_restore_past_its_timeout_giv
     assert [s.output_ids for s in samples[:4]] == [reference_greedy(qwen3_dir, p, 6)[0] for p in PROMPTS]
 
 
-def test_probes_catch_an_engine_hung_during_a_restore_and_the_healthy_one_goes_active(fleet, qwen3_dir):
+def test_probes_catch_an_engine_hung_during_a_restore_and_the_healthy_one_goes_active(fleet, base, qwen3_dir):
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
     fail_a_push(fleet, model)
     stop(fleet, 1)
@@ -295,7 +322,9 @@ class TamperedCheckpoint:
         return self.fleet.expected_from_checkpoint(self.true_dir, version, ids)
 
 
-def test_a_restore_that_delivers_other_weights_than_it_claims_is_not_served(fleet, qwen3_dir, tmp_path, monkeypatch):
+def test_a_restore_that_delivers_other_weights_than_it_claims_is_not_served(
+    fleet, v1, qwen3_dir, tmp_path, monkeypatch
+):
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
     fleet.sync_weights(ModuleSource(model), "tamper", config_dir=qwen3_dir)  # disk: a checkpoint of it
     true_dir = fleet.checkpoint_for("tamper")
@@ -323,7 +352,7 @@ def zygote_of(fleet, engine_id: int) -> int:
     return int(re.findall(r"forked by zygote pid (\d+)", log)[-1])
 
 
-def test_a_push_goes_on_while_an_engine_starts_and_the_engine_then_takes_its_version(fleet, qwen3_dir_b):
+def test_a_push_goes_on_while_an_engine_starts_and_the_engine_then_takes_its_version(fleet, v1, qwen3_dir_b):
     """A push waits for a restore, never for an engine start (an SGLang server takes a minute): with
     the background restart's start held (its zygote stopped), a push to the engine that serves
     completes; once the start goes on, the engine is restored to the pushed version from its peer."""
