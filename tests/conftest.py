@@ -383,7 +383,7 @@ async def held_in_flight(client: EngineClient, steps: int = 1, samples: int = 1,
     """A request made to be mid-generation, as a state instead of a race: the engine paused in place,
     the request queued (`samples` sequences), then `steps` steps run (its prefill, then decode
     steps), so its sequences hold `steps` tokens each and cannot finish until continue_generation
-    (or end by their own stop rules within those steps)."""
+    (ask for more tokens than `steps`: a request that ended within them fails the helper)."""
     await client.pause_generation("in_place")
     before = (await client.get_server_info())["scheduler_stats"]["waiting_requests"]
     task = asyncio.create_task(client.generate(**generate))
@@ -416,6 +416,21 @@ def hold_with_requests(fleet, engine_id: int, *, alive, steps: int = 0) -> dict:
     if steps:
         return fleet.pool.call(engine_id, "step", steps)["scheduler_stats"]
     return fleet.pool.call(engine_id, "get_server_info")["scheduler_stats"]
+
+
+_AGAIN = itertools.count()
+
+
+def serving_again(fleet, module) -> None:
+    """Every engine of a module-scoped fleet ACTIVE at the fleet's version, whatever a test before
+    left: a dead one restarted (past any backoff) and restored, a waiting one (a failed push) given
+    a push of `module`. Each test sets up the state it asserts on, so it passes alone and in any order."""
+    if any(s.state.value == "INACTIVE" for s in fleet.slots):
+        fleet.restart_inactive(force=True)
+    if any(s.state.value != "ACTIVE" or s.version != fleet.version for s in fleet.slots):
+        fleet.sync_weights(ModuleSource(module), f"again-{next(_AGAIN)}")
+    states = [(s.state.value, s.version) for s in fleet.slots]
+    assert states == [("ACTIVE", fleet.version)] * len(fleet.slots), states
 
 
 def kill(fleet, engine_id: int) -> float:

@@ -40,8 +40,8 @@ def fleet(local_ray, qwen3_dir, tmp_path_factory):
             f"rollout.log_dir={out}/logs",
             "rollout.recovery_wait_s=60",
             "rollout.probe_interval_s=0.5",
-            "rollout.probe_timeout_s=1",
-            "rollout.probe_failures=2",
+            "rollout.probe_timeout_s=2",  # a busy engine's /health on a loaded 2-core machine can pass 1 s
+            "rollout.probe_failures=2",  # a hang is caught in about 5 s
             "rollout.restore_timeout_s=30",
             "rollout.auto_restart=false",  # the tests drive restarts; the last one turns it on
             "weight_sync.transport=disk",

@@ -41,8 +41,8 @@ def fleet(local_ray, qwen3_dir, tmp_path_factory):
             f"rollout.log_dir={out}/logs",
             "rollout.recovery_wait_s=60",
             "rollout.probe_interval_s=0.5",
-            "rollout.probe_timeout_s=1",
-            "rollout.probe_failures=2",  # a hang is caught in about 3 s (test_recovery's settings)
+            "rollout.probe_timeout_s=2",
+            "rollout.probe_failures=2",  # a hang is caught in about 5 s (test_recovery's settings)
             "rollout.restore_timeout_s=30",
             "weight_sync.transport=disk",
             f"weight_sync.path={out}/sync",
