@@ -20,7 +20,7 @@ import ray
 import torch
 from sleep_check import bare_sleeps
 from transformers import AutoModelForCausalLM
-from waits import WaitTimedOut
+from waits import WaitTimedOut, wait_until
 
 from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
 from rollfleet.engine.zygote_client import SHARED_ZYGOTE_ENV, Zygote
@@ -405,8 +405,6 @@ def hold_with_requests(fleet, engine_id: int, *, alive, steps: int = 0) -> dict:
     """Pause a fleet's engine in place, wait (while `alive()`, the caller's generate) until the router
     has queued requests on it, then let it run `steps` steps: its requests are in flight by
     construction, neither finished nor started by luck. Returns its scheduler stats then."""
-    from waits import wait_until
-
     fleet.pool.call(engine_id, "pause_generation", "in_place")
     wait_until(
         lambda: fleet.pool.call(engine_id, "get_server_info")["scheduler_stats"]["waiting_requests"],
