@@ -136,6 +136,36 @@ def test_a_push_missing_a_tensor_is_not_verified_and_not_served(fleet, serving, 
     assert {s.engine_id for s in samples} == {0} and {s.weight_version for s in samples} == {before}
 
 
+class ChangesUnderThePush:
+    """A trainer that steps while its push is under way: once the last tensor went to the transport,
+    every tensor is changed in place. The buckets already sent carry the values before; what the
+    sender fingerprints is read after. Every call is accepted (a complete session): only the
+    verification can tell the engine holds other weights than the push claims."""
+
+    def __init__(self, module):
+        self.inner = ModuleSource(module)
+
+    def named_tensors(self):
+        sent = []
+        for name, tensor in self.inner.named_tensors():
+            sent.append(tensor)
+            yield name, tensor
+        with torch.no_grad():
+            for tensor in sent:
+                tensor.add_(1.0)
+
+
+def test_a_push_whose_tensors_change_under_it_is_not_verified_and_not_served(fleet, serving, model_dir):
+    before = fleet.version
+    with pytest.raises(WeightSyncError, match="engine 1"):
+        fleet.sync_weights(ChangesUnderThePush(model(model_dir)), "moved", engine_ids=[1], transport=SMALL_BUCKETS)
+    assert fleet.slots[1].state.value == "INACTIVE" and fleet.slots[0].state.value == "ACTIVE"
+    assert "weights not verified" in fleet.slots[1].lifecycle.history[-1].why
+    assert fleet.version == before  # nothing verified: the fleet stays where it was
+    samples = fleet.generate(PROMPTS * 3, sampling=GREEDY)
+    assert {s.engine_id for s in samples} == {0} and {s.weight_version for s in samples} == {before}
+
+
 def test_a_verification_never_revives_an_engine_marked_failed_meanwhile(fleet, serving, qwen3_dir_b):
     """An engine marked INACTIVE while its weights were checked (here before the check: its process
     still runs and holds exactly the report's weights) stays INACTIVE, and the sync names it."""

@@ -67,7 +67,7 @@ MUTANTS: list[Mutant] = [
         file="rollfleet/fleet/fleet.py",
         old="            if engine_id in failed:\n",
         new="            if False:\n",
-        tests=(f"{FLEET_SYNC}::test_a_push_missing_a_tensor_is_not_verified_and_not_served",),
+        tests=(f"{FLEET_SYNC}::test_a_push_whose_tensors_change_under_it_is_not_verified_and_not_served",),
     ),
     Mutant(
         id="push-not-verified",
@@ -75,7 +75,7 @@ MUTANTS: list[Mutant] = [
         file="rollfleet/fleet/fleet.py",
         old="failed = self.pool.run(find_unverified(report, clients, self.cfg.verify_mode))",
         new="failed = {}",
-        tests=(f"{FLEET_SYNC}::test_a_push_missing_a_tensor_is_not_verified_and_not_served",),
+        tests=(f"{FLEET_SYNC}::test_a_push_whose_tensors_change_under_it_is_not_verified_and_not_served",),
     ),
     Mutant(
         id="failed-push-keeps-serving",
