@@ -18,7 +18,9 @@ import httpx
 import pytest
 import ray
 import torch
+from sleep_check import bare_sleeps
 from transformers import AutoModelForCausalLM
+from waits import WaitTimedOut, wait_until
 
 from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
 from rollfleet.engine.zygote_client import SHARED_ZYGOTE_ENV, Zygote
@@ -108,11 +110,23 @@ def _module(item) -> str:
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselected what will not run
 def pytest_collection_modifyitems(items):
+    _refuse_bare_sleeps({Path(str(item.fspath)) for item in items})
     items[:] = _ray_modules_together(items)
     for item in items:
         _MODULE_USES.setdefault(_module(item), set()).update(n for n in item.fixturenames if n.endswith("_lender"))
         for name in SHARED_UNTIL_LAST_MODULE & set(item.fixturenames):
             _LAST_MODULE[name] = _module(item)
+
+
+def _refuse_bare_sleeps(modules: set[Path]) -> None:
+    """The run stops before any test when a test sleeps before it asserts or signals (sleep_check.py)."""
+    helpers = [Path(__file__).parent / name for name in ("conftest.py", "waits.py", "helper_processes.py")]
+    bare = [line for path in sorted(modules | set(helpers)) for line in bare_sleeps(path)]
+    if bare:
+        raise pytest.UsageError(
+            "sleeps outside a polling loop (wait on an observable with tests/waits.py, or add the "
+            "line's function to sleep_check.ALLOWED with the reason):\n  " + "\n  ".join(bare)
+        )
 
 
 def _ray_modules_together(items: list) -> list:
@@ -352,16 +366,71 @@ def reference_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int
     return out, logprobs
 
 
-async def scheduler_stats_when(client: EngineClient, condition, timeout: float = 30) -> dict:
+async def scheduler_stats_when(client: EngineClient, condition, timeout: float = 60, task=None) -> dict:
     """The scheduler stats a server reports (`/get_server_info`) once `condition` holds of them:
-    waits on the server's own state, not on time."""
+    waits on the server's own state, not on time. A `task` (the request the condition is about)
+    that ends first fails the wait at once with what it returned; a dead server fails the call."""
     deadline = time.monotonic() + timeout
     while True:
         stats = (await client.get_server_info())["scheduler_stats"]
         if condition(stats):
             return stats
-        assert time.monotonic() < deadline, f"not reached within {timeout} s: {stats}"
+        assert task is None or not task.done(), f"the request ended before the wait was met: {task.result()}"
+        if time.monotonic() >= deadline:
+            raise WaitTimedOut(f"not reached within {timeout} s: {stats}")
         await asyncio.sleep(0.005)
+
+
+async def held_in_flight(client: EngineClient, steps: int = 1, samples: int = 1, **generate) -> asyncio.Task:
+    """A request made to be mid-generation, as a state instead of a race: the engine paused in place,
+    the request queued (`samples` sequences), then `steps` steps run (its prefill, then decode
+    steps), so its sequences hold `steps` tokens each and cannot finish until continue_generation
+    (ask for more tokens than `steps`: a request that ended within them fails the helper)."""
+    await client.pause_generation("in_place")
+    before = (await client.get_server_info())["scheduler_stats"]["waiting_requests"]
+    task = asyncio.create_task(client.generate(**generate))
+    await scheduler_stats_when(client, lambda s: s["waiting_requests"] >= before + samples, task=task)
+    answer = await client.step(steps)
+    assert answer["steps_run"] == steps and answer["scheduler_stats"]["running_requests"] >= 1, answer
+    return task
+
+
+async def engine_turns(client: EngineClient, turns: int = 2) -> None:
+    """Returns once the engine thread has chosen its next work `turns` times (each a control through
+    its queue): a request that could have started would have by then (controls and batches share
+    one loop), so "still waiting" after it is held, not slow."""
+    for _ in range(turns):
+        await client.memory()
+
+
+def hold_with_requests(fleet, engine_id: int, *, alive, steps: int = 0) -> dict:
+    """Pause a fleet's engine in place, wait (while `alive()`, the caller's generate) until the router
+    has queued requests on it, then let it run `steps` steps: its requests are in flight by
+    construction, neither finished nor started by luck. Returns its scheduler stats then."""
+    fleet.pool.call(engine_id, "pause_generation", "in_place")
+    wait_until(
+        lambda: fleet.pool.call(engine_id, "get_server_info")["scheduler_stats"]["waiting_requests"],
+        what=f"requests queued on engine {engine_id}",
+        alive=alive,
+    )
+    if steps:
+        return fleet.pool.call(engine_id, "step", steps)["scheduler_stats"]
+    return fleet.pool.call(engine_id, "get_server_info")["scheduler_stats"]
+
+
+_AGAIN = itertools.count()
+
+
+def serving_again(fleet, module) -> None:
+    """Every engine of a module-scoped fleet ACTIVE at the fleet's version, whatever a test before
+    left: a dead one restarted (past any backoff) and restored, a waiting one (a failed push) given
+    a push of `module`. Each test sets up the state it asserts on, so it passes alone and in any order."""
+    if any(s.state.value == "INACTIVE" for s in fleet.slots):
+        fleet.restart_inactive(force=True)
+    if any(s.state.value != "ACTIVE" or s.version != fleet.version for s in fleet.slots):
+        fleet.sync_weights(ModuleSource(module), f"again-{next(_AGAIN)}")
+    states = [(s.state.value, s.version) for s in fleet.slots]
+    assert states == [("ACTIVE", fleet.version)] * len(fleet.slots), states
 
 
 def kill(fleet, engine_id: int) -> float:

@@ -6,9 +6,9 @@ that refuses asynchronous steps on shared GPUs."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
+from waits import wait_until
 
 from rollfleet.config import ConfigError, load_config
 from rollfleet.sample import Sample
@@ -99,36 +99,36 @@ def test_prompt_cursor_hands_out_each_position_once_and_survives_a_checkpoint():
 
 def test_a_push_waits_for_the_generate_call_under_way_and_holds_new_ones():
     gate, order = GenerationGate(), []
-    generating, pushing = threading.Event(), threading.Event()
+    release = {"a": threading.Event(), "b": threading.Event(), "push": threading.Event()}
+    release["b"].set()
 
-    def generate(name: str, hold: float):
+    def generate(name: str):
         with gate.generating():
             order.append(f"{name} start")
-            generating.set()
-            time.sleep(hold)
+            release[name].wait()
             order.append(f"{name} end")
 
     def push():
-        generating.wait()
-        pushing.set()
-        with gate.pushing() as waited:
-            order.append(f"push after {waited:.1f}s")
-            time.sleep(0.3)
+        with gate.pushing():
+            order.append("push start")
+            release["push"].wait()
             order.append("push end")
 
-    first = threading.Thread(target=generate, args=("a", 0.5))
-    pusher = threading.Thread(target=push)
+    first, pusher, second = (threading.Thread(target=t) for t in (lambda: generate("a"), push, lambda: generate("b")))
     first.start()
+    wait_until(lambda: gate.state["calls"] == 1, what="generate a under way")
     pusher.start()
-    pushing.wait()
-    time.sleep(0.1)  # the push is waiting for "a"
-    second = threading.Thread(target=generate, args=("b", 0.0))
+    wait_until(lambda: gate.state["pushes"] == 1, what="the push waiting", alive=pusher.is_alive)
     second.start()
+    wait_until(lambda: gate.state["held_calls"] == 1, what="generate b held", alive=second.is_alive)
+    assert order == ["a start"]  # the push waits for "a", and "b" waits for the push
+    release["a"].set()
+    wait_until(lambda: "push start" in order, what="the push running", alive=pusher.is_alive)
+    assert gate.state == {"calls": 0, "held_calls": 1, "pushes": 1}, order  # "b" still held by the push
+    release["push"].set()
     for thread in (first, pusher, second):
-        thread.join(5)
-    assert order[:2] == ["a start", "a end"], order
-    assert order[2].startswith("push after") and float(order[2].split()[2][:-1]) >= 0.3, order
-    assert order[3:] == ["push end", "b start", "b end"], order
+        thread.join()
+    assert order == ["a start", "a end", "push start", "push end", "b start", "b end"]
 
 
 def test_colocated_runs_refuse_asynchronous_steps_with_the_reason(tmp_path):

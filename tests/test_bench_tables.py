@@ -84,12 +84,12 @@ def test_weight_sync_benchmark_writes_a_complete_record(weight_sync_runs):
     assert RECORD_KEYS <= set(record) and record["ok"] is True and record["benchmark"] == "weight-sync"
     assert record["command"].startswith("rollfleet bench weight-sync --transport nccl")
     assert record["config"]["repeats"] == 2 and len(record["repeats"]) == 2
-    for row in record["repeats"]:
-        assert row["verified"] and row["raw_s"] > 0 and row["sync_s"] > 0 and row["verify_s"] > 0
+    assert all(row["verified"] for row in record["repeats"])
     summary = record["summary"]
     assert summary["raw_s"]["n"] == summary["sync_s"]["n"] == 2  # the ceiling repeated as often as the sync
-    assert summary["raw_s"]["min"] <= summary["raw_s"]["median"] <= summary["raw_s"]["max"]
-    assert summary["ratio_sync_to_raw"] > 0 and summary["old_method"]["ratio_sync_to_raw"] > 0
+    for key in ("raw_s", "sync_s"):  # the summary is of the repeats it sits beside (durations > 0 could not fail)
+        values = [row[key] for row in record["repeats"]]
+        assert (summary[key]["min"], summary[key]["max"]) == (min(values), max(values)), (key, summary[key], values)
     assert "ratio sync / raw" in out.stdout
 
 

@@ -43,6 +43,7 @@ ROUTES = [
     ("POST", "/get_weights_by_name", {"name": "model.norm.weight"}),
     ("GET", "/rollfleet/shard_fingerprints", None),
     ("GET", "/rollfleet/memory", None),
+    ("POST", "/rollfleet/step", {"steps": 1}),
     ("POST", "/rollfleet/weights_fingerprint", {"names": ["model.norm.weight"]}),
     ("POST", "/release_memory_occupation", {"tags": ["kv_cache"]}),
     ("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}),

@@ -166,7 +166,8 @@ def test_stream_is_cumulative_and_ends_with_the_answer(server):
         count = len(event["output_ids"])
         assert event["output_ids"] == answer["output_ids"][:count]
         assert len(event["meta_info"]["output_token_logprobs"]) == count == event["meta_info"]["completion_tokens"]
-    assert len(events) >= 2
+    counts = [len(e["output_ids"]) for e in events]  # events coalesce: how many there are is the machine's speed
+    assert counts == sorted(set(counts)), counts
 
 
 def test_stream_of_a_batch_with_n_carries_prompt_major_index(server):
@@ -238,7 +239,7 @@ def test_engine_client_sends_every_generate_field(server):
     # an event per token, each cumulative; a token whose sequence finished before its event was sent
     # is covered by the final answer (SGLang also sends only the latest state when several are pending)
     counts = [len(e["output_ids"]) for e in events]
-    assert counts == sorted(set(counts)) and 2 <= len(events) <= len(raw["output_ids"]), counts
+    assert counts == sorted(set(counts)) and counts[-1] == len(raw["output_ids"]), counts
     assert all(e["output_ids"] == raw["output_ids"][: len(e["output_ids"])] for e in events)
     assert err.status_code == 400 and "top_logprobs_num" in err.message
     assert stream_err.status_code == 400 and "logprob_start_len" in stream_err.message

@@ -36,6 +36,13 @@ def server(qwen3_dir, tmp_path_factory):
         yield proc
 
 
+@pytest.fixture(autouse=True)
+def on_qwen3_dir(server, qwen3_dir):
+    """Each test starts on qwen3_dir's weights at version "default" (one test loads others)."""
+    if ok(httpx.get(server.url + "/get_model_info", headers=AUTH))["weight_version"] != "default":
+        ok(post(server, "/update_weights_from_disk", {"model_path": qwen3_dir, "weight_version": "default"}))
+
+
 def post(server, route: str, body: dict | None = None, headers=AUTH) -> httpx.Response:
     return httpx.post(server.url + route, json=body, headers=headers, timeout=60)
 

@@ -17,9 +17,38 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_dir, tmp_path_factory):
+def started(qwen3_dir, tmp_path_factory):
+    """The dummy server, and what it answered right after its start, before any test could load
+    weights into it (the module's tests share it, in any order)."""
     with engine_server(qwen3_dir, tmp_path_factory.mktemp("logs"), load_format="dummy") as proc:
-        yield proc
+        yield proc, answers_before_weights(proc)
+
+
+@pytest.fixture(scope="module")
+def server(started):
+    return started[0]
+
+
+@pytest.fixture
+def loaded(server, qwen3_dir):
+    """The server holding qwen3_dir's weights (a test before may have released or replaced them)."""
+    call(server, "resume_memory_occupation", None)
+    call(server, "update_weights_from_disk", qwen3_dir, weight_version="loaded")
+    return server
+
+
+def answers_before_weights(proc) -> dict:
+    try:
+        call(proc, "generate", input_ids=PROMPT, sampling_params=GREEDY)
+        refused = None
+    except EngineError as exc:
+        refused = (exc.status_code, exc.message)
+    return {
+        "/health": status(proc, "/health"),
+        "/health_generate": status(proc, "/health_generate"),
+        "generate": refused,
+        "weights_ready": call(proc, "get_model_info")["weights_ready"],
+    }
 
 
 def status(proc, route):
@@ -35,13 +64,12 @@ def copy_checkpoint(src: str, dst, edit=None):
     return str(dst)
 
 
-def test_dummy_server_is_up_but_not_ready(server):
-    assert status(server, "/health") == 200
-    assert status(server, "/health_generate") == 503
-    with pytest.raises(EngineError) as err:
-        call(server, "generate", input_ids=PROMPT, sampling_params=GREEDY)
-    assert err.value.status_code == 503 and "weights are not loaded" in err.value.message
-    assert call(server, "get_model_info")["weights_ready"] is False
+def test_dummy_server_is_up_but_not_ready(started):
+    _, answers = started
+    assert answers["/health"] == 200 and answers["/health_generate"] == 503
+    assert answers["generate"] is not None, "a dummy server without weights generated"
+    assert answers["generate"][0] == 503 and "weights are not loaded" in answers["generate"][1]
+    assert answers["weights_ready"] is False
 
 
 def test_update_from_disk_makes_it_ready_with_the_checkpoint_weights(server, qwen3_dir):
@@ -92,7 +120,7 @@ def _bad_checkpoints(qwen3_dir, tmp):
     ]
 
 
-def test_bad_updates_change_nothing(server, qwen3_dir, tmp_path):
+def test_bad_updates_change_nothing(server, loaded, qwen3_dir, tmp_path):
     before = call(server, "shard_fingerprints")
     version = call(server, "get_model_info")["weight_version"]
     reference = call(server, "generate", input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
@@ -105,7 +133,7 @@ def test_bad_updates_change_nothing(server, qwen3_dir, tmp_path):
     assert call(server, "generate", input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == reference
 
 
-def test_version_info_and_cache_routes(server):
+def test_version_info_and_cache_routes(server, loaded):
     assert call(server, "update_weight_version", "v9")["new_version"] == "v9"
     gen = call(server, "generate", input_ids=PROMPT, sampling_params={"max_new_tokens": 1})
     assert gen["meta_info"]["weight_version"] == "v9"
@@ -117,7 +145,7 @@ def test_version_info_and_cache_routes(server):
     assert err.value.status_code == 400 and "no.such.weight" in err.value.message
 
 
-def test_release_and_resume_memory(server, qwen3_dir):
+def test_release_and_resume_memory(server, loaded, qwen3_dir):
     (before,) = call(server, "memory")
     assert call(server, "release_memory_occupation", ["weights", "kv_cache"]) is None  # SGLang's null body
     (rank0,) = call(server, "memory")

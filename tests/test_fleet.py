@@ -9,13 +9,13 @@ import re
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import ray
-from conftest import reference_greedy
+from conftest import Lender, hold_with_requests, reference_greedy, serving_again
+from transformers import AutoModelForCausalLM
 
 from rollfleet.config import load_config
 from rollfleet.fleet.fleet import Fleet
@@ -39,7 +39,9 @@ def config(model_dir, log_dir, *overrides):
     )
 
 
-def test_colocated_trainer_group_shares_each_gpu_with_its_rollout_worker(local_ray, qwen3_dir, tmp_path, monkeypatch):
+def test_colocated_trainer_group_shares_each_gpu_with_its_rollout_worker(
+    local_ray, free_gpus, qwen3_dir, tmp_path, monkeypatch
+):
     """The real TrainerGroup (FSDP2 ranks on gloo) in the fleet's placement group: each rank takes the
     GPU fraction the rollout worker of its bundle left, so both see the same GPU id. Its first master
     port is one another process listens on (a port taken between its choice and rank 0's bind): the
@@ -85,7 +87,9 @@ def test_colocated_trainer_group_shares_each_gpu_with_its_rollout_worker(local_r
         ray.util.remove_placement_group(group)
 
 
-def test_sglang_pipeline_layout_reaches_launch_and_a_failed_start_reports_the_log(local_ray, qwen3_dir, tmp_path):
+def test_sglang_pipeline_layout_reaches_launch_and_a_failed_start_reports_the_log(
+    local_ray, free_gpus, qwen3_dir, tmp_path
+):
     """SGLang cannot run here: the fleet lays out tp=1 x pp=2, the head launches sglang.launch_server
     with both GPUs visible, and the start failure carries the server log's last lines."""
     cfg = config(qwen3_dir, tmp_path, "rollout.backend=sglang", "rollout.pp_size=2", "rollout.startup_timeout_s=60")
@@ -99,7 +103,7 @@ def test_sglang_pipeline_layout_reaches_launch_and_a_failed_start_reports_the_lo
 
 @pytest.mark.parametrize("release, supported", [("0.4.0", False), ("0.5.23.post1", True)])
 def test_the_fleet_reads_each_sglang_release_at_start_and_refuses_an_unsupported_one(
-    local_ray, qwen3_dir, tmp_path, release, supported
+    local_ray, free_gpus, qwen3_dir, tmp_path, release, supported
 ):
     """backend=sglang through the real launch path (a worker starts `rollout.sglang_command`, here a
     stand-in server process reporting `release`): the fleet reads /get_server_info once per engine
@@ -132,15 +136,41 @@ def test_the_fleet_reads_each_sglang_release_at_start_and_refuses_an_unsupported
 
 
 @pytest.fixture(scope="module")
-def fleet(local_ray, qwen3_dir, tmp_path_factory):
-    fleet = Fleet.from_config(
-        config(qwen3_dir, tmp_path_factory.mktemp("logs"), "rollout.tp_size=2", "rollout.num_engines=2")
-    )
-    yield fleet
-    fleet.shutdown()
+def fleet_lender(local_ray, qwen3_dir, tmp_path_factory):
+    """The module's fleet (2 engines of tp 2: all 4 of the local Ray's GPUs), started when a test
+    first asks for it and given back when a test needs the GPUs for a fleet of its own."""
+
+    def start(stack):
+        fleet = Fleet.from_config(
+            config(qwen3_dir, tmp_path_factory.mktemp("logs"), "rollout.tp_size=2", "rollout.num_engines=2")
+        )
+        stack.callback(fleet.shutdown)
+        return fleet
+
+    lender = Lender(start)
+    yield lender
+    lender.release()
 
 
-def test_layout_and_gpu_exposure(fleet):
+@pytest.fixture
+def fleet(fleet_lender):
+    return fleet_lender.get()
+
+
+@pytest.fixture
+def free_gpus(fleet_lender):
+    """The Ray GPUs free for a fleet of the test's own, whether or not a test before started the module's."""
+    fleet_lender.release()
+
+
+@pytest.fixture
+def serving(fleet, qwen3_dir):
+    """The fleet with both engines ACTIVE on qwen3_dir's weights (a test before may have killed one)."""
+    serving_again(fleet, AutoModelForCausalLM.from_pretrained(qwen3_dir))
+    return fleet
+
+
+def test_layout_and_gpu_exposure(fleet, serving):
     placements = ray.get([w.placement.remote() for w in fleet.workers])
     gpu_ids = [p["gpu_ids"] for p in placements]
     assert all(len(ids) == 1 for ids in gpu_ids) and len({ids[0] for ids in gpu_ids}) == 4
@@ -154,7 +184,7 @@ def test_layout_and_gpu_exposure(fleet):
     assert ray.get([w.engine_alive.remote() for w in shells]) == [False, False]
 
 
-def test_generate_spreads_over_engines_in_input_order(fleet, qwen3_dir):
+def test_generate_spreads_over_engines_in_input_order(fleet, serving, qwen3_dir):
     prompts = ["what is 12 plus 7?", [5, 6, 7], "the quick brown fox", [9], [40, 41], "seven"]
     greedy = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
     samples = fleet.generate(prompts, n=4, sampling=greedy, progress=True)
@@ -167,10 +197,10 @@ def test_generate_spreads_over_engines_in_input_order(fleet, qwen3_dir):
         reference_greedy(qwen3_dir, ids, 6)[0] for ids in prompt_ids for _ in range(4)
     ]
     assert {s.engine_id for s in samples} == {0, 1}
-    assert all(s.weight_version == "default" and len(s.logprobs) == 6 for s in samples)
+    assert all(s.weight_version == fleet.version and len(s.logprobs) == 6 for s in samples)
 
 
-def test_sleep_and_wake_across_the_fleet(fleet, qwen3_dir):
+def test_sleep_and_wake_across_the_fleet(fleet, serving, qwen3_dir):
     fleet.sleep(["kv_cache"])
     fleet.wake(["kv_cache"])
     assert len(fleet.generate([[1]], n=2, sampling={"max_new_tokens": 2})) == 2
@@ -181,23 +211,27 @@ def test_sleep_and_wake_across_the_fleet(fleet, qwen3_dir):
     assert {s.weight_version for s in samples} == {"after-wake"}
 
 
-def test_engine_killed_mid_batch_loses_no_result(fleet, qwen3_dir):
+def test_engine_killed_mid_batch_loses_no_result(fleet, serving, qwen3_dir):
     victim = fleet.slots[1]
     pid = ray.get(victim.head.engine_pid.remote())
     busy = threading.Event()
 
-    def kill_mid_batch():  # once engine 1 holds requests in flight (its batch runs 100 tokens: far past one poll)
-        deadline = time.monotonic() + 60
-        while victim.outstanding < 5 and time.monotonic() < deadline:
-            busy.wait(0.01)
-        busy.set()
-        os.killpg(pid, signal.SIGKILL)
+    def kill_mid_batch():  # engine 1 held with requests mid-batch (paused, stepped), then killed
+        try:
+            hold_with_requests(fleet, 1, alive=lambda: not samples_done.is_set(), steps=2)
+            busy.set()
+        finally:  # also when the hold failed: the generate must not wait on a paused engine
+            os.killpg(pid, signal.SIGKILL)
 
+    samples_done = threading.Event()
     killer = threading.Thread(target=kill_mid_batch)
     killer.start()
     prompts = [[i + 1, 2, 3] for i in range(40)]
     retries = fleet.router.retries
-    samples = fleet.generate(prompts, n=2, sampling={"max_new_tokens": 100, "ignore_eos": True, "temperature": 0})
+    try:
+        samples = fleet.generate(prompts, n=2, sampling={"max_new_tokens": 100, "ignore_eos": True, "temperature": 0})
+    finally:
+        samples_done.set()
     killer.join()
     assert busy.is_set() and fleet.router.retries > retries  # the kill hit requests in flight
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, k) for p in range(40) for k in range(2)]

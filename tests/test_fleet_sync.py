@@ -7,12 +7,11 @@ an engine: raised at once, not retried)."""
 from __future__ import annotations
 
 import shutil
-import time
 
 import httpx
 import pytest
 import torch
-from conftest import FailsAfter, reference_greedy
+from conftest import FailsAfter, reference_greedy, serving_again
 from test_weight_sync import running_fleet
 from transformers import AutoModelForCausalLM
 
@@ -67,7 +66,14 @@ class LeavesOut:
         return ((n, t) for n, t in self.inner.named_tensors() if n != self.name)
 
 
-def test_a_fleet_with_an_api_key_generates_syncs_and_refuses_keyless_calls(fleet, qwen3_dir_b):
+@pytest.fixture
+def serving(fleet, model_dir):
+    """Both engines ACTIVE at the fleet's version, whatever a test before left."""
+    serving_again(fleet, model(model_dir))
+    return fleet
+
+
+def test_a_fleet_with_an_api_key_generates_syncs_and_refuses_keyless_calls(fleet, serving, qwen3_dir_b):
     assert {s.engine_id for s in fleet.generate(PROMPTS * 2, sampling=GREEDY)} == {0, 1}
     report = fleet.sync_weights(ModuleSource(model(qwen3_dir_b)), "keyed", transport=SMALL_BUCKETS)
     assert report.verified == [0, 1] and fleet.version == "keyed"
@@ -77,7 +83,7 @@ def test_a_fleet_with_an_api_key_generates_syncs_and_refuses_keyless_calls(fleet
     assert direct.status_code == 401
 
 
-def test_a_4xx_from_an_engine_is_raised_not_retried(fleet):
+def test_a_4xx_from_an_engine_is_raised_not_retried(fleet, serving):
     retries = fleet.router.retries
     with pytest.raises(EngineError) as err:
         fleet.generate(PROMPTS, sampling={"max_new_tokens": 4, "top_k": 0})  # an invalid top_k reaches the engine
@@ -85,16 +91,16 @@ def test_a_4xx_from_an_engine_is_raised_not_retried(fleet):
     assert fleet.router.retries == retries and states(fleet) == ["ACTIVE", "ACTIVE"]
 
 
-def test_a_request_every_live_engine_fails_is_raised_after_one_try_each(fleet, model_dir):
+def test_a_request_every_live_engine_fails_is_raised_after_one_try_each(fleet, serving, model_dir):
     """Engines answer 503 (their weights were released behind the fleet's back): the router tries
     each live engine once and raises the engine's error, instead of retrying without end."""
     fleet.pool.on_all("release_memory_occupation", [0, 1], ["weights"])
-    retries, start = fleet.router.retries, time.monotonic()
+    retries = fleet.router.retries
     try:
         with pytest.raises(EngineError) as err:
             fleet.generate(PROMPTS[:1], sampling=GREEDY)
-        assert err.value.status_code == 503 and time.monotonic() - start < 5
-        assert fleet.router.retries - retries == 2  # one try on each engine
+        assert err.value.status_code == 503
+        assert fleet.router.retries - retries == 2  # one try on each engine, then raised (no retry without end)
         assert states(fleet) == ["ACTIVE", "ACTIVE"]  # a bad request takes no engine out
     finally:
         fleet.pool.on_all("resume_memory_occupation", [0, 1], ["weights"])
@@ -102,7 +108,7 @@ def test_a_request_every_live_engine_fails_is_raised_after_one_try_each(fleet, m
     assert len(fleet.generate(PROMPTS, sampling=GREEDY)) == len(PROMPTS)
 
 
-def test_a_push_that_fails_part_way_leaves_no_engine_serving(fleet, model_dir, qwen3_dir_b):
+def test_a_push_that_fails_part_way_leaves_no_engine_serving(fleet, serving, model_dir, qwen3_dir_b):
     before = fleet.version
     with pytest.raises(RuntimeError, match="source failed part-way"):
         fleet.sync_weights(FailsAfter(model(model_dir), 5), "partial", transport=SMALL_BUCKETS)
@@ -119,18 +125,48 @@ def test_a_push_that_fails_part_way_leaves_no_engine_serving(fleet, model_dir, q
     assert {s.weight_version for s in samples} == {"whole"}
 
 
-def test_a_push_missing_a_tensor_is_not_verified_and_not_served(fleet, model_dir):
-    left_out = "model.layers.0.mlp.down_proj.weight"
+def test_a_push_missing_a_tensor_is_not_verified_and_not_served(fleet, serving, model_dir):
+    left_out, before = "model.layers.0.mlp.down_proj.weight", fleet.version
     with pytest.raises((RuntimeError, EngineError)) as err:  # verification, or an engine's refused session end
         fleet.sync_weights(LeavesOut(model(model_dir), left_out), "incomplete", engine_ids=[1], transport=SMALL_BUCKETS)
     assert "engine 1" in str(err.value) or "end_weight_update" in str(err.value)
     assert fleet.slots[1].state.value != "ACTIVE" and fleet.slots[0].state.value == "ACTIVE"
-    assert fleet.version == "whole"  # nothing verified: the fleet stays where it was
+    assert fleet.version == before  # nothing verified: the fleet stays where it was
     samples = fleet.generate(PROMPTS * 3, sampling=GREEDY)
-    assert {s.engine_id for s in samples} == {0} and {s.weight_version for s in samples} == {"whole"}
+    assert {s.engine_id for s in samples} == {0} and {s.weight_version for s in samples} == {before}
 
 
-def test_a_verification_never_revives_an_engine_marked_failed_meanwhile(fleet, qwen3_dir_b):
+class ChangesUnderThePush:
+    """A trainer that steps while its push is under way: once the last tensor went to the transport,
+    every tensor is changed in place. The buckets already sent carry the values before; what the
+    sender fingerprints is read after. Every call is accepted (a complete session): only the
+    verification can tell the engine holds other weights than the push claims."""
+
+    def __init__(self, module):
+        self.inner = ModuleSource(module)
+
+    def named_tensors(self):
+        sent = []
+        for name, tensor in self.inner.named_tensors():
+            sent.append(tensor)
+            yield name, tensor
+        with torch.no_grad():
+            for tensor in sent:
+                tensor.add_(1.0)
+
+
+def test_a_push_whose_tensors_change_under_it_is_not_verified_and_not_served(fleet, serving, model_dir):
+    before = fleet.version
+    with pytest.raises(WeightSyncError, match="engine 1"):
+        fleet.sync_weights(ChangesUnderThePush(model(model_dir)), "moved", engine_ids=[1], transport=SMALL_BUCKETS)
+    assert fleet.slots[1].state.value == "INACTIVE" and fleet.slots[0].state.value == "ACTIVE"
+    assert "weights not verified" in fleet.slots[1].lifecycle.history[-1].why
+    assert fleet.version == before  # nothing verified: the fleet stays where it was
+    samples = fleet.generate(PROMPTS * 3, sampling=GREEDY)
+    assert {s.engine_id for s in samples} == {0} and {s.weight_version for s in samples} == {before}
+
+
+def test_a_verification_never_revives_an_engine_marked_failed_meanwhile(fleet, serving, qwen3_dir_b):
     """An engine marked INACTIVE while its weights were checked (here before the check: its process
     still runs and holds exactly the report's weights) stays INACTIVE, and the sync names it."""
     report = fleet.sync_weights(ModuleSource(model(qwen3_dir_b)), "checked", transport=SMALL_BUCKETS)
@@ -141,7 +177,7 @@ def test_a_verification_never_revives_an_engine_marked_failed_meanwhile(fleet, q
     assert states(fleet) == ["ACTIVE", "INACTIVE"] and report.verified == [0]
 
 
-def test_a_restart_that_fails_leaves_the_engine_inactive_and_a_later_one_works(fleet, model_dir, qwen3_dir_b):
+def test_a_restart_that_fails_leaves_the_engine_inactive_and_a_later_one_works(fleet, serving, model_dir, qwen3_dir_b):
     if fleet.slots[1].state.value != "INACTIVE":
         fleet.recovery.mark_dead(fleet.slots[1], "test: treat engine 1 as failed")
     moved = model_dir.with_name("qwen3-moved")

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from waits import wait_until
 
 from rollfleet.config import load_config
 from rollfleet.rewards.basic import copy_digits
@@ -167,7 +169,6 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     import os
     import random
     import signal
-    import threading
     import time
 
     model_dir = tmp_path / "chaos-model"
@@ -327,7 +328,6 @@ def test_chaos_async_engine_killed_mid_generation(qwen3_dir, tmp_path):
     every step trains on each of its prompts n times, none lost or used twice, within the bound."""
     import os
     import signal
-    import time
 
     model_dir = tmp_path / "async-chaos-model"
     shutil.copytree(qwen3_dir, model_dir)  # a path of its own, to find this run's engines
@@ -344,27 +344,36 @@ def test_chaos_async_engine_killed_mid_generation(qwen3_dir, tmp_path):
         "rollout.sampling.ignore_eos=true",
     )
     killed: list[int] = []
+    run_over = threading.Event()
 
     def engines() -> dict[int, int]:
         return _live_engines(tmp_path / "out" / "logs")
 
+    def kill_once_it_holds_requests(pid: int, url: str) -> None:
+        """The engine is paused in place: the requests the producer routes to it stay there (step 2's,
+        if its generate is still under way, else step 3's once the trainer pushed). One step makes them
+        mid-generation, then the kill: requests are running on it by construction, not by timing."""
+        stats = lambda: httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler_stats"]  # noqa: E731
+        wait_until(lambda: stats()["waiting_requests"], what="requests on the held engine", timeout=240,
+                   alive=lambda: not run_over.is_set())  # fmt: skip
+        httpx.post(f"{url}/rollfleet/step", json={"steps": 1}, timeout=30).raise_for_status()
+        os.killpg(pid, signal.SIGKILL)
+        killed.append(pid)
+
     class KillMidGeneration(Recorder):
         def __call__(self, step, items, samples):
             super().__call__(step, items, samples)
-            if step != 1:
-                return
-            deadline = time.monotonic() + 60
-            while not killed:  # the producer is making step 2's samples now: kill an engine running some
-                assert time.monotonic() < deadline, "no engine ever ran step 2's requests"
-                for pid, port in engines().items():
-                    stats = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=5).json()["scheduler_stats"]
-                    if stats["running_requests"]:
-                        os.killpg(pid, signal.SIGKILL)
-                        killed.append(pid)
-                        break
+            if step == 1:  # the producer may be making step 2's samples now
+                pid, port = sorted(engines().items())[0]
+                url = f"http://127.0.0.1:{port}"
+                httpx.post(f"{url}/pause_generation", json={"mode": "in_place"}, timeout=30).raise_for_status()
+                threading.Thread(target=kill_once_it_holds_requests, args=(pid, url), daemon=True).start()
 
     recorder = KillMidGeneration(model_dir)
-    rows = train_rows(cfg, temp, tmp_path / "out", observe=recorder)
+    try:
+        rows = train_rows(cfg, temp, tmp_path / "out", observe=recorder)
+    finally:
+        run_over.set()
     assert [r["step"] for r in rows] == list(range(1, steps + 1)) and len(killed) == 1
     for step in range(steps):
         items, samples = recorder.steps[step]

@@ -10,7 +10,6 @@ import asyncio
 import copy
 import json
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,6 +20,7 @@ from conftest import call, engine_servers, every_engine, reference_greedy
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+from waits import wait_until
 
 from rollfleet.config import LoraSync, TensorSync, load_config
 from rollfleet.engine.launch import EngineProcess
@@ -94,12 +94,22 @@ def generate_together(proc, lora_path) -> tuple[list, int]:
     return out, call(proc, "get_server_info")["scheduler_stats"]["batches"] - batches
 
 
-def wait_until_queued(proc, future, timeout: float = 30.0) -> None:
+def wait_until_queued(proc, future) -> None:
     """Until the server holds unfinished requests (/flush_cache answers 400 then)."""
-    deadline = time.monotonic() + timeout
-    while httpx.post(f"{proc.url}/flush_cache", timeout=10).status_code != 400:
-        assert time.monotonic() < deadline and not future.done()
-        time.sleep(0.02)
+    wait_until(
+        lambda: httpx.post(f"{proc.url}/flush_cache", timeout=10).status_code == 400,
+        what="requests queued",
+        alive=lambda: not future.done(),
+    )
+
+
+def wait_until_control_queued(proc, future) -> None:
+    """Until the engine holds a control action in its queue (it waits there for requests a pause holds)."""
+    wait_until(
+        lambda: call(proc, "get_server_info")["scheduler_stats"]["queued_controls"],
+        what="a control queued",
+        alive=lambda: not future.done(),
+    )
 
 
 def assert_matches(got, want):
@@ -234,13 +244,14 @@ def test_a_base_read_mid_batch_keeps_the_adapter(servers, adapter):
     }
     uninterrupted = call(proc, "generate", **request)
     batches = call(proc, "get_server_info")["scheduler_stats"]["batches"]
+    call(proc, "pause_generation", "in_place")
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(call, proc, "generate", **request)
-        while call(proc, "get_server_info")["scheduler_stats"]["batches"] == batches:  # until its batch started
-            time.sleep(0.01)
-        call(proc, "pause_generation", "in_place")
         try:
-            assert not running.done()
+            running = pool.submit(call, proc, "generate", **request)
+            wait_until_queued(proc, running)
+            stepped = call(proc, "step", 5)  # its batch started and made 5 tokens, held there
+            assert stepped["steps_run"] == 5 and stepped["scheduler_stats"]["running_requests"] == 1, stepped
+            assert stepped["scheduler_stats"]["batches"] == batches + 1
             call(proc, "weights_fingerprint", ["model.layers.0.self_attn.q_proj.weight"])
         finally:
             call(proc, "continue_generation")
@@ -294,8 +305,8 @@ def test_unload_waits_for_the_requests_that_use_the_adapter(servers, adapter, tm
             queued = pool.submit(generate, proc, "slow")
             wait_until_queued(proc, queued)
             unloading = pool.submit(call, proc, "unload_lora_adapter", "slow")
-            time.sleep(0.5)
-            assert not unloading.done()  # it waits for the queued request that uses the adapter
+            wait_until_control_queued(proc, unloading)
+            assert not unloading.done()  # it waits for the queued request (held by the pause) that uses the adapter
             with pytest.raises(EngineError) as err:  # and new requests for the adapter are refused meanwhile
                 call(proc, "generate", input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="slow")
             assert "being unloaded" in err.value.message
@@ -330,7 +341,7 @@ def test_eviction_spares_pinned_adapters_and_waits_for_requests(servers, adapter
             queued = pool.submit(generate, proc, "used")
             wait_until_queued(proc, queued)
             loading = pool.submit(call, proc, "load_lora_adapter", "new", directory)
-            time.sleep(0.5)
+            wait_until_control_queued(proc, loading)
             assert not loading.done()  # "kept" is older but pinned: "used" goes, after its queued request
             with pytest.raises(EngineError) as err:
                 call(proc, "generate", input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="used")
@@ -529,10 +540,7 @@ def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, ada
         # a restarted engine loads the base weights itself (a LoRA run never sends them), then the current
         # adapter from the directory its sync left, verified before it serves
         ray.get(fleet.slots[0].head.kill_engine.remote())
-        deadline = time.monotonic() + 10
-        while fleet.slots[0].state.value != "INACTIVE":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: fleet.slots[0].state.value == "INACTIVE", what="the killed engine INACTIVE")
         assert fleet.restart_inactive() == [0] and fleet.slots[0].state.value == "ACTIVE"
         assert fleet.slots[0].lifecycle.history[-1].why == "recovered: verified at version '1' (adapter)"
         (base,) = every_engine(fleet, "generate", input_ids=PROMPTS, sampling_params=GREEDY)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helper_processes import start_method
+from waits import wait_until
 
 from rollfleet.config import ConfigError, load_config
 from rollfleet.fleet.colocation import freed_bytes
@@ -128,9 +129,9 @@ def test_closing_with_cancel_stops_the_write_and_removes_it(qwen3_dir, tmp_path)
     assert slow.reached.wait(10)
     closer = threading.Thread(target=writer.close, kwargs={"cancel": True})
     closer.start()
-    time.sleep(0.2)
+    wait_until(lambda: writer.cancelling, what="the cancel asked", alive=closer.is_alive)
     gate.set()  # the write resumes, sees the cancel at its next tensor
-    closer.join(30)
+    closer.join()
     with pytest.raises(SnapshotCancelled):
         future.result(5)
     assert list(tmp_path.iterdir()) == []

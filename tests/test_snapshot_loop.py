@@ -26,7 +26,6 @@ def test_single_engine_run_snapshots_in_the_background(qwen3_dir, tmp_path):
         assert row["time/recovery"] < row["time/total"]
         if row["snapshot_versions_written"]:  # its host copy ran on the trainer's thread, off the step
             assert row["snapshot_copy_seconds"] > 0
-        assert row["train/snapshot_copy_wait_seconds"] >= 0  # what a train step waited for a copy
         assert row["sleep_wake_bytes"] == 0 and row["sleep_wake_ceiling_gbps"] is None  # CPU: nothing moves
     recovery = tmp_path / "recovery"
     names = sorted(p.name for p in recovery.iterdir())

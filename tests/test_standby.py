@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 import ray
-from conftest import kill, reference_greedy, stop
+from conftest import hold_with_requests, kill, reference_greedy, stop
 from transformers import AutoModelForCausalLM
+from waits import wait_until
 
 from rollfleet.config import ConfigError, load_config
 from rollfleet.fleet import standby
@@ -41,8 +41,8 @@ def fleet(local_ray, qwen3_dir, tmp_path_factory):
             f"rollout.log_dir={out}/logs",
             "rollout.recovery_wait_s=60",
             "rollout.probe_interval_s=0.5",
-            "rollout.probe_timeout_s=1",
-            "rollout.probe_failures=2",  # a hang is caught in about 3 s (test_recovery's settings)
+            "rollout.probe_timeout_s=2",
+            "rollout.probe_failures=2",  # a hang is caught in about 5 s (test_recovery's settings)
             "rollout.restore_timeout_s=30",
             "weight_sync.transport=disk",
             f"weight_sync.path={out}/sync",
@@ -53,15 +53,25 @@ def fleet(local_ray, qwen3_dir, tmp_path_factory):
     fleet.shutdown()
 
 
-def wait_for(condition, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return condition()
-
-
 def roles(fleet):
     return {s.engine_id: (s.state.value, s.standby) for s in fleet.slots}
+
+
+@pytest.fixture
+def settled(fleet):
+    """The fleet with its two serving engines ACTIVE and its standby up, whatever a test before left:
+    each test sets up the state it asserts on. Returns (serving engine ids, the standby's id)."""
+    wait_until(lambda: _settled(fleet), what=f"a settled fleet, roles {roles(fleet)}")
+    every = [s.engine_id for s in fleet.slots]
+    fleet.pool.on_all("continue_generation", every)  # a test that failed may have left one paused
+    return [s.engine_id for s in fleet.slots if not s.standby], next(s.engine_id for s in fleet.slots if s.standby)
+
+
+def _generating(fleet, prompts, **kwargs) -> tuple[threading.Thread, dict]:
+    results: dict = {}
+    thread = threading.Thread(target=lambda: results.update(out=fleet.generate(prompts, **kwargs)))
+    thread.start()
+    return thread, results
 
 
 def test_standby_engines_are_refused_on_a_colocated_fleet():
@@ -98,33 +108,33 @@ def test_layouts_that_cannot_fit_a_standby_beside_an_engine_are_refused(override
     assert load_config(None, [*base, *fits]).rollout.standby_beside == [1]
 
 
-def test_the_standby_lives_beside_engine_1_on_its_gpu(fleet):
-    assert roles(fleet) == {0: ("ACTIVE", False), 1: ("ACTIVE", False), 2: ("AWAITING_WEIGHTS", True)}
+def test_the_standby_lives_beside_engine_1_on_its_gpu(fleet, settled):
+    # slots keep their GPUs and memory fractions when roles swap: slot 2 is the standby as started
     gpus = [s.gpu_ids for s in fleet.slots]
     assert gpus[2] == gpus[1] and gpus[0] != gpus[1], gpus  # two Ray GPUs, the standby on engine 1's
     argv = ray.get(fleet.slots[2].head.engine_argv.remote())
     assert argv[argv.index("--mem-fraction-static") + 1] == "0.45"
 
 
-def test_a_standby_takes_a_dead_engines_place_and_the_dead_one_becomes_the_standby(fleet, qwen3_dir_b):
-    assert roles(fleet) == {0: ("ACTIVE", False), 1: ("ACTIVE", False), 2: ("AWAITING_WEIGHTS", True)}
+def test_a_standby_takes_a_dead_engines_place_and_the_dead_one_becomes_the_standby(fleet, settled, qwen3_dir_b):
+    serving, spare = settled
+    victim, peer = serving
     trained = AutoModelForCausalLM.from_pretrained(qwen3_dir_b)
-    assert fleet.sync_weights(ModuleSource(trained), "v1").verified == [0, 1]  # the standby takes no push
-    assert fleet.slots[2].version == "" and fleet.slots[2].state.value == "AWAITING_WEIGHTS"
+    assert fleet.sync_weights(ModuleSource(trained), "v1").verified == serving  # the standby takes no push
+    assert fleet.slots[spare].version == "" and fleet.slots[spare].state.value == "AWAITING_WEIGHTS"
 
-    prompts, results = PROMPTS * 10, {}
-    generating = threading.Thread(target=lambda: results.update(out=fleet.generate(prompts, n=2, sampling=GREEDY)))
-    generating.start()
-    time.sleep(0.3)
-    killed_at = kill(fleet, 0)
-    killed_mid_generate = generating.is_alive()
-    assert wait_for(lambda: fleet.slots[2].state.value == "ACTIVE", timeout=20)
-    took_over_s = time.monotonic() - killed_at
-    assert not fleet.slots[2].standby and fleet.slots[2].version == "v1"
-    assert fleet.slots[2].lifecycle.history[-1].why.endswith("(peer)")  # restored from the peer, verified
-    assert fleet.pool.call(2, "weights_fingerprint", None) == fleet.pool.call(1, "weights_fingerprint", None)
-    generating.join(timeout=60)
-    assert killed_mid_generate and not generating.is_alive()
+    prompts = PROMPTS * 10
+    generating, results = _generating(fleet, prompts, n=2, sampling=GREEDY)
+    hold_with_requests(fleet, victim, alive=generating.is_alive, steps=1)  # its requests mid-generation
+    mark = fleet.slots[victim].lifecycle.mark()
+    kill(fleet, victim)
+    wait_until(lambda: fleet.slots[spare].state.value == "ACTIVE", what="the standby ACTIVE")
+    assert not fleet.slots[spare].standby and fleet.slots[spare].version == "v1"
+    down = [t for t in fleet.slots[victim].lifecycle.since(mark) if t.new.value == "INACTIVE"]
+    assert down and "process exited" in down[0].why, down  # caught by the death watch or the router
+    assert fleet.slots[spare].lifecycle.history[-1].why.endswith("(peer)")  # restored from the peer, verified
+    assert fleet.pool.call(spare, "weights_fingerprint", None) == fleet.pool.call(peer, "weights_fingerprint", None)
+    generating.join()
 
     samples = results["out"]  # nothing lost, nothing twice, every answer the trained model's
     assert sorted((s.prompt_index, s.sample_index) for s in samples) == [
@@ -135,38 +145,41 @@ def test_a_standby_takes_a_dead_engines_place_and_the_dead_one_becomes_the_stand
     assert all(s.output_ids == expected[tuple(s.prompt_ids)] for s in samples)
 
     # the dead slot restarts in the background as the standby: dummy weights, not routed
-    assert wait_for(lambda: roles(fleet)[0] == ("AWAITING_WEIGHTS", True), timeout=30)
-    assert fleet.slots[0].version == "" and "as a standby" in fleet.slots[0].lifecycle.history[-1].why
-    start = fleet.pool.call(0, "get_server_info")["start_breakdown"]  # forked by the worker's zygote
-    assert start["launch"] == "zygote" and start["phases"]["imports"] < 0.05, start
+    wait_until(lambda: roles(fleet)[victim] == ("AWAITING_WEIGHTS", True), what="the dead slot back as the standby")
+    assert fleet.slots[victim].version == "" and "as a standby" in fleet.slots[victim].lifecycle.history[-1].why
+    start = fleet.pool.call(victim, "get_server_info")["start_breakdown"]
+    assert start["launch"] == "zygote", start  # forked by the worker's zygote: no imports to pay
     after = fleet.generate(PROMPTS * 2, sampling=GREEDY)
-    assert {s.engine_id for s in after} == {1, 2}
-    print(f"kill -> standby ACTIVE in {took_over_s:.2f} s")
-    assert took_over_s < 10
+    assert {s.engine_id for s in after} == {peer, spare}
 
 
-def test_pushes_go_to_the_serving_engines_and_a_dead_standby_is_restarted(fleet, qwen3_dir):
-    assert wait_for(lambda: roles(fleet)[0] == ("AWAITING_WEIGHTS", True))
+def test_pushes_go_to_the_serving_engines_and_a_dead_standby_is_restarted(fleet, settled, qwen3_dir):
+    serving, spare = settled
     base = AutoModelForCausalLM.from_pretrained(qwen3_dir)
     report = fleet.sync_weights(ModuleSource(base), "v2")
-    assert report.engine_ids == [1, 2] and report.verified == [1, 2] and fleet.version == "v2"
-    assert fleet.slots[0].version == "" and fleet.slots[0].state.value == "AWAITING_WEIGHTS"
+    assert report.engine_ids == serving and report.verified == serving and fleet.version == "v2"
+    assert fleet.slots[spare].version == "" and fleet.slots[spare].state.value == "AWAITING_WEIGHTS"
     samples = fleet.generate(PROMPTS, sampling=GREEDY)
     assert all(s.output_ids == reference_greedy(qwen3_dir, s.prompt_ids, 8)[0] for s in samples)
 
-    url = fleet.slots[0].url
-    kill(fleet, 0)  # the standby dies: it comes back as a standby, and no serving engine moves
-    assert wait_for(lambda: fleet.slots[0].url != url and roles(fleet)[0] == ("AWAITING_WEIGHTS", True))
-    assert roles(fleet) == {0: ("AWAITING_WEIGHTS", True), 1: ("ACTIVE", False), 2: ("ACTIVE", False)}
+    url, before, mark = fleet.slots[spare].url, roles(fleet), fleet.slots[spare].lifecycle.mark()
+    kill(fleet, spare)  # the standby dies: it comes back as a standby, and no serving engine moves
+    wait_until(
+        lambda: fleet.slots[spare].url != url and roles(fleet)[spare] == ("AWAITING_WEIGHTS", True),
+        what="the killed standby restarted as a standby",
+    )
+    assert roles(fleet) == before
+    assert any("process exited" in t.why for t in fleet.slots[spare].lifecycle.since(mark))
 
 
-def test_chaos_a_hung_then_a_killed_engine_are_replaced_by_standbys_and_no_prompt_is_lost(fleet, qwen3_dir):
+def test_chaos_a_hung_then_a_killed_engine_are_replaced_by_standbys_and_no_prompt_is_lost(fleet, settled, qwen3_dir):
     """The chaos test's faults (tests/test_grpo_loop.py) on a fleet with a standby: a serving engine
     hangs (SIGSTOP) during a generate, the probes catch it and the standby takes its place; then a
-    serving engine is killed at a random moment of the next generate, and the standby that came back
+    serving engine is killed at a random step of the next generate, and the standby that came back
     in the meantime takes that place. Every prompt is answered exactly once, at the fleet's version."""
     rng = random.Random(0)
-    assert wait_for(lambda: sum(standby for _, standby in roles(fleet).values()) == 1 and _settled(fleet))
+    base = AutoModelForCausalLM.from_pretrained(qwen3_dir)
+    assert fleet.sync_weights(ModuleSource(base), "chaos").verified == settled[0]
     for fault in (stop, kill):
         _fault_during_generate(fleet, fault, rng, qwen3_dir)
     whys = [t.why for s in fleet.slots for t in s.lifecycle.history]
@@ -174,23 +187,24 @@ def test_chaos_a_hung_then_a_killed_engine_are_replaced_by_standbys_and_no_promp
 
 
 def _fault_during_generate(fleet, fault, rng, base_dir) -> None:
-    """`fault` hits a serving engine at a random moment of a generate; the standby takes its place."""
+    """`fault` hits a serving engine at a random step of a generate (its requests queued or k tokens
+    in: the engine held and stepped, so the generate is under way by construction); the standby
+    takes its place."""
     serving = [s.engine_id for s in fleet.slots if not s.standby]
     spare = next(s.engine_id for s in fleet.slots if s.standby)
-    prompts, results = PROMPTS * 8, {}
-    generating = threading.Thread(target=lambda: results.update(out=fleet.generate(prompts, sampling=GREEDY)))
-    generating.start()
-    time.sleep(rng.uniform(0.1, 0.6))
+    prompts = PROMPTS * 8
     victim = rng.choice(serving)
+    generating, results = _generating(fleet, prompts, sampling=GREEDY)
+    hold_with_requests(fleet, victim, alive=generating.is_alive, steps=rng.randint(0, 6))
     fault(fleet, victim)
-    assert wait_for(lambda: roles(fleet)[spare] == ("ACTIVE", False), timeout=30), roles(fleet)
-    generating.join(timeout=60)
+    wait_until(lambda: roles(fleet)[spare] == ("ACTIVE", False), what="the standby ACTIVE")
+    generating.join()
     samples = results["out"]
     assert sorted(s.prompt_index for s in samples) == list(range(len(prompts)))  # none lost, none twice
     assert {s.weight_version for s in samples} == {fleet.version}
     expected = {tuple(p): reference_greedy(base_dir, p, 8)[0] for p in PROMPTS}  # v2 is the base model
     assert all(s.output_ids == expected[tuple(s.prompt_ids)] for s in samples)
-    assert wait_for(lambda: roles(fleet)[victim] == ("AWAITING_WEIGHTS", True) and _settled(fleet), timeout=30)
+    wait_until(lambda: roles(fleet)[victim] == ("AWAITING_WEIGHTS", True) and _settled(fleet), what="settled again")
 
 
 def _settled(fleet) -> bool:

@@ -11,18 +11,7 @@ One engine thread owns the model. It runs, in this order of priority:
 Every model call goes through `lockstep` (lockstep.py), which broadcasts it to the other tp
 ranks first, so all ranks execute the same actions in the same order.
 
-Pausing (SGLang's /pause_generation, then /continue_generation) stops every batch; control
-actions, weight updates included, run while paused. "abort" ends every unfinished request;
-"in_place" keeps the running batch; "retract" puts it back at the head of the queue and drops
-its KV cache. A batch whose weights changed under it recomputes its KV cache (a prefill over
-prompt + output so far) before its next token, so every token after an update is the new
-weights' own (SGLang's in_place decodes on the old cache instead). A new version label marks
-where the old version's tokens end in every unfinished request (`meta_info.weight_versions`).
-
-Two gates serve weight-update sessions (weight_session.py): `hold(reason)` keeps every request
-waiting (no batch starts or steps, as if paused in place) while a session's sync is in
-progress; `refuse(reason)` ends every unfinished request and refuses new ones while the weights
-are mixed.
+Pausing, holding and refusing are pausing.py's (a mixin); stepping a paused engine is stepping.py's.
 
 The loop outlives any one request: requests are checked before they are queued
 (`check_request`), and an exception while a batch runs finishes that batch's requests with
@@ -51,6 +40,7 @@ from rollfleet.engine.batch_step import advance_batch
 from rollfleet.engine.lockstep import Action
 from rollfleet.engine.logprobs import LogprobAsk
 from rollfleet.engine.next_token import StopRules
+from rollfleet.engine.pausing import Pausing
 from rollfleet.engine.sampling import Sampler
 from rollfleet.engine.sequence import (
     ControlAction,
@@ -59,6 +49,7 @@ from rollfleet.engine.sequence import (
     sample_group,
     wire_result,
 )
+from rollfleet.engine.stepping import Stepping
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 log = logging.getLogger("rollfleet.engine")
@@ -70,7 +61,7 @@ class EngineStopped(RuntimeError):
     """The engine loop has stopped: nothing more can run on this engine."""
 
 
-class Scheduler(Aborts):
+class Scheduler(Aborts, Pausing, Stepping):
     def __init__(
         self,
         lockstep: Callable[..., Any],
@@ -173,24 +164,6 @@ class Scheduler(Aborts):
             self._wakeup.notify()
         return action.future
 
-    def pause(self, mode: str) -> Future:
-        """Stop generating until `resume` (the module docstring says what each mode does); the
-        future is done once the engine thread has acted."""
-        settled: Future = Future()
-        with self._wakeup:
-            self._raise_if_dead()
-            if mode == "abort":
-                self._abort_matching(lambda seq: True, "aborted by pause_generation")
-            self.paused, self.pause_mode = True, mode
-            self._pause_settled.append(settled)
-            self._wakeup.notify()
-        return settled
-
-    def resume(self) -> None:
-        with self._wakeup:
-            self.paused, self.pause_mode = False, None
-            self._wakeup.notify()
-
     @property
     def weight_version(self) -> str:
         return self._weight_version
@@ -209,34 +182,13 @@ class Scheduler(Aborts):
         if self.running:
             self.needs_prefill = True
 
-    def hold(self, reason: str | None) -> None:
-        """Keep every request waiting (None: let them run again)."""
-        with self._wakeup:
-            self.held = reason
-            self._wakeup.notify()
-
-    def refuse(self, reason: str | None) -> None:
-        """End every unfinished request and refuse new ones, naming `reason` (None: accept again)."""
-        with self._wakeup:
-            self.refusing = reason
-            if reason is not None:
-                self._abort_matching(lambda seq: True, reason)
-            self._wakeup.notify()
-
     @property
-    def live_stats(self) -> dict[str, int]:
-        """The cumulative stats, and the requests and control actions there are now."""
+    def live_stats(self) -> dict[str, int | bool | str | None]:
+        """The cumulative stats, the requests and control actions there are now, and what halts the engine."""
         with self._wakeup:
-            return {
-                **self.stats,
-                "running_requests": len(self.running),
-                "waiting_requests": len(self.waiting),
-                "queued_controls": len(self.controls),
-            }
-
-    @property
-    def halted(self) -> bool:
-        return self.paused or self.held is not None
+            now = {"running_requests": len(self.running), "waiting_requests": len(self.waiting)}
+            halts = {"paused": self.paused, "held": self.held, "steps_left": self.steps_left}
+            return {**self.stats, **now, "queued_controls": len(self.controls), **halts}
 
     @property
     def dead_reason(self) -> str | None:
@@ -282,6 +234,7 @@ class Scheduler(Aborts):
 
     def _next_work(self) -> Callable[[], None] | None:
         self._drop_aborted_waiting()
+        self._settle_steps()
         if self._pause_settled:
             return self._settle_pause
         if self.controls and self._can_run(self.controls[0]):
@@ -289,14 +242,14 @@ class Scheduler(Aborts):
             return lambda: self._run_control(action)
         if any(seq.abort_message is not None for seq in self.running):
             return self._drop_aborted_running  # aborts take effect at once, paused or not
-        if self.running and not self.halted:
+        if self.running and self._take_step():
             joining = joiners(self.running, self.waiting, self.batch_lora, self.max_running_requests)
-            if joining and not self.controls:  # the whole batch prefills again with them (admission_batch.py)
+            if joining and not self.controls and not self.halted:  # a prefill of all with them (admission_batch)
                 self.running, self.waiting = [*self.running, *joining], without(self.waiting, joining)
                 self.needs_prefill = True
                 self.stats["joined"] += len(joining)
             return self._step
-        if self.waiting and not self.halted:
+        if self.waiting and self._take_step():
             self.batch_lora, self.running, self.waiting = new_batch(self.waiting, self.max_running_requests)
             self.needs_prefill = True
             self.stats["batches"] += 1
@@ -313,21 +266,6 @@ class Scheduler(Aborts):
             action.future.set_result(action.fn())
         except Exception as exc:  # reported to the caller (an HTTP 400), the engine goes on
             action.future.set_exception(exc)
-
-    def _settle_pause(self) -> None:
-        """A pause takes effect: aborted requests end; with "retract", the running batch goes back to
-        the head of the queue and its KV cache is dropped (recomputed when it runs again)."""
-        self._drop_aborted_running()
-        with self._wakeup:
-            settled, self._pause_settled = self._pause_settled, []
-            retracted = self.running if self.paused and self.pause_mode == "retract" else []
-            if retracted:
-                self.waiting.extendleft(reversed(retracted))
-                self.running = []
-        if retracted:
-            self.lockstep(Action.END_BATCH)
-        for future in settled:
-            future.set_result(len(retracted))
 
     def _step(self) -> None:
         self._drop_aborted_running()
@@ -397,4 +335,5 @@ class Scheduler(Aborts):
             self._finish(seq, FinishReason(type="abort", message=str(error)))
         for future in [*(action.future for action in self.controls), *self._pause_settled]:
             future.set_exception(error)
+        self._fail_steps(error)
         self.waiting.clear(), self.running.clear(), self.controls.clear(), self._pause_settled.clear()

@@ -42,6 +42,7 @@ class Router:
         """`on_dead(slot, why)`: called when a failed request finds the engine's process gone."""
         self.slots, self.pool, self.wait_s, self.on_dead = slots, pool, wait_s, on_dead
         self.retries = 0  # requests sent again after an engine failed them (for the run's metrics)
+        self.waiting_requests = 0  # requests held in `choose` now: no engine serves their version
 
     def serving(self, version: str, exclude: set[int]) -> list[EngineSlot]:
         """ACTIVE engines at the fleet's weight version: the only ones that get generate traffic."""
@@ -57,18 +58,24 @@ class Router:
         an engine-side error while alive) are not."""
         deadline = time.monotonic() + self.wait_s
         exclude = exclude | refused
-        while not self.serving(version, exclude):
-            if time.monotonic() >= deadline:
-                states = {s.engine_id: s.state.value for s in self.slots}
-                raise NoEngineAvailable(
-                    f"no ACTIVE engine at weight version {version!r} within "
-                    f"{self.wait_s:.0f} s (states: {states}, already tried: {sorted(exclude)}); "
-                    "restart engines (Fleet.restart_inactive) or raise rollout.recovery_wait_s"
-                )
-            await asyncio.sleep(0.1)
-            exclude = {
-                e for e in exclude if self.slots[e].state in FAILED
-            } | refused  # a recovered engine may be retried
+        if self.serving(version, exclude):
+            return min(self.serving(version, exclude), key=lambda s: (s.outstanding, s.engine_id))
+        self.waiting_requests += 1
+        try:
+            while not self.serving(version, exclude):
+                if time.monotonic() >= deadline:
+                    states = {s.engine_id: s.state.value for s in self.slots}
+                    raise NoEngineAvailable(
+                        f"no ACTIVE engine at weight version {version!r} within "
+                        f"{self.wait_s:.0f} s (states: {states}, already tried: {sorted(exclude)}); "
+                        "restart engines (Fleet.restart_inactive) or raise rollout.recovery_wait_s"
+                    )
+                await asyncio.sleep(0.1)
+                exclude = {
+                    e for e in exclude if self.slots[e].state in FAILED
+                } | refused  # a recovered engine may be retried
+        finally:
+            self.waiting_requests -= 1
         return min(self.serving(version, exclude), key=lambda s: (s.outstanding, s.engine_id))
 
     async def generate(self, payload: dict[str, Any], version: str) -> tuple[list[dict], int]:

@@ -73,11 +73,20 @@ class GenerationGate:
         self._cond = threading.Condition()
         self._calls = 0
         self._pushes = 0  # waiting or running
+        self._held_calls = 0  # generate calls waiting for a push to end
+
+    @property
+    def state(self) -> dict[str, int]:
+        """Generate calls under way and held, pushes waiting or running (for logs and tests)."""
+        with self._cond:
+            return {"calls": self._calls, "held_calls": self._held_calls, "pushes": self._pushes}
 
     @contextmanager
     def generating(self):
         with self._cond:
+            self._held_calls += 1
             self._cond.wait_for(lambda: not self._pushes)
+            self._held_calls -= 1
             self._calls += 1
         try:
             yield

@@ -99,6 +99,11 @@ class SnapshotWriter:
         """The last write's result once it ends (None if none was started); raises its error."""
         return None if self._future is None else self._future.result(timeout)
 
+    @property
+    def cancelling(self) -> bool:
+        """Whether a close asked the write under way to stop (it does at its next tensor)."""
+        return self._cancel.is_set()
+
     def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
         """Wait for the write under way, or with `cancel` stop it (its partial directory is removed)."""
         if cancel:

@@ -370,3 +370,8 @@ class EngineClient(GenerationRoutes):
 
     async def continue_generation(self) -> dict:
         return await self._call("POST", "/continue_generation", {})
+
+    async def step(self, steps: int = 1) -> dict:
+        """rollfleet extension (embedded engine only): a paused engine runs `steps` more steps, then
+        holds; the answer says how many ran (`steps_run`) and the scheduler's stats after them."""
+        return await self._call("POST", "/rollfleet/step", {"steps": steps})

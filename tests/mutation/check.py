@@ -7,9 +7,11 @@ tests named for that mutant must fail on it.
 
 For each mutant: copy the tracked tree (plus untracked, not ignored files) to a temporary
 directory, replace one exact snippet of one file (it must occur exactly once, else the mutant is
-stale and the check fails), run the mutant's tests there with pytest, and require that pytest
-reports failures (exit status 1). A mutant the tests survive, or whose tests cannot run (exit
-status >= 2: collection or usage errors), fails the check.
+stale and the check fails), run the mutant's tests there with pytest, and require that one of them
+fails on an assertion (pytest's junit report: an AssertionError, or pytest's own Failed such as
+"DID NOT RAISE"). A failure that proves nothing about the claim (a timeout, a wait past its
+deadline, another exception, an error in a fixture) runs the tests once more; a mutant whose tests
+pass, or that fails on no assertion twice, fails the check.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from xml.etree import ElementTree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutants import MUTANTS, Mutant  # noqa: E402
@@ -56,28 +59,63 @@ def apply(mutant: Mutant, tree: Path) -> None:
     path.write_text(text.replace(mutant.old, mutant.new))
 
 
-def run_tests(mutant: Mutant, tree: Path, timeout_s: float) -> tuple[int, str]:
+NOT_A_VERDICT = ("from pytest-timeout", "WaitTimedOut")  # a test that ran out of time proves nothing
+
+
+def failure_kinds(junit_xml: str) -> list[tuple[str, str]]:
+    """(kind, test) per failed or erred test of a pytest junit report: kind "assertion" when the
+    test failed on an assertion, else "timeout" or "crash"."""
+    kinds = []
+    for case in ElementTree.fromstring(junit_xml).iter("testcase"):
+        test = f"{case.get('classname')}::{case.get('name')}"
+        for element in case:
+            if element.tag == "error":
+                kinds.append(("crash", test))
+            elif element.tag == "failure":
+                text = f"{element.get('message', '')}\n{element.text or ''}"
+                raised = (element.text or "").strip().splitlines()[-1:] or [""]
+                if any(marker in text for marker in NOT_A_VERDICT):
+                    kinds.append(("timeout", test))
+                elif raised[0].endswith((": AssertionError", ": Failed")):
+                    kinds.append(("assertion", test))
+                else:
+                    kinds.append(("crash", test))
+    return kinds
+
+
+def run_tests(mutant: Mutant, tree: Path, timeout_s: float) -> tuple[int, list[tuple[str, str]], str]:
+    """pytest's exit status, the failures' kinds, and its last line."""
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
     if (ROOT / ".sglang-site").is_dir():  # ignored, so not copied: the contract tests read it from here
         env.setdefault("ROLLFLEET_SGLANG_SITE", str(ROOT / ".sglang-site"))
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests]
+    report = tree / "mutant-report.xml"
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
     try:
-        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            [*command, *mutant.tests], cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
-        return 124, f"timed out after {timeout_s:.0f} s"
+        return 124, [("timeout", "the whole run")], f"timed out after {timeout_s:.0f} s"
     lines = (done.stdout + done.stderr).strip().splitlines()
-    return done.returncode, lines[-1] if lines else ""
+    kinds = failure_kinds(report.read_text()) if report.is_file() else []
+    return done.returncode, kinds, lines[-1] if lines else ""
 
 
 def check(mutant: Mutant, timeout_s: float) -> tuple[bool, str, float]:
-    start = time.perf_counter()
+    """Killed: a named test failed on an assertion. A run that failed on none (a timeout, a crash)
+    is run once more before the mutant counts as survived."""
+    start, details = time.perf_counter(), []
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.id}-") as scratch:
         tree = Path(scratch)
         copy_tree(ROOT, tree)
         apply(mutant, tree)
-        status, last_line = run_tests(mutant, tree, timeout_s)
-    killed = status == 1  # 0: survived; >= 2: the tests did not run, which proves nothing
-    return killed, f"pytest exit {status}: {last_line}", time.perf_counter() - start
+        for _ in range(2):
+            status, kinds, last_line = run_tests(mutant, tree, timeout_s)
+            details.append(f"pytest exit {status} ({', '.join(k for k, _ in kinds) or 'no failure'}): {last_line}")
+            killed = status == 1 and any(kind == "assertion" for kind, _ in kinds)
+            if killed or status == 0:  # a verdict: killed, or survived with every test passing
+                break
+    return killed, "; then ".join(details), time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,7 +67,7 @@ MUTANTS: list[Mutant] = [
         file="rollfleet/fleet/fleet.py",
         old="            if engine_id in failed:\n",
         new="            if False:\n",
-        tests=(f"{FLEET_SYNC}::test_a_push_missing_a_tensor_is_not_verified_and_not_served",),
+        tests=(f"{FLEET_SYNC}::test_a_push_whose_tensors_change_under_it_is_not_verified_and_not_served",),
     ),
     Mutant(
         id="push-not-verified",
@@ -75,7 +75,7 @@ MUTANTS: list[Mutant] = [
         file="rollfleet/fleet/fleet.py",
         old="failed = self.pool.run(find_unverified(report, clients, self.cfg.verify_mode))",
         new="failed = {}",
-        tests=(f"{FLEET_SYNC}::test_a_push_missing_a_tensor_is_not_verified_and_not_served",),
+        tests=(f"{FLEET_SYNC}::test_a_push_whose_tensors_change_under_it_is_not_verified_and_not_served",),
     ),
     Mutant(
         id="failed-push-keeps-serving",
@@ -157,5 +157,13 @@ MUTANTS: list[Mutant] = [
             "tests/test_engine_tp_follower.py::"
             "test_a_batch_failing_on_every_rank_aborts_its_requests_and_both_ranks_go_on",
         ),
+    ),
+    Mutant(
+        id="restore-not-verified",
+        claim="a restored engine serves only once its weights are verified against the version's",
+        file="rollfleet/fleet/restore.py",
+        old="return dict(zip(engine_ids, fleet.pool.run(every())))",
+        new="return dict.fromkeys(engine_ids)",
+        tests=("tests/test_recovery.py::test_a_restore_that_delivers_other_weights_than_it_claims_is_not_served",),
     ),
 ]

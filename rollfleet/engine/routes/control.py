@@ -7,6 +7,7 @@ import os
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollfleet.engine.lockstep import Action
 from rollfleet.engine.memory_tags import ReleasedTags
@@ -16,6 +17,11 @@ from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.protocol import AbortRequest, MemoryRequest, PauseGenerationRequest
 
 router = APIRouter()
+
+
+class StepRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(1, ge=1, le=1_000_000, description="steps to run: a batch's prefill or one decode step each")
 
 
 @router.get("/get_model_info")
@@ -136,6 +142,19 @@ async def pause_generation(req: PauseGenerationRequest, engine: Engine):
     except EngineStopped as exc:
         raise BadRequest(str(exc), 503) from exc
     return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@router.post("/rollfleet/step")
+async def step(req: StepRequest, engine: Engine):
+    """rollfleet extension: a paused engine runs `steps` more steps (a prefill or one decode step of
+    the batch each), then holds again; answers once they ran, or nothing was left to run."""
+    try:
+        ran = await asyncio.wrap_future(engine.scheduler.step(req.steps))
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    except EngineStopped as exc:
+        raise BadRequest(str(exc), 503) from exc
+    return {"steps_run": ran, "scheduler_stats": engine.scheduler.live_stats}
 
 
 @router.post("/continue_generation")
