@@ -159,7 +159,7 @@ def test_disk_transport_loads_bit_exact_through_sglangs_safetensors_reader(sglan
     assert recorded["versions"] == ["3"]
 
 
-def test_lora_transport_loads_one_bucket_dict_through_sglangs_tp_worker(sglang_url, qwen3_dir):
+def test_lora_transport_loads_one_bucket_dict_through_sglangs_tp_worker(sglang_url, qwen3_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -168,7 +168,7 @@ def test_lora_transport_loads_one_bucket_dict_through_sglangs_tp_worker(sglang_u
     )
     source = LoraSource(peft_model)
     for version in ("2", "3"):  # each version a new name; the second sync finds the first where SGLang lists it
-        recorded = _send(sglang_url, LoraSync(adapter_name="policy"), version, source)
+        recorded = _send(sglang_url, LoraSync(adapter_name="policy", path=str(tmp_path)), version, source)
         adapter = recorded["adapters"][f"policy-v{version}"]
         assert adapter["tensors"] == {name: describe(t) for name, t in source.named_tensors()}
         assert adapter["config"]["r"] == 4 and recorded["versions"] == [version]

@@ -74,7 +74,11 @@ class LoraSync(_WeightSync):
         "LoRA serving with pipeline parallel has not been built or tested here"
     )
     source: Literal["tensors", "directory"] = Field("tensors", description="How the adapter reaches the engines.")
-    path: str = Field("checkpoints/adapter", description="Adapter directory when source=directory.")
+    path: str = Field(
+        "checkpoints/adapter",
+        description="Adapter directory: read when source=directory; each synced version is also kept "
+        "below it (a restarted engine or a standby loads the current one from there).",
+    )
     adapter_name: str = Field(
         "policy",
         min_length=1,
