@@ -107,7 +107,7 @@ def test_every_route_needs_the_key(server):
 
 def test_with_an_admin_key_admin_routes_take_only_it_and_the_others_only_the_api_key(admin_server):
     admin = [(method, route) for method, route, _ in ROUTES if is_admin_route(route)]
-    assert len(admin) == 25 and ("POST", "/generate") not in admin
+    assert len(admin) == 26 and ("POST", "/rollfleet/step") in admin and ("POST", "/generate") not in admin
     for method, route, body in ROUTES:
         wrong = KEY if is_admin_route(route) else ADMIN_KEY
         for key in (None, wrong):

@@ -32,7 +32,9 @@ def server(started):
 @pytest.fixture
 def loaded(server, qwen3_dir):
     """The server holding qwen3_dir's weights (a test before may have released or replaced them)."""
-    call(server, "resume_memory_occupation", None)
+    released = call(server, "get_server_info")["rollfleet_released_memory"]
+    if released:  # exactly these: a resume of a tag not released is refused
+        call(server, "resume_memory_occupation", released)
     call(server, "update_weights_from_disk", qwen3_dir, weight_version="loaded")
     return server
 
