@@ -379,8 +379,9 @@ def test_refused_distributed_updates_drain_the_broadcast_and_change_nothing(serv
     assert err.value.status_code == 400 and "init_weights_update_group" in err.value.message
 
 
-def test_join_timeout_names_the_group_and_ranks(servers):
+def test_join_timeout_names_the_group_and_ranks(servers, qwen3_dir):
     engine = servers["tp2"]
+    call(engine, "update_weights_from_disk", qwen3_dir)  # weights to serve with (a dummy start has none)
     port = free_port()  # nobody serves it: group rank 0 never comes
     with pytest.raises(EngineError) as err:
         call(
