@@ -403,11 +403,18 @@ async def engine_turns(client: EngineClient, turns: int = 2) -> None:
         await client.memory()
 
 
-def hold_with_requests(fleet, engine_id: int, *, alive, steps: int = 0) -> dict:
-    """Pause a fleet's engine in place, wait (while `alive()`, the caller's generate) until the router
-    has queued requests on it, then let it run `steps` steps: its requests are in flight by
-    construction, neither finished nor started by luck. Returns its scheduler stats then."""
+def pause_engine(fleet, engine_id: int) -> None:
+    """Pause a fleet's engine in place: before the generate that `hold_with_requests` waits on starts,
+    or a fast generate may be over before the pause lands."""
     fleet.pool.call(engine_id, "pause_generation", "in_place")
+
+
+def hold_with_requests(fleet, engine_id: int, *, alive, steps: int = 0) -> dict:
+    """With the engine paused (`pause_engine`, before the caller's generate started), wait (while
+    `alive()`, that generate) until the router has queued requests on it, then let it run `steps`
+    steps: its requests are in flight by construction, neither finished nor started by luck. Returns
+    its scheduler stats then."""
+    pause_engine(fleet, engine_id)  # already paused: changes nothing
     wait_until(
         lambda: fleet.pool.call(engine_id, "get_server_info")["scheduler_stats"]["waiting_requests"],
         what=f"requests queued on engine {engine_id}",

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import ray
-from conftest import Lender, hold_with_requests, reference_greedy, serving_again
+from conftest import Lender, hold_with_requests, pause_engine, reference_greedy, serving_again
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import load_config
@@ -224,6 +224,7 @@ def test_engine_killed_mid_batch_loses_no_result(fleet, serving, qwen3_dir):
             os.killpg(pid, signal.SIGKILL)
 
     samples_done = threading.Event()
+    pause_engine(fleet, 1)  # before the generate: its requests cannot all be done before the hold
     killer = threading.Thread(target=kill_mid_batch)
     killer.start()
     prompts = [[i + 1, 2, 3] for i in range(40)]

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import ray
-from conftest import hold_with_requests, kill, reference_greedy, stop
+from conftest import hold_with_requests, kill, pause_engine, reference_greedy, stop
 from transformers import AutoModelForCausalLM
 from waits import wait_until
 
@@ -124,6 +124,7 @@ def test_a_standby_takes_a_dead_engines_place_and_the_dead_one_becomes_the_stand
     assert fleet.slots[spare].version == "" and fleet.slots[spare].state.value == "AWAITING_WEIGHTS"
 
     prompts = PROMPTS * 10
+    pause_engine(fleet, victim)  # before the generate: its requests cannot all be done before the hold
     generating, results = _generating(fleet, prompts, n=2, sampling=GREEDY)
     hold_with_requests(fleet, victim, alive=generating.is_alive, steps=1)  # its requests mid-generation
     mark = fleet.slots[victim].lifecycle.mark()
@@ -194,6 +195,7 @@ def _fault_during_generate(fleet, fault, rng, base_dir) -> None:
     spare = next(s.engine_id for s in fleet.slots if s.standby)
     prompts = PROMPTS * 8
     victim = rng.choice(serving)
+    pause_engine(fleet, victim)  # before the generate: its requests cannot all be done before the hold
     generating, results = _generating(fleet, prompts, sampling=GREEDY)
     hold_with_requests(fleet, victim, alive=generating.is_alive, steps=rng.randint(0, 6))
     fault(fleet, victim)
