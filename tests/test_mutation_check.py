@@ -50,7 +50,7 @@ def test_only_a_failed_assertion_counts_as_a_kill(tmp_path):
         "    with pytest.raises(ValueError): pass\n"
         "def test_crash(): raise RuntimeError('boom')\n"
         "def test_wait(): raise WaitTimedOut('not within 60 s')\n"
-        "def test_hang(): time.sleep(30)\n"
+        "def test_hang(): time.sleep(30)\n"  # a hang for --timeout=2 to stop: it must be reported as a timeout
         "@pytest.fixture\n"
         "def broken(): raise OSError('setup')\n"
         "def test_fixture(broken): pass\n"

@@ -7,6 +7,7 @@ from sleep_check import bare_sleeps
 
 def test_a_sleep_before_an_assertion_is_named_and_a_polling_loop_is_not(tmp_path):
     module = tmp_path / "test_m.py"
+    # the sleeps below are the checker's input, written to a file and never run: they decide nothing
     module.write_text(
         "import asyncio, time\n"
         "def test_bets():\n"

@@ -41,7 +41,7 @@ def advance_batch(
         logits = lockstep(Action.DECODE, tokens=[s.output_ids[-1] for s in running], **batch)
     if batch["capture_routes"]:
         record_routes(running, read_routes())
-    sampled = sampler.sample(logits, [seq.sampling_row(stops.stop_ids(seq)) for seq in running])
+    sampled = sampler.sample(logits, [seq.sampling_row(stops.stop_ids) for seq in running])
     for i, seq in enumerate(running):
         record_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i], sampled.chosen[i], stops)
     return moved + sampled.host_bytes

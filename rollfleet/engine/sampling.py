@@ -117,15 +117,17 @@ class Sampler:
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         moved: list[torch.Tensor] = []
         logits = _ban(logits.float(), rows)
-        greedy = [r.params.is_greedy for r in rows]
         tokens = torch.argmax(logits, dim=-1)
-        temperature = self._per_row([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)], logits)
-        scaled = logits if all(greedy) else logits / temperature[:, None]
-        drawn = [i for i, g in enumerate(greedy) if not g]
+        drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        scaled = logits
         if drawn:
+            temperature = [1.0 if r.params.is_greedy else r.params.temperature for r in rows]
+            scaled = logits / _column(temperature, logits.device)
             tokens[drawn] = self._draw(scaled, rows, drawn)
-        logprobs = torch.log_softmax(scaled, dim=-1).clamp_(min=LOWEST)
         tokens_host = _to_host(tokens, moved)
+        if not any(r.wants_logprob or r.top_n or r.token_ids is not None for r in rows):
+            return Sampled(tokens_host, [None] * len(rows), [None] * len(rows), [None] * len(rows), _nbytes(moved))
+        logprobs = torch.log_softmax(scaled, dim=-1).clamp_(min=LOWEST)
         asked = [i for i, r in enumerate(rows) if r.wants_logprob]
         token_logprobs: list[float | None] = [None] * len(rows)
         if asked:
@@ -133,16 +135,8 @@ class Sampler:
             values = _to_host(logprobs[index, tokens[index]], moved)
             for i, value in zip(asked, values):
                 token_logprobs[i] = value
-        return Sampled(
-            tokens_host,
-            token_logprobs,
-            _top(logprobs, rows, moved),
-            _chosen(logprobs, rows, moved),
-            sum(t.nbytes for t in moved),
-        )
-
-    def _per_row(self, values: list[float], like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(like.device, non_blocking=True)
+        top, chosen = _top(logprobs, rows, moved), _chosen(logprobs, rows, moved)
+        return Sampled(tokens_host, token_logprobs, top, chosen, _nbytes(moved))
 
     def _draw(self, scaled: torch.Tensor, rows: Seq[SampleRow], drawn: list[int]) -> torch.Tensor:
         """Gumbel-max draws for the non-greedy rows `drawn` of the temperature-scaled logits."""
@@ -183,12 +177,9 @@ def _filter(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     if not rows:
         return scaled
 
-    def column(values):
-        return torch.tensor(values, dtype=torch.float32).to(scaled.device)[:, None]
-
-    top_k = column([p.top_k if 0 < p.top_k < vocab else vocab for p in (params[i] for i in rows)])
-    top_p = column([params[i].top_p for i in rows])
-    min_p = column([params[i].min_p for i in rows])
+    top_k = _column([p.top_k if 0 < p.top_k < vocab else vocab for p in (params[i] for i in rows)], scaled.device)
+    top_p = _column([params[i].top_p for i in rows], scaled.device)
+    min_p = _column([params[i].min_p for i in rows], scaled.device)
     probs, order = torch.softmax(scaled[rows], dim=-1).sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=scaled.device, dtype=torch.float32)[None, :]
     drop = (rank >= top_k) | ((probs.cumsum(dim=-1) - probs) >= top_p) | (probs < min_p * probs[:, :1])
@@ -228,6 +219,15 @@ def _chosen(logprobs: torch.Tensor, rows: Seq[SampleRow], moved: list) -> list[l
         ids = rows[i].token_ids
         out[i] = list(zip(values[j][: len(ids)], ids))
     return out
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """One value per row, as a `[rows, 1]` float32 column on `device` (broadcasts over the vocabulary)."""
+    return torch.tensor(values, dtype=torch.float32).to(device)[:, None]
+
+
+def _nbytes(moved: list[torch.Tensor]) -> int:
+    return sum(t.nbytes for t in moved)
 
 
 def _to_host(tensor: torch.Tensor, moved: list) -> list:

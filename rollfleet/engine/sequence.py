@@ -46,15 +46,15 @@ class Sequence:
         whose KV cache was dropped, retracted or stale after a weight update, recomputes it)."""
         return self.prompt_ids + self.output_ids
 
-    def sampling_row(self, stop_ids: set[int]) -> SampleRow:
-        """What the sampler needs of this sample for its next token; `stop_ids` are banned while
-        fewer than `min_new_tokens` tokens are out."""
+    def sampling_row(self, stop_ids: Callable[[Sequence], set[int]]) -> SampleRow:
+        """What the sampler needs of this sample for its next token; its `stop_ids(self)` are banned
+        while fewer than `min_new_tokens` tokens are out (asked for only then)."""
         position = len(self.output_ids)
         return SampleRow(
             self.params,
             self.key,
             position,
-            frozenset(stop_ids) if position < self.params.min_new_tokens else frozenset(),
+            frozenset(stop_ids(self)) if position < self.params.min_new_tokens else frozenset(),
             self.ask.top_n,
             self.ask.token_ids,
             self.return_logprob,
