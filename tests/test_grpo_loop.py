@@ -354,11 +354,19 @@ def test_chaos_async_engine_killed_mid_generation(qwen3_dir, tmp_path):
         if its generate is still under way, else step 3's once the trainer pushed). One step makes them
         mid-generation, then the kill: requests are running on it by construction, not by timing."""
         stats = lambda: httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler_stats"]  # noqa: E731
-        wait_until(lambda: stats()["waiting_requests"], what="requests on the held engine", timeout=240,
-                   alive=lambda: not run_over.is_set())  # fmt: skip
-        httpx.post(f"{url}/rollfleet/step", json={"steps": 1}, timeout=30).raise_for_status()
-        os.killpg(pid, signal.SIGKILL)
-        killed.append(pid)
+
+        def holds_requests() -> bool:  # queued, or in the batch the pause caught running
+            now = stats()
+            return now["waiting_requests"] + now["running_requests"] > 0
+
+        try:
+            wait_until(
+                holds_requests, what="requests on the held engine", timeout=240, alive=lambda: not run_over.is_set()
+            )
+            httpx.post(f"{url}/rollfleet/step", json={"steps": 1}, timeout=30).raise_for_status()
+            killed.append(pid)
+        finally:  # also when the hold failed: the run must not wait on a paused engine (the test then fails)
+            os.killpg(pid, signal.SIGKILL)
 
     class KillMidGeneration(Recorder):
         def __call__(self, step, items, samples):
