@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> None:
         "       rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X\n"
         "       rollfleet bench recovery [--hidden 256 --layers 8]\n"
         "       rollfleet bench grpo-step [--runs colocated,disaggregated --steps 8]\n"
+        "       rollfleet bench decode-step [--batches 1,64,256,512 --context 320]\n"
         "       rollfleet bench generate [--cases 64x8x256,16x8x32,1x1x256 --engines embedded,generate,generate_batch]"
     )
     if not argv or argv[0] in ("-h", "--help"):
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> None:
         from rollfleet.bench.generate import main as bench_generate
 
         bench_generate(rest[1:])
+    elif command == "bench" and rest[:1] == ["decode-step"]:
+        from rollfleet.bench.decode_step import main as bench_decode_step
+
+        bench_decode_step(rest[1:])
     elif command == "bench" and rest[:1] == ["weight-sync"]:
         from rollfleet.bench.weight_sync import main as bench_weight_sync
 

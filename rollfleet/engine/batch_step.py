@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from rollfleet.engine import admission_batch
+from rollfleet.engine.kv.steps import StepOutcome
 from rollfleet.engine.lockstep import Action
 from rollfleet.engine.logprobs import prefill_keep, take_input_logprobs
 from rollfleet.engine.next_token import StopRules, record_token
@@ -45,3 +47,45 @@ def advance_batch(
     for i, seq in enumerate(running):
         record_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i], sampled.chosen[i], stops)
     return moved + sampled.host_bytes
+
+
+class DenseBatches:
+    """The scheduler's batches over transformers' own cache, left-padded (models the paged pool does
+    not serve, and the tests that compare the two): a new or joined batch prefills every sequence,
+    and finished ones leave it by `keep_rows`. The same interface as kv/steps.py's PagedBatches."""
+
+    joins_recompute = True
+
+    def __init__(self, *, lockstep, sampler: Sampler, stops: StopRules, read_routes):
+        self.lockstep, self.sampler, self.stops, self.read_routes = lockstep, sampler, stops, read_routes
+
+    def new_batch(self, waiting, max_running: int):
+        return admission_batch.new_batch(waiting, max_running)
+
+    def joiners(self, running, waiting, lora, max_running: int):
+        return admission_batch.joiners(running, waiting, lora, max_running)
+
+    def advance(self, running: list[Sequence], recompute: bool, lora_name: str | None) -> StepOutcome:
+        recomputed = sum(1 for seq in running if seq.output_ids) if recompute else 0
+        moved = advance_batch(
+            running,
+            prefill=recompute,
+            lora_name=lora_name,
+            lockstep=self.lockstep,
+            sampler=self.sampler,
+            stops=self.stops,
+            read_routes=self.read_routes,
+        )
+        return StepOutcome(host_bytes=moved, sampled=len(running), recomputed=recomputed)
+
+    def retire(self, running: list[Sequence], keep: list[int]) -> None:
+        if not keep:
+            self.lockstep(Action.END_BATCH)
+        elif len(keep) < len(running):
+            self.lockstep(Action.KEEP_ROWS, rows=keep)
+
+    def drop(self, seqs: list[Sequence]) -> None:
+        self.lockstep(Action.END_BATCH)
+
+    def flush(self) -> None:
+        pass

@@ -37,6 +37,8 @@ class Action(Enum):
     DECODE = "decode"
     KEEP_ROWS = "keep_rows"
     END_BATCH = "end_batch"
+    STEP = "paged.step"  # the paged KV pool's one step (kv/paged.py)
+    ALLOCATE_KV = "paged.allocate"
     UPDATE_WEIGHTS_FROM_DISK = "update_weights_from_disk"
     UPDATE_WEIGHTS_FROM_TENSOR = "weights.from_tensor"
     UPDATE_WEIGHTS_FROM_DISTRIBUTED = "weights.from_distributed"
@@ -77,7 +79,7 @@ class Lockstep:
         return None if action is Action.SHUTDOWN else action.run(self.runner, kwargs)
 
 
-BATCH_ACTIONS = frozenset({Action.PREFILL, Action.DECODE, Action.KEEP_ROWS})
+BATCH_ACTIONS = frozenset({Action.PREFILL, Action.DECODE, Action.KEEP_ROWS, Action.STEP})
 
 
 class LockstepBroken(RuntimeError):

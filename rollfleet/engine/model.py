@@ -23,6 +23,7 @@ from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, DynamicCache
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.distributed import DistributedConfig
 
+from rollfleet.engine.kv.paged import PagedModel, paged_support
 from rollfleet.engine.load_prints import LoadPrints
 from rollfleet.engine.lora import LoraLimits
 from rollfleet.engine.lora_merge import LoraMerge
@@ -37,7 +38,7 @@ from rollfleet.wire.fingerprint import Fingerprints
 from rollfleet.wire.naming import model_to_checkpoint
 
 log = logging.getLogger("rollfleet.engine")
-WEIGHT_TAG, KV_CACHE_TAG = "weights", "kv_cache"
+WEIGHT_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG = "weights", "kv_cache", "cuda_graph"
 
 
 class ModelRunner:
@@ -53,8 +54,11 @@ class ModelRunner:
         group=None,
         lora: LoraLimits | None = None,
         mark: Callable[[str], object] | None = None,
+        paged: dict | None = None,
     ):
-        """`mark(phase)`: called as each phase of the build ends (the engine's start timing)."""
+        """`mark(phase)`: called as each phase of the build ends (the engine's start timing); `paged`:
+        PagedModel's options (page_size, graphs) to run on the paged KV pool (kv/paged.py) when the
+        model allows it, else None (or a model it cannot serve): transformers' own cache."""
         mark = mark or (lambda phase: None)
         self.tp_size, self.ep_size, self.device = tp_size, ep_size, torch.device(device)
         self.ranks = Ranks(group)  # gloo group of this engine's ranks (None when tp_size == 1)
@@ -83,6 +87,11 @@ class ModelRunner:
         self.route_capture = RouteCapture(self.model)
         self.last_routes: torch.Tensor | None = None  # [batch, positions, layers, top_k] of the last forward asked
         self.host_copy = HostCopy()  # of released weights, with --enable-weights-cpu-backup
+        why_not = paged_support(self.model.config) if paged is not None else "not asked for"
+        where = {"tp_size": tp_size, "device": self.device}
+        self.paged = None if why_not else PagedModel(self.model, self.lora, self.route_capture, **where, **paged)
+        if paged is not None and why_not:
+            log.warning("the paged KV pool cannot serve this model (%s): transformers' own cache is used", why_not)
         mark("model_prepare")
 
     @property
@@ -274,6 +283,10 @@ class ModelRunner:
             self._free_weights(params)
         if KV_CACHE_TAG in tags:
             self.cache = None
+            if self.paged is not None:
+                self.paged.release()
+        if self.paged is not None and {WEIGHT_TAG, CUDA_GRAPH_TAG} & set(tags):
+            self.paged.drop_graphs()  # the weights' addresses change on resume
         self._empty_cache()
         return self.ranks.gather({"before": before, "after": self._memory()})
 
@@ -283,6 +296,8 @@ class ModelRunner:
             self._allocate_weights()
             if self.host_copy.restore(self._storages):
                 self.weights.mark_loaded()
+        if KV_CACHE_TAG in tags and self.paged is not None:
+            self.paged.resume()
         return self.ranks.gather({"before": before, "after": self._memory()})
 
     def update_weights_from_disk(self, model_path: str) -> list[str]:
@@ -309,6 +324,8 @@ class ModelRunner:
 
     def _allocate_weights(self) -> None:
         """Released storages get their size back, without values."""
+        if self.paged is not None:
+            self.paged.drop_graphs()  # new addresses: graphs captured on the old ones would read freed memory
         for storage, nbytes in self._storages:
             if storage.nbytes() == 0:
                 storage.resize_(nbytes)

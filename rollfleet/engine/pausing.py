@@ -19,12 +19,10 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from rollfleet.engine.lockstep import Action
-
 
 class Pausing:
     """Needs from the scheduler: `_wakeup`, `paused`, `pause_mode`, `_pause_settled`, `held`, `refusing`,
-    `running`, `waiting`, `lockstep`, `_raise_if_dead`, `_abort_matching`, `_drop_aborted_running`."""
+    `running`, `waiting`, `batches`, `_raise_if_dead`, `_abort_matching`, `_drop_aborted_running`."""
 
     def pause(self, mode: str) -> Future:
         """Stop generating until `resume` (the module docstring says what each mode does); the
@@ -73,6 +71,6 @@ class Pausing:
                 self.waiting.extendleft(reversed(retracted))
                 self.running = []
         if retracted:
-            self.lockstep(Action.END_BATCH)
+            self.batches.drop(retracted)
         for future in settled:
             future.set_result(len(retracted))

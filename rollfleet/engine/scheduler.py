@@ -35,9 +35,8 @@ import torch
 
 from rollfleet.engine.aborts import Aborts
 from rollfleet.engine.admission import check_request
-from rollfleet.engine.admission_batch import joiners, new_batch, without
-from rollfleet.engine.batch_step import advance_batch
-from rollfleet.engine.lockstep import Action
+from rollfleet.engine.admission_batch import without
+from rollfleet.engine.batch_step import DenseBatches
 from rollfleet.engine.logprobs import LogprobAsk
 from rollfleet.engine.next_token import StopRules
 from rollfleet.engine.pausing import Pausing
@@ -54,7 +53,7 @@ from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 log = logging.getLogger("rollfleet.engine")
 # cumulative; host_bytes: what crossed from the model's device to the host for sampling and logprobs
-STATS = ("batches", "joined", "largest_batch", "generated_tokens", "recomputed_prefixes", "host_bytes")
+STATS = ("batches", "joined", "largest_batch", "generated_tokens", "recomputed_prefixes", "host_bytes", "preempted")
 
 
 class EngineStopped(RuntimeError):
@@ -75,6 +74,7 @@ class Scheduler(Aborts, Pausing, Stepping):
         max_samples_per_request: int = 1024,
         thread_setup: Callable[[], None] = lambda: None,
         read_routes: Callable[[], torch.Tensor | None] = lambda: None,  # the last forward's routes (rank 0)
+        batches: Callable[..., Any] | None = None,  # PagedBatches(**parts) (kv/steps.py); None: DenseBatches
     ):
         self.lockstep = lockstep
         self.tokenizer = tokenizer
@@ -99,6 +99,8 @@ class Scheduler(Aborts, Pausing, Stepping):
         self.stopped = False
         self.failure: BaseException | None = None
         self.sampler = Sampler()
+        parts = {"lockstep": lockstep, "sampler": self.sampler, "stops": self.stops, "read_routes": read_routes}
+        self.batches = (batches or DenseBatches)(**parts)  # how a step runs, who joins, how KV is kept
         self.stats = dict.fromkeys(STATS, 0)
         self._wakeup = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="rollfleet-engine", daemon=True)
@@ -243,15 +245,16 @@ class Scheduler(Aborts, Pausing, Stepping):
         if any(seq.abort_message is not None for seq in self.running):
             return self._drop_aborted_running  # aborts take effect at once, paused or not
         if self.running and self._take_step():
-            joining = joiners(self.running, self.waiting, self.batch_lora, self.max_running_requests)
-            if joining and not self.controls and not self.halted:  # a prefill of all with them (admission_batch)
+            joining = self.batches.joiners(self.running, self.waiting, self.batch_lora, self.max_running_requests)
+            if joining and not self.controls and not self.halted:
                 self.running, self.waiting = [*self.running, *joining], without(self.waiting, joining)
-                self.needs_prefill = True
+                self.needs_prefill |= self.batches.joins_recompute  # dense: a prefill of all with them
                 self.stats["joined"] += len(joining)
             return self._step
         if self.waiting and self._take_step():
-            self.batch_lora, self.running, self.waiting = new_batch(self.waiting, self.max_running_requests)
-            self.needs_prefill = True
+            batch = self.batches.new_batch(self.waiting, self.max_running_requests)
+            self.batch_lora, self.running, self.waiting = batch
+            self.needs_prefill = self.batches.joins_recompute
             self.stats["batches"] += 1
             return self._step
         return None
@@ -266,6 +269,8 @@ class Scheduler(Aborts, Pausing, Stepping):
             action.future.set_result(action.fn())
         except Exception as exc:  # reported to the caller (an HTTP 400), the engine goes on
             action.future.set_exception(exc)
+        finally:  # any control may have changed weights or adapters: cached prefixes are not theirs
+            self.batches.flush()
 
     def _step(self) -> None:
         self._drop_aborted_running()
@@ -278,20 +283,17 @@ class Scheduler(Aborts, Pausing, Stepping):
 
     def _advance_batch(self) -> None:
         self.stats["largest_batch"] = max(self.stats["largest_batch"], len(self.running))
-        if self.needs_prefill:
-            self.stats["recomputed_prefixes"] += sum(1 for s in self.running if s.output_ids)
-        self.stats["host_bytes"] += advance_batch(
-            self.running,
-            prefill=self.needs_prefill,
-            lora_name=self.batch_lora,
-            lockstep=self.lockstep,
-            sampler=self.sampler,
-            stops=self.stops,
-            read_routes=self.read_routes,
-        )
+        outcome = self.batches.advance(self.running, self.needs_prefill, self.batch_lora)
         self.needs_prefill = False
-        self.stats["generated_tokens"] += len(self.running)
+        self.stats["host_bytes"] += outcome.host_bytes
+        self.stats["generated_tokens"] += outcome.sampled
+        self.stats["recomputed_prefixes"] += outcome.recomputed
         with self._wakeup:
+            if outcome.preempted:  # out of KV pages: they wait again, first in line, their KV recomputed
+                gone = {id(seq) for seq in outcome.preempted}
+                self.running = [seq for seq in self.running if id(seq) not in gone]
+                self.waiting.extendleft(reversed(outcome.preempted))
+                self.stats["preempted"] += len(outcome.preempted)
             self._retire_finished()
 
     def _retire_finished(self) -> None:
@@ -299,12 +301,9 @@ class Scheduler(Aborts, Pausing, Stepping):
         for seq in self.running:
             if seq.finish is not None:
                 self._finish(seq, seq.finish)
-        if not keep:
-            self.running = []
-            self.lockstep(Action.END_BATCH)
-        elif len(keep) < len(self.running):
+        if len(keep) < len(self.running):
+            self.batches.retire(self.running, keep)
             self.running = [self.running[row] for row in keep]
-            self.lockstep(Action.KEEP_ROWS, rows=keep)
 
     def _fail_batch(self, exc: Exception) -> None:
         log.exception("a batch of %d requests failed; they finish as aborted, the engine goes on", len(self.running))
@@ -315,8 +314,8 @@ class Scheduler(Aborts, Pausing, Stepping):
                 if seq.finish is None:  # a request that finished before the failure keeps its own reason
                     seq.finish = FinishReason(type="abort", message=f"the engine failed this batch: {reason}")
                 self._finish(seq, seq.finish)
-            self.running = []
-        self.lockstep(Action.END_BATCH)  # a failure here is the loop's own: it stops and says why
+            failed, self.running = self.running, []
+        self.batches.drop(failed)  # a failure here is the loop's own: it stops and says why
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish = reason

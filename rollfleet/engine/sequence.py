@@ -16,7 +16,7 @@ from rollfleet.wire.protocol import FinishReason, SamplingParams
 from rollfleet.wire.routed_experts import encode_routed_experts
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """One sample being generated: a prompt, its sampling state and its output so far."""
 
@@ -39,6 +39,13 @@ class Sequence:
     routes: list[torch.Tensor] = field(default_factory=list)  # [positions, layers, top_k] per forward
     # (old version, output tokens made with it) at each weight-version change while unfinished
     version_events: list[tuple[str, int]] = field(default_factory=list)
+    # the paged KV pool's view (kv/steps.py): pages holding the KV of the first kv_len tokens of
+    # prompt + output, how many of them came from the prefix cache or a sibling, the sample whose
+    # prefill this one waits for
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    cached_tokens: int = 0
+    fork_of: Sequence | None = None
 
     @property
     def prefill_ids(self) -> list[int]:
@@ -139,7 +146,7 @@ def wire_result(
         "id": seq.rid,
         "prompt_tokens": len(seq.prompt_ids),
         "completion_tokens": len(output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": seq.cached_tokens,
         "weight_version": weight_version,
         "finish_reason": None if upto is not None else seq.finish.to_wire(),
     }

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from rollfleet.engine.http_server import RequestBodyLimit, run_server
+from rollfleet.engine.kv.setup import add_kv_flags, check_kv_args, paged_options, start_paged
 from rollfleet.engine.lockstep import Action, Lockstep, follow
 from rollfleet.engine.lora import LoraLimits
 from rollfleet.engine.model import ModelRunner, local_device, model_class
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--weight-version", default="default")
     _add_limit_flags(p)
+    add_kv_flags(p)
     add_remote_instance_flags(p)
     add_serving_flags(p)
     p.add_argument(
@@ -152,6 +154,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if value is not None and value < 1:
             parser.error(f"{flag} {value}: must be >= 1")
     check_remote_instance_args(parser, args)
+    check_kv_args(parser, args)
     if args.enable_return_routed_experts and routing_shape(AutoConfig.from_pretrained(args.model_path)) is None:
         parser.error(
             f"--enable-return-routed-experts: {args.model_path} is a dense model (its config has no experts), "
@@ -212,6 +215,7 @@ def _make_runner(args, device: str, group, mark=None) -> ModelRunner:
         group=group,
         lora=lora_limits(args),
         mark=mark,
+        paged=paged_options(args),
     )
 
 
@@ -335,6 +339,7 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: St
     # it after every socket call. 5 ms (the default) times the dozens of such calls a reply makes let a
     # busy engine delay /health by a second on a loaded host; 1 ms keeps it fast.
     sys.setswitchinterval(0.001)
+    batches = start_paged(args, runner, lockstep, _context_length(runner))  # None: transformers' own cache
     args.max_running_requests = max_running_requests(args, runner, _context_length(runner))
     scheduler = Scheduler(
         lockstep,
@@ -346,7 +351,8 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: St
         vocab_size=runner.model.config.get_text_config().vocab_size,
         max_samples_per_request=args.max_samples_per_request,
         thread_setup=lambda: _bind_thread(runner),
-        read_routes=lambda: runner.last_routes,
+        read_routes=lambda: runner.last_routes if runner.paged is None else runner.paged.last_routes,
+        batches=batches,
     )
     scheduler.start()
     service = EngineService(args, runner, lockstep, scheduler, tokenizer)

@@ -196,6 +196,19 @@ class EngineService:
     def loaded_adapters(self) -> dict[str, str]:
         return {name: adapter.path for name, adapter in list(self.runner.lora.adapters.items())}
 
+    def kv_report(self) -> dict:
+        """Which KV cache serves (paged or dense) and, paged, its pages and CUDA graphs now."""
+        paged = self.runner.paged
+        if paged is None:
+            return {"layout": "dense"}
+        blocks, graphs = self.scheduler.batches.blocks, paged.graphs
+        report = {"layout": "paged", "page_size": paged.page_size, "pages": blocks.usable}
+        report.update(free_pages=len(blocks.free), cached_pages=len(blocks.hash_of), epoch=paged.pool.epoch)
+        if graphs is not None:
+            report["cuda_graphs"] = {"captured": len(graphs.graphs), "captures": graphs.captures}
+            report["cuda_graphs"].update(capture_s=round(graphs.capture_s, 3), disabled=graphs.disabled)
+        return report
+
     def not_one_per_rank(self, payloads: list[str]) -> str | None:
         if len(payloads) == self.args.tp_size:
             return None

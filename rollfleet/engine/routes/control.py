@@ -57,8 +57,9 @@ async def server_info(engine: Engine):
         "admin_api_key_set": bool(args.admin_api_key),
         "version": VERSION,
         "engine": "rollfleet-embedded",
-        # SGLang's KV pool size; here the most tokens the running batch may hold (no fixed pool)
-        "max_total_num_tokens": args.max_running_requests * engine.context_length,
+        # SGLang's KV pool size (the paged pool's; the dense cache has none: the most a full batch may hold)
+        "max_total_num_tokens": args.max_total_tokens or args.max_running_requests * engine.context_length,
+        "rollfleet_kv_cache": engine.kv_report(),
         "weight_version": engine.scheduler.weight_version,
         "weights_ready": engine.weights_ready,
         "scheduler_stats": engine.scheduler.live_stats,
@@ -80,7 +81,8 @@ async def server_info(engine: Engine):
 async def flush_cache(engine: Engine):
     if engine.scheduler.num_unfinished:
         return PlainTextResponse("Cache not flushed: requests are running.", status_code=400)
-    return PlainTextResponse("Cache flushed (the embedded engine keeps no prefix cache).")
+    await engine.control(engine.scheduler.batches.flush, needs_idle=False)
+    return PlainTextResponse("Cache flushed.")
 
 
 @router.get("/rollfleet/memory")

@@ -208,7 +208,7 @@ async def loads(engine: Engine):
         "num_running_reqs": stats["running_requests"],
         "num_waiting_reqs": stats["waiting_requests"],
         "max_running_requests": capacity,
-        "max_total_num_tokens": capacity * engine.context_length,
+        "max_total_num_tokens": engine.args.max_total_tokens or capacity * engine.context_length,
         "utilization": stats["running_requests"] / capacity,
     }
     return {

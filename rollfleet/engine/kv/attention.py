@@ -1,0 +1,97 @@
+"""Attention over the paged KV pool, through transformers' attention-function registry.
+
+transformers' attention layers compute q, k, v (rotary applied) and call the function registered
+under the model's `_attn_implementation` with the forward's extra keyword arguments: the step's
+`PagedInputs` arrive as `paged=`. The function writes the step's new keys and values into their
+slots of the pool, gathers each row's pages, and runs `scaled_dot_product_attention` with the
+query heads of one KV head folded into the query length (grouped-query attention without
+repeating K and V, and a boolean mask every SDPA backend takes).
+
+A step is packed: its tokens are `[1, T]`, row after row. A decode step feeds one token per row
+(rows == tokens; the shape CUDA graphs capture, kv/graphs.py); any other step (prefills, chunks,
+recomputes) is scattered into `[rows, longest, ...]` for the kernel and gathered back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "rollfleet_paged"  # never "flash" in it: transformers tests the name for that word
+
+
+@dataclass
+class PagedInputs:
+    """One step's layout on the device."""
+
+    keys: list[torch.Tensor]  # per layer: [slots, kv heads, head_dim] (the pool's)
+    values: list[torch.Tensor]
+    page_size: int
+    slots: torch.Tensor  # [T]: where each fed token's K and V go
+    table: torch.Tensor  # [rows, width]: each row's pages (padded with the trash page)
+    lens: torch.Tensor  # [rows]: each row's KV length once this step's tokens are in
+    decode: bool  # one token per row
+    q_index: torch.Tensor | None = None  # [T]: packed token -> row * longest + index in row (not decode)
+    q_pos: torch.Tensor | None = None  # [rows, longest]: each padded query's position (0 for padding)
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, group: int) -> torch.Tensor:
+        """[rows, 1, queries, width * page_size] bool, built once per step (the first layer's call)."""
+        if group not in self._masks:
+            length = self.table.shape[1] * self.page_size
+            key_pos = torch.arange(length, device=self.lens.device)
+            if self.decode:
+                self._masks[group] = (key_pos < self.lens[:, None])[:, None, None, :]
+            else:
+                causal = key_pos[None, None, :] <= self.q_pos[:, :, None]  # [rows, longest, length]
+                self._masks[group] = causal.repeat_interleave(group, dim=1)[:, None]
+        return self._masks[group]
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, T, head_dim]
+    key: torch.Tensor,  # [1, kv heads, T, head_dim]
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged: PagedInputs | None = None,
+    **_kwargs,
+) -> tuple[torch.Tensor, None]:
+    assert paged is not None, f"{ATTENTION_NAME} attention runs only inside the engine's paged steps"
+    layer = module.layer_idx
+    pool_k, pool_v = paged.keys[layer], paged.values[layer]
+    pool_k.index_copy_(0, paged.slots, key[0].transpose(0, 1).to(pool_k.dtype))
+    pool_v.index_copy_(0, paged.slots, value[0].transpose(0, 1).to(pool_v.dtype))
+    rows, kv_heads, head_dim = paged.table.shape[0], pool_k.shape[1], pool_k.shape[2]
+    heads, tokens = query.shape[1], query.shape[2]
+    group = heads // kv_heads
+    k = _gather(pool_k, paged.table, paged.page_size)
+    v = _gather(pool_v, paged.table, paged.page_size)
+    q = query[0].transpose(0, 1).reshape(tokens, kv_heads, group, head_dim)
+    if paged.decode:
+        out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=paged.mask(group), scale=scaling)
+        return out.reshape(1, tokens, heads, head_dim).to(query.dtype), None
+    longest = paged.q_pos.shape[1]
+    padded = q.new_zeros(rows * longest, kv_heads, group, head_dim)
+    padded[paged.q_index] = q
+    padded = padded.view(rows, longest, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    padded = padded.reshape(rows, kv_heads, longest * group, head_dim)
+    out = F.scaled_dot_product_attention(padded.to(k.dtype), k, v, attn_mask=paged.mask(group), scale=scaling)
+    out = out.view(rows, kv_heads, longest, group, head_dim).permute(0, 2, 1, 3, 4)
+    out = out.reshape(rows * longest, heads, head_dim)[paged.q_index]
+    return out[None].to(query.dtype), None
+
+
+def _gather(pool: torch.Tensor, table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[rows, kv heads, width * page_size, head_dim]: each row's pages, in order."""
+    pages = pool.view(-1, page_size, pool.shape[1], pool.shape[2])[table]  # [rows, width, page, heads, dim]
+    rows, width = table.shape
+    return pages.view(rows, width * page_size, pool.shape[1], pool.shape[2]).transpose(1, 2)
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)

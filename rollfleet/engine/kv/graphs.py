@@ -1,0 +1,121 @@
+"""CUDA graphs of the decode step, one per (batch-size bucket, block-table width bucket), captured
+the first time a step needs one, into one memory pool, and replayed with the step's inputs copied
+into the graph's static buffers: a decode step is one launch instead of hundreds of eager kernels.
+
+Buckets: batch sizes 1, 2, 4, 8, then steps of 16 up to `max_batch` (SGLang's
+`--cuda-graph-max-bs-decode`); block-table widths powers of two. Padded rows write to the trash page
+and attend to its first slot only. Graphs stay valid across in-place weight updates and LoRA merges
+(same addresses); a release or resume of weights or KV moves memory, and `drop` forgets them
+(recaptured on demand). A model whose forward cannot be captured (a host sync, e.g. MoE experts
+routed with `.nonzero()`) runs eagerly, said once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rollfleet.engine.kv.attention import PagedInputs
+
+log = logging.getLogger("rollfleet.engine")
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return [*small, *range(16, max_batch, 16), max_batch] if max_batch > 8 else [*small, max_batch]
+
+
+@dataclass
+class Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [1, batch]
+    positions: torch.Tensor
+    inputs: PagedInputs
+    logits: torch.Tensor  # [batch, vocab]
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Callable[..., torch.Tensor], device: torch.device):
+        self.forward, self.device = forward, device
+        self.graphs: dict[tuple[int, int], Graph] = {}
+        self.disabled: str | None = None
+        self.pool = None
+        self.buckets: list[int] = []
+        self.captures, self.capture_s = 0, 0.0  # since start, for the benchmarks
+
+    def configure(self, pool, max_batch: int) -> None:
+        self.kv, self.buckets = pool, batch_buckets(max_batch) if max_batch > 0 else []
+        if not self.buckets:
+            self.disabled = "CUDA graphs are off (--disable-cuda-graph or a max batch of 0)"
+
+    def usable(self, batch: int) -> bool:
+        return self.disabled is None and bool(self.buckets) and batch <= self.buckets[-1]
+
+    def run(self, rows) -> torch.Tensor | None:
+        """The logits of `rows` (a decode step), or None when this model cannot be captured: run it eagerly."""
+        batch = next(b for b in self.buckets if b >= len(rows))
+        width = 1 << max(max(len(pages) for _, _, pages in rows) - 1, 1).bit_length()
+        graph = self.graphs.get((batch, width))
+        if graph is None:
+            try:
+                graph = self._capture(batch, width)
+            except Exception as exc:  # noqa: BLE001 - any capture failure means: run this model eagerly
+                self.disabled = f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                log.warning("CUDA graphs off for this engine, decode runs eagerly (%s)", self.disabled)
+                return None
+            self.graphs[(batch, width)] = graph
+        self._fill(graph, rows)
+        graph.graph.replay()
+        return graph.logits[: len(rows)]
+
+    def _fill(self, graph: Graph, rows) -> None:
+        size, batch = self.kv.page_size, graph.ids.shape[1]
+        width = graph.inputs.table.shape[1]
+        pad = batch - len(rows)
+        ids = [tokens[0] for _, tokens, _ in rows] + [0] * pad
+        positions = [start for start, _, _ in rows] + [0] * pad
+        slots = [pages[start // size] * size + start % size for start, _, pages in rows] + [0] * pad
+        lens = [start + 1 for start, _, _ in rows] + [1] * pad
+        table = [pages + [0] * (width - len(pages)) for _, _, pages in rows] + [[0] * width] * pad
+        host = torch.tensor([ids, positions, slots, lens], dtype=torch.long)
+        graph.ids.copy_(host[0:1]), graph.positions.copy_(host[1:2])
+        graph.inputs.slots.copy_(host[2]), graph.inputs.lens.copy_(host[3])
+        graph.inputs.table.copy_(torch.tensor(table, dtype=torch.long))
+
+    def _capture(self, batch: int, width: int) -> Graph:
+        start = time.perf_counter()
+        dev = self.device
+        zeros = torch.zeros(batch, dtype=torch.long, device=dev)
+        inputs = PagedInputs(
+            self.kv.keys,
+            self.kv.values,
+            self.kv.page_size,
+            slots=zeros.clone(),
+            table=torch.zeros(batch, width, dtype=torch.long, device=dev),
+            lens=torch.ones(batch, dtype=torch.long, device=dev),
+            decode=True,
+        )
+        ids, positions = zeros.clone()[None], zeros.clone()[None]
+        keep = torch.arange(batch, device=dev)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self.forward(ids, positions, inputs, keep)  # warm-up: lazy inits happen outside the capture
+        torch.cuda.current_stream(dev).wait_stream(side)
+        inputs._masks.clear()  # built again inside the capture, from the static buffers
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.forward(ids, positions, inputs, keep)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - start
+        return Graph(graph, ids, positions, inputs, logits)
+
+    def drop(self) -> None:
+        self.graphs.clear()
+        self.pool = None

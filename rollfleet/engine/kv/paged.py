@@ -1,0 +1,144 @@
+"""The paged forward of one step on one tp rank: a lockstep action (`Action.STEP`), so every rank
+feeds the same rows in the same order.
+
+A step names its rows: `(start, tokens, pages)` each, the tokens fed at positions start.. of a
+sequence whose KV lives in `pages`, and which packed positions' logits to return. Decode steps (one
+token a row) replay a CUDA graph of their batch-size bucket when graphs are on (kv/graphs.py);
+every other step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rollfleet.engine.kv.attention import ATTENTION_NAME, PagedInputs
+from rollfleet.engine.kv.graphs import DecodeGraphs
+from rollfleet.engine.kv.pool import KVPool, KVShape
+
+log = logging.getLogger("rollfleet.engine")
+# model types whose attention goes through transformers' registry with full attention on every layer
+PAGED_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "mistral"})
+
+Row = tuple[int, list[int], list[int]]  # (start position, tokens fed, the sequence's pages)
+
+
+def paged_support(config) -> str | None:
+    """Why this model cannot run on the paged pool (None: it can)."""
+    text = config.get_text_config()
+    if text.model_type not in PAGED_MODEL_TYPES:
+        return f"model type {text.model_type!r} is not one the paged KV path was checked with"
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        return "sliding-window attention"
+    if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or []):
+        return f"layer types {sorted(set(text.layer_types))}"
+    return None
+
+
+class PagedModel:
+    def __init__(self, model, lora, route_capture, *, tp_size: int, device: torch.device, page_size: int, graphs: bool):
+        self.model, self.lora, self.route_capture = model, lora, route_capture
+        self.device, self.page_size = device, page_size
+        self.shape = KVShape.of(model.config, next(model.parameters()).dtype, tp_size)
+        model.set_attn_implementation(ATTENTION_NAME)
+        self.pool: KVPool | None = None
+        self.graphs = DecodeGraphs(self._forward, device) if graphs and device.type == "cuda" else None
+        self.last_routes: torch.Tensor | None = None
+
+    def allocate(self, num_pages: int, max_graph_batch: int) -> None:
+        """The pool (a lockstep action rank 0 sends once at start, so that every rank's is alike)."""
+        self.pool = KVPool(self.shape, num_pages, self.page_size, self.device)
+        if self.graphs is not None:
+            self.graphs.configure(self.pool, max_graph_batch)
+
+    @property
+    def epoch(self) -> int:
+        return self.pool.epoch
+
+    @torch.inference_mode()
+    def step(
+        self,
+        rows: list[Row],
+        logits_at: list[int],
+        copies: list[tuple[int, int]] = (),
+        lora_name: str | None = None,
+        capture_routes: bool = False,
+    ) -> torch.Tensor:
+        """`[len(logits_at), vocab]` logits on this rank's device, of the packed positions `logits_at`."""
+        if self.pool.released:
+            raise RuntimeError("the KV cache is released: call /resume_memory_occupation with tags ['kv_cache']")
+        self.lora.use(lora_name)
+        self.pool.copy_pages(list(copies))
+        self.last_routes = None
+        decode = all(len(tokens) == 1 for _, tokens, _ in rows)
+        if decode and not capture_routes and self.graphs is not None and self.graphs.usable(len(rows)):
+            logits = self.graphs.run(rows)
+            if logits is not None:
+                return logits[torch.tensor(logits_at, device=logits.device)]
+        if capture_routes:
+            self.route_capture.start()
+        ids, positions, inputs = self.inputs(rows, decode)
+        keep = torch.tensor(logits_at, dtype=torch.long).to(self.device)
+        logits = self._forward(ids, positions, inputs, keep)
+        if capture_routes:
+            self.last_routes = self.route_capture.stop(1, ids.shape[1])[0]
+        return logits
+
+    def _forward(self, ids, positions, inputs: PagedInputs, keep) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask={"full_attention": None},
+            use_cache=False,
+            logits_to_keep=keep,
+            paged=inputs,
+        )
+        return out.logits[0]
+
+    def inputs(self, rows: list[Row], decode: bool, width: int | None = None) -> tuple:
+        """(ids [1, T], positions [1, T], PagedInputs) of `rows` on the device; `width` pads the
+        block table (graphs use a fixed one)."""
+        size = self.page_size
+        ids, positions, slots = [], [], []
+        for start, tokens, pages in rows:
+            ids += tokens
+            for pos in range(start, start + len(tokens)):
+                positions.append(pos)
+                slots.append(pages[pos // size] * size + pos % size)
+        width = width or max(len(pages) for _, _, pages in rows)
+        table = [pages + [0] * (width - len(pages)) for _, _, pages in rows]
+        lens = [start + len(tokens) for start, tokens, _ in rows]
+        dev = self.device
+        inputs = PagedInputs(
+            self.pool.keys,
+            self.pool.values,
+            size,
+            slots=torch.tensor(slots, dtype=torch.long).to(dev),
+            table=torch.tensor(table, dtype=torch.long).to(dev),
+            lens=torch.tensor(lens, dtype=torch.long).to(dev),
+            decode=decode,
+        )
+        if not decode:
+            longest = max(len(tokens) for _, tokens, _ in rows)
+            q_index, q_pos = [], []
+            for row, (start, tokens, _) in enumerate(rows):
+                q_index += range(row * longest, row * longest + len(tokens))
+                q_pos.append([*range(start, start + len(tokens)), *[0] * (longest - len(tokens))])
+            inputs.q_index = torch.tensor(q_index, dtype=torch.long).to(dev)
+            inputs.q_pos = torch.tensor(q_pos, dtype=torch.long).to(dev)
+        as_row = torch.tensor([ids, positions], dtype=torch.long).to(dev)
+        return as_row[0:1], as_row[1:2], inputs
+
+    # ---- memory ----------------------------------------------------------------------------
+    def release(self) -> None:
+        self.drop_graphs()
+        self.pool.release()
+
+    def resume(self) -> None:
+        self.pool.resume()
+
+    def drop_graphs(self) -> None:
+        """Weights or KV moved (a release or resume): graphs captured on the old addresses go."""
+        if self.graphs is not None:
+            self.graphs.drop()

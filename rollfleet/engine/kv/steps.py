@@ -1,0 +1,338 @@
+"""Continuous batching over the paged KV pool, on tp rank 0: which tokens each step feeds, which
+pages they go to, and which sequences sample after it. The scheduler (scheduler.py) owns the queues
+and calls this for every step of its running set; `DenseBatches` (batch_step.py) is the same
+interface over today's left-padded cache, for models the paged path does not serve.
+
+A sequence's KV holds its first `kv_len` tokens of prompt + output. Each step is either
+- a prefill step: sequences with more than one token to feed (new ones, chunks of long prompts,
+  recomputes after a weight update or a preemption), at most `chunk_tokens` tokens in all; a
+  sequence whose prompt is fully in samples its first token, the others go on next step; or
+- a decode step: every other running sequence feeds its last token and samples the next one.
+Requests join the running set at any step; nobody's KV is recomputed for it.
+
+The n samples of a prompt prefill it once: the first is fed, the others wait, then share its full
+pages and get a copy of its last partial one (`fork`), and all sample from the same logits. A new
+sequence starts from the longest run of cached full pages its tokens begin with (kv/blocks.py;
+`cached_tokens` in meta_info). When a decode step finds no free page, the sequences admitted last
+give theirs back and wait again at the head of the queue (preemption by recompute: nothing lost,
+nothing doubled).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollfleet.engine.kv.blocks import BlockPool, OutOfPages
+from rollfleet.engine.lockstep import Action
+from rollfleet.engine.logprobs import fill_input, input_positions
+from rollfleet.engine.next_token import StopRules, record_token
+from rollfleet.engine.sampling import Sampler
+from rollfleet.engine.sequence import Sequence
+from rollfleet.wire.protocol import FinishReason
+
+
+@dataclass
+class StepOutcome:
+    host_bytes: int = 0
+    sampled: int = 0
+    recomputed: int = 0  # sequences whose output so far is fed again (after a retract, preemption, update)
+    preempted: list[Sequence] = field(default_factory=list)  # back to the head of the queue, in order
+
+
+@dataclass
+class _Feed:
+    seq: Sequence
+    count: int  # tokens fed this step
+    logits_from: int = 0  # packed index of the first logits row this feed returns
+
+
+class PagedBatches:
+    joins_recompute = False
+
+    def __init__(
+        self,
+        blocks: BlockPool,
+        *,
+        lockstep: Callable[..., Any],
+        sampler: Sampler,
+        stops: StopRules,
+        read_routes: Callable[[], torch.Tensor | None],
+        kv_epoch: Callable[[], int],
+        chunk_tokens: int | None,
+    ):
+        self.blocks, self.lockstep, self.sampler, self.stops = blocks, lockstep, sampler, stops
+        self.read_routes, self.kv_epoch, self.chunk_tokens = read_routes, kv_epoch, chunk_tokens
+        self.epoch = None  # the pool's epoch the pages were handed out in
+        self.copies: list[tuple[int, int]] = []  # forks' partial pages, copied before the next step
+
+    # ---- admission -----------------------------------------------------------------------
+    def new_batch(self, waiting: deque[Sequence], max_running: int):
+        lora = waiting[0].lora_name
+        batch = self._fitting([s for s in waiting if s.lora_name == lora], max_running, reserve=0)
+        return lora, batch, _without(waiting, batch)
+
+    def joiners(self, running: list[Sequence], waiting: deque[Sequence], lora, max_running: int) -> list[Sequence]:
+        room = max_running - len(running)
+        if room <= 0 or not waiting:
+            return []
+        pending = sum(self._pages_wanted(s) for s in running if not s.pages and s.fork_of is None)
+        return self._fitting([s for s in waiting if s.lora_name == lora], room, reserve=pending)
+
+    def _fitting(self, candidates: list[Sequence], room: int, reserve: int) -> list[Sequence]:
+        """The first `room` candidates whose prompts fit in the free pages (at least one, when the
+        pool holds nothing: a request the whole pool cannot hold fails at its step, with the reason)."""
+        taken, left, prompts = [], self.blocks.available - reserve, set()
+        for seq in candidates[:room]:
+            shared = id(seq.prompt_ids) in prompts and not seq.output_ids  # a sibling forks its pages
+            need = 1 if shared else self._pages_wanted(seq)
+            if need > left and (taken or self.blocks.available < self.blocks.usable):
+                break
+            taken.append(seq)
+            left -= need
+            prompts.add(id(seq.prompt_ids))
+        return taken
+
+    def _pages_wanted(self, seq: Sequence) -> int:
+        return self.blocks.pages_for(_total(seq) + 1)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def advance(self, running: list[Sequence], recompute: bool, lora_name: str | None) -> StepOutcome:
+        if self.epoch != self.kv_epoch():  # the pool was released or resumed: no page holds KV
+            self.blocks.reset()
+            for seq in running:
+                _forget_kv(seq)
+            self.epoch, self.copies = self.kv_epoch(), []
+        if recompute:  # the weights changed under the running set: its KV is the old weights'
+            self.drop(running)
+            self.flush()
+            self.copies = []
+        outcome = StepOutcome()
+        self._siblings = self._pair_siblings(running)
+        feeds = self._prefill_feeds(running, outcome)
+        if not feeds:
+            feeds = self._decode_feeds(running, outcome)
+        if feeds:
+            self._run(feeds, lora_name, outcome)
+        return outcome
+
+    def _pair_siblings(self, running: list[Sequence]) -> dict[int, list[Sequence]]:
+        """New samples of one prompt wait for the first one's prefill (`fork_of`); by leader."""
+        leaders: dict[int, Sequence] = {}
+        waiting_on: dict[int, list[Sequence]] = {}
+        for seq in running:
+            if seq.fork_of is None and not (seq.kv_len or seq.pages or seq.output_ids):
+                leader = leaders.setdefault(id(seq.prompt_ids), seq)
+                same_asks = leader.ask == seq.ask and leader.routes_start == seq.routes_start
+                if leader is not seq and same_asks and leader.lora_name == seq.lora_name:
+                    seq.fork_of = leader
+            if seq.fork_of is not None:
+                waiting_on.setdefault(id(seq.fork_of), []).append(seq)
+        return waiting_on
+
+    def _prefill_feeds(self, running: list[Sequence], outcome: StepOutcome) -> list[_Feed]:
+        budget = self.chunk_tokens
+        feeds: list[_Feed] = []
+        for seq in running:
+            left = _total(seq) - seq.kv_len
+            if seq.fork_of is not None or (left <= 1 and seq.output_ids):
+                continue
+            if self._pages_wanted(seq) > self.blocks.usable:
+                self._too_long(seq)
+                continue
+            if not seq.pages and not seq.kv_len:  # a (re)prefill starts
+                outcome.recomputed += bool(seq.output_ids)
+                if _may_share(seq):
+                    seq.pages = self.blocks.match(seq.prefill_ids, _root(seq))
+                    seq.kv_len = seq.cached_tokens = len(seq.pages) * self.blocks.page_size
+                    left = _total(seq) - seq.kv_len
+            count = left if budget is None or not _may_share(seq) else min(left, budget)
+            if feeds and budget is not None and count > budget:
+                break
+            if not self._grow(seq, seq.kv_len + count):
+                if not feeds and not any(s.pages for s in running if s is not seq):
+                    self._too_long(seq)
+                break
+            feeds.append(_Feed(seq, count))
+            if budget is not None:
+                budget -= count
+                if budget <= 0:
+                    break
+        return feeds
+
+    def _decode_feeds(self, running: list[Sequence], outcome: StepOutcome) -> list[_Feed]:
+        ready = [s for s in running if s.fork_of is None and s.output_ids and s.kv_len == _total(s) - 1]
+        feeds = []
+        for seq in ready:
+            while not self._grow(seq, seq.kv_len + 1):
+                victim = next((s for s in reversed(running) if s.pages and s is not seq), None)
+                if victim is None:
+                    self._too_long(seq)
+                    break
+                self._preempt(victim, running, outcome)
+            if seq.finish is None and seq.pages:
+                feeds.append(_Feed(seq, 1))
+        gone = {id(s) for s in outcome.preempted}
+        return [feed for feed in feeds if id(feed.seq) not in gone]
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        """Pages for `tokens` of `seq`'s KV; False (nothing taken) when the pool has too few."""
+        more = self.blocks.pages_for(tokens) - len(seq.pages)
+        if more <= 0:
+            return True
+        try:
+            seq.pages += self.blocks.allocate(more)
+        except OutOfPages:
+            return False
+        return True
+
+    def _preempt(self, victim: Sequence, running: list[Sequence], outcome: StepOutcome) -> None:
+        for seq in [victim, *(s for s in running if s.fork_of is victim)]:
+            self._release(seq)
+            seq.fork_of = None
+            outcome.preempted.append(seq)
+
+    def _too_long(self, seq: Sequence) -> None:
+        tokens = self.blocks.usable * self.blocks.page_size
+        seq.finish = FinishReason(
+            type="abort",
+            message=f"the request needs {_total(seq) + 1} tokens of KV cache, the whole pool holds "
+            f"{tokens}: raise --mem-fraction-static or --max-total-tokens, or send a shorter prompt",
+        )
+
+    def _run(self, feeds: list[_Feed], lora_name: str | None, outcome: StepOutcome) -> None:
+        rows, logits_at, packed = [], [], 0
+        for feed in feeds:
+            seq = feed.seq
+            if seq.kv_len == 0:
+                seq.routes.clear()  # a (re)prefill reads every position again: its routes replace any kept
+            at_end = seq.output_ids and seq.kv_len + feed.count == _total(seq)
+            fed = [seq.output_ids[-1]] if at_end and feed.count == 1 else _tokens(seq, seq.kv_len, feed.count)
+            rows.append((seq.kv_len, fed, seq.pages))
+            last = packed + feed.count - 1
+            if seq.kv_len + feed.count == _total(seq):
+                first = last - _input_count(seq)
+                feed.logits_from = len(logits_at)
+                logits_at += range(first, last + 1)
+            packed += feed.count
+        capture = any(f.seq.routes_start is not None for f in feeds)
+        copies, self.copies = self.copies, []
+        logits = self.lockstep(
+            Action.STEP, rows=rows, logits_at=logits_at, copies=copies, lora_name=lora_name, capture_routes=capture
+        )
+        if capture:
+            self._record_routes(feeds, self.read_routes())
+        self._sample(feeds, logits, outcome)
+
+    def _sample(self, feeds: list[_Feed], logits: torch.Tensor, outcome: StepOutcome) -> None:
+        samplers, index = [], []
+        for feed in feeds:
+            seq = feed.seq
+            seq.kv_len += feed.count
+            if seq.kv_len < _total(seq):
+                continue  # a chunk: the prompt goes on next step
+            count = _input_count(seq)
+            if count:
+                lp = torch.log_softmax(logits[feed.logits_from : feed.logits_from + count].float(), dim=-1)
+                outcome.host_bytes += fill_input(seq.record, lp, seq.prompt_ids, seq.ask)
+            for member in [seq, *self._fork(seq)]:
+                samplers.append(member)
+                index.append(feed.logits_from + count)
+            if not seq.output_ids:
+                self.blocks.register(seq.prefill_ids, seq.pages, _root(seq))
+        if not samplers:
+            return
+        rows = logits[torch.tensor(index, device=logits.device)] if len(index) != logits.shape[0] else logits
+        sampled = self.sampler.sample(rows, [seq.sampling_row(self.stops.stop_ids) for seq in samplers])
+        for i, seq in enumerate(samplers):
+            record_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i], sampled.chosen[i], self.stops)
+        outcome.host_bytes += sampled.host_bytes
+        outcome.sampled += len(samplers)
+
+    def _fork(self, leader: Sequence) -> list[Sequence]:
+        """The samples waiting on `leader`'s prefill share its full pages and get a copy of its last
+        partial one (copied before the next step writes anything); one the pool has no page for
+        stays a new sequence (it prefills later, from the cached full pages)."""
+        forked = []
+        full, partial = divmod(leader.kv_len, self.blocks.page_size)
+        for seq in self._siblings.get(id(leader), []):
+            seq.fork_of = None
+            if partial and self.blocks.available == 0:
+                continue
+            seq.pages = list(leader.pages[:full])
+            self.blocks.hold(seq.pages)
+            if partial:
+                seq.pages += self.blocks.allocate(1)
+                self.copies.append((leader.pages[full], seq.pages[-1]))
+            seq.kv_len = seq.cached_tokens = leader.kv_len
+            seq.record = copy.deepcopy(leader.record)
+            seq.routes = list(leader.routes)
+            forked.append(seq)
+        return forked
+
+    def _record_routes(self, feeds: list[_Feed], routes: torch.Tensor) -> None:
+        packed = 0
+        for feed in feeds:
+            if feed.seq.routes_start is not None:
+                feed.seq.routes.append(routes[packed : packed + feed.count])
+            packed += feed.count
+
+    # ---- the running set changes --------------------------------------------------------
+    def retire(self, running: list[Sequence], keep: list[int]) -> None:
+        """The sequences of `running` not in `keep` are done: their full pages stay cached."""
+        kept = set(keep)
+        for row, seq in enumerate(running):
+            if row not in kept:
+                if seq.pages and seq.kv_len and seq.finish is not None and seq.finish.type != "abort":
+                    self.blocks.register(seq.prefill_ids[: seq.kv_len], seq.pages, _root(seq))
+                self._release(seq)
+
+    def drop(self, seqs: list[Sequence]) -> None:
+        """These sequences' KV goes (a retract, a failed step, a weight change): recomputed when they run."""
+        for seq in seqs:
+            self._release(seq)
+
+    def flush(self) -> None:
+        self.blocks.flush()
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.blocks.release(seq.pages)
+        _forget_kv(seq)
+
+
+def _total(seq: Sequence) -> int:
+    """Tokens of prompt + output (without building the list: the hot path asks this of every row)."""
+    return len(seq.prompt_ids) + len(seq.output_ids)
+
+
+def _tokens(seq: Sequence, start: int, count: int) -> list[int]:
+    return seq.prefill_ids[start : start + count]
+
+
+def _forget_kv(seq: Sequence) -> None:
+    seq.pages, seq.kv_len = [], 0
+
+
+def _may_share(seq: Sequence) -> bool:
+    """Whether a sequence may start from cached pages and be fed in chunks: not when it wants the
+    logprobs or the routes of every prompt position (they come from one full prefill)."""
+    return seq.routes_start is None and not (seq.ask.wants_input and not seq.output_ids)
+
+
+def _input_count(seq: Sequence) -> int:
+    return 0 if seq.output_ids else input_positions(len(seq.prompt_ids), seq.ask)
+
+
+def _root(seq: Sequence) -> str:
+    return f"lora:{seq.lora_name}"
+
+
+def _without(waiting: deque[Sequence], taken: list[Sequence]) -> deque[Sequence]:
+    ids = {id(seq) for seq in taken}
+    return deque(seq for seq in waiting if id(seq) not in ids)

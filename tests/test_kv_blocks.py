@@ -1,0 +1,110 @@
+"""The KV pool's pages on the host (rollfleet/engine/kv/blocks.py): reference counts, the prefix
+cache, eviction, and the invariants any sequence of operations keeps."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollfleet.engine.kv.blocks import TRASH_PAGE, BlockPool, OutOfPages, page_hashes
+
+
+def _accounted(pool: BlockPool, held: dict[int, int]) -> None:
+    """Every page but the trash page is free, idle in the cache, or held as often as the holders say."""
+    assert sorted(pool.free + list(pool.idle_cached) + list(held)) == list(range(1, pool.num_pages))
+    assert all(pool.refs[page] == count for page, count in held.items())
+    assert TRASH_PAGE not in pool.free and pool.refs[TRASH_PAGE] == 0
+    assert set(pool.idle_cached) <= set(pool.hash_of)
+    assert {pool.page_of[d] for d in pool.hash_of.values()} == set(pool.hash_of)
+
+
+OPS = st.sampled_from(["alloc", "hold", "release", "register", "match", "flush"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(OPS, st.integers(0, 6)), max_size=60))
+def test_any_sequence_of_operations_keeps_every_page_accounted_for(ops):
+    pool = BlockPool(num_pages=12, page_size=2)
+    holders: list[list[int]] = []  # each holder's pages (a page may appear in several)
+    tokens = {}  # holder index -> the tokens its pages hold
+    for op, arg in ops:
+        if op == "alloc":
+            try:
+                holders.append(pool.allocate(arg))
+                tokens[len(holders) - 1] = [arg % 3] * (2 * arg)
+            except OutOfPages:
+                assert arg > pool.available
+        elif op in ("hold", "release", "register") and holders:
+            index = arg % len(holders)
+            if op == "hold":
+                pool.hold(holders[index])
+                holders.append(list(holders[index]))
+                tokens[len(holders) - 1] = tokens[index]
+            elif op == "release":
+                pool.release(holders[index])
+                holders[index] = []
+            else:
+                pool.register(tokens[index][: 2 * len(holders[index])], holders[index], "root")
+        elif op == "match":
+            pages = pool.match([arg % 3] * (2 * arg + 1), "root")
+            holders.append(pages)
+            tokens[len(holders) - 1] = [arg % 3] * (2 * len(pages))
+        elif op == "flush":
+            pool.flush()
+        held: dict[int, int] = {}
+        for pages in holders:
+            for page in pages:
+                held[page] = held.get(page, 0) + 1
+        _accounted(pool, held)
+
+
+def test_refcounts_free_a_page_once_its_last_holder_releases_it():
+    pool = BlockPool(num_pages=4, page_size=4, prefix_cache=False)
+    pages = pool.allocate(2)
+    pool.hold(pages[:1])  # a fork shares the first page
+    pool.release(pages)
+    assert pool.available == 2 and pool.refs[pages[0]] == 1
+    pool.release(pages[:1])
+    assert pool.available == 3
+    with pytest.raises(OutOfPages):
+        pool.allocate(4)
+    assert pool.available == 3  # a refused allocation takes nothing
+
+
+def test_prefix_cache_matches_full_pages_and_leaves_a_token_to_compute():
+    pool = BlockPool(num_pages=16, page_size=4)
+    prompt = list(range(10, 22))  # 12 tokens: 3 full pages
+    pages = pool.allocate(3)
+    pool.register(prompt, pages, "lora:None")
+    assert pool.match(prompt, "lora:None") == pages[:2]  # the last page would leave nothing to compute
+    assert pool.match([*prompt, 99], "lora:None") == pages
+    assert pool.match(prompt, "lora:other") == []  # another adapter's KV is not this one's
+    assert pool.match([0, *prompt], "lora:None") == []  # a chain: the same page after other tokens differs
+    changed = [*prompt[:5], 0, *prompt[6:], 1]
+    assert pool.match(changed, "lora:None") == pages[:1]
+    pool.flush()
+    assert pool.match([*prompt, 99], "lora:None") == []
+
+
+def test_idle_cached_pages_are_reused_oldest_first_when_the_pool_runs_out():
+    pool = BlockPool(num_pages=5, page_size=2)  # 4 usable
+    a, b = pool.allocate(2), pool.allocate(2)
+    pool.register([1, 1, 2, 2], a, "r")
+    pool.register([3, 3, 4, 4], b, "r")
+    pool.release(a)
+    pool.release(b)
+    assert pool.available == 4 and not pool.free  # all idle in the cache
+    taken = pool.allocate(2)
+    assert taken == a  # the least recently released
+    assert pool.match([1, 1, 2, 2, 5], "r") == []
+    assert pool.match([3, 3, 4, 4, 5], "r") == b
+    assert page_hashes([3, 3, 4, 4], 2, "r") == [pool.hash_of[p] for p in b]
+
+
+def test_a_pool_without_prefix_cache_records_nothing():
+    pool = BlockPool(num_pages=4, page_size=2, prefix_cache=False)
+    pages = pool.allocate(1)
+    pool.register([1, 2], pages, "r")
+    pool.release(pages)
+    assert pool.match([1, 2, 3], "r") == [] and pool.available == 3

@@ -1,0 +1,128 @@
+"""The paged KV path (rollfleet/engine/kv/): its attention against transformers' own forward, and on
+real servers the same greedy tokens as a plain forward through everything that moves KV around:
+chunked prefills, requests joining a running set, the n samples of a prompt sharing its prefill,
+prefix-cache hits, and preemption when the pool runs out."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from conftest import call, client_for, engine_servers, held_in_flight, reference_greedy, run, scheduler_stats_when
+from transformers import AutoModelForCausalLM
+
+from rollfleet.engine.kv.blocks import BlockPool
+from rollfleet.engine.kv.paged import PagedModel
+from rollfleet.tiny_models import tiny_config
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42]]
+
+
+class _NoAdapter:
+    def use(self, name):
+        assert name is None
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_chunked_prefill_fork_and_decode_match_a_full_forward(kind):
+    torch.manual_seed(0)
+    config = tiny_config(kind)
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.load_state_dict(reference.state_dict())
+    paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=torch.device("cpu"), page_size=4, graphs=False)
+    paged.allocate(num_pages=40, max_graph_batch=0)
+    blocks = BlockPool(40, 4)
+    pages = [blocks.allocate(blocks.pages_for(len(p) + 4)) for p in PROMPTS]
+    paged.step([(0, p[:3], pg) for p, pg in zip(PROMPTS, pages)], logits_at=[0])  # a first chunk of each
+    rows = [(3, p[3:], pg) for p, pg in zip(PROMPTS, pages)]
+    ends = torch.tensor([len(p) - 3 for p in PROMPTS]).cumsum(0) - 1
+    logits = paged.step(rows, logits_at=ends.tolist())
+    # a fork of the last prompt: its full pages shared, its partial last page copied
+    fork = [*pages[2][:3], blocks.allocate(1)[0]]
+    seqs = [list(p) for p in [*PROMPTS, PROMPTS[2]]]
+    tokens = [*logits.argmax(-1).tolist(), logits[2].argmax().item()]
+    copies = [(pages[2][3], fork[3])]
+    for _ in range(3):
+        for seq, token in zip(seqs, tokens):
+            seq.append(token)
+        rows = [(len(s) - 1, [s[-1]], pg) for s, pg in zip(seqs, [*pages, fork])]
+        logits = paged.step(rows, logits_at=[0, 1, 2, 3], copies=copies)
+        copies, tokens = [], logits.argmax(-1).tolist()
+    with torch.inference_mode():
+        for row, seq in enumerate(seqs):
+            want = reference(torch.tensor([seq])).logits[0, -1]
+            assert torch.allclose(logits[row], want, atol=1e-5), (kind, row, (logits[row] - want).abs().max())
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(qwen3_dir, tmp_path_factory):
+    """Pages of 4 tokens, a pool of 96 (24 pages) and prefills of at most 8 tokens a step: every
+    request is chunked, and a few long ones run the pool out."""
+    extra = ["--page-size", "4", "--max-total-tokens", "96", "--chunked-prefill-size", "8"]
+    with engine_servers({"small": (qwen3_dir, {"extra": extra})}, tmp_path_factory.mktemp("paged")) as procs:
+        yield procs["small"]
+
+
+def _greedy(max_new_tokens: int, **more) -> dict:
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **more}
+
+
+def _stats(server) -> dict:
+    return call(server, "get_server_info")["scheduler_stats"]
+
+
+def test_preemption_and_chunks_give_the_tokens_of_a_plain_forward(small_pool_server, qwen3_dir):
+    prompts = [[3 + i, *range(40 + 5 * i, 52 + 5 * i)] for i in range(4)]  # 13 tokens: two chunks each
+    before = _stats(small_pool_server)
+    answers = call(small_pool_server, "generate", input_ids=prompts, sampling_params=_greedy(14))
+    for prompt, answer in zip(prompts, answers):
+        assert answer["output_ids"] == reference_greedy(qwen3_dir, prompt, 14)[0]
+    after = _stats(small_pool_server)
+    assert after["preempted"] > before["preempted"]  # 4 x 27 tokens do not fit in 96 at once
+
+
+def test_n_samples_share_the_prompt_prefill(small_pool_server, qwen3_dir):
+    prompt = PROMPTS[2]
+    answers = call(small_pool_server, "generate", input_ids=prompt, sampling_params=_greedy(5, n=3))
+    want = reference_greedy(qwen3_dir, prompt, 5)[0]
+    assert [a["output_ids"] for a in answers] == [want] * 3
+    assert sorted(a["meta_info"]["cached_tokens"] for a in answers)[1:] == [len(prompt)] * 2  # forked
+
+
+def test_a_repeated_prompt_starts_from_cached_pages_until_the_cache_is_flushed(small_pool_server, qwen3_dir):
+    prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1, 11]  # 10 tokens: 2 full pages of 4 to reuse
+    first = call(small_pool_server, "generate", input_ids=prompt, sampling_params=_greedy(3))
+    again = call(small_pool_server, "generate", input_ids=prompt, sampling_params=_greedy(3))
+    assert again["meta_info"]["cached_tokens"] == 8
+    assert again["output_ids"] == first["output_ids"] == reference_greedy(qwen3_dir, prompt, 3)[0]
+    call(small_pool_server, "flush_cache")
+    flushed = call(small_pool_server, "generate", input_ids=prompt, sampling_params=_greedy(3))
+    assert flushed["meta_info"]["cached_tokens"] == 0 and flushed["output_ids"] == first["output_ids"]
+
+
+def test_a_request_joins_a_running_one_without_recomputing_it(small_pool_server, qwen3_dir):
+    async def go():
+        async with client_for(small_pool_server) as client:
+            first = await held_in_flight(client, steps=4, input_ids=PROMPTS[0], sampling_params=_greedy(8))
+            before = (await client.get_server_info())["scheduler_stats"]
+            second = asyncio.create_task(client.generate(input_ids=PROMPTS[1], sampling_params=_greedy(8)))
+            await scheduler_stats_when(client, lambda s: s["waiting_requests"] == 1, task=second)
+            await client.continue_generation()  # the first has 4 tokens of 8: the second joins it
+            return await first, await second, before, (await client.get_server_info())["scheduler_stats"]
+
+    first, second, before, after = run(go())
+    assert first["output_ids"] == reference_greedy(qwen3_dir, PROMPTS[0], 8)[0]
+    assert second["output_ids"] == reference_greedy(qwen3_dir, PROMPTS[1], 8)[0]
+    assert after["joined"] == before["joined"] + 1
+    assert after["recomputed_prefixes"] == before["recomputed_prefixes"]  # the dense cache re-prefills both
+
+
+def test_a_request_the_whole_pool_cannot_hold_is_refused_and_the_engine_goes_on(small_pool_server):
+    answer = call(small_pool_server, "generate", input_ids=list(range(1, 120)), sampling_params=_greedy(4))
+    reason = answer["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "--max-total-tokens" in reason["message"], reason
+    ok = call(small_pool_server, "generate", input_ids=PROMPTS[1], sampling_params=_greedy(2))
+    assert len(ok["output_ids"]) == 2
