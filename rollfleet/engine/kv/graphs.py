@@ -35,6 +35,7 @@ class Graph:
     ids: torch.Tensor  # [1, batch]
     positions: torch.Tensor
     inputs: PagedInputs
+    keep: torch.Tensor  # every static input the graph reads stays alive with it: a freed one is reused
     logits: torch.Tensor  # [batch, vocab]
 
 
@@ -114,7 +115,7 @@ class DecodeGraphs:
             logits = self.forward(ids, positions, inputs, keep)
         self.captures += 1
         self.capture_s += time.perf_counter() - start
-        return Graph(graph, ids, positions, inputs, logits)
+        return Graph(graph, ids, positions, inputs, keep, logits)
 
     def drop(self) -> None:
         self.graphs.clear()
