@@ -93,7 +93,8 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args) -> list[dic
             tokens = sum(len(o["output_ids"]) for o in outs)
             after = (await client.get_server_info())["scheduler_stats"]
             engine = {
-                key: after[key] - before[key] for key in ("batches", "joined", "recomputed_prefixes", "host_bytes")
+                key: after[key] - before[key]
+                for key in ("batches", "joined", "recomputed_prefixes", "host_bytes", "prefill_tokens", "preempted")
             }
             passes.append(
                 {"seconds": seconds, "tokens": tokens, "rows": len(outs), "logprobs": logprobs, "scheduler": engine}

@@ -67,6 +67,7 @@ class DenseBatches:
 
     def advance(self, running: list[Sequence], recompute: bool, lora_name: str | None) -> StepOutcome:
         recomputed = sum(1 for seq in running if seq.output_ids) if recompute else 0
+        prefilled = sum(len(seq.prefill_ids) for seq in running) if recompute else 0
         moved = advance_batch(
             running,
             prefill=recompute,
@@ -76,7 +77,7 @@ class DenseBatches:
             stops=self.stops,
             read_routes=self.read_routes,
         )
-        return StepOutcome(host_bytes=moved, sampled=len(running), recomputed=recomputed)
+        return StepOutcome(host_bytes=moved, sampled=len(running), recomputed=recomputed, prefill_tokens=prefilled)
 
     def retire(self, running: list[Sequence], keep: list[int]) -> None:
         if not keep:

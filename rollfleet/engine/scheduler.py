@@ -53,7 +53,8 @@ from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 log = logging.getLogger("rollfleet.engine")
 # cumulative; host_bytes: what crossed from the model's device to the host for sampling and logprobs
-STATS = ("batches", "joined", "largest_batch", "generated_tokens", "recomputed_prefixes", "host_bytes", "preempted")
+STATS = ("batches", "joined", "largest_batch", "generated_tokens", "recomputed_prefixes", "host_bytes")
+STATS += ("preempted", "prefill_tokens")  # the paged pool's: pages run out; tokens fed by prefill steps
 
 
 class EngineStopped(RuntimeError):
@@ -288,6 +289,7 @@ class Scheduler(Aborts, Pausing, Stepping):
         self.stats["host_bytes"] += outcome.host_bytes
         self.stats["generated_tokens"] += outcome.sampled
         self.stats["recomputed_prefixes"] += outcome.recomputed
+        self.stats["prefill_tokens"] += outcome.prefill_tokens
         with self._wakeup:
             if outcome.preempted:  # out of KV pages: they wait again, first in line, their KV recomputed
                 gone = {id(seq) for seq in outcome.preempted}

@@ -42,6 +42,7 @@ class StepOutcome:
     host_bytes: int = 0
     sampled: int = 0
     recomputed: int = 0  # sequences whose output so far is fed again (after a retract, preemption, update)
+    prefill_tokens: int = 0  # tokens fed by prefill steps (a prompt's n samples feed it once)
     preempted: list[Sequence] = field(default_factory=list)  # back to the head of the queue, in order
 
 
@@ -227,6 +228,8 @@ class PagedBatches:
         )
         if capture:
             self._record_routes(feeds, self.read_routes())
+        if any(feed.count > 1 or not feed.seq.output_ids for feed in feeds):
+            outcome.prefill_tokens += packed
         self._sample(feeds, logits, outcome)
 
     def _sample(self, feeds: list[_Feed], logits: torch.Tensor, outcome: StepOutcome) -> None:
