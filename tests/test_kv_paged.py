@@ -129,3 +129,23 @@ def test_a_request_the_whole_pool_cannot_hold_is_refused_and_the_engine_goes_on(
     assert reason["type"] == "abort" and "--max-total-tokens" in reason["message"], reason
     ok = call(small_pool_server, "generate", input_ids=PROMPTS[1], sampling_params=_greedy(2))
     assert len(ok["output_ids"]) == 2
+
+
+def test_samples_waiting_on_an_aborted_first_sample_prefill_themselves(small_pool_server, qwen3_dir):
+    """The n samples of a prompt wait for the first one's prefill (13 tokens: two chunks of 8 here);
+    when that first sample is aborted alone mid-prefill, the others prefill themselves."""
+    prompt = PROMPTS[2]
+
+    async def go():
+        async with client_for(small_pool_server) as client:
+            task = await held_in_flight(
+                client, steps=1, samples=3, input_ids=prompt, sampling_params=_greedy(4, n=3), rid="orphans"
+            )
+            await client.abort_request(rid="orphans-0")
+            await client.continue_generation()
+            return await asyncio.wait_for(task, timeout=60)
+
+    answers = {a["meta_info"]["id"]: a for a in run(go())}
+    assert answers["orphans-0"]["meta_info"]["finish_reason"]["type"] == "abort"
+    want = reference_greedy(qwen3_dir, prompt, 4)[0]
+    assert [answers[f"orphans-{i}"]["output_ids"] for i in (1, 2)] == [want, want]

@@ -126,7 +126,10 @@ class PagedBatches:
         """New samples of one prompt wait for the first one's prefill (`fork_of`); by leader."""
         leaders: dict[int, Sequence] = {}
         waiting_on: dict[int, list[Sequence]] = {}
+        present = {id(seq) for seq in running}
         for seq in running:
+            if seq.fork_of is not None and (id(seq.fork_of) not in present or seq.fork_of.finish is not None):
+                seq.fork_of = None  # its leader left (aborted alone, or finished): it prefills itself
             if seq.fork_of is None and not (seq.kv_len or seq.pages or seq.output_ids):
                 leader = leaders.setdefault(id(seq.prompt_ids), seq)
                 same_asks = leader.ask == seq.ask and leader.routes_start == seq.routes_start
