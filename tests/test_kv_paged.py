@@ -149,3 +149,40 @@ def test_samples_waiting_on_an_aborted_first_sample_prefill_themselves(small_poo
     assert answers["orphans-0"]["meta_info"]["finish_reason"]["type"] == "abort"
     want = reference_greedy(qwen3_dir, prompt, 4)[0]
     assert [answers[f"orphans-{i}"]["output_ids"] for i in (1, 2)] == [want, want]
+
+
+def test_prefills_that_only_wait_on_each_other_for_pages_preempt_the_last_admitted():
+    """Two long prompts mid-prefill hold every page and neither can take its next chunk (nothing
+    decodes to free any): the one admitted last gives its pages back and waits, the first goes on."""
+    from rollfleet.engine.kv.steps import PagedBatches
+    from rollfleet.engine.logprobs import LogprobAsk
+    from rollfleet.engine.next_token import StopRules
+    from rollfleet.engine.sampling import Sampler
+    from rollfleet.engine.sequence import sample_group
+    from rollfleet.wire.protocol import SamplingParams
+
+    fed = []
+
+    def lockstep(action, rows, logits_at, **_):
+        fed.append([len(tokens) for _, tokens, _ in rows])
+        return torch.zeros(len(logits_at), 32)
+
+    blocks = BlockPool(num_pages=7, page_size=4, prefix_cache=False)  # 6 usable pages: 24 tokens
+    stops = StopRules(frozenset(), 512, None)
+    batches = PagedBatches(
+        blocks,
+        lockstep=lockstep,
+        sampler=Sampler(),
+        stops=stops,
+        read_routes=lambda: None,
+        kv_epoch=lambda: 0,
+        chunk_tokens=8,
+    )
+    batches.epoch = 0  # the pool's epoch these pages are from (a first step would otherwise start afresh)
+    params = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    first, last = (sample_group(list(range(1, 21)), params, rid, False, None, LogprobAsk())[0] for rid in "ab")
+    for seq in (first, last):  # 12 of 20 prompt tokens in: 3 pages each, the pool is full
+        seq.pages, seq.kv_len = blocks.allocate(3), 12
+    outcome = batches.advance([first, last], recompute=False, lora_name=None)
+    assert outcome.preempted == [last] and not last.pages and last.kv_len == 0
+    assert fed == [[8]] and first.kv_len == 20 and len(first.output_ids) == 1

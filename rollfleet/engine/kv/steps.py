@@ -159,8 +159,10 @@ class PagedBatches:
             if feeds and budget is not None and count > budget:
                 break
             if not self._grow(seq, seq.kv_len + count):
-                if not feeds and not any(s.pages for s in running if s is not seq):
-                    self._too_long(seq)
+                # nobody decodes to free pages: the sequences admitted last give theirs back
+                stuck = not feeds and not any(map(_decodable, running))
+                if stuck and self._make_room(seq, seq.kv_len + count, running, outcome):
+                    feeds.append(_Feed(seq, count))
                 break
             feeds.append(_Feed(seq, count))
             if budget is not None:
@@ -170,19 +172,23 @@ class PagedBatches:
         return feeds
 
     def _decode_feeds(self, running: list[Sequence], outcome: StepOutcome) -> list[_Feed]:
-        ready = [s for s in running if s.fork_of is None and s.output_ids and s.kv_len == _total(s) - 1]
         feeds = []
-        for seq in ready:
-            while not self._grow(seq, seq.kv_len + 1):
-                victim = next((s for s in reversed(running) if s.pages and s is not seq), None)
-                if victim is None:
-                    self._too_long(seq)
-                    break
-                self._preempt(victim, running, outcome)
-            if seq.finish is None and seq.pages:
+        for seq in [s for s in running if _decodable(s)]:
+            if seq.pages and self._make_room(seq, seq.kv_len + 1, running, outcome):  # no pages: preempted
                 feeds.append(_Feed(seq, 1))
         gone = {id(s) for s in outcome.preempted}
         return [feed for feed in feeds if id(feed.seq) not in gone]
+
+    def _make_room(self, seq: Sequence, tokens: int, running: list[Sequence], outcome: StepOutcome) -> bool:
+        """Pages for `tokens` of `seq`'s KV, preempting the sequences admitted last while the pool is
+        short; False when nobody else holds any (`seq` alone is too long for the pool: it ends)."""
+        while not self._grow(seq, tokens):
+            victim = next((s for s in reversed(running) if s.pages and s is not seq), None)
+            if victim is None:
+                self._too_long(seq)
+                return False
+            self._preempt(victim, running, outcome)
+        return True
 
     def _grow(self, seq: Sequence, tokens: int) -> bool:
         """Pages for `tokens` of `seq`'s KV; False (nothing taken) when the pool has too few."""
@@ -310,6 +316,11 @@ class PagedBatches:
         if seq.pages:
             self.blocks.release(seq.pages)
         _forget_kv(seq)
+
+
+def _decodable(seq: Sequence) -> bool:
+    """Fed up to its last token: the next step decodes it."""
+    return seq.fork_of is None and bool(seq.output_ids) and seq.kv_len == _total(seq) - 1
 
 
 def _total(seq: Sequence) -> int:
