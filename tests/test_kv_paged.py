@@ -186,3 +186,21 @@ def test_prefills_that_only_wait_on_each_other_for_pages_preempt_the_last_admitt
     outcome = batches.advance([first, last], recompute=False, lora_name=None)
     assert outcome.preempted == [last] and not last.pages and last.kv_len == 0
     assert fed == [[8]] and first.kv_len == 20 and len(first.output_ids) == 1
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--page-size", "0"], "--page-size 0"),
+        (["--max-total-tokens", "8", "--page-size", "16"], "--max-total-tokens 8"),
+        (["--chunked-prefill-size", "0"], "--chunked-prefill-size 0"),
+    ],
+)
+def test_kv_flags_that_cannot_work_are_refused_naming_the_flag(qwen3_dir, flags, named, capsys):
+    from rollfleet.engine.server import build_parser, check_args
+
+    parser = build_parser()
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu", *flags])
+    with pytest.raises(SystemExit):
+        check_args(parser, args)
+    assert named in capsys.readouterr().err
