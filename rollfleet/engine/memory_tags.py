@@ -3,8 +3,9 @@ SchedulerWeightUpdaterManager) with its state errors answered as 400s that name 
 
 A release adds its tags, a resume removes them; resuming a tag that is not released (none, or another
 one) and releasing a tag twice are refused, and a refused call changes nothing. Tags None or [] mean
-all of SGLang's tags, `cuda_graph` included: the embedded engine has no CUDA graphs, but keeps that tag's
-state as SGLang does, so that a client's calls are refused here exactly where SGLang refuses them. A
+all of SGLang's tags, `cuda_graph` included (the paged path's decode graphs: released, they are
+captured again on demand after the resume), so that a client's calls are refused here exactly where
+SGLang refuses them. A
 disk update while weights are released loads them (model.py) and leaves this record as it is, as on SGLang.
 """
 

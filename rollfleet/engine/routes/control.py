@@ -92,8 +92,7 @@ async def memory(engine: Engine):
 
 
 async def move_memory(engine: EngineService, req: MemoryRequest, action: Action) -> dict:
-    named = ReleasedTags.of(req.tags)
-    tags = [t for t in named if t != "cuda_graph"]  # no CUDA graphs here (their state is kept all the same)
+    tags = ReleasedTags.of(req.tags)  # cuda_graph: the decode graphs go (captured again on demand)
 
     def act():
         if engine.scheduler.num_unfinished:
@@ -102,16 +101,16 @@ async def move_memory(engine: EngineService, req: MemoryRequest, action: Action)
                 "before releasing or resuming memory"
             )
         if action is Action.RESUME_MEMORY:
-            engine.memory_tags.check_resume(named)
+            engine.memory_tags.check_resume(tags)
             engine.lockstep(action, tags=tags)
-            return engine.memory_tags.after_resume(named)
-        engine.memory_tags.check_release(named)
+            return engine.memory_tags.after_resume(tags)
+        engine.memory_tags.check_release(tags)
         engine.sessions.check_release(tags)
         # a host copy only of weights that may be served again (not of a session's mixed ones)
         backup = engine.args.enable_weights_cpu_backup and engine.sessions.mixed is None
         engine.lockstep(action, tags=tags, cpu_backup=backup)
         engine.sessions.after_release(tags)
-        engine.memory_tags.after_release(named)
+        engine.memory_tags.after_release(tags)
 
     await engine.control(act)
     return None  # SGLang answers release and resume with an empty (null) body; GET /rollfleet/memory says more
