@@ -172,9 +172,11 @@ class PagedBatches:
         return feeds
 
     def _decode_feeds(self, running: list[Sequence], outcome: StepOutcome) -> list[_Feed]:
-        feeds = []
+        feeds, page = [], self.blocks.page_size
         for seq in [s for s in running if _decodable(s)]:
-            if seq.pages and self._make_room(seq, seq.kv_len + 1, running, outcome):  # no pages: preempted
+            if seq.kv_len < len(seq.pages) * page:  # the common case: room in its last page
+                feeds.append(_Feed(seq, 1))
+            elif seq.pages and self._make_room(seq, seq.kv_len + 1, running, outcome):  # no pages: preempted
                 feeds.append(_Feed(seq, 1))
         gone = {id(s) for s in outcome.preempted}
         return [feed for feed in feeds if id(feed.seq) not in gone]
