@@ -221,3 +221,15 @@ def test_grpo_over_episodes_trains_on_the_policys_tokens_only(chat_dir, tmp_path
         assert row["train/tokens"] == sum(sum(s.loss_mask) for s in samples)
         assert row["train/logprob_mismatch_max"] < 1e-3
         assert row["episodes/turns_mean"] == 2.0 and row["episodes/episode_finish/answered"] == 4
+
+
+def test_bench_agents_prints_its_line_and_record(tmp_path, capsys):
+    from rollfleet.bench.agents import main
+
+    record = tmp_path / "agents.json"
+    main(["--episodes", "8", "--repeats", "1", "--tool-latency-ms", "5", "--json", str(record)])
+    line = capsys.readouterr().out
+    assert "8 episodes in flight" in line and "trajectories/s" in line and "turns/s" in line, line
+    assert "of episode time waiting on tools" in line
+    summary = json.loads(record.read_text())["summary"]
+    assert summary["trajectories_per_s"]["median"] > 0 and 0 < summary["tool_wait_share"]["median"] < 1

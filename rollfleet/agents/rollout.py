@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,8 @@ from rollfleet.agents.markup import TurnMarkup
 from rollfleet.config.agent import AgentConfig
 from rollfleet.envs.base import Done, Turn
 from rollfleet.sample import Sample
+
+log = logging.getLogger("rollfleet.agents")
 
 
 class Episode:
@@ -121,8 +124,12 @@ class AgentRollout:
             try:
                 answer = await asyncio.wait_for(_step(env, turn), limits.tool_timeout_s)
             except TimeoutError:
+                log.warning(
+                    "episode (%d, %d): step %d passed %.1f s", prompt_index, sample_index, index, limits.tool_timeout_s
+                )
                 return episode.finish("tool_timeout", limits.failed_reward, tokenizer, seconds=limits.tool_timeout_s)
             except Exception as exc:  # noqa: BLE001 - the tool's failure ends its episode, recorded with it
+                log.warning("episode (%d, %d): step %d failed: %r", prompt_index, sample_index, index, exc)
                 return episode.finish("tool_error", limits.failed_reward, tokenizer, message=repr(exc))
             finally:
                 record["tool_seconds"] += time.perf_counter() - began

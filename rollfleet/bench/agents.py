@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
     args = parser.parse_args(argv)
     command, started = command_line(["rollfleet", "bench", "agents"], argv), start()
+    owns_ray = not ray.is_initialized()  # a Ray the caller started stays up
     with tempfile.TemporaryDirectory() as scratch:
         model = make_tiny_model(Path(scratch) / "model", chat_template=CHATML_TEMPLATE)
         overrides = [f"rollout.model_path={model}", f"rollout.num_engines={args.engines}"]
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
             rows = [{"repeat": i + 1, **_pass(rollout, items)} for i, items in enumerate(batches[1:])]
         finally:
             fleet.shutdown()
-            ray.shutdown()
+            if owns_ray:
+                ray.shutdown()
     summary = {key: spread([r[key] for r in rows]) for key in ("trajectories_per_s", "turns_per_s", "tool_wait_share")}
     median = {key: statistics.median(r[key] for r in rows) for key in summary}
     print(

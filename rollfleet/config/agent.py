@@ -3,6 +3,8 @@ path, and the limits of each episode."""
 
 from __future__ import annotations
 
+import warnings
+
 from pydantic import Field
 
 from rollfleet.config.errors import FieldProblem
@@ -48,6 +50,10 @@ def check_agent_run(cfg) -> None:
     """What a run with grpo.environment needs of the rest of its config (cfg: a RunConfig)."""
     if cfg.grpo.environment is None:
         return
+    if "reward" in cfg.grpo.model_fields_set:
+        warnings.warn(
+            "grpo.reward is ignored with grpo.environment: the environment rewards each episode", stacklevel=2
+        )
     if cfg.train.routing_replay:
         raise FieldProblem(
             "routing replay takes one engine answer's expert choices per sample, and an episode is many answers",

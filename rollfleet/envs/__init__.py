@@ -4,7 +4,9 @@ An environment is a class; the rollout makes one instance per episode (keyword a
 `grpo.environment_args`), asks it for the episode's prompt, and after every model turn for what comes
 next: an observation to append (tool results as chat messages, raw text or token ids), or the end of
 the episode with its reward. `step` may be a coroutine (slow or remote tools); a sync `step` runs on a
-thread. A step slower than `grpo.agent.tool_timeout_s`, or one that raises, ends only its episode.
+thread of asyncio's default executor (a few threads: slow or many tools should be coroutines; a sync
+step that hangs keeps its thread). A step slower than `grpo.agent.tool_timeout_s`, or one that
+raises, ends only its episode.
 
     from rollfleet.envs import Done, Environment, Observation
 
