@@ -27,7 +27,7 @@ from typing import Any
 
 from rollfleet.agents.markup import TurnMarkup
 from rollfleet.config.agent import AgentConfig
-from rollfleet.envs.base import Done, Turn
+from rollfleet.envs.base import Done, Observation, Turn
 from rollfleet.sample import Sample
 
 log = logging.getLogger("rollfleet.agents")
@@ -135,6 +135,8 @@ class AgentRollout:
                 record["tool_seconds"] += time.perf_counter() - began
             if isinstance(answer, Done):
                 return episode.finish(answer.reason, answer.reward, tokenizer, **answer.info)
+            if not isinstance(answer, Observation):  # the environment's code is wrong, not its tool: loud
+                raise TypeError(f"{self.environment.__name__}.step returned {answer!r}: return an Observation or Done")
             observed = self.markup.observation(answer, turn_ids)
             if episode.length + len(observed) > limits.max_total_tokens:
                 return episode.finish("max_tokens", limits.failed_reward, tokenizer)

@@ -53,7 +53,8 @@ class Environment:
 
     def start(self, item) -> str | list[dict]:
         """The episode's prompt for a dataset record (a PromptItem): text as is, or chat messages
-        rendered with the chat template and its generation prompt."""
+        rendered with the chat template and its generation prompt. Called on the rollout's event
+        loop: keep it quick (set up slow resources in the first `step`)."""
         return item.prompt
 
     def step(self, turn: Turn) -> Observation | Done:  # may be `async def`
