@@ -18,7 +18,9 @@ class GrpoConfig(Section):
     steps: int = Field(50, ge=1, description="Training steps (one generate + train + sync each).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; each gets rollout.sampling.n samples.")
     dataset: str = Field(
-        "synthetic", description="'synthetic' (the bundled copy task) or a JSONL path of {prompt, answer}."
+        "synthetic",
+        description="'synthetic' (the bundled copy task), 'arithmetic' (the agent demo's sums) or a JSONL path of "
+        "{prompt, answer}.",
     )
     synthetic_prompts: int = Field(512, ge=1, description="Size of the synthetic dataset.")
     synthetic_digits: int = Field(3, ge=1, description="Digits per synthetic prompt.")

@@ -10,6 +10,9 @@ With grpo.max_staleness = k >= 1 (or dynamic sampling) the samples come from a S
 (rollfleet.train.sample_stream, which states its own ordering): made ahead of the trainer while it
 trains, each step's samples hold no token older than step - k (`check_staleness` raises), and the
 push waits for the generate call under way, then runs alone.
+
+With grpo.environment each sample is an episode (rollfleet.agents: model turns and observations, one
+token list with a loss mask), made by the same calls and checked by the same invariants.
 """
 
 from __future__ import annotations
