@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo demo-lora test lint mutants bench-batching clean sglang-site
+.PHONY: demo demo-lora demo-agent bench-agents test lint mutants bench-batching clean sglang-site
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,13 @@ demo: $(VENV)/.installed
 # the same task as a LoRA run: only the adapter trains and moves (examples/cpu-demo-lora.yaml)
 demo-lora: $(VENV)/.installed
 	$(PY) -m rollfleet.demo examples/cpu-demo-lora.yaml
+
+# multi-turn episodes: the tiny model learns to call a calculator tool (examples/cpu-agent.yaml)
+demo-agent: $(VENV)/.installed
+	$(PY) -m rollfleet.demo examples/cpu-agent.yaml
+
+bench-agents: $(VENV)/.installed
+	$(PY) -m rollfleet bench agents
 
 bench-batching: $(VENV)/.installed
 	$(PY) -m rollfleet bench batching

@@ -11,6 +11,7 @@ def main(argv: list[str] | None = None) -> None:
         "usage: rollfleet train CONFIG.yaml [key.path=value ...] [--resume]\n"
         "       rollfleet serve [engine flags]   (see rollfleet serve --help)\n"
         "       rollfleet bench batching [--requests N]\n"
+        "       rollfleet bench agents [--episodes 64 --tool-latency-ms 20]\n"
         "       rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X\n"
         "       rollfleet bench recovery [--hidden 256 --layers 8]\n"
         "       rollfleet bench grpo-step [--runs colocated,disaggregated --steps 8]\n"
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> None:
         from rollfleet.bench.batching import main as bench_batching
 
         bench_batching(rest[1:])
+    elif command == "bench" and rest[:1] == ["agents"]:
+        from rollfleet.bench.agents import main as bench_agents
+
+        bench_agents(rest[1:])
     elif command == "bench" and rest[:1] == ["recovery"]:
         from rollfleet.bench.recovery import main as bench_recovery
 

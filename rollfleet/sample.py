@@ -1,4 +1,9 @@
-"""The unit of rollout work: one generated sample and everything training needs from it."""
+"""The unit of rollout work: one generated sample and everything training needs from it.
+
+A multi-turn episode (rollfleet.agents) is a Sample too: `output_ids` holds every token after the
+prompt, the model's turns and the environment's observations in order, `loss_mask` says which are the
+model's (1) and which the environment's (0), `logprobs` are the engines' for the model's tokens (0.0
+for observations), and `weight_versions` spans cover the model's tokens only."""
 
 from __future__ import annotations
 
@@ -21,6 +26,20 @@ class Sample:
     engine_id: int = -1
     reward: float | None = None
     routed_experts: str | None = None  # SGLang's base64 meta_info.routed_experts, when asked (routing replay)
+    loss_mask: list[int] | None = None  # per output token: 1 the policy's, 0 an observation's (None: all 1)
+    turns: int = 1  # model turns (an episode's)
+    episode: dict = field(default_factory=dict)  # an episode's record: engine per turn, segments, tool seconds
+
+    @property
+    def token_versions(self) -> list[str | None]:
+        """The weight version of every output token (None: an observation's, or not reported)."""
+        versions: list[str | None] = [None] * len(self.output_ids)
+        if not self.weight_versions:
+            mask = self.loss_mask or [1] * len(self.output_ids)
+            return [self.weight_version if keep else None for keep in mask]
+        for span in self.weight_versions:
+            versions[span["start"] : span["end"]] = [str(span["version"])] * (span["end"] - span["start"])
+        return versions
 
     @classmethod
     def from_answer(cls, prompt_index: int, sample_index: int, prompt_ids: list[int], out: dict, engine_id: int):

@@ -15,6 +15,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, as Qwen's chat models write it: `<|im_start|>role\ncontent<|im_end|>\n` per message
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "what is 12 plus 7? the answer is 19.",
@@ -90,12 +95,16 @@ def make_tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     tokenizer: PreTrainedTokenizerFast | None = None,
+    chat_template: str | None = None,
     **overrides,
 ) -> Path:
     """Write a tiny HF model directory (weights in `dtype`) and return its path; the vocabulary is the
-    tokenizer's (default: the tiny BPE tokenizer, 320 entries)."""
+    tokenizer's (default: the tiny BPE tokenizer, 320 entries); `chat_template` (e.g. CHATML_TEMPLATE)
+    is saved with the tokenizer."""
     directory = Path(directory)
     tokenizer = tokenizer or make_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
     config = tiny_config(kind, vocab_size=len(tokenizer), **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

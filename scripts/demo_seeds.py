@@ -4,6 +4,8 @@ of each run: the mean over its first 10 and last 10 steps (README's demo figure)
     python scripts/demo_seeds.py --seeds 0 1 2 --json docs/results/demo-cpu.json [key.path=value ...]
     python scripts/demo_seeds.py --config examples/cpu-demo-lora.yaml --json docs/results/demo-cpu-lora.json \
         'weight_sync.path={scratch}/adapters'
+    python scripts/demo_seeds.py --config examples/cpu-agent.yaml --json docs/results/demo-cpu-agent.json \
+        --curves docs/demo-agent-curves.png
 
 An override's `{scratch}` is the run's temporary directory.
 
@@ -47,7 +49,26 @@ def run_one(seed: int, overrides: list[str], config: str) -> dict:
         "seconds_of_steps": sum(row["time/total"] for row in rows),
         "seconds_end_to_end": seconds,
         "other_share_of_step_time": sum(row["time/other"] for row in rows) / sum(row["time/total"] for row in rows),
+        "rewards": rewards,  # every step's mean reward (the curve)
     }
+
+
+def plot_curves(runs: list[dict], path: str) -> None:
+    """Every run's mean reward per step, one line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(figsize=(6, 3.5))
+    for r in runs:
+        axes.plot(range(1, len(r["rewards"]) + 1), r["rewards"], label=f"grpo.seed={r['seed']}")
+    axes.set_xlabel("step")
+    axes.set_ylabel("mean reward")
+    axes.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--json", default=None)
     parser.add_argument("--config", default="examples/cpu-demo.yaml", help="the demo's config (a .yaml)")
+    parser.add_argument("--curves", default=None, help="also plot every seed's reward curve into this .png")
     parser.add_argument("overrides", nargs="*", help="extra key.path=value overrides of the config")
     args = parser.parse_args(argv)
     started = start()
@@ -80,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         "demo", command_line(["python", "scripts/demo_seeds.py"], argv), config, runs, summary, True, started=started
     )
     write_record(args.json, record)
+    if args.curves:
+        plot_curves(runs, args.curves)
 
 
 if __name__ == "__main__":

@@ -279,3 +279,30 @@ def test_verification_mode_follows_the_backend_and_fingerprints_are_refused_on_s
     )
     message = error_of(MODEL, "rollout.backend=sglang", "weight_sync.transport=nccl", "weight_sync.verify=fingerprint")
     assert "weight_sync.verify" in message and "'fingerprint'" in message and "verify=version" in message
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (["grpo.environment=calculator"], ["grpo.environment='calculator'", "'package.module:Class'"]),
+        (["grpo.environment=a.b:C", "train.routing_replay=true"], ["train.routing_replay=True", "grpo.environment"]),
+        (
+            ["grpo.environment=a.b:C", "grpo.agent.max_total_tokens=64", "rollout.sampling.max_new_tokens=64"],
+            ["grpo.agent.max_total_tokens=64", "max_new_tokens"],
+        ),
+        (["grpo.environment=a.b:C", "grpo.agent.tool_timeout_s=0"], ["grpo.agent.tool_timeout_s=0", "> 0"]),
+    ],
+)
+def test_agent_settings_name_field_value_and_fix(overrides, names):
+    message = error_of("rollout.model_path=/m", *overrides)
+    assert all(name in message for name in names), message
+
+
+def test_environment_paths_that_do_not_import_say_which_part():
+    from rollfleet.envs import load_environment
+
+    with pytest.raises(ValueError, match="cannot import module .no_such_pkg.envs."):
+        load_environment("no_such_pkg.envs:Calc")
+    with pytest.raises(ValueError, match="has no class 'Nope' with a step"):
+        load_environment("rollfleet.envs.calculator:Nope")
+    assert load_environment("rollfleet.envs.calculator:Calculator").__name__ == "Calculator"

@@ -98,6 +98,12 @@ def test_chat_uses_the_template_and_its_kwargs(server, qwen3_dir):
     content = choice["logprobs"]["content"]
     assert len(content) == 6 and all(len(entry["top_logprobs"]) == 2 for entry in content)
     assert content[0]["bytes"] == list(content[0]["token"].encode())
+    # SGLang's token ids on each choice: an agent framework keeps the exact tokens of a conversation
+    ids = ok(post(server, "/v1/chat/completions", {**body, "return_token_ids": True}))["choices"][0]
+    assert ids["prompt_token_ids"] == prompt and ids["response_token_ids"] == expected
+    assert "prompt_token_ids" not in choice and "response_token_ids" not in choice
+    refused = post(server, "/v1/chat/completions", {**body, "return_token_ids": True, "stream": True})
+    assert refused.status_code == 400 and "streaming" in refused.json()["message"]
     greeted = ok(post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"greeting": "hi there"}}))
     assert greeted["usage"]["prompt_tokens"] > len(prompt)  # the template saw the kwarg
 

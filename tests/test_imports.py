@@ -1,4 +1,4 @@
-"""Imports run one way: cli -> train -> fleet -> (engine, weights) -> wire -> config -> leaves (layout, ...).
+"""Imports run one way: cli -> train -> agents -> fleet -> (engine, weights) -> wire -> config -> leaves (layout, ...).
 
 A module may import its own subpackage and any layer below its own; never a layer above, and
 never the other package of its own layer (engine and weights do not know each other)."""
@@ -13,12 +13,13 @@ import rollfleet
 PACKAGE = Path(rollfleet.__file__).parent
 
 LAYERS = {
-    "__main__": 8, "cli": 7, "demo": 6, "bench": 6,
-    "train": 5,
+    "__main__": 9, "cli": 8, "demo": 7, "bench": 7,
+    "train": 6,
+    "agents": 5,  # multi-turn episodes over the fleet
     "fleet": 4,
     "engine": 3, "weights": 3,
     "wire": 2,
-    "config": 1,  # builds the one Layout
+    "config": 1, "envs": 1,  # config builds the one Layout; envs: the environment interface, the demo's
     "layout": 0, "sample": 0, "data": 0, "rewards": 0, "tiny_models": 0, "__init__": 0,
 }  # fmt: skip
 

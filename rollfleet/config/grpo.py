@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from rollfleet.config.agent import AgentConfig, check_environment_path
 from rollfleet.config.errors import FieldProblem
 from rollfleet.config.section import Section
 
@@ -17,13 +18,22 @@ class GrpoConfig(Section):
     steps: int = Field(50, ge=1, description="Training steps (one generate + train + sync each).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step; each gets rollout.sampling.n samples.")
     dataset: str = Field(
-        "synthetic", description="'synthetic' (the bundled copy task) or a JSONL path of {prompt, answer}."
+        "synthetic",
+        description="'synthetic' (the bundled copy task), 'arithmetic' (the agent demo's sums) or a JSONL path of "
+        "{prompt, answer}.",
     )
     synthetic_prompts: int = Field(512, ge=1, description="Size of the synthetic dataset.")
     synthetic_digits: int = Field(3, ge=1, description="Digits per synthetic prompt.")
     reward: str = Field(
         "rollfleet.rewards.basic:copy_digits", description="Reward function, 'package.module:function'."
     )
+    environment: str | None = Field(
+        None,
+        description="Multi-turn episodes instead of single completions: an Environment class, "
+        "'package.module:Class' (rollfleet.envs), one instance per episode; its reward replaces grpo.reward.",
+    )
+    environment_args: dict = Field(default_factory=dict, description="Keyword arguments of the environment class.")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="Limits of each episode (with environment).")
     reward_threads: int = Field(
         4, ge=1, description="Threads computing rewards (slow rewards leave the critical path)."
     )
@@ -60,6 +70,11 @@ class GrpoConfig(Section):
         "restore, i.e. a single-engine fleet (with 2+ engines a peer or the trainer's next push restores); "
         "N: every N steps; 0: never. Disk sync writes none: its sync directory already serves.",
     )
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_path(cls, path):
+        return check_environment_path(path)
 
     @field_validator("recovery_checkpoint_every", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from typing import Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
+from rollfleet.config.agent import check_agent_run
 from rollfleet.config.errors import FieldProblem
 from rollfleet.config.grpo import GrpoConfig
 from rollfleet.config.lora import LoraTrainConfig, check_lora_run
@@ -292,6 +293,11 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _check_lora(self) -> RunConfig:
         check_lora_run(self)
+        return self
+
+    @model_validator(mode="after")
+    def _check_agent(self) -> RunConfig:
+        check_agent_run(self)
         return self
 
     @model_validator(mode="after")

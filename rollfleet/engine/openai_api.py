@@ -192,6 +192,10 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     tools: list[Any] | None = None  # OpenAI function tools, rendered by the chat template (chat_tools.py)
     tool_choice: Any = None  # "auto" (the default with tools) or "none"; forcing a call is refused
+    # SGLang's token ids on each choice (agent frameworks that keep a conversation's exact tokens):
+    # prompt_token_ids with either, response_token_ids with return_token_ids; not on streams
+    return_prompt_token_ids: bool = False
+    return_token_ids: bool = False
 
     _tool_calls_are_served = field_validator("messages")(check_tool_calls)
     _tools_are_function_tools = field_validator("tools")(check_tools)
@@ -203,6 +207,23 @@ class ChatCompletionRequest(_Sampling):
         if value and "tools" in value:  # SGLang passes both to the template: a TypeError there
             raise ValueError("chat_template_kwargs.tools: send the tools in the request's `tools` field")
         return value
+
+    @model_validator(mode="after")
+    def _token_ids_not_streamed(self) -> ChatCompletionRequest:
+        if self.stream and (self.return_token_ids or self.return_prompt_token_ids):  # as SGLang 0.5.23
+            raise ValueError(
+                "return_token_ids and return_prompt_token_ids are not supported with streaming (set stream=false)"
+            )
+        return self
+
+    def token_id_fields(self, prompt_ids: list[int], answer: dict) -> dict[str, Any]:
+        """A choice's `prompt_token_ids` / `response_token_ids`, as asked."""
+        fields: dict[str, Any] = {}
+        if self.return_prompt_token_ids or self.return_token_ids:
+            fields["prompt_token_ids"] = list(prompt_ids)
+        if self.return_token_ids:
+            fields["response_token_ids"] = list(answer["output_ids"])
+        return fields
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template, in SGLang's shape; None when there are none to render

@@ -7,7 +7,9 @@ A retry restarts the sample from scratch (the original payload: prompt only; the
 tokens are dropped), and only on an ACTIVE engine at the requested weight version. The router never
 continues a partial sample, so no sample's continuation reaches an engine at another version: a
 sample's version spans (`meta_info.weight_versions`) come from one engine, and change only where that
-engine took an in-flight weight update."""
+engine took an in-flight weight update. An episode's turn (rollfleet.agents) is one such request: its
+payload is the episode's ids so far, so a retry restarts that turn from the same ids; `prefer` sends
+it to the engine of the episode's previous turn while that one serves."""
 
 from __future__ import annotations
 
@@ -52,12 +54,18 @@ class Router:
             if s.state == EngineState.ACTIVE and s.version == version and s.engine_id not in exclude
         ]
 
-    async def choose(self, version: str, exclude: set[int], refused: frozenset[int] = frozenset()) -> EngineSlot:
-        """The least busy serving engine; with none, wait up to `wait_s` for one (recovery). Engines in
-        `exclude` that recover may be tried again; those in `refused` (they answered this request with
-        an engine-side error while alive) are not."""
+    async def choose(
+        self, version: str, exclude: set[int], refused: frozenset[int] = frozenset(), prefer: int | None = None
+    ) -> EngineSlot:
+        """The least busy serving engine, or `prefer` while it serves (an episode's next turn goes to
+        the engine that holds its prefix); with none, wait up to `wait_s` for one (recovery). Engines
+        in `exclude` that recover may be tried again; those in `refused` (they answered this request
+        with an engine-side error while alive) are not."""
         deadline = time.monotonic() + self.wait_s
         exclude = exclude | refused
+        preferred = [s for s in self.serving(version, exclude) if s.engine_id == prefer]
+        if preferred:
+            return preferred[0]
         if self.serving(version, exclude):
             return min(self.serving(version, exclude), key=lambda s: (s.outstanding, s.engine_id))
         self.waiting_requests += 1
@@ -78,17 +86,19 @@ class Router:
             self.waiting_requests -= 1
         return min(self.serving(version, exclude), key=lambda s: (s.outstanding, s.engine_id))
 
-    async def generate(self, payload: dict[str, Any], version: str) -> tuple[list[dict], int]:
-        """Send one /generate payload to an engine at `version`; returns its results (a list, also for
-        n == 1) and the engine id. A 4xx answer is the request's fault and is raised, not retried. An
-        engine that fails the request while its process lives (a 5xx, a timeout) gets it at most once;
-        when every live engine has refused it, its last error is raised. A request whose engine died
-        goes to another one (and to the restarted one, once it is back), until `wait_s` passes with
-        no engine to try."""
+    async def generate(
+        self, payload: dict[str, Any], version: str, prefer: int | None = None
+    ) -> tuple[list[dict], int]:
+        """Send one /generate payload to an engine at `version` (`prefer` when it serves); returns its
+        results (a list, also for n == 1) and the engine id. A 4xx answer is the request's fault and
+        is raised, not retried. An engine that fails the request while its process lives (a 5xx, a
+        timeout) gets it at most once; when every live engine has refused it, its last error is
+        raised. A request whose engine died goes to another one (and to the restarted one, once it is
+        back), until `wait_s` passes with no engine to try."""
         tried: set[int] = set()  # their process died under the request: may be tried again once back
         refused: set[int] = set()  # alive, and failed this request: never again for it
         while True:
-            slot = await self.choose(version, tried, frozenset(refused))
+            slot = await self.choose(version, tried, frozenset(refused), prefer)
             slot.outstanding += 1
             try:
                 out = await self.pool.client(slot.engine_id).generate(**payload)

@@ -49,7 +49,7 @@ from transformers import AutoModelForCausalLM
 
 from rollfleet.config import TrainConfig
 from rollfleet.train import lora
-from rollfleet.train.batch import check_batch, collate
+from rollfleet.train.batch import check_batch, collate, trained_tokens
 from rollfleet.train.grpo import logprob_mismatch, policy_loss, truncated_is_weights
 from rollfleet.train.offload import Offloader
 from rollfleet.train.routing_replay import RoutingReplay
@@ -143,7 +143,8 @@ class PolicyTrainer:
         """One optimizer step on `batch` (the same full list on every rank).
 
         Each item: `prompt_ids` and `output_ids` (token id lists), `logprobs` (the engine's logprob
-        of each output token, len(output_ids) floats) and `advantage` (a float); with routing replay also
+        of each output token, len(output_ids) floats), `advantage` (a float), optionally `loss_mask`
+        (an episode's: 1 for the policy's output tokens, the only ones trained); with routing replay also
         `routed_experts` (SGLang's base64, every position but the last). Returns metrics reduced over
         ranks: loss, grad_norm, clip_frac, ratio_mean, kl, logprob_mismatch_mean/max, tis_ratio_mean/max,
         tis_truncated_share, tokens, samples, step; with replay replay_routes, replay_changed_share.
@@ -157,10 +158,8 @@ class PolicyTrainer:
         per_rank = math.ceil(len(batch) / self.world_size)
         local: list[Mapping[str, Any] | None] = list(batch[self.rank :: self.world_size])
         local += [None] * (per_rank - len(local))  # zero-weight padding: every rank runs as many passes
-        if cfg.token_level_loss:
-            normalizer = sum(len(item["output_ids"]) for item in batch)
-        else:
-            normalizer = sum(1 for item in batch if item["output_ids"])
+        trained = [trained_tokens(item) for item in batch]  # an episode's: the policy's tokens only
+        normalizer = sum(trained) if cfg.token_level_loss else sum(1 for count in trained if count)
         sums = [0.0] * 8  # loss, clipped, ratio, kl, mismatch, tis ratio, tis truncated (token-weighted), tokens
         worst = [0.0, 0.0]  # mismatch max, tis ratio max
         for start in range(0, per_rank, cfg.micro_batch_size):

@@ -10,6 +10,9 @@ With grpo.max_staleness = k >= 1 (or dynamic sampling) the samples come from a S
 (rollfleet.train.sample_stream, which states its own ordering): made ahead of the trainer while it
 trains, each step's samples hold no token older than step - k (`check_staleness` raises), and the
 push waits for the generate call under way, then runs alone.
+
+With grpo.environment each sample is an episode (rollfleet.agents: model turns and observations, one
+token list with a loss mask), made by the same calls and checked by the same invariants.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from pathlib import Path
 import ray
 from rich.console import Console
 
+from rollfleet.agents.rollout import AgentRollout, episode_figures
 from rollfleet.config import ConfigError, RunConfig
+from rollfleet.data.arithmetic import make_arithmetic_records
 from rollfleet.data.prompts import PromptDataset, PromptItem
 from rollfleet.data.synthetic import make_records
+from rollfleet.envs import load_environment
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.rewards import load_reward
 from rollfleet.sample import Sample
@@ -56,6 +62,7 @@ class Run:
     observe: Observer | None = None  # (step, prompts, samples) after each generate (tests record them)
     copy_ceiling: dict | None = None  # pinned host<->device GB/s of the trainer's device (None on CPU)
     stream: SampleStream | None = None  # where samples come from when they are made ahead or filtered
+    agent: AgentRollout | None = None  # grpo.environment: samples are multi-turn episodes
 
 
 def uses_stream(cfg: RunConfig) -> bool:
@@ -64,6 +71,8 @@ def uses_stream(cfg: RunConfig) -> bool:
 
 
 def load_dataset(cfg: RunConfig) -> PromptDataset:
+    if cfg.grpo.dataset == "arithmetic":  # the agent demo's (rollfleet.envs.calculator)
+        return PromptDataset.from_records(make_arithmetic_records(cfg.grpo.synthetic_prompts, seed=cfg.grpo.seed))
     if cfg.grpo.dataset == "synthetic":
         return PromptDataset.from_records(
             make_records(cfg.grpo.synthetic_prompts, num_digits=cfg.grpo.synthetic_digits, seed=cfg.grpo.seed)
@@ -100,7 +109,7 @@ def train(
         if uses_stream(cfg) or not cursor.at_step(start, cfg.grpo.prompts_per_step):
             # a synchronous run resumed from an asynchronous state whose record is not the plain
             # loop's (groups dropped, or used out of order) goes on from that record, at k = 0
-            run.stream = SampleStream(cfg, run.fleet, run.dataset, run.reward_fn, cursor, start)
+            run.stream = SampleStream(cfg, run.fleet, run.dataset, run.reward_fn, cursor, start, run.agent)
         for step in range(start, cfg.grpo.steps):
             metrics = _streamed_step(run, step) if run.stream else _step(run, step, version)
             version = str(step + 1)
@@ -129,9 +138,14 @@ def train(
 
 
 def _start(cfg: RunConfig, output_dir: Path, observe: Observer | None) -> Run:
+    grpo = cfg.grpo
+    environment = load_environment(grpo.environment) if grpo.environment else None  # before any process starts
     fleet, trainers = start_fleet_and_trainers(cfg)
     snapshots = RecoverySnapshots(cfg.recovery_snapshot_every, fleet, trainers, output_dir / "recovery")
-    return Run(cfg, fleet, trainers, load_dataset(cfg), load_reward(cfg.grpo.reward), output_dir, snapshots, observe)
+    run = Run(cfg, fleet, trainers, load_dataset(cfg), load_reward(grpo.reward), output_dir, snapshots, observe)
+    if environment is not None:
+        run.agent = AgentRollout(fleet, environment, grpo.environment_args, grpo.agent)
+    return run
 
 
 def start_fleet_and_trainers(cfg: RunConfig) -> tuple[Fleet, TrainerGroup]:
@@ -185,7 +199,7 @@ def _step(run: Run, step: int, version: str) -> dict:
     items = run.dataset.batch(step, cfg.grpo.prompts_per_step, seed=cfg.grpo.seed)
     retries = fleet.router.retries
     samples = generate_and_reward(
-        fleet, run.reward_fn, items, cfg.grpo.reward_threads, clock.phase, cfg.train.routing_replay
+        fleet, run.reward_fn, items, cfg.grpo.reward_threads, clock.phase, cfg.train.routing_replay, run.agent
     )
     check_samples(samples, len(items), cfg.rollout.sampling.n, version)
     if run.observe is not None:
@@ -234,7 +248,8 @@ def _train_and_push(run: Run, step: int, samples: list[Sample], clock: StepClock
     events, retries = fleet.take_events(), fleet.router.retries - retries
     metrics = step_metrics(samples, train_metrics, report, events, clock, retries, sleep_wake=moves, recovery=recovery)
     waited = {} if push_wait is None else {"push_wait_seconds": push_wait}
-    return {**metrics, **_against_copy_ceiling(run, moves), **waited}
+    episodes = {"episodes": episode_figures(samples)} if run.agent is not None else {}
+    return {**metrics, **_against_copy_ceiling(run, moves), **waited, **episodes}
 
 
 def _against_copy_ceiling(run: Run, moves: dict) -> dict:
@@ -268,6 +283,7 @@ def _train_item(sample: Sample, advantage: float) -> dict:
         "output_ids": sample.output_ids,
         "logprobs": sample.logprobs,
         "advantage": advantage,
+        **({"loss_mask": sample.loss_mask} if sample.loss_mask is not None else {}),
         **({"routed_experts": sample.routed_experts} if sample.routed_experts is not None else {}),
     }
 

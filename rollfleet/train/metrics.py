@@ -152,7 +152,16 @@ def console_line(step: int, steps: int, m: dict) -> str:
         )
         + _moves_text(m)
         + _stream_text(m)
+        + _episodes_text(m)
     )
+
+
+def _episodes_text(m: dict) -> str:
+    """Multi-turn episodes (grpo.environment): turns, and the share of their time spent in tools."""
+    if "episodes" not in m:
+        return ""
+    e = m["episodes"]
+    return f"  turns {e['turns_mean']:.2f}  tools {e['tool_wait_share']:.0%} of episode time"
 
 
 def _stream_text(m: dict) -> str:

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
+from rollfleet.agents.rollout import AgentRollout
 from rollfleet.config import RunConfig
 from rollfleet.data.prompts import PromptDataset, PromptItem
 from rollfleet.fleet.fleet import Fleet
@@ -46,10 +47,15 @@ def generate_and_reward(
     threads: int,
     timed: Callable = lambda _: nullcontext(),
     routed_experts: bool = False,
+    agent: AgentRollout | None = None,
 ) -> list[Sample]:
     """Samples with their rewards; rewards start as each prompt's samples arrive, while the rest still
     generate (`timed(phase)`: the generate and the reward phases, e.g. StepClock.phase; `routed_experts`:
-    each sample carries its engine's expert choices, for routing replay)."""
+    each sample carries its engine's expert choices, for routing replay). With `agent` the samples are
+    its episodes (rollout.sampling.n per prompt), rewarded by their environment."""
+    if agent is not None:
+        with timed("generate"):  # the environment's steps (tools) included
+            return agent.run(items, fleet.rollout.sampling.n)
     with ThreadPoolExecutor(threads) as pool:
         pending = {}
 
@@ -171,11 +177,19 @@ class StepSamples:
 
 class SampleStream:
     def __init__(
-        self, cfg: RunConfig, fleet: Fleet, dataset: PromptDataset, reward_fn: Callable, cursor: PromptCursor, step: int
+        self,
+        cfg: RunConfig,
+        fleet: Fleet,
+        dataset: PromptDataset,
+        reward_fn: Callable,
+        cursor: PromptCursor,
+        step: int,
+        agent: AgentRollout | None = None,
     ):
-        """`step`: the first step to take samples, whose version the fleet serves now."""
+        """`step`: the first step to take samples, whose version the fleet serves now; `agent`: the
+        samples are its episodes."""
         grpo = cfg.grpo
-        self.fleet, self.dataset, self.reward_fn, self.cursor = fleet, dataset, reward_fn, cursor
+        self.fleet, self.dataset, self.reward_fn, self.cursor, self.agent = fleet, dataset, reward_fn, cursor, agent
         self.routed_experts = cfg.train.routing_replay
         self.k, self.per_step, self.seed, self.threads = (
             grpo.max_staleness,
@@ -294,7 +308,12 @@ class SampleStream:
                 self._busy_since = time.perf_counter()
             try:
                 samples = generate_and_reward(
-                    self.fleet, self.reward_fn, items, self.threads, routed_experts=self.routed_experts
+                    self.fleet,
+                    self.reward_fn,
+                    items,
+                    self.threads,
+                    routed_experts=self.routed_experts,
+                    agent=self.agent,
                 )
             finally:
                 with self._cond:

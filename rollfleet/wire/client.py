@@ -42,7 +42,10 @@ class EngineClient(GenerationRoutes):
             base_url=self.base_url,
             timeout=timeout,
             verify=self.base_url.startswith("https://"),
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+            # idle connections dropped well before the server's keep-alive (uvicorn's and SGLang's: 5 s)
+            # closes them: at equal timeouts a request sent on a connection the server is closing
+            # fails with ReadError (an agent run, 128 turns at once, lost every one at step 26)
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64, keepalive_expiry=2.0),
         )
 
     async def __aenter__(self) -> EngineClient:

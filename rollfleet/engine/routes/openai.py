@@ -71,6 +71,7 @@ async def chat_completions(req: ChatCompletionRequest, engine: Engine, request: 
             "index": i,
             "message": {"role": "assistant", "content": a["text"], "reasoning_content": None, "tool_calls": None},
             **_chat_extra(a["meta_info"], 0, req),
+            **req.token_id_fields(input_ids, a),
         }
         for i, a in enumerate(answers)
     ]

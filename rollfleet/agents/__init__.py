@@ -1,0 +1,1 @@
+"""Multi-turn episodes over the fleet: environments with tools, exact tokens across turns."""

@@ -1,0 +1,169 @@
+"""Many episodes in flight over the fleet: each turn one generate call, each episode one Sample.
+
+Ordering, stated once:
+- An episode's token list only grows: the prompt's ids, then each turn's output ids exactly as the
+  engine returned them, then the observation's ids (rollfleet.agents.markup, rendered once). The next
+  turn's request is that whole list (`input_ids`): nothing is decoded and encoded again.
+- Each turn is a `Router.generate` at the weight version the rollout started with, sent to the engine
+  that served the episode's previous turn while it serves (its prefix is warm), else to any serving
+  engine. A turn whose engine dies under it is sent again, from the same ids, to another engine, and
+  only the answer that completed is kept: no turn is lost or doubled, and every token's version is
+  the one its engine reported.
+- An environment step (a tool call) slower than `tool_timeout_s`, or one that raises, ends only its
+  episode (finish reason `tool_timeout` / `tool_error`, reward `failed_reward`); so do the limits on
+  turns (`max_turns`) and tokens (`max_total_tokens`: a turn asks for at most what is left, and an
+  observation that would pass it is not appended). An engine-side error still fails the call (the
+  run's, not the episode's: the same request would fail again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rollfleet.agents.markup import TurnMarkup
+from rollfleet.config.agent import AgentConfig
+from rollfleet.envs.base import Done, Observation, Turn
+from rollfleet.sample import Sample
+
+log = logging.getLogger("rollfleet.agents")
+
+
+class Episode:
+    """One trajectory as it grows: one token list with its mask, logprobs and version spans."""
+
+    def __init__(self, prompt_index: int, sample_index: int, prompt_ids: list[int]):
+        self.sample = Sample(prompt_index, sample_index, prompt_ids, loss_mask=[], turns=0)
+        self.sample.episode = {"engine_ids": [], "segments": [], "tool_seconds": 0.0, "generate_seconds": 0.0}
+
+    @property
+    def length(self) -> int:
+        return len(self.sample.prompt_ids) + len(self.sample.output_ids)
+
+    def add_turn(self, out: dict, engine_id: int) -> list[int]:
+        s, meta, ids = self.sample, out["meta_info"], list(out["output_ids"])
+        start = len(s.output_ids)
+        s.output_ids += ids
+        s.loss_mask += [1] * len(ids)
+        s.logprobs += [entry[0] for entry in meta.get("output_token_logprobs", [])][: len(ids)]
+        version = str(meta.get("weight_version", ""))
+        spans = meta.get("weight_versions") or [{"version": version, "start": 0, "end": len(ids)}]
+        s.weight_versions += [{**sp, "start": sp["start"] + start, "end": sp["end"] + start} for sp in spans if ids]
+        s.weight_version, s.engine_id, s.turns = version, engine_id, s.turns + 1
+        s.episode["engine_ids"].append(engine_id)
+        s.episode["segments"].append(["model", start, len(s.output_ids)])
+        return ids
+
+    def add_observation(self, ids: list[int]) -> None:
+        s = self.sample
+        s.episode["segments"].append(["env", len(s.output_ids), len(s.output_ids) + len(ids)])
+        s.output_ids += ids
+        s.loss_mask += [0] * len(ids)
+        s.logprobs += [0.0] * len(ids)
+
+    def finish(self, reason: str, reward: float, tokenizer, **detail) -> Sample:
+        self.sample.finish_reason = {"type": reason, **detail}
+        self.sample.reward = float(reward)
+        self.sample.text = tokenizer.decode(self.sample.output_ids)
+        return self.sample
+
+
+class AgentRollout:
+    """`run(items, n)`: n episodes per dataset record, up to `max_in_flight` at once, as Samples in
+    input order (record 0's episodes, then record 1's, ...), each with its reward."""
+
+    def __init__(self, fleet, environment: type, environment_args: dict | None = None, limits=None):
+        self.fleet, self.environment, self.environment_args = fleet, environment, dict(environment_args or {})
+        self.limits: AgentConfig = limits or AgentConfig()
+        self.markup = TurnMarkup(fleet.tokenizer)
+
+    def run(self, items: list, n: int, on_episode: Callable[[Sample], None] | None = None) -> list[Sample]:
+        """`on_episode(sample)` runs on the engine pool's thread as each episode ends (must not block)."""
+        return self.fleet.pool.run(self._run(items, n, self.fleet.version, on_episode))
+
+    async def _run(self, items, n, version, on_episode) -> list[Sample]:
+        room = asyncio.Semaphore(self.limits.max_in_flight)
+
+        async def one(prompt_index: int, sample_index: int) -> Sample:
+            async with room:
+                sample = await self._episode(prompt_index, sample_index, items[prompt_index], version)
+            if on_episode is not None:
+                on_episode(sample)
+            return sample
+
+        return list(await asyncio.gather(*(one(p, k) for p in range(len(items)) for k in range(n))))
+
+    def _request(self, env, ids: list[int], room: int) -> dict[str, Any]:
+        params = {**self.fleet.rollout.sampling.model_dump(), **getattr(env, "sampling", {}), "n": 1}
+        params["max_new_tokens"] = min(params["max_new_tokens"], room)
+        request = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+        if self.fleet.lora_name is not None:  # a LoRA run: the adapter the last verified sync loaded
+            request["lora_path"] = self.fleet.lora_name
+        return request
+
+    async def _episode(self, prompt_index: int, sample_index: int, item, version: str) -> Sample:
+        limits, tokenizer = self.limits, self.fleet.tokenizer
+        env = self.environment(**self.environment_args)
+        episode = Episode(prompt_index, sample_index, self.markup.prompt(env.start(item)))
+        record, engine_id = episode.sample.episode, None
+        for index in range(limits.max_turns):
+            room = limits.max_total_tokens - episode.length
+            if room < 1:
+                return episode.finish("max_tokens", limits.failed_reward, tokenizer)
+            ids = episode.sample.prompt_ids + episode.sample.output_ids
+            began = time.perf_counter()
+            outs, engine_id = await self.fleet.router.generate(self._request(env, ids, room), version, engine_id)
+            record["generate_seconds"] += time.perf_counter() - began
+            turn_ids = episode.add_turn(outs[0], engine_id)
+            turn = Turn(index, tokenizer.decode(turn_ids), turn_ids, outs[0]["meta_info"]["finish_reason"], engine_id)
+            began = time.perf_counter()
+            try:
+                answer = await asyncio.wait_for(_step(env, turn), limits.tool_timeout_s)
+            except TimeoutError:
+                log.warning(
+                    "episode (%d, %d): step %d passed %.1f s", prompt_index, sample_index, index, limits.tool_timeout_s
+                )
+                return episode.finish("tool_timeout", limits.failed_reward, tokenizer, seconds=limits.tool_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the tool's failure ends its episode, recorded with it
+                log.warning("episode (%d, %d): step %d failed: %r", prompt_index, sample_index, index, exc)
+                return episode.finish("tool_error", limits.failed_reward, tokenizer, message=repr(exc))
+            finally:
+                record["tool_seconds"] += time.perf_counter() - began
+            if isinstance(answer, Done):
+                return episode.finish(answer.reason, answer.reward, tokenizer, **answer.info)
+            if not isinstance(answer, Observation):  # the environment's code is wrong, not its tool: loud
+                raise TypeError(f"{self.environment.__name__}.step returned {answer!r}: return an Observation or Done")
+            observed = self.markup.observation(answer, turn_ids)
+            if episode.length + len(observed) > limits.max_total_tokens:
+                return episode.finish("max_tokens", limits.failed_reward, tokenizer)
+            if index + 1 < limits.max_turns:
+                episode.add_observation(observed)
+        return episode.finish("max_turns", limits.failed_reward, tokenizer)
+
+
+async def _step(env, turn: Turn):
+    """The environment's answer to a turn: a coroutine awaited, a plain method on a thread."""
+    if inspect.iscoroutinefunction(env.step):
+        return await env.step(turn)
+    return await asyncio.to_thread(env.step, turn)
+
+
+def episode_figures(samples: list[Sample]) -> dict:
+    """A step's episodes: turns, tokens, how they ended, and the share of their time spent in tools."""
+    tool = sum(s.episode.get("tool_seconds", 0.0) for s in samples)
+    busy = tool + sum(s.episode.get("generate_seconds", 0.0) for s in samples)
+    reasons: dict[str, int] = {}
+    for s in samples:
+        reasons[s.finish_reason.get("type", "?")] = reasons.get(s.finish_reason.get("type", "?"), 0) + 1
+    policy = sum(sum(s.loss_mask or []) for s in samples)
+    return {
+        "turns_mean": sum(s.turns for s in samples) / max(len(samples), 1),
+        "trajectory_tokens_mean": sum(len(s.output_ids) for s in samples) / max(len(samples), 1),
+        "policy_token_share": policy / max(sum(len(s.output_ids) for s in samples), 1),
+        "tool_wait_share": tool / busy if busy else 0.0,
+        "episode_finish": reasons,
+    }

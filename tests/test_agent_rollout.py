@@ -1,0 +1,235 @@
+"""Multi-turn episodes on a real Ray fleet of two embedded engines: one token list per episode that
+is exactly the engines' turns and the environment's observations (nothing decoded and encoded again),
+masks over the policy's tokens only, turns kept on their engine, an engine killed under a turn losing
+nothing, tools that hang or fail ending only their episode; and a GRPO run over episodes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+from agent_envs import Scripted, Troubled
+from conftest import hold_with_requests, kill, pause_engine, run, serving_again
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from waits import wait_until
+
+from rollfleet.agents.rollout import AgentRollout
+from rollfleet.config import load_config
+from rollfleet.config.agent import AgentConfig
+from rollfleet.data.prompts import PromptItem
+from rollfleet.fleet.fleet import Fleet
+from rollfleet.tiny_models import CHATML_TEMPLATE, make_tiny_model
+from rollfleet.train.invariants import check_complete
+from rollfleet.train.loop import train
+from rollfleet.wire.client import EngineClient
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+SCRIPT = [
+    ("messages", [{"role": "tool", "content": "579"}]),
+    ("text", " then"),
+    ("token_ids", [5, 6, 7]),
+]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("chat"), "qwen3", seed=0, chat_template=CHATML_TEMPLATE))
+
+
+@pytest.fixture(scope="module")
+def fleet(chat_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("agents")
+    cfg = load_config(
+        None,
+        [
+            f"rollout.model_path={chat_dir}",
+            "rollout.use_gpu=true",
+            "rollout.num_engines=2",
+            "rollout.sampling.max_new_tokens=4",
+            "rollout.sampling.ignore_eos=true",  # a held turn must not end by chance within its steps
+            f"rollout.log_dir={out}/logs",
+            "rollout.auto_restart=false",
+            "rollout.recovery_wait_s=60",
+            "weight_sync.transport=tensor",
+        ],
+    )
+    fleet = Fleet.from_config(cfg)
+    yield fleet
+    fleet.shutdown()
+
+
+@pytest.fixture
+def serving(fleet, chat_dir):
+    serving_again(fleet, AutoModelForCausalLM.from_pretrained(chat_dir))
+    return fleet
+
+
+def chatml(messages) -> str:
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+
+
+def expected_observation(tokenizer, kind, value, turn_ids) -> list[int]:
+    """The ids an observation must add, written out here from ChatML itself."""
+    if kind == "token_ids":
+        return list(value)
+    if kind == "text":
+        return tokenizer.encode(value, add_special_tokens=False)
+    ids = tokenizer.encode("<|im_end|>\n" + chatml(value) + "<|im_start|>assistant\n", add_special_tokens=False)
+    return ids[1:] if turn_ids[-1] == ids[0] else ids  # the model closed its turn itself
+
+
+def expected_episode(tokenizer, env) -> tuple[list[int], list[int]]:
+    """The token list and mask of `env`'s episode: each turn as the engine returned it, then the
+    script's observation."""
+    ids, mask = [], []
+    for turn in env.turns:
+        ids += turn.token_ids
+        mask += [1] * len(turn.token_ids)
+        if turn.index < len(env.script):
+            observed = expected_observation(tokenizer, *env.script[turn.index], turn.token_ids)
+            ids += observed
+            mask += [0] * len(observed)
+    return ids, mask
+
+
+def test_episodes_keep_the_engines_tokens_and_mask_only_the_policys(serving, chat_dir):
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    record: list = []
+    rollout = AgentRollout(serving, Scripted, {"record": record, "script": SCRIPT}, AgentConfig(max_turns=6))
+    items = [PromptItem(f"{a}+{a}", "", a) for a in (12, 345, 6)]
+    samples = rollout.run(items, n=3)
+    check_complete(samples, 3, 3)
+    assert len(record) == 9 and all(len(env.turns) == 4 for env in record)
+    assert sorted((s.prompt_ids, s.output_ids, s.loss_mask) for s in samples) == sorted(
+        (
+            tokenizer.encode(chatml([{"role": "user", "content": env.prompt}]) + "<|im_start|>assistant\n"),
+            *expected_episode(tokenizer, env),
+        )
+        for env in record
+    )
+    for s in samples:
+        assert s.turns == 4 and s.finish_reason["type"] == "scripted"
+        assert all((lp < 0) if keep else (lp == 0.0) for lp, keep in zip(s.logprobs, s.loss_mask, strict=True))
+        assert s.token_versions == [serving.version if keep else None for keep in s.loss_mask]
+        assert len(set(s.episode["engine_ids"])) == 1  # every turn on the engine of the first one
+    assert {s.engine_id for s in samples} == {0, 1}
+    # the engine scores the kept list as it sampled it: the same tokens, the same logprobs
+    s = samples[0]
+
+    async def score():
+        async with EngineClient(serving.slots[s.engine_id].url) as client:
+            payload = {"max_new_tokens": 1}
+            return await client.generate(
+                input_ids=s.prompt_ids + s.output_ids, sampling_params=payload, return_logprob=True, logprob_start_len=0
+            )
+
+    scored = run(score())["meta_info"]["input_token_logprobs"]
+    assert len(scored) == len(s.prompt_ids) + len(s.output_ids), (len(scored), len(s.prompt_ids), len(s.output_ids))
+    start = len(s.prompt_ids)
+    for i, keep in enumerate(s.loss_mask):
+        if keep:
+            assert scored[start + i][0] == pytest.approx(s.logprobs[i], abs=1e-4)
+
+
+def test_tools_that_hang_or_fail_and_the_limits_end_only_their_episode(serving):
+    limits = AgentConfig(max_turns=3, max_total_tokens=100, tool_timeout_s=1.0, failed_reward=-1.0)
+    rollout = AgentRollout(serving, Troubled, {}, limits)
+    prompts = ["hang", "fail", "chatty", "long", "fine"]
+    samples = rollout.run([PromptItem(p, "", i) for i, p in enumerate(prompts)], n=2)
+    by_prompt = {prompts[s.prompt_index]: s for s in samples}
+    assert {p: (s.finish_reason["type"], s.reward, s.turns) for p, s in by_prompt.items()} == {
+        "hang": ("tool_timeout", -1.0, 1),
+        "fail": ("tool_error", -1.0, 1),
+        "chatty": ("max_turns", -1.0, 3),
+        "long": ("max_tokens", -1.0, 1),
+        "fine": ("fine", 1.0, 1),
+    }
+    assert "went away" in by_prompt["fail"].finish_reason["message"]
+    chatty = by_prompt["chatty"]  # two observations between three turns; the last one is not appended
+    more = len(serving.tokenizer.encode(" more", add_special_tokens=False))
+    assert chatty.loss_mask == [1] * 4 + [0] * more + [1] * 4 + [0] * more + [1] * 4
+    assert by_prompt["long"].loss_mask == [1] * 4  # the observation past the budget is not appended
+    assert sum(s.finish_reason["type"] == "fine" for s in samples) == 2
+
+
+def test_engine_killed_under_a_turn_loses_and_doubles_nothing(serving, chat_dir):
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    record, gate, result = [], threading.Event(), {}
+    script = [("text", " ok")]
+    rollout = AgentRollout(serving, Scripted, {"record": record, "script": script, "gate": gate}, AgentConfig())
+    items = [PromptItem(f"q{i}", "", i) for i in range(4)]
+    worker = threading.Thread(target=lambda: result.update(samples=rollout.run(items, n=1)))
+    worker.start()
+    try:
+        wait_until(lambda: len(record) == 4 and all(e.held for e in record), what="first turns", alive=worker.is_alive)
+        victims = [env for env in record if env.turns[0].engine_id == 1]
+        assert victims and len(victims) < 4
+        pause_engine(serving, 1)  # the second turns of its episodes go back to it (it still serves) and wait
+        gate.set()
+        hold_with_requests(serving, 1, alive=worker.is_alive, steps=1)  # mid-turn: one token sampled
+    finally:
+        gate.set()
+        kill(serving, 1)
+        worker.join(120)
+    samples = result["samples"]
+    check_complete(samples, 4, 1)
+    assert all(len(env.turns) == 2 for env in record)  # each environment saw each turn once: the completed one
+    for s in samples:
+        env = next(e for e in record if e.prompt == items[s.prompt_index].prompt)
+        assert (s.output_ids, s.loss_mask) == expected_episode(tokenizer, env)
+        assert len(s.output_ids) == 4 + len(tokenizer.encode(" ok")) + 4
+        moved = env in victims  # the turn killed on engine 1 was sent again, from the same ids, to engine 0
+        assert s.episode["engine_ids"] == ([1, 0] if moved else [0, 0])
+    assert serving.slots[1].state.value == "INACTIVE"
+
+
+def test_grpo_over_episodes_trains_on_the_policys_tokens_only(chat_dir, tmp_path):
+    temp = tempfile.mkdtemp(prefix="rf-ray-")
+    cfg = load_config(
+        None,
+        [
+            f"rollout.model_path={chat_dir}",
+            "rollout.sampling.n=2",
+            "rollout.sampling.max_new_tokens=3",
+            f"rollout.log_dir={tmp_path}/logs",
+            "rollout.placement=colocated",
+            "weight_sync.transport=tensor",
+            "grpo.environment=agent_envs:Echo",
+            "grpo.agent.max_turns=3",
+            "grpo.steps=2",
+            "grpo.prompts_per_step=2",
+            "grpo.synthetic_prompts=8",
+            f"grpo.output_dir={tmp_path}",
+            f"ray.temp_dir={temp}",
+        ],
+    )
+    steps = {}
+    try:
+        train(cfg, observe=lambda step, items, samples: steps.update({step: samples}))
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    rows = [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for step, row in enumerate(rows):
+        samples = steps[step]
+        assert all(s.turns == 2 and s.loss_mask.count(0) > 0 for s in samples)
+        # the loss covered exactly the policy's tokens, scored by the trainer on the same token lists
+        assert row["train/tokens"] == sum(sum(s.loss_mask) for s in samples)
+        assert row["train/logprob_mismatch_max"] < 1e-3
+        assert row["episodes/turns_mean"] == 2.0 and row["episodes/episode_finish/answered"] == 4
+
+
+def test_bench_agents_prints_its_line_and_record(tmp_path, capsys):
+    from rollfleet.bench.agents import main
+
+    record = tmp_path / "agents.json"
+    main(["--episodes", "8", "--repeats", "1", "--tool-latency-ms", "5", "--json", str(record)])
+    line = capsys.readouterr().out
+    assert "8 episodes in flight" in line and "trajectories/s" in line and "turns/s" in line, line
+    assert "of episode time waiting on tools" in line
+    summary = json.loads(record.read_text())["summary"]
+    assert summary["trajectories_per_s"]["median"] > 0 and 0 < summary["tool_wait_share"]["median"] < 1
