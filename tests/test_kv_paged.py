@@ -204,3 +204,15 @@ def test_kv_flags_that_cannot_work_are_refused_naming_the_flag(qwen3_dir, flags,
     with pytest.raises(SystemExit):
         check_args(parser, args)
     assert named in capsys.readouterr().err
+
+
+def test_a_next_turn_starts_from_the_cached_pages_of_the_previous_turn_output(small_pool_server, qwen3_dir):
+    """A multi-turn episode's next request is the whole token list so far: the pages a finished turn
+    filled, its output's included, are cached for it."""
+    call(small_pool_server, "flush_cache")
+    prompt = [13, 12, 11, 10, 9, 8, 7, 6, 5, 4]  # 10 tokens
+    turn = call(small_pool_server, "generate", input_ids=prompt, sampling_params=_greedy(6))
+    history = [*prompt, *turn["output_ids"], 17]  # + an observation token
+    again = call(small_pool_server, "generate", input_ids=history, sampling_params=_greedy(3))
+    assert again["meta_info"]["cached_tokens"] == 12  # 15 tokens of KV (the last output is never fed): 3 pages
+    assert again["output_ids"] == reference_greedy(qwen3_dir, history, 3)[0]
