@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import torch
 
+from rollfleet.engine.kv.pool import KVShape
+
 CPU_MAX_RUNNING_REQUESTS = 64
 DEFAULT_GPU_FRACTION = 0.85
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype, tp_size: int) -> int:
     """KV cache bytes of one token on one tp rank (keys and values of every attention layer)."""
-    text = config.get_text_config()
-    heads = text.num_key_value_heads or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    local_heads = max(heads // tp_size, 1)
-    return text.num_hidden_layers * 2 * local_heads * head_dim * dtype.itemsize
+    return KVShape.of(config, dtype, tp_size).bytes_per_token
 
 
 def max_running_requests(args, runner, context_length: int) -> int:

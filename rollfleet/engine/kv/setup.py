@@ -8,14 +8,13 @@ import argparse
 import functools
 import logging
 
+from rollfleet.engine.capacity import CPU_MAX_RUNNING_REQUESTS, DEFAULT_GPU_FRACTION
 from rollfleet.engine.kv.blocks import BlockPool
 from rollfleet.engine.kv.pool import DEFAULT_PAGE_SIZE, pool_tokens
 from rollfleet.engine.kv.steps import PagedBatches
 from rollfleet.engine.lockstep import Action
 
 log = logging.getLogger("rollfleet.engine")
-CPU_MAX_RUNNING_REQUESTS = 64
-DEFAULT_GPU_FRACTION = 0.85
 DEFAULT_CHUNKED_PREFILL = 8192
 DEFAULT_GRAPH_MAX_BATCH = 512
 

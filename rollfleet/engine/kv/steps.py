@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from rollfleet.engine.admission_batch import without
 from rollfleet.engine.kv.blocks import BlockPool, OutOfPages
 from rollfleet.engine.lockstep import Action
 from rollfleet.engine.logprobs import fill_input, input_positions
@@ -76,7 +77,7 @@ class PagedBatches:
     def new_batch(self, waiting: deque[Sequence], max_running: int):
         lora = waiting[0].lora_name
         batch = self._fitting([s for s in waiting if s.lora_name == lora], max_running, reserve=0)
-        return lora, batch, _without(waiting, batch)
+        return lora, batch, without(waiting, batch)
 
     def joiners(self, running: list[Sequence], waiting: deque[Sequence], lora, max_running: int) -> list[Sequence]:
         room = max_running - len(running)
@@ -350,8 +351,3 @@ def _input_count(seq: Sequence) -> int:
 
 def _root(seq: Sequence) -> str:
     return f"lora:{seq.lora_name}"
-
-
-def _without(waiting: deque[Sequence], taken: list[Sequence]) -> deque[Sequence]:
-    ids = {id(seq) for seq in taken}
-    return deque(seq for seq in waiting if id(seq) not in ids)
