@@ -55,6 +55,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--attention-backend",
+        choices=["triton", "torch_native"],
+        default="triton",
+        help="triton: decode reads the pages in place (kv/decode_kernel.py); torch_native: gather + SDPA",
+    )
     add_vocab_flag(p)
     return p.parse_args(argv)
 
@@ -76,11 +82,16 @@ def main(argv: list[str] | None = None) -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     size, pages_per_row = args.page_size, -(-(args.context + 1) // args.page_size)
-    paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=device, page_size=size, graphs=True)
+    kernel = args.attention_backend == "triton"
+    paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=device, page_size=size, graphs=True, kernel=kernel)
     paged.allocate(num_pages=max(batches) * pages_per_row + 1, max_graph_batch=max(batches))
     weights = sum(t.nbytes for n, t in model.named_parameters() if "embed_tokens" not in n)
     bandwidth = copy_bandwidth(device)
-    print(f"copy bandwidth {bandwidth:.0f} GB/s; weights read per step {weights / 1e9:.2f} GB", flush=True)
+    print(
+        f"copy bandwidth {bandwidth:.0f} GB/s; weights read per step {weights / 1e9:.2f} GB; "
+        f"decode attention {'triton (pages in place)' if paged.kernel else 'gather + SDPA'}",
+        flush=True,
+    )
     results = []
     for batch in batches:
         rows = [

@@ -3,9 +3,10 @@
 transformers' attention layers compute q, k, v (rotary applied) and call the function registered
 under the model's `_attn_implementation` with the forward's extra keyword arguments: the step's
 `PagedInputs` arrive as `paged=`. The function writes the step's new keys and values into their
-slots of the pool, gathers each row's pages, and runs `scaled_dot_product_attention` with the
-query heads of one KV head folded into the query length (grouped-query attention without
-repeating K and V, and a boolean mask every SDPA backend takes).
+slots of the pool; a decode step on a GPU with Triton then reads each row's pages in place
+(kv/decode_kernel.py); otherwise it gathers each row's pages and runs
+`scaled_dot_product_attention` with the query heads of one KV head folded into the query length
+(grouped-query attention without repeating K and V, and a boolean mask every SDPA backend takes).
 
 A step is packed: its tokens are `[1, T]`, row after row. A decode step feeds one token per row
 (rows == tokens; the shape CUDA graphs capture, kv/graphs.py); any other step (prefills, chunks,
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from rollfleet.engine.kv import decode_kernel
 
 ATTENTION_NAME = "rollfleet_paged"  # never "flash" in it: transformers tests the name for that word
 
@@ -34,6 +37,7 @@ class PagedInputs:
     table: torch.Tensor  # [rows, width]: each row's pages (padded with the trash page)
     lens: torch.Tensor  # [rows]: each row's KV length once this step's tokens are in
     decode: bool  # one token per row
+    kernel: bool = False  # decode reads the pages in place (kv/decode_kernel.py) instead of gathering them
     q_index: torch.Tensor | None = None  # [T]: packed token -> row * longest + index in row (not decode)
     q_pos: torch.Tensor | None = None  # [rows, longest]: each padded query's position (0 for padding)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -70,6 +74,11 @@ def paged_attention(
     rows, kv_heads, head_dim = paged.table.shape[0], pool_k.shape[1], pool_k.shape[2]
     heads, tokens = query.shape[1], query.shape[2]
     group = heads // kv_heads
+    if paged.decode and paged.kernel:
+        q = query[0].transpose(0, 1).to(pool_k.dtype)  # [rows, heads, dim]
+        scale = head_dim**-0.5 if scaling is None else scaling
+        out = decode_kernel.decode_attention(q, pool_k, pool_v, paged.table, paged.lens, paged.page_size, scale)
+        return out[None].to(query.dtype), None
     k = _gather(pool_k, paged.table, paged.page_size)
     v = _gather(pool_v, paged.table, paged.page_size)
     q = query[0].transpose(0, 1).reshape(tokens, kv_heads, group, head_dim)

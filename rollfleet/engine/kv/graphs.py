@@ -49,8 +49,8 @@ class Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Callable[..., torch.Tensor], device: torch.device):
-        self.forward, self.device = forward, device
+    def __init__(self, forward: Callable[..., torch.Tensor], device: torch.device, kernel: bool = False):
+        self.forward, self.device, self.kernel = forward, device, kernel
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.disabled: str | None = None
         self.pool = None
@@ -108,6 +108,7 @@ class DecodeGraphs:
             table=torch.zeros(batch, width, dtype=torch.long, device=dev),
             lens=torch.ones(batch, dtype=torch.long, device=dev),
             decode=True,
+            kernel=self.kernel,
         )
         ids, positions = zeros.clone()[None], zeros.clone()[None]
         keep = torch.arange(batch, device=dev)

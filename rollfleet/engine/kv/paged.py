@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from rollfleet.engine.kv import decode_kernel
 from rollfleet.engine.kv.attention import ATTENTION_NAME, PagedInputs
 from rollfleet.engine.kv.graphs import DecodeGraphs
 from rollfleet.engine.kv.pool import KVPool, KVShape
@@ -37,13 +38,25 @@ def paged_support(config) -> str | None:
 
 
 class PagedModel:
-    def __init__(self, model, lora, route_capture, *, tp_size: int, device: torch.device, page_size: int, graphs: bool):
+    def __init__(
+        self,
+        model,
+        lora,
+        route_capture,
+        *,
+        tp_size: int,
+        device: torch.device,
+        page_size: int,
+        graphs: bool,
+        kernel=True,
+    ):
         self.model, self.lora, self.route_capture = model, lora, route_capture
         self.device, self.page_size = device, page_size
+        self.kernel = kernel and decode_kernel.available(device)  # decode reads the pages in place
         self.shape = KVShape.of(model.config, next(model.parameters()).dtype, tp_size)
         model.set_attn_implementation(ATTENTION_NAME)
         self.pool: KVPool | None = None
-        self.graphs = DecodeGraphs(self._forward, device) if graphs and device.type == "cuda" else None
+        self.graphs = DecodeGraphs(self._forward, device, self.kernel) if graphs and device.type == "cuda" else None
         self.last_routes: torch.Tensor | None = None
 
     def allocate(self, num_pages: int, max_graph_batch: int) -> None:
@@ -74,8 +87,9 @@ class PagedModel:
         decode = all(len(tokens) == 1 for _, tokens, _ in rows)
         if decode and not capture_routes and self.graphs is not None and self.graphs.usable(len(rows)):
             logits = self.graphs.run(rows)
-            if logits is not None:
-                return logits[torch.tensor(logits_at, device=logits.device)]
+            if logits is not None:  # a decode step's logits_at is every row, in order (no copy)
+                identity = len(logits_at) == len(rows) and all(at == row for row, at in enumerate(logits_at))
+                return logits if identity else logits[torch.tensor(logits_at, device=logits.device)]
         if capture_routes:
             self.route_capture.start()
         ids, positions, inputs = self.inputs(rows, decode)
@@ -118,6 +132,7 @@ class PagedModel:
             table=torch.tensor(table, dtype=torch.long).to(dev),
             lens=torch.tensor(lens, dtype=torch.long).to(dev),
             decode=decode,
+            kernel=decode and self.kernel,
         )
         if not decode:
             longest = max(len(tokens) for _, tokens, _ in rows)

@@ -41,6 +41,13 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=int, help=f"largest decode batch a CUDA graph covers ({DEFAULT_GRAPH_MAX_BATCH})")
     for flag in ("--disable-decode-cuda-graph", "--disable-cuda-graph"):
         p.add_argument(flag, action="store_true", help="decode steps run eagerly")
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="decode attention: triton (the pages read in place; the default on a GPU with Triton) or "
+        "torch_native (pages gathered, then SDPA; the CPU's); SGLang's other names (flashinfer, fa3, ...) "
+        "are accepted and served by triton where it runs",
+    )
 
 
 def check_kv_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -56,7 +63,11 @@ def paged_options(args: argparse.Namespace) -> dict | None:
     """ModelRunner's `paged` argument: None for the dense cache."""
     if args.rollfleet_kv_cache != "paged":
         return None
-    return {"page_size": args.page_size, "graphs": not (args.disable_decode_cuda_graph or args.disable_cuda_graph)}
+    return {
+        "page_size": args.page_size,
+        "graphs": not (args.disable_decode_cuda_graph or args.disable_cuda_graph),
+        "kernel": args.attention_backend != "torch_native",  # where Triton runs (kv/decode_kernel.py)
+    }
 
 
 def start_paged(args: argparse.Namespace, runner, lockstep, context_length: int):

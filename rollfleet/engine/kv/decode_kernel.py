@@ -1,0 +1,130 @@
+"""Decode attention straight from the paged pool: a Triton kernel that reads each row's pages
+through its block table, once (flash decoding), instead of gathering them into a dense copy.
+
+One program per (row, KV head, split of the row's pages) computes the softmax of its query heads
+(the KV head's group, GQA without repeating K and V) over its pages with an online softmax and
+writes a partial output and its log-sum-exp; a second kernel merges a row's splits. Splits keep
+the GPU busy when the batch is small (a latency run is one row over many pages).
+
+Triton comes with torch's CUDA builds; without it (CPU, or a build without Triton) attention.py
+keeps its gather + SDPA path, which is also the reference the GPU check compares against
+(tests/test_kv_decode_kernel.py; on CPU it runs under TRITON_INTERPRET=1 when triton is installed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds of torch come without Triton: attention.py's gather path serves
+    triton = None
+
+BLOCK_N = 64  # keys per inner step (several pages when pages are small)
+TARGET_PROGRAMS = 1024  # enough programs to fill an H200's 132 SMs a few times over
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+def splits_for(rows: int, kv_heads: int, width: int, page_size: int) -> tuple[int, int]:
+    """(splits, keys per split) for a step of `rows` rows of block-table width `width`; a function of
+    the shape alone, so a CUDA graph captures the same launch it replays."""
+    keys = width * page_size
+    blocks = -(-keys // BLOCK_N)
+    splits = max(1, min(blocks, -(-TARGET_PROGRAMS // (rows * kv_heads))))
+    per_split = -(-blocks // splits) * BLOCK_N
+    return -(-keys // per_split), per_split
+
+
+def decode_attention(q, pool_k, pool_v, table, lens, page_size: int, scale: float) -> torch.Tensor:
+    """`q` [rows, heads, dim] (one query a row), the pool's `[slots, kv heads, dim]` K and V, `table`
+    [rows, width] pages, `lens` [rows] keys per row: `[rows, heads, dim]` in q's dtype."""
+    rows, heads, dim = q.shape
+    kv_heads = pool_k.shape[1]
+    group = heads // kv_heads
+    splits, per_split = splits_for(rows, kv_heads, table.shape[1], page_size)
+    partial = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
+    _split_kernel[(rows, kv_heads, splits)](
+        q, pool_k, pool_v, table, lens, partial, lse,
+        q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
+        table.stride(0), scale, per_split,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
+        DIM_PAD=triton.next_power_of_2(dim), PAGE=page_size, BLOCK=BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32 (no TF32)
+    )  # fmt: skip
+    out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
+    _merge_kernel[(rows, heads)](
+        partial, lse, out, splits, dim, SPLITS_PAD=triton.next_power_of_2(splits), DIM_PAD=triton.next_power_of_2(dim)
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(
+        q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_ptr, lse_ptr,
+        q_row, q_head, k_slot, k_head, v_slot, v_head, table_row, scale, per_split,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        splits = tl.num_programs(2)
+        length = tl.load(lens_ptr + row)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, DIM_PAD)
+        heads = kv_head * GROUP + g
+        q = tl.load(
+            q_ptr + row * q_row + heads[:, None] * q_head + d[None, :],
+            mask=(g[:, None] < GROUP) & (d[None, :] < DIM),
+            other=0.0,
+        )
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        begin = split * per_split
+        end = tl.minimum(begin + per_split, length)
+        for start in range(begin, end, BLOCK):
+            n = start + tl.arange(0, BLOCK)
+            live = n < end
+            page = tl.load(table_ptr + row * table_row + n // PAGE, mask=live, other=0)
+            slot = page * PAGE + n % PAGE
+            kv_mask = live[:, None] & (d[None, :] < DIM)
+            k = tl.load(k_ptr + slot[:, None] * k_slot + kv_head * k_head + d[None, :], mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + slot[:, None] * v_slot + kv_head * v_head + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            m = m_new
+        empty = begin >= length
+        out_heads = (row * GROUP * tl.num_programs(1) + heads) * splits + split
+        keep = g < GROUP
+        tl.store(lse_ptr + out_heads, tl.where(empty, float("-inf"), m + tl.log(total)), mask=keep)
+        result = tl.where(empty, 0.0, acc / total[:, None])
+        tl.store(part_ptr + out_heads[:, None] * DIM + d[None, :], result, mask=keep[:, None] & (d[None, :] < DIM))
+
+    @triton.jit
+    def _merge_kernel(part_ptr, lse_ptr, out_ptr, splits, dim, SPLITS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
+        row, head = tl.program_id(0), tl.program_id(1)
+        heads = tl.num_programs(1)
+        s = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, DIM_PAD)
+        base = (row * heads + head) * splits
+        lse = tl.load(lse_ptr + base + s, mask=s < splits, other=float("-inf"))
+        weight = tl.exp(lse - tl.max(lse, 0))
+        weight = weight / tl.sum(weight, 0)
+        part = tl.load(
+            part_ptr + (base + s[:, None]) * dim + d[None, :],
+            mask=(s[:, None] < splits) & (d[None, :] < dim),
+            other=0.0,
+        )
+        out = tl.sum(part * weight[:, None], 0)
+        tl.store(out_ptr + (row * heads + head) * dim + d, out.to(out_ptr.dtype.element_ty), mask=d < dim)
