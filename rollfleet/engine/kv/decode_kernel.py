@@ -39,9 +39,10 @@ def splits_for(rows: int, kv_heads: int, width: int, page_size: int) -> tuple[in
     return -(-keys // per_split), per_split
 
 
-def decode_attention(q, pool_k, pool_v, table, lens, page_size: int, scale: float) -> torch.Tensor:
+def decode_attention(q, pool_k, pool_v, table, lens, page_size: int, scale: float, **launch) -> torch.Tensor:
     """`q` [rows, heads, dim] (one query a row), the pool's `[slots, kv heads, dim]` K and V, `table`
-    [rows, width] pages, `lens` [rows] keys per row: `[rows, heads, dim]` in q's dtype."""
+    [rows, width] pages, `lens` [rows] keys per row: `[rows, heads, dim]` in q's dtype. `launch`:
+    Triton's num_warps / num_stages for the split kernel (its defaults otherwise)."""
     rows, heads, dim = q.shape
     kv_heads = pool_k.shape[1]
     group = heads // kv_heads
@@ -55,6 +56,7 @@ def decode_attention(q, pool_k, pool_v, table, lens, page_size: int, scale: floa
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
         DIM_PAD=triton.next_power_of_2(dim), PAGE=page_size, BLOCK=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32 (no TF32)
+        **launch,
     )  # fmt: skip
     out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
     _merge_kernel[(rows, heads)](
