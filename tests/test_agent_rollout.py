@@ -6,6 +6,7 @@ nothing, tools that hang or fail ending only their episode; and a GRPO run over 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 import threading
@@ -17,7 +18,7 @@ from conftest import hold_with_requests, kill, pause_engine, run, serving_again
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from waits import wait_until
 
-from rollfleet.agents.rollout import AgentRollout
+from rollfleet.agents.rollout import AgentRollout, EngineRejectedAll
 from rollfleet.config import load_config
 from rollfleet.config.agent import AgentConfig
 from rollfleet.data.prompts import PromptItem
@@ -154,6 +155,44 @@ def test_tools_that_hang_or_fail_and_the_limits_end_only_their_episode(serving):
     assert chatty.loss_mask == [1] * 4 + [0] * more + [1] * 4 + [0] * more + [1] * 4
     assert by_prompt["long"].loss_mask == [1] * 4  # the observation past the budget is not appended
     assert sum(s.finish_reason["type"] == "fine" for s in samples) == 2
+
+
+def test_an_engine_refusing_a_turn_ends_only_that_episode(serving, caplog):
+    """A turn the engine answers with a 4xx (past its context length, a token outside the vocabulary)
+    ends its episode with the engine's status and message; the call's other episodes complete, the
+    refused request goes to no other engine, and each refused episode is logged once."""
+    limits = AgentConfig(max_turns=3, max_total_tokens=2048, failed_reward=-1.0)  # past the context: the engine's
+    rollout = AgentRollout(serving, Troubled, {}, limits)
+    prompts = ["past_context", "bad_token", "chatty", "fine"]
+    retries = serving.router.retries
+    with caplog.at_level(logging.WARNING, logger="rollfleet.agents"):
+        samples = rollout.run([PromptItem(p, "", i) for i, p in enumerate(prompts)], n=2)
+    check_complete(samples, 4, 2)
+    ends = sorted((prompts[s.prompt_index], s.finish_reason["type"], s.reward, s.turns) for s in samples)
+    assert ends == sorted(
+        [(p, "engine_rejected", -1.0, 1) for p in ("past_context", "bad_token")] * 2
+        + [("chatty", "max_turns", -1.0, 3)] * 2
+        + [("fine", "fine", 1.0, 1)] * 2
+    )
+    for s in samples:
+        if s.finish_reason["type"] == "engine_rejected":
+            assert s.finish_reason["status"] == 400
+            wanted = "context length is 512" if prompts[s.prompt_index] == "past_context" else "vocabulary"
+            assert wanted in s.finish_reason["message"], s.finish_reason
+            assert len(s.episode["generate_spans"]) == 2  # the refused turn was asked once
+    refused = [r for r in caplog.records if "the engine refused turn" in r.getMessage()]
+    assert len(refused) == 4, [r.getMessage() for r in refused]
+    assert serving.router.retries == retries  # a 4xx is the request's: sent to no other engine
+    assert all(slot.state.value == "ACTIVE" for slot in serving.slots)
+
+
+def test_a_call_whose_every_episode_is_refused_raises_the_engines_message(serving):
+    rollout = AgentRollout(serving, Troubled, {}, AgentConfig(max_total_tokens=2048))
+    items = [PromptItem("past_context", "", 0), PromptItem("bad_token", "", 1)]
+    with pytest.raises(
+        EngineRejectedAll, match=r"every one of the call's 4 episodes.*HTTP 400: prompt 0 has \d+ tokens"
+    ):
+        rollout.run(items, n=2)
 
 
 def test_engine_killed_under_a_turn_loses_and_doubles_nothing(serving, chat_dir):

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import ray
 
-from rollfleet.agents.rollout import AgentRollout, episode_figures
+from rollfleet.agents.figures import episode_figures
+from rollfleet.agents.rollout import AgentRollout
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.config import load_config
 from rollfleet.config.agent import AgentConfig
