@@ -117,6 +117,11 @@ def test_episodes_keep_the_engines_tokens_and_mask_only_the_policys(serving, cha
         assert all((lp < 0) if keep else (lp == 0.0) for lp, keep in zip(s.logprobs, s.loss_mask, strict=True))
         assert s.token_versions == [serving.version if keep else None for keep in s.loss_mask]
         assert len(set(s.episode["engine_ids"])) == 1  # every turn on the engine of the first one
+        # the spans the wall-clock shares come from: generate, step, generate, ... within the episode's life
+        spans = [x for pair in zip(s.episode["generate_spans"], s.episode["tool_spans"]) for x in pair]
+        assert len(s.episode["generate_spans"]) == len(s.episode["tool_spans"]) == 4
+        points = [s.episode["lifetime"][0], *(t for span in spans for t in span), s.episode["lifetime"][1]]
+        assert points == sorted(points)
     assert {s.engine_id for s in samples} == {0, 1}
     # the engine scores the kept list as it sampled it: the same tokens, the same logprobs
     s = samples[0]
@@ -270,5 +275,9 @@ def test_bench_agents_prints_its_line_and_record(tmp_path, capsys):
     line = capsys.readouterr().out
     assert "8 episodes in flight" in line and "trajectories/s" in line and "turns/s" in line, line
     assert "of episode time waiting on tools" in line
+    assert "of the rollout's wall time" in line and "with only tools running (no generate in flight)" in line
     summary = json.loads(record.read_text())["summary"]
     assert summary["trajectories_per_s"]["median"] > 0 and 0 < summary["tool_wait_share"]["median"] < 1
+    for row in json.loads(record.read_text())["repeats"]:
+        assert 0 <= row["tool_only_wall_share"] <= row["tool_wall_share"] < 1, row
+        assert row["tool_wall_share"] > 0  # every pass called the 5 ms tool
