@@ -267,6 +267,56 @@ def test_grpo_over_episodes_trains_on_the_policys_tokens_only(chat_dir, tmp_path
         assert row["episodes/turns_mean"] == 2.0 and row["episodes/episode_finish/answered"] == 4
 
 
+def test_async_grpo_over_episodes_keeps_each_episode_within_the_staleness_bound(chat_dir, tmp_path):
+    """grpo.max_staleness=1 with the calculator environment: the producer makes the next step's
+    episodes while the trainer trains; every episode's policy tokens come from one version (a push
+    never lands inside an episode), at most one behind its step, and the loss covers them only."""
+    temp = tempfile.mkdtemp(prefix="rf-ray-")
+    cfg = load_config(
+        None,
+        [
+            f"rollout.model_path={chat_dir}",
+            "rollout.sampling.n=2",
+            "rollout.sampling.max_new_tokens=3",
+            f"rollout.log_dir={tmp_path}/logs",
+            "rollout.placement=disaggregated",
+            "weight_sync.transport=tensor",
+            "grpo.max_staleness=1",
+            "grpo.environment=rollfleet.envs.calculator:Calculator",
+            "grpo.dataset=arithmetic",
+            "grpo.agent.max_turns=3",
+            "grpo.agent.max_total_tokens=128",
+            "grpo.steps=3",
+            "grpo.prompts_per_step=2",
+            "grpo.synthetic_prompts=16",
+            f"grpo.output_dir={tmp_path}",
+            f"ray.temp_dir={temp}",
+        ],
+    )
+    steps = {}
+    try:
+        train(cfg, observe=lambda step, items, samples: steps.update({step: samples}))
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    rows = [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and sorted(steps) == [0, 1, 2]
+    for step, row in enumerate(rows):
+        samples = steps[step]
+        check_complete(samples, 2, 2)
+        ages = []
+        for s in samples:
+            assert s.finish_reason["type"] in {"answered", "answered_without_tool", "max_turns"}, s.finish_reason
+            policy = {v for v, keep in zip(s.token_versions, s.loss_mask, strict=True) if keep}
+            assert len(policy) == 1 and None not in policy, policy  # one version per episode
+            ages.append(step - int(policy.pop()))
+        assert all(0 <= age <= 1 for age in ages) and row["staleness_max"] == max(ages), (step, ages)
+        assert row["train/tokens"] == sum(sum(s.loss_mask) for s in samples)
+        assert row["episodes/turns_mean"] == sum(s.turns for s in samples) / len(samples)
+        assert 0 <= row["episodes/tool_only_wall_share"] <= row["episodes/tool_wall_share"] <= 1
+    assert any(r["staleness_max"] == 1 for r in rows)  # episodes really were made ahead of the trainer
+    assert rows[0]["staleness_max"] == 0  # the first step's episodes come from the first push
+
+
 def test_bench_agents_prints_its_line_and_record(tmp_path, capsys):
     from rollfleet.bench.agents import main
 
