@@ -36,7 +36,9 @@ class Scripted(Environment):
 
 class Troubled(Environment):
     """By prompt: "hang" never answers its first step, "fail" raises, "chatty" observes forever (turn
-    limit), "long" observes 200 ids (token limit); any other prompt ends after one turn."""
+    limit), "long" observes 200 ids (token limit), "past_context" observes 600 ids (past the tiny
+    models' context length of 512: the engine refuses the next turn), "bad_token" observes an id
+    outside the vocabulary (refused too); any other prompt ends after one turn."""
 
     def start(self, item):
         self.prompt = item.prompt
@@ -51,6 +53,10 @@ class Troubled(Environment):
             return Observation(text=" more")
         if self.prompt == "long":
             return Observation(token_ids=[7] * 200)
+        if self.prompt == "past_context":
+            return Observation(token_ids=[7] * 600)
+        if self.prompt == "bad_token":
+            return Observation(token_ids=[5, 10**6])
         return Done(reward=1.0, reason="fine")
 
 

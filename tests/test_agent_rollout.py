@@ -6,6 +6,7 @@ nothing, tools that hang or fail ending only their episode; and a GRPO run over 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 import threading
@@ -17,7 +18,7 @@ from conftest import hold_with_requests, kill, pause_engine, run, serving_again
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from waits import wait_until
 
-from rollfleet.agents.rollout import AgentRollout
+from rollfleet.agents.rollout import AgentRollout, EngineRejectedAll
 from rollfleet.config import load_config
 from rollfleet.config.agent import AgentConfig
 from rollfleet.data.prompts import PromptItem
@@ -116,6 +117,11 @@ def test_episodes_keep_the_engines_tokens_and_mask_only_the_policys(serving, cha
         assert all((lp < 0) if keep else (lp == 0.0) for lp, keep in zip(s.logprobs, s.loss_mask, strict=True))
         assert s.token_versions == [serving.version if keep else None for keep in s.loss_mask]
         assert len(set(s.episode["engine_ids"])) == 1  # every turn on the engine of the first one
+        # the spans the wall-clock shares come from: generate, step, generate, ... within the episode's life
+        spans = [x for pair in zip(s.episode["generate_spans"], s.episode["tool_spans"]) for x in pair]
+        assert len(s.episode["generate_spans"]) == len(s.episode["tool_spans"]) == 4
+        points = [s.episode["lifetime"][0], *(t for span in spans for t in span), s.episode["lifetime"][1]]
+        assert points == sorted(points)
     assert {s.engine_id for s in samples} == {0, 1}
     # the engine scores the kept list as it sampled it: the same tokens, the same logprobs
     s = samples[0]
@@ -154,6 +160,44 @@ def test_tools_that_hang_or_fail_and_the_limits_end_only_their_episode(serving):
     assert chatty.loss_mask == [1] * 4 + [0] * more + [1] * 4 + [0] * more + [1] * 4
     assert by_prompt["long"].loss_mask == [1] * 4  # the observation past the budget is not appended
     assert sum(s.finish_reason["type"] == "fine" for s in samples) == 2
+
+
+def test_an_engine_refusing_a_turn_ends_only_that_episode(serving, caplog):
+    """A turn the engine answers with a 4xx (past its context length, a token outside the vocabulary)
+    ends its episode with the engine's status and message; the call's other episodes complete, the
+    refused request goes to no other engine, and each refused episode is logged once."""
+    limits = AgentConfig(max_turns=3, max_total_tokens=2048, failed_reward=-1.0)  # past the context: the engine's
+    rollout = AgentRollout(serving, Troubled, {}, limits)
+    prompts = ["past_context", "bad_token", "chatty", "fine"]
+    retries = serving.router.retries
+    with caplog.at_level(logging.WARNING, logger="rollfleet.agents"):
+        samples = rollout.run([PromptItem(p, "", i) for i, p in enumerate(prompts)], n=2)
+    check_complete(samples, 4, 2)
+    ends = sorted((prompts[s.prompt_index], s.finish_reason["type"], s.reward, s.turns) for s in samples)
+    assert ends == sorted(
+        [(p, "engine_rejected", -1.0, 1) for p in ("past_context", "bad_token")] * 2
+        + [("chatty", "max_turns", -1.0, 3)] * 2
+        + [("fine", "fine", 1.0, 1)] * 2
+    )
+    for s in samples:
+        if s.finish_reason["type"] == "engine_rejected":
+            assert s.finish_reason["status"] == 400
+            wanted = "context length is 512" if prompts[s.prompt_index] == "past_context" else "vocabulary"
+            assert wanted in s.finish_reason["message"], s.finish_reason
+            assert len(s.episode["generate_spans"]) == 2  # the refused turn was asked once
+    refused = [r for r in caplog.records if "the engine refused turn" in r.getMessage()]
+    assert len(refused) == 4, [r.getMessage() for r in refused]
+    assert serving.router.retries == retries  # a 4xx is the request's: sent to no other engine
+    assert all(slot.state.value == "ACTIVE" for slot in serving.slots)
+
+
+def test_a_call_whose_every_episode_is_refused_raises_the_engines_message(serving):
+    rollout = AgentRollout(serving, Troubled, {}, AgentConfig(max_total_tokens=2048))
+    items = [PromptItem("past_context", "", 0), PromptItem("bad_token", "", 1)]
+    with pytest.raises(
+        EngineRejectedAll, match=r"every one of the call's 4 episodes.*HTTP 400: prompt 0 has \d+ tokens"
+    ):
+        rollout.run(items, n=2)
 
 
 def test_engine_killed_under_a_turn_loses_and_doubles_nothing(serving, chat_dir):
@@ -223,6 +267,56 @@ def test_grpo_over_episodes_trains_on_the_policys_tokens_only(chat_dir, tmp_path
         assert row["episodes/turns_mean"] == 2.0 and row["episodes/episode_finish/answered"] == 4
 
 
+def test_async_grpo_over_episodes_keeps_each_episode_within_the_staleness_bound(chat_dir, tmp_path):
+    """grpo.max_staleness=1 with the calculator environment: the producer makes the next step's
+    episodes while the trainer trains; every episode's policy tokens come from one version (a push
+    never lands inside an episode), at most one behind its step, and the loss covers them only."""
+    temp = tempfile.mkdtemp(prefix="rf-ray-")
+    cfg = load_config(
+        None,
+        [
+            f"rollout.model_path={chat_dir}",
+            "rollout.sampling.n=2",
+            "rollout.sampling.max_new_tokens=3",
+            f"rollout.log_dir={tmp_path}/logs",
+            "rollout.placement=disaggregated",
+            "weight_sync.transport=tensor",
+            "grpo.max_staleness=1",
+            "grpo.environment=rollfleet.envs.calculator:Calculator",
+            "grpo.dataset=arithmetic",
+            "grpo.agent.max_turns=3",
+            "grpo.agent.max_total_tokens=128",
+            "grpo.steps=3",
+            "grpo.prompts_per_step=2",
+            "grpo.synthetic_prompts=16",
+            f"grpo.output_dir={tmp_path}",
+            f"ray.temp_dir={temp}",
+        ],
+    )
+    steps = {}
+    try:
+        train(cfg, observe=lambda step, items, samples: steps.update({step: samples}))
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    rows = [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and sorted(steps) == [0, 1, 2]
+    for step, row in enumerate(rows):
+        samples = steps[step]
+        check_complete(samples, 2, 2)
+        ages = []
+        for s in samples:
+            assert s.finish_reason["type"] in {"answered", "answered_without_tool", "max_turns"}, s.finish_reason
+            policy = {v for v, keep in zip(s.token_versions, s.loss_mask, strict=True) if keep}
+            assert len(policy) == 1 and None not in policy, policy  # one version per episode
+            ages.append(step - int(policy.pop()))
+        assert all(0 <= age <= 1 for age in ages) and row["staleness_max"] == max(ages), (step, ages)
+        assert row["train/tokens"] == sum(sum(s.loss_mask) for s in samples)
+        assert row["episodes/turns_mean"] == sum(s.turns for s in samples) / len(samples)
+        assert 0 <= row["episodes/tool_only_wall_share"] <= row["episodes/tool_wall_share"] <= 1
+    assert any(r["staleness_max"] == 1 for r in rows)  # episodes really were made ahead of the trainer
+    assert rows[0]["staleness_max"] == 0  # the first step's episodes come from the first push
+
+
 def test_bench_agents_prints_its_line_and_record(tmp_path, capsys):
     from rollfleet.bench.agents import main
 
@@ -231,5 +325,9 @@ def test_bench_agents_prints_its_line_and_record(tmp_path, capsys):
     line = capsys.readouterr().out
     assert "8 episodes in flight" in line and "trajectories/s" in line and "turns/s" in line, line
     assert "of episode time waiting on tools" in line
+    assert "of the rollout's wall time" in line and "with only tools running (no generate in flight)" in line
     summary = json.loads(record.read_text())["summary"]
     assert summary["trajectories_per_s"]["median"] > 0 and 0 < summary["tool_wait_share"]["median"] < 1
+    for row in json.loads(record.read_text())["repeats"]:
+        assert 0 <= row["tool_only_wall_share"] <= row["tool_wall_share"] < 1, row
+        assert row["tool_wall_share"] > 0  # every pass called the 5 ms tool

@@ -12,8 +12,12 @@ Ordering, stated once:
 - An environment step (a tool call) slower than `tool_timeout_s`, or one that raises, ends only its
   episode (finish reason `tool_timeout` / `tool_error`, reward `failed_reward`); so do the limits on
   turns (`max_turns`) and tokens (`max_total_tokens`: a turn asks for at most what is left, and an
-  observation that would pass it is not appended). An engine-side error still fails the call (the
-  run's, not the episode's: the same request would fail again).
+  observation that would pass it is not appended), and an engine's 4xx answer to a turn (the request
+  is wrong for the engine: past its context length, a token id outside the vocabulary; finish reason
+  `engine_rejected` with the engine's status and message; the router sends a 4xx to no other engine).
+  A dead engine or a lost connection is not the episode's fault: the router sends the turn elsewhere.
+  When every episode of a call ends `engine_rejected` the call raises with the first engine message:
+  that is the run's configuration, not an episode (it must not train on failed rewards in silence).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from rollfleet.agents.markup import TurnMarkup
 from rollfleet.config.agent import AgentConfig
 from rollfleet.envs.base import Done, Observation, Turn
 from rollfleet.sample import Sample
+from rollfleet.wire.errors import EngineError
 
 log = logging.getLogger("rollfleet.agents")
 
@@ -38,7 +43,17 @@ class Episode:
 
     def __init__(self, prompt_index: int, sample_index: int, prompt_ids: list[int]):
         self.sample = Sample(prompt_index, sample_index, prompt_ids, loss_mask=[], turns=0)
-        self.sample.episode = {"engine_ids": [], "segments": [], "tool_seconds": 0.0, "generate_seconds": 0.0}
+        now = time.perf_counter()
+        self.sample.episode = {
+            "engine_ids": [],
+            "segments": [],
+            "tool_seconds": 0.0,
+            "generate_seconds": 0.0,
+            # perf_counter seconds [start, end]: the episode, each generate call, each environment step
+            "lifetime": [now, now],
+            "generate_spans": [],
+            "tool_spans": [],
+        }
 
     @property
     def length(self) -> int:
@@ -65,7 +80,14 @@ class Episode:
         s.loss_mask += [0] * len(ids)
         s.logprobs += [0.0] * len(ids)
 
+    def timed(self, kind: str, began: float) -> None:
+        """Record a generate call or an environment step that began at `began` and ends now."""
+        now, record = time.perf_counter(), self.sample.episode
+        record[f"{kind}_seconds"] += now - began
+        record[f"{kind}_spans"].append([began, now])
+
     def finish(self, reason: str, reward: float, tokenizer, **detail) -> Sample:
+        self.sample.episode["lifetime"][1] = time.perf_counter()
         self.sample.finish_reason = {"type": reason, **detail}
         self.sample.reward = float(reward)
         self.sample.text = tokenizer.decode(self.sample.output_ids)
@@ -95,7 +117,15 @@ class AgentRollout:
                 on_episode(sample)
             return sample
 
-        return list(await asyncio.gather(*(one(p, k) for p in range(len(items)) for k in range(n))))
+        samples = list(await asyncio.gather(*(one(p, k) for p in range(len(items)) for k in range(n))))
+        if samples and all(s.finish_reason["type"] == "engine_rejected" for s in samples):
+            first = samples[0].finish_reason
+            raise EngineRejectedAll(
+                f"the engines refused a turn of every one of the call's {len(samples)} episodes; the first: "
+                f"HTTP {first['status']}: {first['message']} (fix: keep grpo.agent.max_total_tokens within the "
+                "engines' context length and the observations' token ids within the vocabulary)"
+            )
+        return samples
 
     def _request(self, env, ids: list[int], room: int) -> dict[str, Any]:
         params = {**self.fleet.rollout.sampling.model_dump(), **getattr(env, "sampling", {}), "n": 1}
@@ -109,40 +139,75 @@ class AgentRollout:
         limits, tokenizer = self.limits, self.fleet.tokenizer
         env = self.environment(**self.environment_args)
         episode = Episode(prompt_index, sample_index, self.markup.prompt(env.start(item)))
-        record, engine_id = episode.sample.episode, None
-        for index in range(limits.max_turns):
-            room = limits.max_total_tokens - episode.length
-            if room < 1:
-                return episode.finish("max_tokens", limits.failed_reward, tokenizer)
-            ids = episode.sample.prompt_ids + episode.sample.output_ids
-            began = time.perf_counter()
-            outs, engine_id = await self.fleet.router.generate(self._request(env, ids, room), version, engine_id)
-            record["generate_seconds"] += time.perf_counter() - began
-            turn_ids = episode.add_turn(outs[0], engine_id)
-            turn = Turn(index, tokenizer.decode(turn_ids), turn_ids, outs[0]["meta_info"]["finish_reason"], engine_id)
-            began = time.perf_counter()
-            try:
-                answer = await asyncio.wait_for(_step(env, turn), limits.tool_timeout_s)
-            except TimeoutError:
-                log.warning(
-                    "episode (%d, %d): step %d passed %.1f s", prompt_index, sample_index, index, limits.tool_timeout_s
-                )
-                return episode.finish("tool_timeout", limits.failed_reward, tokenizer, seconds=limits.tool_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - the tool's failure ends its episode, recorded with it
-                log.warning("episode (%d, %d): step %d failed: %r", prompt_index, sample_index, index, exc)
-                return episode.finish("tool_error", limits.failed_reward, tokenizer, message=repr(exc))
-            finally:
-                record["tool_seconds"] += time.perf_counter() - began
-            if isinstance(answer, Done):
-                return episode.finish(answer.reason, answer.reward, tokenizer, **answer.info)
-            if not isinstance(answer, Observation):  # the environment's code is wrong, not its tool: loud
-                raise TypeError(f"{self.environment.__name__}.step returned {answer!r}: return an Observation or Done")
-            observed = self.markup.observation(answer, turn_ids)
-            if episode.length + len(observed) > limits.max_total_tokens:
-                return episode.finish("max_tokens", limits.failed_reward, tokenizer)
-            if index + 1 < limits.max_turns:
-                episode.add_observation(observed)
+        engine_id = None
+        try:
+            for index in range(limits.max_turns):
+                room = limits.max_total_tokens - episode.length
+                if room < 1:
+                    raise _Ends("max_tokens")
+                out, engine_id = await self._generate(episode, env, room, version, engine_id)
+                turn_ids = episode.add_turn(out, engine_id)
+                turn = Turn(index, tokenizer.decode(turn_ids), turn_ids, out["meta_info"]["finish_reason"], engine_id)
+                answer = await self._answer(episode, env, turn)
+                if isinstance(answer, Done):
+                    return episode.finish(answer.reason, answer.reward, tokenizer, **answer.info)
+                observed = self.markup.observation(answer, turn_ids)
+                if episode.length + len(observed) > limits.max_total_tokens:
+                    raise _Ends("max_tokens")
+                if index + 1 < limits.max_turns:
+                    episode.add_observation(observed)
+        except _Ends as end:
+            return episode.finish(end.reason, limits.failed_reward, tokenizer, **end.detail)
         return episode.finish("max_turns", limits.failed_reward, tokenizer)
+
+    async def _generate(self, episode: Episode, env, room: int, version: str, prefer: int | None):
+        """One turn's answer and its engine; an engine's 4xx ends the episode (`engine_rejected`)."""
+        ids = episode.sample.prompt_ids + episode.sample.output_ids
+        began = time.perf_counter()
+        try:
+            outs, engine_id = await self.fleet.router.generate(self._request(env, ids, room), version, prefer)
+        except EngineError as exc:
+            if not 400 <= exc.status_code < 500:
+                raise  # an engine that failed while alive, on every live engine: the router's call
+            s = episode.sample
+            log.warning(
+                "episode (%d, %d): the engine refused turn %d (%d tokens): HTTP %d: %s",
+                *(s.prompt_index, s.sample_index, s.turns, len(ids), exc.status_code, exc.message),
+            )
+            raise _Ends("engine_rejected", status=exc.status_code, message=exc.message) from exc
+        finally:
+            episode.timed("generate", began)
+        return outs[0], engine_id
+
+    async def _answer(self, episode: Episode, env, turn: Turn) -> Observation | Done:
+        """The environment's answer to a turn; a step past `tool_timeout_s` or one that raises ends the episode."""
+        where = f"episode ({episode.sample.prompt_index}, {episode.sample.sample_index}): step {turn.index}"
+        began = time.perf_counter()
+        try:
+            answer = await asyncio.wait_for(_step(env, turn), self.limits.tool_timeout_s)
+        except TimeoutError:
+            log.warning("%s passed %.1f s", where, self.limits.tool_timeout_s)
+            raise _Ends("tool_timeout", seconds=self.limits.tool_timeout_s) from None
+        except Exception as exc:  # noqa: BLE001 - the tool's failure ends its episode, recorded with it
+            log.warning("%s failed: %r", where, exc)
+            raise _Ends("tool_error", message=repr(exc)) from exc
+        finally:
+            episode.timed("tool", began)
+        if not isinstance(answer, (Observation, Done)):  # the environment's code is wrong, not its tool: loud
+            raise TypeError(f"{self.environment.__name__}.step returned {answer!r}: return an Observation or Done")
+        return answer
+
+
+class EngineRejectedAll(RuntimeError):
+    """Every episode of a rollout call ended `engine_rejected`: a misconfigured run, not an episode."""
+
+
+class _Ends(Exception):
+    """Ends an episode with `reason` (and its detail) and reward `failed_reward`."""
+
+    def __init__(self, reason: str, **detail):
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
 
 
 async def _step(env, turn: Turn):
@@ -150,20 +215,3 @@ async def _step(env, turn: Turn):
     if inspect.iscoroutinefunction(env.step):
         return await env.step(turn)
     return await asyncio.to_thread(env.step, turn)
-
-
-def episode_figures(samples: list[Sample]) -> dict:
-    """A step's episodes: turns, tokens, how they ended, and the share of their time spent in tools."""
-    tool = sum(s.episode.get("tool_seconds", 0.0) for s in samples)
-    busy = tool + sum(s.episode.get("generate_seconds", 0.0) for s in samples)
-    reasons: dict[str, int] = {}
-    for s in samples:
-        reasons[s.finish_reason.get("type", "?")] = reasons.get(s.finish_reason.get("type", "?"), 0) + 1
-    policy = sum(sum(s.loss_mask or []) for s in samples)
-    return {
-        "turns_mean": sum(s.turns for s in samples) / max(len(samples), 1),
-        "trajectory_tokens_mean": sum(len(s.output_ids) for s in samples) / max(len(samples), 1),
-        "policy_token_share": policy / max(sum(len(s.output_ids) for s in samples), 1),
-        "tool_wait_share": tool / busy if busy else 0.0,
-        "episode_finish": reasons,
-    }

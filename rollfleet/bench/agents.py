@@ -5,8 +5,10 @@
 A tiny chat model (hidden 64, 2 layers, ChatML) built in a temp directory, a Ray fleet of embedded
 engines, and `--episodes` episodes of rollfleet.envs.calculator at once (all in flight), each tool
 call taking `--tool-latency-ms` (a slow tool). Per repeat: trajectories/s and turns/s over the wall
-time, and the share of the episodes' time spent waiting on tools (the sum of their tool waits over
-the sum of their generate and tool waits; the rest is their generate calls).
+time, and what the tools cost (rollfleet.agents.figures): the share of the episodes' time spent
+waiting on tools (the sum of their tool waits over the sum of their generate and tool waits), the
+share of the rollout's wall time during which at least one episode waited on a tool, and the share
+during which only tools ran (no generate call in flight: the wall time the tools added).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 
 import ray
 
-from rollfleet.agents.rollout import AgentRollout, episode_figures
+from rollfleet.agents.figures import episode_figures
+from rollfleet.agents.rollout import AgentRollout
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.config import load_config
 from rollfleet.config.agent import AgentConfig
@@ -28,6 +31,8 @@ from rollfleet.data.prompts import PromptDataset
 from rollfleet.envs.calculator import Calculator
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.tiny_models import CHATML_TEMPLATE, make_tiny_model
+
+SUMMARY = ("trajectories_per_s", "turns_per_s", "tool_wait_share", "tool_wall_share", "tool_only_wall_share")
 
 
 def _pass(rollout: AgentRollout, items: list) -> dict:
@@ -42,6 +47,8 @@ def _pass(rollout: AgentRollout, items: list) -> dict:
         "turns_per_s": turns / wall,
         "turns_mean": figures["turns_mean"],
         "tool_wait_share": figures["tool_wait_share"],
+        "tool_wall_share": figures["tool_wall_share"],
+        "tool_only_wall_share": figures["tool_only_wall_share"],
         "finish": figures["episode_finish"],
     }
 
@@ -72,12 +79,14 @@ def main(argv: list[str] | None = None) -> None:
             fleet.shutdown()
             if owns_ray:
                 ray.shutdown()
-    summary = {key: spread([r[key] for r in rows]) for key in ("trajectories_per_s", "turns_per_s", "tool_wait_share")}
+    summary = {key: spread([r[key] for r in rows]) for key in SUMMARY}
     median = {key: statistics.median(r[key] for r in rows) for key in summary}
     print(
         f"agents: {args.episodes} episodes in flight, {args.engines} embedded engine(s) on CPU, tool "
         f"{args.tool_latency_ms:.0f} ms, median of {args.repeats}: {median['trajectories_per_s']:.1f} trajectories/s, "
-        f"{median['turns_per_s']:.1f} turns/s, {median['tool_wait_share']:.0%} of episode time waiting on tools"
+        f"{median['turns_per_s']:.1f} turns/s, {median['tool_wait_share']:.0%} of episode time waiting on tools; "
+        f"of the rollout's wall time, {median['tool_wall_share']:.0%} with an episode waiting on a tool, "
+        f"{median['tool_only_wall_share']:.0%} with only tools running (no generate in flight)"
     )
     config = {k: v for k, v in vars(args).items() if k != "json"}
     config["model"] = "tiny test model (hidden 64, 2 layers, ChatML), max_new_tokens 3 per turn, max_turns 3"

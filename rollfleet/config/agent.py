@@ -28,7 +28,9 @@ class AgentConfig(Section):
         "as 'tool_timeout' with reward failed_reward, and the run goes on.",
     )
     failed_reward: float = Field(
-        0.0, description="Reward of an episode that a limit, a tool timeout or a tool failure ended."
+        0.0,
+        description="Reward of an episode that a limit, a tool timeout, a tool failure or an engine's refusal "
+        "of a turn (a 4xx answer: 'engine_rejected') ended.",
     )
     max_in_flight: int = Field(64, ge=1, description="Episodes running at once (each its own generate calls).")
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import ray
 from rich.console import Console
 
-from rollfleet.agents.rollout import AgentRollout, episode_figures
+from rollfleet.agents.figures import episode_figures
+from rollfleet.agents.rollout import AgentRollout
 from rollfleet.config import ConfigError, RunConfig
 from rollfleet.data.arithmetic import make_arithmetic_records
 from rollfleet.data.prompts import PromptDataset, PromptItem

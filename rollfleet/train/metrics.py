@@ -157,11 +157,16 @@ def console_line(step: int, steps: int, m: dict) -> str:
 
 
 def _episodes_text(m: dict) -> str:
-    """Multi-turn episodes (grpo.environment): turns, and the share of their time spent in tools."""
+    """Multi-turn episodes (grpo.environment): turns, the share of their time spent in tools, and of
+    the rollout's wall time the share with a tool waited on and the share with only tools running."""
     if "episodes" not in m:
         return ""
     e = m["episodes"]
-    return f"  turns {e['turns_mean']:.2f}  tools {e['tool_wait_share']:.0%} of episode time"
+    text = f"  turns {e['turns_mean']:.2f}  tools {e['tool_wait_share']:.0%} of episode time"
+    text += f"; of rollout wall time {e['tool_wall_share']:.0%} with a tool running, "
+    text += f"{e['tool_only_wall_share']:.0%} with only tools running"
+    rejected = e.get("episode_finish", {}).get("engine_rejected", 0)
+    return text + (f"  {rejected} refused by the engine" if rejected else "")
 
 
 def _stream_text(m: dict) -> str:
