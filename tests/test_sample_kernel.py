@@ -1,0 +1,65 @@
+"""The fused sampling kernel (engine/sample_kernel.py) against the distribution and conventions of
+sampling.py's general path: greedy rows take the first argmax and the raw log_softmax, the others
+draw from softmax(logits / temperature) with that logprob.
+
+Runs where Triton runs: a CUDA device, or the CPU under Triton's interpreter (TRITON_INTERPRET=1,
+set here before Triton is imported) when triton is installed; CPU CI has none and skips, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton is not installed (torch's CPU wheel has none): the GPU check runs this")
+
+from rollfleet.engine import sample_kernel  # noqa: E402 - after TRITON_INTERPRET
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _run(logits, temperature, greedy, seed=1, block=16):
+    inverse = torch.tensor([1.0 / t for t in temperature], dtype=torch.float32, device=DEVICE)
+    flags = torch.tensor(greedy, dtype=torch.bool, device=DEVICE)
+    return sample_kernel.fused_sample(logits.to(DEVICE), inverse, flags, seed, block=block)
+
+
+def test_greedy_rows_take_the_first_argmax_and_the_raw_logprob():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 100) * 3
+    logits[1, 37] = logits[1, 90] = logits[1].max() + 1  # a tie across blocks: the first one wins
+    logits[2, 5] = logits[2, 6] = logits[2].max() + 1  # a tie inside a block
+    tokens, logprobs = _run(logits, [0.5] * 6, [True] * 6)  # a greedy row ignores its temperature
+    assert tokens.tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert tokens[1] == 37 and tokens[2] == 5
+    want = torch.log_softmax(logits, dim=-1).gather(1, tokens.cpu()[:, None])[:, 0]
+    torch.testing.assert_close(logprobs.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_draws_follow_softmax_over_temperature_with_its_logprob():
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0, -9.0, 1.5, 0.2, -0.3, 0.9, 2.5, -2.0, 0.0, 1.1, 0.4, 2.2])
+    rows, temperature = 1200, 0.8
+    logits = base.repeat(rows, 1)
+    tokens, logprobs = _run(logits, [temperature] * rows, [False] * rows, seed=12345)
+    expected = torch.softmax(base / temperature, dim=-1)
+    counts = torch.bincount(tokens.cpu(), minlength=base.numel()).double()
+    chi2 = (((counts - rows * expected) ** 2) / (rows * expected)).sum().item()
+    assert chi2 < 45.0, f"chi-square {chi2:.1f} over {base.numel() - 1} degrees of freedom (p < 1e-4 beyond 45)"
+    want = torch.log_softmax(base / temperature, dim=-1)[tokens.cpu()]
+    torch.testing.assert_close(logprobs.cpu(), want, atol=1e-5, rtol=1e-5)
+    again, _ = _run(logits, [temperature] * rows, [False] * rows, seed=12345)
+    other, _ = _run(logits, [temperature] * rows, [False] * rows, seed=54321)
+    assert torch.equal(again, tokens) and not torch.equal(other, tokens)  # the step's seed is the noise
+
+
+def test_a_banned_block_and_mixed_rows():
+    logits = torch.randn(4, 40)
+    logits[0, :16] = float("-inf")  # a whole block banned (min_new_tokens bans stop ids the same way)
+    tokens, logprobs = _run(logits, [1.0, 1.0, 0.7, 1.0], [True, False, False, True])
+    assert tokens[0] >= 16 and tokens[0] == torch.argmax(logits[0])
+    assert torch.isfinite(logprobs).all()
+    assert tokens[3] == torch.argmax(logits[3])
