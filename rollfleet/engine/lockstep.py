@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rollfleet.engine.model import ModelRunner
+ModelRunner = Any  # model.py's runner, not imported: the runner imports the KV cache, which imports Action
 
 log = logging.getLogger("rollfleet.engine")
 FAILED_BATCH_WAIT_S = 60.0
