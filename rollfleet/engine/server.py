@@ -330,7 +330,7 @@ def _start_follower(method: str, args, rank: int, store_port: int):
 
 def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: StartTimer) -> None:
     from rollfleet.engine.app import create_app
-    from rollfleet.engine.capacity import max_running_requests
+    from rollfleet.engine.kv.capacity import max_running_requests
     from rollfleet.engine.remote_pull import load_at_start
     from rollfleet.engine.scheduler import Scheduler
     from rollfleet.engine.service import EngineService
