@@ -22,9 +22,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 def _rank(rank: int, model_path: str, port: int, results) -> None:
     from transformers import AutoTokenizer
 
-    from rollfleet.engine.lockstep import Action, Lockstep, follow
     from rollfleet.engine.model import ModelRunner
     from rollfleet.engine.scheduler import Scheduler
+    from rollfleet.engine.tp.lockstep import Action, Lockstep, follow
     from rollfleet.wire.protocol import SamplingParams
 
     try:

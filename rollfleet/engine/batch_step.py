@@ -11,11 +11,11 @@ import torch
 
 from rollfleet.engine import admission_batch
 from rollfleet.engine.kv.steps import StepOutcome
-from rollfleet.engine.lockstep import Action
 from rollfleet.engine.logprobs import prefill_keep, take_input_logprobs
 from rollfleet.engine.next_token import StopRules, record_token
 from rollfleet.engine.sampling import Sampler
 from rollfleet.engine.sequence import Sequence, record_routes
+from rollfleet.engine.tp.lockstep import Action
 
 
 def advance_batch(

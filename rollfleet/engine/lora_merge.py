@@ -28,9 +28,9 @@ from rollfleet.engine.lora import (
     parse_adapter,
     read_adapter_dir,
 )
-from rollfleet.engine.payloads import PayloadError, decode_entry, named_tensors
-from rollfleet.engine.ranks import Ranks
-from rollfleet.engine.shards import local_of, shard_of
+from rollfleet.engine.tp.payloads import PayloadError, decode_entry, named_tensors
+from rollfleet.engine.tp.ranks import Ranks
+from rollfleet.engine.tp.shards import local_of, shard_of
 
 LORA_OFF = (
     "LoRA is off on this engine: start it with --enable-lora (and --max-lora-rank, --lora-target-modules as needed)"

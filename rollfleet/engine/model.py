@@ -27,10 +27,10 @@ from rollfleet.engine.kv.paged import PagedModel, paged_support
 from rollfleet.engine.load_prints import LoadPrints
 from rollfleet.engine.lora import LoraLimits
 from rollfleet.engine.lora_merge import LoraMerge
-from rollfleet.engine.ranks import Ranks
 from rollfleet.engine.remote_instance import RemoteInstance
 from rollfleet.engine.route_capture import RouteCapture
-from rollfleet.engine.shards import full_of, local_of, tensor_sha256
+from rollfleet.engine.tp.ranks import Ranks
+from rollfleet.engine.tp.shards import full_of, local_of, tensor_sha256
 from rollfleet.engine.weight_groups import WeightGroups, WeightUpdateError
 from rollfleet.engine.weight_storage import HostCopy, own_storages, unique_storages
 from rollfleet.engine.weight_update import SYNC_TIMING, WeightSchema, WeightUpdater

@@ -19,9 +19,9 @@ from torch import nn
 
 from rollfleet.engine.load_prints import LoadPrints
 from rollfleet.engine.lora_merge import LoraMerge
-from rollfleet.engine.payloads import first_line
-from rollfleet.engine.ranks import Ranks
-from rollfleet.engine.shards import local_of
+from rollfleet.engine.tp.payloads import first_line
+from rollfleet.engine.tp.ranks import Ranks
+from rollfleet.engine.tp.shards import local_of
 from rollfleet.engine.weight_groups import WeightUpdateError
 from rollfleet.engine.weight_update import WeightUpdater
 from rollfleet.wire.buckets import dtype_name

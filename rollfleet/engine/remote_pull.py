@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from rollfleet.engine.lockstep import Action
 from rollfleet.engine.service import BadRequest, EngineService
+from rollfleet.engine.tp.lockstep import Action
 from rollfleet.engine.weight_groups import WeightUpdateError
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.client import EngineClient, EngineError

@@ -12,8 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rollfleet.engine.payloads import first_line
-from rollfleet.engine.ranks import Ranks
+from rollfleet.engine.tp.payloads import first_line
+from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.wire.buckets import dtype_from_name, view_bytes_as
 from rollfleet.wire.group import join_weight_update_group
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rollfleet.engine.shards import local_of
+from rollfleet.engine.tp.shards import local_of
 
 Storages = list[tuple[torch.UntypedStorage, int]]  # (storage, bytes when resident)
 

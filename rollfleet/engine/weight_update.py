@@ -22,9 +22,9 @@ from torch import nn
 
 from rollfleet.engine.load_prints import LoadPrints
 from rollfleet.engine.lora_merge import LoraMerge
-from rollfleet.engine.payloads import PayloadError, decode_entry, named_tensors
-from rollfleet.engine.ranks import Ranks
-from rollfleet.engine.shards import local_of, shard_of
+from rollfleet.engine.tp.payloads import PayloadError, decode_entry, named_tensors
+from rollfleet.engine.tp.ranks import Ranks
+from rollfleet.engine.tp.shards import local_of, shard_of
 from rollfleet.engine.weight_groups import WeightGroups, WeightUpdateError, parse_specs
 from rollfleet.wire.hf_files import CheckpointReadError, read_checkpoint
 from rollfleet.wire.naming import checkpoint_to_model, model_to_checkpoint, plain_names

@@ -48,7 +48,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="ranks-apply-without-agreeing",
         claim="a weight update applies on every tp rank or on none",
-        file="rollfleet/engine/ranks.py",
+        file="rollfleet/engine/tp/ranks.py",
         old="refusals = sorted({r for r in self.gather(refusal) if r})",
         new="refusals = sorted({r for r in [self.gather(refusal)[self.rank]] if r})",
         tests=("tests/test_engine_weight_routes.py::test_bad_tensor_updates_change_nothing",),
@@ -150,7 +150,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="engine-follower-survives-failed-batch",
         claim="a tp follower whose batch action fails like rank 0's goes on with the next batch",
-        file="rollfleet/engine/lockstep.py",
+        file="rollfleet/engine/tp/lockstep.py",
         old="            if action in BATCH_ACTIONS:",
         new="            if False:",
         tests=(

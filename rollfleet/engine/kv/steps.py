@@ -30,11 +30,11 @@ import torch
 
 from rollfleet.engine.admission_batch import without
 from rollfleet.engine.kv.blocks import BlockPool, OutOfPages
-from rollfleet.engine.lockstep import Action
 from rollfleet.engine.logprobs import fill_input, input_positions
 from rollfleet.engine.next_token import StopRules, record_token
 from rollfleet.engine.sampling import Sampler
 from rollfleet.engine.sequence import Sequence
+from rollfleet.engine.tp.lockstep import Action
 from rollfleet.wire.protocol import FinishReason
 
 

@@ -9,10 +9,10 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollfleet.engine.lockstep import Action
 from rollfleet.engine.memory_tags import ReleasedTags
 from rollfleet.engine.scheduler import EngineStopped
 from rollfleet.engine.service import VERSION, BadRequest, Engine, EngineService
+from rollfleet.engine.tp.lockstep import Action
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.protocol import AbortRequest, MemoryRequest, PauseGenerationRequest
 

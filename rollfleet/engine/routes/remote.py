@@ -15,9 +15,9 @@ import logging
 
 from fastapi import APIRouter
 
-from rollfleet.engine.lockstep import Action
 from rollfleet.engine.remote_pull import SeedSource, load_from_seed
 from rollfleet.engine.service import BadRequest, Engine, EngineService
+from rollfleet.engine.tp.lockstep import Action
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.protocol import (
     InitWeightsSendGroupForRemoteInstanceRequest,

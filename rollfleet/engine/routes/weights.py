@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from rollfleet.engine.call_order import CallOrderError
-from rollfleet.engine.lockstep import Action
 from rollfleet.engine.service import Answer, BadRequest, Engine, EngineService
+from rollfleet.engine.tp.lockstep import Action
 from rollfleet.wire.protocol import (
     DestroyWeightsUpdateGroupRequest,
     GetWeightsByNameRequest,
