@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_stop_strings import ANY_IDS, TEXT, TEXTS, TOKENIZER, CountingTokenizer, encode, params
 
-from rollfleet.engine.next_token import StopRules
-from rollfleet.engine.sequence import Sequence
+from rollfleet.engine.sequences.next_token import StopRules
+from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.engine.stream_text import HELD_TOKENS, SETTLED_TOKENS, StreamText
 from rollfleet.wire.protocol import FinishReason
 

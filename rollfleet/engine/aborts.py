@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from rollfleet.engine.sequence import Sequence
+from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.wire.protocol import FinishReason
 
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from rollfleet.engine import admission_batch
 from rollfleet.engine.kv.steps import StepOutcome
-from rollfleet.engine.logprobs import prefill_keep, take_input_logprobs
-from rollfleet.engine.next_token import StopRules, record_token
-from rollfleet.engine.sampling import Sampler
-from rollfleet.engine.sequence import Sequence, record_routes
+from rollfleet.engine.sequences import admission_batch
+from rollfleet.engine.sequences.logprobs import prefill_keep, take_input_logprobs
+from rollfleet.engine.sequences.next_token import StopRules, record_token
+from rollfleet.engine.sequences.sampling import Sampler
+from rollfleet.engine.sequences.sequence import Sequence, record_routes
 from rollfleet.engine.tp.lockstep import Action
 
 

@@ -35,13 +35,13 @@ import torch
 
 from rollfleet.engine.aborts import Aborts
 from rollfleet.engine.admission import check_request
-from rollfleet.engine.admission_batch import without
 from rollfleet.engine.batch_step import DenseBatches
-from rollfleet.engine.logprobs import LogprobAsk
-from rollfleet.engine.next_token import StopRules
 from rollfleet.engine.pausing import Pausing
-from rollfleet.engine.sampling import Sampler
-from rollfleet.engine.sequence import (
+from rollfleet.engine.sequences.admission_batch import without
+from rollfleet.engine.sequences.logprobs import LogprobAsk
+from rollfleet.engine.sequences.next_token import StopRules
+from rollfleet.engine.sequences.sampling import Sampler
+from rollfleet.engine.sequences.sequence import (
     ControlAction,
     Sequence,
     mark_version_change,

@@ -26,7 +26,7 @@ from rollfleet.engine.lora_recency import AdapterRecency
 from rollfleet.engine.memory_tags import ReleasedTags
 from rollfleet.engine.model import ModelRunner
 from rollfleet.engine.scheduler import EngineStopped, Scheduler
-from rollfleet.engine.sequence import Sequence
+from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.engine.tp.lockstep import Lockstep
 from rollfleet.engine.weight_groups import WeightUpdateError
 from rollfleet.engine.weight_session import SYNC_IN_PROGRESS, WeightSessions

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from rollfleet.engine.sequence import Sequence, wire_result
+from rollfleet.engine.sequences.sequence import Sequence, wire_result
 from rollfleet.engine.service import dumps
 from rollfleet.engine.stream_text import StreamText
 

@@ -10,8 +10,8 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from rollfleet.engine.admission import unserved
-from rollfleet.engine.logprobs import LogprobAsk
 from rollfleet.engine.lora_merge import LORA_OFF
+from rollfleet.engine.sequences.logprobs import LogprobAsk
 from rollfleet.engine.service import Answer, BadRequest, Engine, EngineService, fail, validation_message
 from rollfleet.engine.streaming import answers, stream_response
 from rollfleet.wire.protocol import GenerateRequest, SamplingParams

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from rollfleet.engine.logprobs import LogprobAsk, LogprobRecord, meta_fields
-from rollfleet.engine.sampling import SampleRow, seed_key
+from rollfleet.engine.sequences.logprobs import LogprobAsk, LogprobRecord, meta_fields
+from rollfleet.engine.sequences.sampling import SampleRow, seed_key
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 from rollfleet.wire.routed_experts import encode_routed_experts
 

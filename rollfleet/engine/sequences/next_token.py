@@ -8,8 +8,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rollfleet.engine.logprobs import Row
-from rollfleet.engine.sequence import Sequence
+from rollfleet.engine.sequences.logprobs import Row
+from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.wire.protocol import FinishReason
 
 

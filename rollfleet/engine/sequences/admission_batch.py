@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from rollfleet.engine.sequence import Sequence
+from rollfleet.engine.sequences.sequence import Sequence
 
 
 def new_batch(waiting: deque[Sequence], max_running: int) -> tuple[str | None, list[Sequence], deque[Sequence]]:
