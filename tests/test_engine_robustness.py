@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from rollfleet.config import RolloutConfig
 from rollfleet.engine.app import create_app
 from rollfleet.engine.model import ModelRunner
-from rollfleet.engine.scheduler import Scheduler
+from rollfleet.engine.runtime.scheduler import Scheduler
 from rollfleet.engine.sequences.logprobs import LogprobAsk
 from rollfleet.engine.server import build_parser, check_args
 from rollfleet.engine.service import EngineService

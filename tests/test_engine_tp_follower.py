@@ -23,7 +23,7 @@ def _rank(rank: int, model_path: str, port: int, results) -> None:
     from transformers import AutoTokenizer
 
     from rollfleet.engine.model import ModelRunner
-    from rollfleet.engine.scheduler import Scheduler
+    from rollfleet.engine.runtime.scheduler import Scheduler
     from rollfleet.engine.tp.lockstep import Action, Lockstep, follow
     from rollfleet.wire.protocol import SamplingParams
 

@@ -332,7 +332,7 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: St
     from rollfleet.engine.app import create_app
     from rollfleet.engine.kv.capacity import max_running_requests
     from rollfleet.engine.remote_pull import load_at_start
-    from rollfleet.engine.scheduler import Scheduler
+    from rollfleet.engine.runtime.scheduler import Scheduler
     from rollfleet.engine.service import EngineService
 
     # The engine thread holds the GIL between short torch calls; the HTTP thread waits up to this long for

@@ -23,9 +23,9 @@ from pydantic import ValidationError
 
 from rollfleet.engine.call_order import CallOrder
 from rollfleet.engine.lora_recency import AdapterRecency
-from rollfleet.engine.memory_tags import ReleasedTags
 from rollfleet.engine.model import ModelRunner
-from rollfleet.engine.scheduler import EngineStopped, Scheduler
+from rollfleet.engine.runtime.memory_tags import ReleasedTags
+from rollfleet.engine.runtime.scheduler import EngineStopped, Scheduler
 from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.engine.tp.lockstep import Lockstep
 from rollfleet.engine.weight_groups import WeightUpdateError

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from rollfleet.engine.scheduler import Scheduler
+from rollfleet.engine.runtime.scheduler import Scheduler
 
 SELECTORS = ("all", "target", "draft")
 SYNC_IN_PROGRESS = "a weight-update session is in progress: requests wait for end_weight_update"

@@ -53,7 +53,7 @@ def preload(model_path: str | None) -> None:
     """Everything an engine start would import, so that a forked child imports nothing."""
     import rollfleet.engine.app  # noqa: F401
     import rollfleet.engine.remote_pull  # noqa: F401
-    import rollfleet.engine.scheduler  # noqa: F401
+    import rollfleet.engine.runtime.scheduler  # noqa: F401
     import rollfleet.engine.server  # noqa: F401  (torch, transformers, the model runner)
     import rollfleet.engine.service  # noqa: F401
 

@@ -104,7 +104,7 @@ class SamplingParams(_Lenient):
     sampling_seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     min_new_tokens: int = Field(0, ge=0)
     # SGLang's ranges; the embedded engine applies no penalty and refuses a value that is not neutral
-    # (rollfleet.engine.admission.NEUTRAL_PENALTIES): only the defaults reach here
+    # (rollfleet.engine.runtime.admission.NEUTRAL_PENALTIES): only the defaults reach here
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)

@@ -56,7 +56,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="update-does-not-wait-for-batch",
         claim="a weight update waits for the running batch",
-        file="rollfleet/engine/scheduler.py",
+        file="rollfleet/engine/runtime/scheduler.py",
         old="if action.needs_idle and self.running and not self.halted:",
         new="if False:",
         tests=("tests/test_engine_sessions.py::test_a_weight_update_waits_for_the_running_batch",),

@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 
-from rollfleet.engine.aborts import Aborts
-from rollfleet.engine.admission import check_request
-from rollfleet.engine.batch_step import DenseBatches
-from rollfleet.engine.pausing import Pausing
+from rollfleet.engine.runtime.aborts import Aborts
+from rollfleet.engine.runtime.admission import check_request
+from rollfleet.engine.runtime.batch_step import DenseBatches
+from rollfleet.engine.runtime.pausing import Pausing
+from rollfleet.engine.runtime.stepping import Stepping
 from rollfleet.engine.sequences.admission_batch import without
 from rollfleet.engine.sequences.logprobs import LogprobAsk
 from rollfleet.engine.sequences.next_token import StopRules
@@ -48,7 +49,6 @@ from rollfleet.engine.sequences.sequence import (
     sample_group,
     wire_result,
 )
-from rollfleet.engine.stepping import Stepping
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 log = logging.getLogger("rollfleet.engine")
