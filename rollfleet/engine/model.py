@@ -25,8 +25,8 @@ from transformers.distributed import DistributedConfig
 
 from rollfleet.engine.kv.paged import PagedModel, paged_support
 from rollfleet.engine.load_prints import LoadPrints
-from rollfleet.engine.lora import LoraLimits
-from rollfleet.engine.lora_merge import LoraMerge
+from rollfleet.engine.lora.lora import LoraLimits
+from rollfleet.engine.lora.lora_merge import LoraMerge
 from rollfleet.engine.remote_instance import RemoteInstance
 from rollfleet.engine.route_capture import RouteCapture
 from rollfleet.engine.tp.ranks import Ranks

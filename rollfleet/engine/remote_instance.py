@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rollfleet.engine.load_prints import LoadPrints
-from rollfleet.engine.lora_merge import LoraMerge
+from rollfleet.engine.lora.lora_merge import LoraMerge
 from rollfleet.engine.tp.payloads import first_line
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of

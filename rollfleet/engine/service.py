@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from rollfleet.engine.call_order import CallOrder
-from rollfleet.engine.lora_recency import AdapterRecency
+from rollfleet.engine.lora.lora_recency import AdapterRecency
 from rollfleet.engine.model import ModelRunner
 from rollfleet.engine.runtime.memory_tags import ReleasedTags
 from rollfleet.engine.runtime.scheduler import EngineStopped, Scheduler

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from rollfleet.engine.load_prints import LoadPrints
-from rollfleet.engine.lora_merge import LoraMerge
+from rollfleet.engine.lora.lora_merge import LoraMerge
 from rollfleet.engine.tp.payloads import PayloadError, decode_entry, named_tensors
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of, shard_of

@@ -295,7 +295,7 @@ class FinishReason(BaseModel):
 class LoadLoraAdapterRequest(_Lenient):
     lora_name: Utf8Str = Field(min_length=1)
     lora_path: Utf8Str  # a peft adapter directory: adapter_config.json + adapter_model.safetensors
-    pinned: bool = False  # never evicted past --max-loaded-loras (rollfleet.engine.lora_recency)
+    pinned: bool = False  # never evicted past --max-loaded-loras (rollfleet.engine.lora.lora_recency)
 
 
 class LoadLoraAdapterFromTensorsRequest(_Lenient):

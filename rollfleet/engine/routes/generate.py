@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from rollfleet.engine.lora_merge import LORA_OFF
+from rollfleet.engine.lora.lora_merge import LORA_OFF
 from rollfleet.engine.runtime.admission import unserved
 from rollfleet.engine.sequences.logprobs import LogprobAsk
 from rollfleet.engine.service import Answer, BadRequest, Engine, EngineService, fail, validation_message

@@ -3,7 +3,7 @@
 Loading only stores an adapter (the weights change when a batch asks for it), so it needs no idle
 engine. Unloading waits until no unfinished request uses the adapter, and new requests naming it
 are refused meanwhile. Past --max-loaded-loras a load evicts the least recently used unpinned
-adapters that way (rollfleet.engine.lora_recency); loads and unloads run one at a time.
+adapters that way (rollfleet.engine.lora.lora_recency); loads and unloads run one at a time.
 Answers: `{"success", "error_message", "loaded_adapters"}` (400 with `message` too on a refusal).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from rollfleet.engine.lora_merge import LORA_OFF
+from rollfleet.engine.lora.lora_merge import LORA_OFF
 from rollfleet.engine.service import BadRequest, Engine, EngineService
 from rollfleet.engine.tp.lockstep import Action
 from rollfleet.wire.protocol import LoadLoraAdapterFromTensorsRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
@@ -57,7 +57,7 @@ async def load_lora_adapter_from_tensors(req: LoadLoraAdapterFromTensorsRequest,
 
 async def load_and_evict(engine: EngineService, name: str, pinned: bool, **source):
     """Load an adapter; then, past --max-loaded-loras, unload the least recently used unpinned ones
-    (SGLang's order: rollfleet.engine.lora_recency), each after the requests using it finished."""
+    (SGLang's order: rollfleet.engine.lora.lora_recency), each after the requests using it finished."""
     limits = engine.runner.lora.limits
     max_loaded = limits.max_loaded if limits is not None else None
     async with engine.lora_lock:

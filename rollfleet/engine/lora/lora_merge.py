@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from rollfleet.engine.lora import (
+from rollfleet.engine.lora.lora import (
     TENSORS_PATH,
     LoraAdapter,
     LoraError,
