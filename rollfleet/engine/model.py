@@ -24,16 +24,16 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.distributed import DistributedConfig
 
 from rollfleet.engine.kv.paged import PagedModel, paged_support
-from rollfleet.engine.load_prints import LoadPrints
 from rollfleet.engine.lora.lora import LoraLimits
 from rollfleet.engine.lora.lora_merge import LoraMerge
-from rollfleet.engine.remote_instance import RemoteInstance
 from rollfleet.engine.route_capture import RouteCapture
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import full_of, local_of, tensor_sha256
-from rollfleet.engine.weight_groups import WeightGroups, WeightUpdateError
-from rollfleet.engine.weight_storage import HostCopy, own_storages, unique_storages
-from rollfleet.engine.weight_update import SYNC_TIMING, WeightSchema, WeightUpdater
+from rollfleet.engine.weights.load_prints import LoadPrints
+from rollfleet.engine.weights.remote_instance import RemoteInstance
+from rollfleet.engine.weights.weight_groups import WeightGroups, WeightUpdateError
+from rollfleet.engine.weights.weight_storage import HostCopy, own_storages, unique_storages
+from rollfleet.engine.weights.weight_update import SYNC_TIMING, WeightSchema, WeightUpdater
 from rollfleet.wire.fingerprint import Fingerprints
 from rollfleet.wire.naming import model_to_checkpoint
 

@@ -23,7 +23,7 @@ import httpx
 
 from rollfleet.engine.service import BadRequest, EngineService
 from rollfleet.engine.tp.lockstep import Action
-from rollfleet.engine.weight_groups import WeightUpdateError
+from rollfleet.engine.weights.weight_groups import WeightUpdateError
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.client import EngineClient, EngineError
 from rollfleet.wire.remote_instance import LAYOUT_ROUTE, destination_group_name, format_ports

@@ -21,15 +21,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from rollfleet.engine.call_order import CallOrder
 from rollfleet.engine.lora.lora_recency import AdapterRecency
 from rollfleet.engine.model import ModelRunner
 from rollfleet.engine.runtime.memory_tags import ReleasedTags
 from rollfleet.engine.runtime.scheduler import EngineStopped, Scheduler
 from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.engine.tp.lockstep import Lockstep
-from rollfleet.engine.weight_groups import WeightUpdateError
-from rollfleet.engine.weight_session import SYNC_IN_PROGRESS, WeightSessions
+from rollfleet.engine.weights.call_order import CallOrder
+from rollfleet.engine.weights.weight_groups import WeightUpdateError
+from rollfleet.engine.weights.weight_session import SYNC_IN_PROGRESS, WeightSessions
 
 VERSION = "0.1.0"
 

@@ -240,7 +240,7 @@ class UpdateWeightsFromDistributedRequest(_Lenient):
     abort_all_requests: bool = False
     weight_version: Utf8Str | None = None
     load_format: Literal["flattened_bucket"] | None = None
-    # rollfleet extension (rollfleet.engine.call_order): numbered calls run in number order
+    # rollfleet extension (rollfleet.engine.weights.call_order): numbered calls run in number order
     rollfleet_sync_id: Utf8Str | None = None
     rollfleet_call: int | None = Field(None, ge=0)
 

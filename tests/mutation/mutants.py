@@ -40,7 +40,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="session-commits-a-partial-sync",
         claim="an engine commits a sync's version only when every tensor arrived in the session",
-        file="rollfleet/engine/weight_session.py",
+        file="rollfleet/engine/weights/weight_session.py",
         old="missing = sorted(self._required - session.arrived)",
         new="missing = []",
         tests=("tests/test_engine_sessions.py::test_a_session_missing_one_tensor_is_not_served_until_a_complete_one",),

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rollfleet.engine.load_prints import LoadPrints
 from rollfleet.engine.lora.lora_merge import LoraMerge
 from rollfleet.engine.tp.payloads import first_line
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of
-from rollfleet.engine.weight_groups import WeightUpdateError
-from rollfleet.engine.weight_update import WeightUpdater
+from rollfleet.engine.weights.load_prints import LoadPrints
+from rollfleet.engine.weights.weight_groups import WeightUpdateError
+from rollfleet.engine.weights.weight_update import WeightUpdater
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.group import join_weight_update_group, wait_for_store
 from rollfleet.wire.remote_instance import parse_ports, rank_group_name

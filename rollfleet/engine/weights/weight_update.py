@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rollfleet.engine.load_prints import LoadPrints
 from rollfleet.engine.lora.lora_merge import LoraMerge
 from rollfleet.engine.tp.payloads import PayloadError, decode_entry, named_tensors
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of, shard_of
-from rollfleet.engine.weight_groups import WeightGroups, WeightUpdateError, parse_specs
+from rollfleet.engine.weights.load_prints import LoadPrints
+from rollfleet.engine.weights.weight_groups import WeightGroups, WeightUpdateError, parse_specs
 from rollfleet.wire.hf_files import CheckpointReadError, read_checkpoint
 from rollfleet.wire.naming import checkpoint_to_model, model_to_checkpoint, plain_names
 
@@ -94,7 +94,7 @@ class WeightUpdater:
 
     def mark_loaded(self) -> None:
         """Every tensor is whole again without a load through this class: received in place from a
-        seed (R-Fork, rollfleet.engine.remote_instance), or released weights back from their host copy."""
+        seed (R-Fork, rollfleet.engine.weights.remote_instance), or released weights back from their host copy."""
         self.loaded_names = set(self.schema.required_names)
 
     def drop_held_payloads(self) -> None:
