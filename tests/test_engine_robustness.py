@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from rollfleet.config import RolloutConfig
 from rollfleet.engine.app import create_app
-from rollfleet.engine.model import ModelRunner
+from rollfleet.engine.model.model import ModelRunner
 from rollfleet.engine.runtime.scheduler import Scheduler
 from rollfleet.engine.sequences.logprobs import LogprobAsk
 from rollfleet.engine.server import build_parser, check_args

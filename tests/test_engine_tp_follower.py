@@ -22,7 +22,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 def _rank(rank: int, model_path: str, port: int, results) -> None:
     from transformers import AutoTokenizer
 
-    from rollfleet.engine.model import ModelRunner
+    from rollfleet.engine.model.model import ModelRunner
     from rollfleet.engine.runtime.scheduler import Scheduler
     from rollfleet.engine.tp.lockstep import Action, Lockstep, follow
     from rollfleet.wire.protocol import SamplingParams

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from rollfleet.engine.lora.lora_recency import AdapterRecency
-from rollfleet.engine.model import ModelRunner
+from rollfleet.engine.model.model import ModelRunner
 from rollfleet.engine.runtime.memory_tags import ReleasedTags
 from rollfleet.engine.runtime.scheduler import EngineStopped, Scheduler
 from rollfleet.engine.sequences.sequence import Sequence

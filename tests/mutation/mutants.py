@@ -121,7 +121,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="engine-reads-released-weights",
         claim="weight reads after a weights release are refused with 400 and touch no freed memory",
-        file="rollfleet/engine/model.py",
+        file="rollfleet/engine/model/model.py",
         old="        if self.weights_released():\n            raise WeightUpdateError(\n",
         new="        if False:\n            raise WeightUpdateError(\n",
         tests=(

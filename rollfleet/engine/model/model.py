@@ -26,7 +26,7 @@ from transformers.distributed import DistributedConfig
 from rollfleet.engine.kv.paged import PagedModel, paged_support
 from rollfleet.engine.lora.lora import LoraLimits
 from rollfleet.engine.lora.lora_merge import LoraMerge
-from rollfleet.engine.route_capture import RouteCapture
+from rollfleet.engine.model.route_capture import RouteCapture
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import full_of, local_of, tensor_sha256
 from rollfleet.engine.weights.load_prints import LoadPrints
