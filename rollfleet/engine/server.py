@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from rollfleet.engine.http_server import RequestBodyLimit, run_server
+from rollfleet.engine.http.http_server import RequestBodyLimit, run_server
 from rollfleet.engine.kv.setup import add_kv_flags, check_kv_args, paged_options, start_paged
 from rollfleet.engine.lora.lora import LoraLimits
 from rollfleet.engine.model.model import ModelRunner, local_device, model_class
@@ -329,11 +329,11 @@ def _start_follower(method: str, args, rank: int, store_port: int):
 
 
 def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: StartTimer) -> None:
-    from rollfleet.engine.app import create_app
+    from rollfleet.engine.http.app import create_app
+    from rollfleet.engine.http.remote_pull import load_at_start
+    from rollfleet.engine.http.service import EngineService
     from rollfleet.engine.kv.capacity import max_running_requests
-    from rollfleet.engine.remote_pull import load_at_start
     from rollfleet.engine.runtime.scheduler import Scheduler
-    from rollfleet.engine.service import EngineService
 
     # The engine thread holds the GIL between short torch calls; the HTTP thread waits up to this long for
     # it after every socket call. 5 ms (the default) times the dozens of such calls a reply makes let a

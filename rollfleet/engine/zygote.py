@@ -51,11 +51,11 @@ REAP_EVERY_S = 0.05
 
 def preload(model_path: str | None) -> None:
     """Everything an engine start would import, so that a forked child imports nothing."""
-    import rollfleet.engine.app  # noqa: F401
-    import rollfleet.engine.remote_pull  # noqa: F401
+    import rollfleet.engine.http.app  # noqa: F401
+    import rollfleet.engine.http.remote_pull  # noqa: F401
+    import rollfleet.engine.http.service  # noqa: F401
     import rollfleet.engine.runtime.scheduler  # noqa: F401
     import rollfleet.engine.server  # noqa: F401  (torch, transformers, the model runner)
-    import rollfleet.engine.service  # noqa: F401
 
     if model_path:
         from rollfleet.engine.model.model import model_class

@@ -15,8 +15,8 @@ import logging
 
 from fastapi import APIRouter
 
-from rollfleet.engine.remote_pull import SeedSource, load_from_seed
-from rollfleet.engine.service import BadRequest, Engine, EngineService
+from rollfleet.engine.http.remote_pull import SeedSource, load_from_seed
+from rollfleet.engine.http.service import BadRequest, Engine, EngineService
 from rollfleet.engine.tp.lockstep import Action
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.protocol import (

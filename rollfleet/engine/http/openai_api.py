@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from rollfleet.engine.chat_messages import check_tool_calls, template_message
-from rollfleet.engine.chat_tools import check_tool_choice, check_tools, template_tool
+from rollfleet.engine.http.chat_messages import check_tool_calls, template_message
+from rollfleet.engine.http.chat_tools import check_tool_choice, check_tools, template_tool
 from rollfleet.engine.runtime.admission import unserved
 from rollfleet.wire.protocol import MAX_TOP_LOGPROBS, SEED_RANGE, GenerateRequest, Utf8Str, _Lenient
 

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError  # transformers renders chat templates with jinja2
 
-from rollfleet.engine.openai_api import (
+from rollfleet.engine.http.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -27,10 +27,10 @@ from rollfleet.engine.openai_api import (
     usage,
     weight_version_metadata,
 )
-from rollfleet.engine.routes.generate import submit_generate
-from rollfleet.engine.service import VERSION, Answer, BadRequest, Engine, EngineService
-from rollfleet.engine.streaming import DONE, progress, sse
-from rollfleet.engine.streaming import answers as answers_of
+from rollfleet.engine.http.routes.generate import submit_generate
+from rollfleet.engine.http.service import VERSION, Answer, BadRequest, Engine, EngineService
+from rollfleet.engine.http.streaming import DONE, progress, sse
+from rollfleet.engine.http.streaming import answers as answers_of
 
 router = APIRouter()
 

@@ -1,5 +1,5 @@
 """The embedded engine's HTTP app (SGLang's route names, fields and response shapes): the routes of
-rollfleet.engine.routes over one EngineService, SGLang's key check per route (rollfleet.wire.auth:
+rollfleet.engine.http.routes over one EngineService, SGLang's key check per route (rollfleet.wire.auth:
 --api-key, --admin-api-key), and errors as `{"success": false, "message": ...}` with a 4xx status.
 """
 
@@ -10,9 +10,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollfleet.engine.openai_api import error_body
-from rollfleet.engine.routes import control, generate, lora, openai, remote, weights
-from rollfleet.engine.service import VERSION, BadRequest, EngineService, fail, validation_message
+from rollfleet.engine.http.openai_api import error_body
+from rollfleet.engine.http.routes import control, generate, lora, openai, remote, weights
+from rollfleet.engine.http.service import VERSION, BadRequest, EngineService, fail, validation_message
 from rollfleet.wire.auth import refusal
 
 ROUTE_MODULES = (generate, weights, lora, control, remote, openai)

@@ -9,9 +9,9 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollfleet.engine.http.service import VERSION, BadRequest, Engine, EngineService
 from rollfleet.engine.runtime.memory_tags import ReleasedTags
 from rollfleet.engine.runtime.scheduler import EngineStopped
-from rollfleet.engine.service import VERSION, BadRequest, Engine, EngineService
 from rollfleet.engine.tp.lockstep import Action
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.protocol import AbortRequest, MemoryRequest, PauseGenerationRequest

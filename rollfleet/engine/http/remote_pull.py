@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from rollfleet.engine.service import BadRequest, EngineService
+from rollfleet.engine.http.service import BadRequest, EngineService
 from rollfleet.engine.tp.lockstep import Action
 from rollfleet.engine.weights.weight_groups import WeightUpdateError
 from rollfleet.wire.buckets import dtype_name

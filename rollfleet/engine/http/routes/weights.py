@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from rollfleet.engine.service import Answer, BadRequest, Engine, EngineService
+from rollfleet.engine.http.service import Answer, BadRequest, Engine, EngineService
 from rollfleet.engine.tp.lockstep import Action
 from rollfleet.engine.weights.call_order import CallOrderError
 from rollfleet.wire.protocol import (

@@ -9,11 +9,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from rollfleet.engine.http.service import Answer, BadRequest, Engine, EngineService, fail, validation_message
+from rollfleet.engine.http.streaming import answers, stream_response
 from rollfleet.engine.lora.lora_merge import LORA_OFF
 from rollfleet.engine.runtime.admission import unserved
 from rollfleet.engine.sequences.logprobs import LogprobAsk
-from rollfleet.engine.service import Answer, BadRequest, Engine, EngineService, fail, validation_message
-from rollfleet.engine.streaming import answers, stream_response
 from rollfleet.wire.protocol import GenerateRequest, SamplingParams
 
 router = APIRouter()

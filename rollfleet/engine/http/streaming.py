@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from rollfleet.engine.http.service import dumps
+from rollfleet.engine.http.stream_text import StreamText
 from rollfleet.engine.sequences.sequence import Sequence, wire_result
-from rollfleet.engine.service import dumps
-from rollfleet.engine.stream_text import StreamText
 
 DONE = b"data: [DONE]\n\n"
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from rollfleet.engine.http.service import BadRequest, Engine, EngineService
 from rollfleet.engine.lora.lora_merge import LORA_OFF
-from rollfleet.engine.service import BadRequest, Engine, EngineService
 from rollfleet.engine.tp.lockstep import Action
 from rollfleet.wire.protocol import LoadLoraAdapterFromTensorsRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
