@@ -24,9 +24,9 @@ from rollfleet.config import RolloutConfig
 from rollfleet.engine.http.app import create_app
 from rollfleet.engine.http.service import EngineService
 from rollfleet.engine.model.model import ModelRunner
+from rollfleet.engine.process.server import build_parser, check_args
 from rollfleet.engine.runtime.scheduler import Scheduler
 from rollfleet.engine.sequences.logprobs import LogprobAsk
-from rollfleet.engine.server import build_parser, check_args
 from rollfleet.engine.tp.lockstep import Lockstep
 from rollfleet.wire.buckets import iter_buckets
 from rollfleet.wire.hf_files import read_checkpoint

@@ -1,7 +1,7 @@
 """A tp=2 engine whose batch fails on every rank (rank 0 and its follower, two real processes over
 gloo): the batch's requests finish as aborted with the reason, the follower goes on, and the next
 batch runs on both ranks. The HTTP door refuses the failing input, so rank 0 submits straight to
-its scheduler, as rollfleet.engine.server does after the door."""
+its scheduler, as rollfleet.engine.process.server does after the door."""
 
 from __future__ import annotations
 

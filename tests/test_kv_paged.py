@@ -197,7 +197,7 @@ def test_prefills_that_only_wait_on_each_other_for_pages_preempt_the_last_admitt
     ],
 )
 def test_kv_flags_that_cannot_work_are_refused_naming_the_flag(qwen3_dir, flags, named, capsys):
-    from rollfleet.engine.server import build_parser, check_args
+    from rollfleet.engine.process.server import build_parser, check_args
 
     parser = build_parser()
     args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu", *flags])

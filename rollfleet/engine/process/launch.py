@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from rollfleet.engine.start_timing import spawn_env
-from rollfleet.engine.zygote_client import Zygote, ZygoteGone
+from rollfleet.engine.process.start_timing import spawn_env
+from rollfleet.engine.process.zygote_client import Zygote, ZygoteGone
 from rollfleet.wire.remote_instance import LOAD_FORMAT, ports_flag
 
 log = logging.getLogger("rollfleet.launch")
@@ -56,7 +56,7 @@ def embedded_argv(
     argv = [
         sys.executable,
         "-m",
-        "rollfleet.engine.server",
+        "rollfleet.engine.process.server",
         "--model-path",
         model_path,
         "--host",

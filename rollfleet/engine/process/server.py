@@ -1,4 +1,4 @@
-"""The embedded engine server: `python -m rollfleet.engine.server --model-path DIR [--tp-size N]`.
+"""The embedded engine server: `python -m rollfleet.engine.process.server --model-path DIR [--tp-size N]`.
 
 Process tree: the process you start is tp rank 0. With `--tp-size N` it spawns N-1 follower
 processes; together they form one torch.distributed group (gloo on CPU, NCCL on GPU, plus a
@@ -11,7 +11,7 @@ keeps serving.
 from __future__ import annotations
 
 # first: the imports below are a timed phase of the start (start_timing.py)
-from rollfleet.engine.start_timing import StartTimer
+from rollfleet.engine.process.start_timing import StartTimer
 
 # isort: split
 import argparse
@@ -31,7 +31,7 @@ from rollfleet.engine.http.http_server import RequestBodyLimit, run_server
 from rollfleet.engine.kv.setup import add_kv_flags, check_kv_args, paged_options, start_paged
 from rollfleet.engine.lora.lora import LoraLimits
 from rollfleet.engine.model.model import ModelRunner, local_device, model_class
-from rollfleet.engine.serving_flags import add_serving_flags
+from rollfleet.engine.process.serving_flags import add_serving_flags
 from rollfleet.engine.tp.lockstep import Action, Lockstep, follow
 from rollfleet.engine.weights.remote_args import add_remote_instance_flags, check_remote_instance_args
 from rollfleet.wire.net import free_port

@@ -1,13 +1,13 @@
 """The launcher's side of the zygote (zygote.py): start one, ask it for engines, follow their exits.
 
 A `Zygote` is owned by the process that launches engines (a fleet's engine-head worker). It starts
-`python -m rollfleet.engine.zygote` with a pipe to its stdin (so the zygote ends when its owner
+`python -m rollfleet.engine.process.zygote` with a pipe to its stdin (so the zygote ends when its owner
 does) and reads its answers on one thread. `fork(argv, env, log)` returns a `ForkedProcess`, which
 answers like `subprocess.Popen` (pid, poll, wait, returncode) although the engine is the zygote's
 child, not ours: its exit is seen through a pidfd, its exit code comes from the zygote that reaped it.
 
 `Zygote.connect(socket_path, log_path)` is the same launcher served by a sub-zygote of a shared
-zygote of this host (`python -m rollfleet.engine.zygote --listen SOCKET`): no imports to wait for.
+zygote of this host (`python -m rollfleet.engine.process.zygote --listen SOCKET`): no imports to wait for.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-ENGINE_MODULE = ["-m", "rollfleet.engine.server"]
+ENGINE_MODULE = ["-m", "rollfleet.engine.process.server"]
 SHARED_ZYGOTE_ENV = "ROLLFLEET_ZYGOTE_SOCKET"  # where a shared zygote of this host listens, if one does
 UNKNOWN_EXIT_CODE = -1  # the zygote that reaped the engine is gone before it said how it ended
 
@@ -36,7 +36,7 @@ class Zygote:
         """A zygote of our own; with `listen`, it also serves launchers that `connect` to that socket."""
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "rollfleet.engine.zygote"]
+        argv = [sys.executable, "-m", "rollfleet.engine.process.zygote"]
         if preload_model:
             argv += ["--preload-model", preload_model]
         if listen:
@@ -113,7 +113,7 @@ class Zygote:
         return not self._gone and (self.proc is None or self.proc.poll() is None)
 
     def fork(self, argv: list[str], env: dict[str, str], log_path: str | Path, timeout: float) -> ForkedProcess:
-        """Fork an embedded engine server (`argv` as for a spawn: python -m rollfleet.engine.server ...)."""
+        """Fork an embedded engine server (`argv` as for a spawn: python -m rollfleet.engine.process.server ...)."""
         if argv[1:3] != ENGINE_MODULE:
             raise ZygoteGone(f"the zygote starts only the embedded engine, not {' '.join(argv[1:3])}")
         if not self.ready.wait(timeout) or not self.is_alive() or not self.info:

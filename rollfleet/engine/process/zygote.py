@@ -1,11 +1,11 @@
 """A pre-imported engine launcher (a "zygote"): engine restarts without paying Python's imports.
 
-`python -m rollfleet.engine.zygote [--preload-model DIR]` imports torch, transformers and the
+`python -m rollfleet.engine.process.zygote [--preload-model DIR]` imports torch, transformers and the
 embedded engine's modules once (and the model's code), touches no device, opens no socket and
 starts no thread; then, for each request read from its stdin, it forks an engine server. The child
 makes a session of its own (a stop kills its process group: the engine and its tp followers),
 writes to its own log file, takes the request's environment (CUDA_VISIBLE_DEVICES included: CUDA
-is first touched after the fork) and runs `rollfleet.engine.server.main` with the request's argv.
+is first touched after the fork) and runs `rollfleet.engine.process.server.main` with the request's argv.
 Imports measured on GPU were 5-8 s of a 8-12 s restart; a forked start reports `imports` ~0 and
 `launch: zygote` in its start breakdown (start_timing.py).
 
@@ -44,7 +44,7 @@ import sys
 import time
 import traceback
 
-from rollfleet.engine.start_timing import FORKED_AT_ENV
+from rollfleet.engine.process.start_timing import FORKED_AT_ENV
 
 REAP_EVERY_S = 0.05
 
@@ -54,8 +54,8 @@ def preload(model_path: str | None) -> None:
     import rollfleet.engine.http.app  # noqa: F401
     import rollfleet.engine.http.remote_pull  # noqa: F401
     import rollfleet.engine.http.service  # noqa: F401
+    import rollfleet.engine.process.server  # noqa: F401  (torch, transformers, the model runner)
     import rollfleet.engine.runtime.scheduler  # noqa: F401
-    import rollfleet.engine.server  # noqa: F401  (torch, transformers, the model runner)
 
     if model_path:
         from rollfleet.engine.model.model import model_class
@@ -91,9 +91,9 @@ def _child(request: dict) -> None:
         os.environ[FORKED_AT_ENV] = repr(time.time())
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # its tp followers fork from it too
         _threads_from_env()
-        from rollfleet.engine import server
+        from rollfleet.engine.process import server
 
-        sys.argv = ["rollfleet.engine.server", *request["argv"]]
+        sys.argv = ["rollfleet.engine.process.server", *request["argv"]]
         code = 0
         server.main(request["argv"])
     except SystemExit as stop:  # argparse errors and a normal exit
@@ -207,7 +207,7 @@ def _listener(path: str) -> socket.socket:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m rollfleet.engine.zygote")
+    parser = argparse.ArgumentParser(prog="python -m rollfleet.engine.process.zygote")
     parser.add_argument("--preload-model", default=None, help="also import this model's code")
     parser.add_argument("--listen", default=None, help="also serve launchers that connect to this Unix socket")
     args = parser.parse_args()
