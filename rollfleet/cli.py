@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     if command == "train":
         train_command(rest)
     elif command == "serve":
-        from rollfleet.engine.server import main as serve
+        from rollfleet.engine.process.server import main as serve
 
         serve(rest)
     elif command == "bench" and rest[:1] == ["batching"]:

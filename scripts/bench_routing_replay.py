@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollfleet.engine.launch import EngineProcess, embedded_argv
+from rollfleet.engine.process.launch import EngineProcess, embedded_argv
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
 from rollfleet.wire.client import EngineClient

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from rollfleet.engine.launch import EngineProcess, embedded_argv
+from rollfleet.engine.process.launch import EngineProcess, embedded_argv
 from rollfleet.tiny_models import make_tokenizer, tiny_config
 from rollfleet.wire.client import EngineClient
 from rollfleet.wire.net import free_port

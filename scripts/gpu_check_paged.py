@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, ".")
 
-from rollfleet.engine.launch import EngineProcess, embedded_argv  # noqa: E402
+from rollfleet.engine.process.launch import EngineProcess, embedded_argv  # noqa: E402
 from rollfleet.tiny_models import make_tiny_model  # noqa: E402
 from rollfleet.wire.client import EngineClient  # noqa: E402
 from rollfleet.wire.net import free_port  # noqa: E402

@@ -23,7 +23,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import LoraSync, TensorSync
-from rollfleet.engine.launch import EngineProcess, embedded_argv
+from rollfleet.engine.process.launch import EngineProcess, embedded_argv
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.weights.adapter import LoraSource
 from rollfleet.weights.source import ModuleSource

@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM
 
 from rollfleet.bench.shapes import write_model
 from rollfleet.config import TensorSync
-from rollfleet.engine.launch import EngineProcess, embedded_argv
-from rollfleet.engine.zygote_client import Zygote
+from rollfleet.engine.process.launch import EngineProcess, embedded_argv
+from rollfleet.engine.process.zygote_client import Zygote
 from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import EngineTarget, make_transport
 from rollfleet.wire.net import free_port

@@ -22,8 +22,8 @@ from sleep_check import bare_sleeps
 from transformers import AutoModelForCausalLM
 from waits import WaitTimedOut, wait_until
 
-from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
-from rollfleet.engine.zygote_client import SHARED_ZYGOTE_ENV, Zygote
+from rollfleet.engine.process.launch import EngineProcess, PortInUse, embedded_argv
+from rollfleet.engine.process.zygote_client import SHARED_ZYGOTE_ENV, Zygote
 from rollfleet.tiny_models import make_tiny_model, tiny_config
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.client import EngineClient

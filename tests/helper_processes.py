@@ -13,7 +13,7 @@ PRELOAD = [
     "torch.distributed",
     "transformers",
     "rollfleet.train.fsdp",
-    "rollfleet.engine.scheduler",
+    "rollfleet.engine.runtime.scheduler",
     "rollfleet.weights.transports",
 ]
 

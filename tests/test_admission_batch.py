@@ -7,8 +7,8 @@ from collections import deque
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rollfleet.engine.admission_batch import joiners, new_batch
-from rollfleet.engine.sequence import Sequence
+from rollfleet.engine.sequences.admission_batch import joiners, new_batch
+from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.wire.protocol import SamplingParams
 
 

@@ -235,7 +235,7 @@ def raw_pickle(obj) -> bytes:
     ["sglang.srt.model_executor.model_runner_components.weight_updater", "sglang.srt.model_executor.model_runner"],
 )
 def test_verl_local_serialized_tensors_give_each_rank_its_own_tensor(monkeypatch, module):
-    from rollfleet.engine.payloads import PayloadError, named_tensors
+    from rollfleet.engine.tp.payloads import PayloadError, named_tensors
 
     wrapper = sglang_local_serialized_tensor(monkeypatch, module)
     per_rank = [torch.randn(3, 2), torch.randn(3, 2)]
@@ -255,7 +255,7 @@ def test_verl_local_serialized_tensors_give_each_rank_its_own_tensor(monkeypatch
 
 
 def test_local_serialized_tensor_refusals(monkeypatch):
-    from rollfleet.engine.payloads import PayloadError, named_tensors
+    from rollfleet.engine.tp.payloads import PayloadError, named_tensors
 
     module = "sglang.srt.model_executor.model_runner_components.weight_updater"
     wrapper = sglang_local_serialized_tensor(monkeypatch, module)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rollfleet.engine.call_order import CallOrder, CallOrderError
+from rollfleet.engine.weights.call_order import CallOrder, CallOrderError
 
 
 async def arrive(order: CallOrder, queued: list, sync_id, call, fail=False):

@@ -1,4 +1,4 @@
-"""The batch limit when --max-running-requests is not given (engine/capacity.py)."""
+"""The batch limit when --max-running-requests is not given (engine/kv/capacity.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rollfleet.engine.capacity import CPU_MAX_RUNNING_REQUESTS, kv_bytes_per_token, max_running_requests
+from rollfleet.engine.kv.capacity import CPU_MAX_RUNNING_REQUESTS, kv_bytes_per_token, max_running_requests
 from rollfleet.tiny_models import tiny_config
 
 

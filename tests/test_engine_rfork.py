@@ -15,7 +15,7 @@ import pytest
 from conftest import call, engine_server, engine_servers, run
 from waits import wait_until
 
-from rollfleet.engine.launch import RemoteSeed
+from rollfleet.engine.process.launch import RemoteSeed
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.wire.client import EngineClient, EngineError
 from rollfleet.wire.net import free_port

@@ -21,13 +21,13 @@ from torch.multiprocessing import reductions
 from transformers import AutoTokenizer
 
 from rollfleet.config import RolloutConfig
-from rollfleet.engine.app import create_app
-from rollfleet.engine.lockstep import Lockstep
-from rollfleet.engine.logprobs import LogprobAsk
-from rollfleet.engine.model import ModelRunner
-from rollfleet.engine.scheduler import Scheduler
-from rollfleet.engine.server import build_parser, check_args
-from rollfleet.engine.service import EngineService
+from rollfleet.engine.http.app import create_app
+from rollfleet.engine.http.service import EngineService
+from rollfleet.engine.model.model import ModelRunner
+from rollfleet.engine.process.server import build_parser, check_args
+from rollfleet.engine.runtime.scheduler import Scheduler
+from rollfleet.engine.sequences.logprobs import LogprobAsk
+from rollfleet.engine.tp.lockstep import Lockstep
 from rollfleet.wire.buckets import iter_buckets
 from rollfleet.wire.hf_files import read_checkpoint
 from rollfleet.wire.protocol import SamplingParams

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from conftest import engine_server, run
 
-from rollfleet.engine.server import main as server_main
+from rollfleet.engine.process.server import main as server_main
 from rollfleet.wire.auth import is_admin_route
 from rollfleet.wire.client import EngineClient
 

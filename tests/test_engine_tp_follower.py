@@ -1,7 +1,7 @@
 """A tp=2 engine whose batch fails on every rank (rank 0 and its follower, two real processes over
 gloo): the batch's requests finish as aborted with the reason, the follower goes on, and the next
 batch runs on both ranks. The HTTP door refuses the failing input, so rank 0 submits straight to
-its scheduler, as rollfleet.engine.server does after the door."""
+its scheduler, as rollfleet.engine.process.server does after the door."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 def _rank(rank: int, model_path: str, port: int, results) -> None:
     from transformers import AutoTokenizer
 
-    from rollfleet.engine.lockstep import Action, Lockstep, follow
-    from rollfleet.engine.model import ModelRunner
-    from rollfleet.engine.scheduler import Scheduler
+    from rollfleet.engine.model.model import ModelRunner
+    from rollfleet.engine.runtime.scheduler import Scheduler
+    from rollfleet.engine.tp.lockstep import Action, Lockstep, follow
     from rollfleet.wire.protocol import SamplingParams
 
     try:

@@ -1,7 +1,11 @@
 """Imports run one way: cli -> train -> agents -> fleet -> (engine, weights) -> wire -> config -> leaves (layout, ...).
 
 A module may import its own subpackage and any layer below its own; never a layer above, and
-never the other package of its own layer (engine and weights do not know each other)."""
+never the other package of its own layer (engine and weights do not know each other).
+
+Inside the engine its subpackages have layers too (ENGINE_LAYERS): process -> http -> model -> weights
+-> lora -> runtime -> kv -> sequences -> tp. An engine module imports its own subpackage and those
+below it, and lives in one of them (no flat modules in rollfleet/engine/)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,18 @@ LAYERS = {
     "layout": 0, "sample": 0, "data": 0, "rewards": 0, "tiny_models": 0, "__init__": 0,
 }  # fmt: skip
 
+ENGINE_LAYERS = {
+    "process": 8,  # server, launch, zygote, start timing, serving flags
+    "http": 7,  # app, routes, service, OpenAI, streaming, uvicorn, R-Fork's destination (drives service)
+    "model": 6,  # the runner on one tp rank: runs the weight updates, LoRA and the KV cache's forward
+    "weights": 5,  # updates, groups, storages, load prints, R-Fork's rank side; sessions hold the scheduler
+    "lora": 4,  # adapters, merge on activation (the weight updates reach the parameters through it)
+    "runtime": 3,  # rank 0's scheduler, its dense step, aborts, pausing, stepping, admission
+    "kv": 2,  # the paged KV cache (its steps use the sequences and lockstep)
+    "sequences": 1,  # samples, sampling, logprobs, stops, which samples batch together
+    "tp": 0, "__init__": 0,  # the tp ranks: lockstep, ranks, shards, payloads
+}  # fmt: skip
+
 
 def _unit(module: str) -> str:
     """The subpackage or top-level module of a dotted rollfleet module name."""
@@ -38,6 +54,48 @@ def _imports(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
     return [(line, name) for line, name in found if name == "rollfleet" or name.startswith("rollfleet.")]
+
+
+def _engine_unit(module: str) -> str | None:
+    """The engine subpackage of a dotted module name ("__init__" for rollfleet.engine); None outside the engine."""
+    parts = module.split(".")
+    if parts[:2] != ["rollfleet", "engine"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def _submodules(path: Path, root: Path) -> list[tuple[int, str]]:
+    """`_imports`, where `from rollfleet.engine import x` names x when x is a module of the tree under `root`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    extra = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                name = root / (node.module.replace(".", "/") + "/" + alias.name)
+                if name.is_dir() or name.with_suffix(".py").is_file():
+                    extra.append((node.lineno, f"{node.module}.{alias.name}"))
+    return _imports(path) + extra
+
+
+def _engine_violations(root: Path = PACKAGE.parent) -> list[str]:
+    """Imports between the engine's subpackages against ENGINE_LAYERS, for the tree under `root`."""
+    bad = []
+    for path in sorted((root / "rollfleet" / "engine").rglob("*.py")):
+        relative = path.relative_to(root).with_suffix("")
+        source = _engine_unit(".".join(relative.parts))
+        if source not in ENGINE_LAYERS:
+            bad.append(f"{relative}: put it in a subpackage of ENGINE_LAYERS in tests/test_imports.py")
+            continue
+        for line, module in _submodules(path, root):
+            target = _engine_unit(module)
+            if target is None or target == source:
+                continue
+            if target not in ENGINE_LAYERS:
+                bad.append(f"{relative}:{line} imports {module}: unknown engine subpackage {target!r}")
+            elif ENGINE_LAYERS[target] >= ENGINE_LAYERS[source] and target != "__init__":
+                way = "sideways" if ENGINE_LAYERS[target] == ENGINE_LAYERS[source] else "up"
+                bad.append(f"{relative}:{line} imports {module} ({way}: engine.{source} -> engine.{target})")
+    return bad
 
 
 def _violations() -> list[str]:
@@ -61,6 +119,28 @@ def _violations() -> list[str]:
 def test_imports_run_one_way():
     bad = _violations()
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_imports_inside_the_engine_run_one_way():
+    bad = _engine_violations()
+    assert not bad, "imports against the engine's layers (ENGINE_LAYERS):\n" + "\n".join(bad)
+
+
+def test_the_engine_check_sees_imports_up_and_flat_modules(tmp_path):
+    engine = tmp_path / "rollfleet" / "engine"
+    for package in ("tp", "kv", "http", "weights", "lora"):
+        (engine / package).mkdir(parents=True)
+        (engine / package / "__init__.py").write_text("")
+    (engine / "__init__.py").write_text("")
+    (engine / "http" / "app.py").write_text("from rollfleet.engine.tp import lockstep\n")  # down: fine
+    (engine / "kv" / "steps.py").write_text("def f():\n    from rollfleet.engine.http.app import x\n")
+    (engine / "lora" / "merge.py").write_text("from rollfleet.engine import weights\n")
+    (engine / "flat.py").write_text("")
+    assert _engine_violations(tmp_path) == [
+        "rollfleet/engine/flat: put it in a subpackage of ENGINE_LAYERS in tests/test_imports.py",
+        "rollfleet/engine/kv/steps:2 imports rollfleet.engine.http.app (up: engine.kv -> engine.http)",
+        "rollfleet/engine/lora/merge:1 imports rollfleet.engine.weights (up: engine.lora -> engine.weights)",
+    ]
 
 
 def test_the_check_sees_function_level_imports(tmp_path):

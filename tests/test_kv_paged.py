@@ -155,10 +155,10 @@ def test_prefills_that_only_wait_on_each_other_for_pages_preempt_the_last_admitt
     """Two long prompts mid-prefill hold every page and neither can take its next chunk (nothing
     decodes to free any): the one admitted last gives its pages back and waits, the first goes on."""
     from rollfleet.engine.kv.steps import PagedBatches
-    from rollfleet.engine.logprobs import LogprobAsk
-    from rollfleet.engine.next_token import StopRules
-    from rollfleet.engine.sampling import Sampler
-    from rollfleet.engine.sequence import sample_group
+    from rollfleet.engine.sequences.logprobs import LogprobAsk
+    from rollfleet.engine.sequences.next_token import StopRules
+    from rollfleet.engine.sequences.sampling import Sampler
+    from rollfleet.engine.sequences.sequence import sample_group
     from rollfleet.wire.protocol import SamplingParams
 
     fed = []
@@ -197,7 +197,7 @@ def test_prefills_that_only_wait_on_each_other_for_pages_preempt_the_last_admitt
     ],
 )
 def test_kv_flags_that_cannot_work_are_refused_naming_the_flag(qwen3_dir, flags, named, capsys):
-    from rollfleet.engine.server import build_parser, check_args
+    from rollfleet.engine.process.server import build_parser, check_args
 
     parser = build_parser()
     args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu", *flags])

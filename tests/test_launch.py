@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from rollfleet.config import ConfigError, load_config
-from rollfleet.engine.launch import EngineLaunch, engine_argv, engine_env
+from rollfleet.engine.process.launch import EngineLaunch, engine_argv, engine_env
 
 
 def rollout(*overrides):
@@ -56,7 +56,7 @@ def test_embedded_and_sglang_differ_only_in_the_program():
     base = ["rollout.tp_size=2", "rollout.ep_size=2"]
     embedded = engine_argv(rollout(*base), EngineLaunch(port=5))
     sglang = engine_argv(rollout("rollout.backend=sglang", *base), EngineLaunch(port=5))
-    assert embedded[:3] == [sys.executable, "-m", "rollfleet.engine.server"]
+    assert embedded[:3] == [sys.executable, "-m", "rollfleet.engine.process.server"]
     for name in ("--model-path", "--host", "--port", "--tp-size", "--ep-size", "--load-format", "--base-gpu-id"):
         assert flag(embedded, name) == flag(sglang, name), name
 
@@ -94,8 +94,8 @@ def test_nccl_and_tensor_with_pipeline_parallel_are_refused_naming_disk():
 def test_a_remote_seed_becomes_sglangs_three_flags(backend):
     """R-Fork at start: the same flags, in SGLang's formats (the group ports as a JSON list), for both
     backends; the embedded server parses them as SGLang does and checks one port per tp rank."""
-    from rollfleet.engine.launch import RemoteSeed
-    from rollfleet.engine.server import build_parser, check_args
+    from rollfleet.engine.process.launch import RemoteSeed
+    from rollfleet.engine.process.server import build_parser, check_args
 
     cfg = rollout(f"rollout.backend={backend}", "rollout.tp_size=2")
     seed = RemoteSeed("10.0.0.7", 30001, (29600, 29601))
@@ -133,7 +133,7 @@ def test_a_port_another_engine_serves_is_not_taken_for_ours(qwen3_server, qwen3_
     for its own, which exits with "address in use"."""
     from conftest import shared_zygote
 
-    from rollfleet.engine.launch import EngineProcess, PortInUse, embedded_argv
+    from rollfleet.engine.process.launch import EngineProcess, PortInUse, embedded_argv
 
     port = qwen3_server.port
     late = EngineProcess(

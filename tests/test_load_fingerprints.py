@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from safetensors.torch import load_file
 
-from rollfleet.engine.model import ModelRunner
+from rollfleet.engine.model.model import ModelRunner
 from rollfleet.wire.fingerprint import fingerprints
 
 

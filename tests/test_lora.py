@@ -23,9 +23,9 @@ from transformers import AutoModelForCausalLM
 from waits import wait_until
 
 from rollfleet.config import LoraSync, TensorSync, load_config
-from rollfleet.engine.launch import EngineProcess
-from rollfleet.engine.lora import LoraError, LoraLimits, linear_targets, parse_adapter
-from rollfleet.engine.server import build_parser, check_args
+from rollfleet.engine.lora.lora import LoraError, LoraLimits, linear_targets, parse_adapter
+from rollfleet.engine.process.launch import EngineProcess
+from rollfleet.engine.process.server import build_parser, check_args
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.tiny_models import tiny_config
 from rollfleet.weights.adapter import LoraSource, save_adapter

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import _reference_model, call, engine_servers, shared_zygote
 
-from rollfleet.engine.launch import EngineProcess, EngineStartError, embedded_argv
+from rollfleet.engine.process.launch import EngineProcess, EngineStartError, embedded_argv
 from rollfleet.wire.net import free_port
 from rollfleet.wire.routed_experts import decode_routed_experts, encode_routed_experts
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollfleet.engine.sampling import Sampler, SampleRow, _filter, hashed_uniform, seed_key
+from rollfleet.engine.sequences.sampling import Sampler, SampleRow, _filter, hashed_uniform, seed_key
 from rollfleet.wire.protocol import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rollfleet.engine.app import ROUTE_MODULES
+from rollfleet.engine.http.app import ROUTE_MODULES
 from rollfleet.wire.auth import ROLLFLEET_PREFIX, SGLANG_ADMIN_ROUTES, is_admin_route, key_for, refusal
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,8 +8,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollfleet.engine.next_token import StopRules
-from rollfleet.engine.sequence import Sequence
+from rollfleet.engine.sequences.next_token import StopRules
+from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.tiny_models import make_tokenizer
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 

@@ -1,4 +1,4 @@
-"""Streamed text (engine/stream_text.py, streaming.progress): every chunk's text is a prefix of the
+"""Streamed text (engine/http/stream_text.py, streaming.progress): every chunk's text is a prefix of the
 finished answer's and the chunks add up to it exactly (stop strings trimmed or kept, special tokens
 skipped or kept, characters whose bytes come in several tokens), and a chunk decodes a bounded
 window of tokens however long the output is. First with the byte-level tokenizer of the tiny
@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_stop_strings import ANY_IDS, TEXT, TEXTS, TOKENIZER, CountingTokenizer, encode, params
 
-from rollfleet.engine.next_token import StopRules
-from rollfleet.engine.sequence import Sequence
-from rollfleet.engine.stream_text import HELD_TOKENS, SETTLED_TOKENS, StreamText
+from rollfleet.engine.http.stream_text import HELD_TOKENS, SETTLED_TOKENS, StreamText
+from rollfleet.engine.sequences.next_token import StopRules
+from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.wire.protocol import FinishReason
 
 REPLACEMENT_IDS = [i for i in range(len(TOKENIZER)) if TOKENIZER.decode([i]) == "\ufffd"]  # bytes of no character

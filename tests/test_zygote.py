@@ -1,4 +1,4 @@
-"""The zygote (rollfleet/engine/zygote.py) with real engine processes on CPU: a forked engine imports
+"""The zygote (rollfleet/engine/process/zygote.py) with real engine processes on CPU: a forked engine imports
 nothing (its start breakdown says so), serves the model's greedy answer, is killed with its tp
 follower and reaped (no zombie), comes back forked again; a zygote that is gone means a plain spawn,
 and the engine's log says why. A sub-zygote of the run's shared zygote (what the fleets' workers
@@ -14,8 +14,8 @@ import httpx
 import pytest
 from conftest import reference_greedy, shared_zygote
 
-from rollfleet.engine.launch import EngineProcess, embedded_argv
-from rollfleet.engine.zygote_client import SHARED_ZYGOTE_ENV, Zygote
+from rollfleet.engine.process.launch import EngineProcess, embedded_argv
+from rollfleet.engine.process.zygote_client import SHARED_ZYGOTE_ENV, Zygote
 from rollfleet.wire.net import free_port
 
 PROMPT = [4, 8, 15, 16]

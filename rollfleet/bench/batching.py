@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
-from rollfleet.engine.launch import EngineProcess, embedded_argv
+from rollfleet.engine.process.launch import EngineProcess, embedded_argv
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.wire.client import EngineClient
 from rollfleet.wire.net import free_port

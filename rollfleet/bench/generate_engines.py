@@ -5,7 +5,7 @@ one per engine and case, so no GPU memory or allocator state passes from one to 
         --repeats 2 --device cuda --dtype bfloat16 --out FILE.json
 
 ENGINE is one of:
-- embedded: `python -m rollfleet.engine.server` started from here (forked from a shared zygote where
+- embedded: `python -m rollfleet.engine.process.server` started from here (forked from a shared zygote where
   the environment names one, else spawned), driven over HTTP as a GRPO step drives it: one /generate
   per prompt with `input_ids`, sampling_params n, max_new_tokens, temperature 1, ignore_eos, and
   return_logprob, all sent at once so the engine batches them;
@@ -46,8 +46,8 @@ def _sync(device: str) -> None:
 
 # ---- embedded engine over HTTP ----------------------------------------------------------------------
 def run_embedded(args, prompts: list[list[int]]) -> list[dict]:
-    from rollfleet.engine.launch import EngineProcess, embedded_argv
-    from rollfleet.engine.zygote_client import Zygote
+    from rollfleet.engine.process.launch import EngineProcess, embedded_argv
+    from rollfleet.engine.process.zygote_client import Zygote
     from rollfleet.wire.net import free_port
 
     port, log = free_port(), Path(args.out).with_suffix(".engine.log")

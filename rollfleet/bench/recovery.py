@@ -21,7 +21,7 @@ path the pull, with the seed's fingerprints read first), `verify` the fleet's fi
 ACTIVE) is the sum of all of them.
 
 `restart` is split again by the restarted engine itself (its /get_server_info "start_breakdown",
-engine/start_timing.py; the slowest engine when two restart): spawn, imports, model code, device and
+engine/process/start_timing.py; the slowest engine when two restart): spawn, imports, model code, device and
 process group, model build (construction + weight allocation), tokenizer, server set-up, listening;
 `outside` is the rest of `restart` (stopping the dead process, Ray calls, seeing the engine up).
 

@@ -31,9 +31,9 @@ from rollfleet.bench.raw_ceiling import measure_raw, model_for
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.bench.shapes import add_vocab_flag, bench_tokenizer
 from rollfleet.config import DiskSync, NcclSync, TensorSync
-from rollfleet.engine.launch import EngineProcess, embedded_argv
-from rollfleet.engine.server import dump_stacks_if_hung
-from rollfleet.engine.zygote_client import Zygote
+from rollfleet.engine.process.launch import EngineProcess, embedded_argv
+from rollfleet.engine.process.server import dump_stacks_if_hung
+from rollfleet.engine.process.zygote_client import Zygote
 from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import EngineTarget, make_transport

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 import ray
 
-from rollfleet.engine.launch import RemoteSeed
+from rollfleet.engine.process.launch import RemoteSeed
 from rollfleet.fleet.lifecycle import EngineSlot, EngineState
 from rollfleet.weights.transports import SyncReport
 from rollfleet.weights.transports.base import transport_class

@@ -6,7 +6,7 @@ stays as Ray set it) and base_gpu_id 0 relative to that list. Workers with tp_ra
 they hold their GPU in the placement group, open no port, start no process, and every rollout
 verb returns at once.
 
-An embedded engine head keeps a zygote (rollfleet.engine.zygote: torch, transformers and the engine
+An embedded engine head keeps a zygote (rollfleet.engine.process.zygote: torch, transformers and the engine
 imported once) from its creation on, and starts its engine from it, first start, restarts and
 standbys alike; when the zygote is gone the engine is spawned (the log says why) and a new zygote
 is started once the engine is up. The zygote ends with its worker (its stdin is the worker's pipe).
@@ -22,8 +22,8 @@ from pathlib import Path
 import ray
 
 from rollfleet.config import RolloutConfig
-from rollfleet.engine.launch import EngineLaunch, EngineProcess, PortInUse, RemoteSeed, engine_argv, engine_env
-from rollfleet.engine.zygote_client import Zygote
+from rollfleet.engine.process.launch import EngineLaunch, EngineProcess, PortInUse, RemoteSeed, engine_argv, engine_env
+from rollfleet.engine.process.zygote_client import Zygote
 from rollfleet.layout import RankInfo
 from rollfleet.wire.net import free_port
 

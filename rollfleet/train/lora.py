@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rollfleet.config import ConfigError, TrainConfig
 from rollfleet.config.lora import LoraTrainConfig
-from rollfleet.engine.lora import linear_targets, why_not_targetable
+from rollfleet.engine.lora.lora import linear_targets, why_not_targetable
 from rollfleet.weights.adapter import LoraSource, save_adapter
 
 

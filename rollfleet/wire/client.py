@@ -196,7 +196,7 @@ class EngineClient(GenerationRoutes):
         """Announce the broadcasts the sender makes now (dtypes by name: "bfloat16"; see
         rollfleet.wire.buckets.dtype_name). load_format None: one broadcast per tensor;
         "flattened_bucket": one uint8 broadcast of all their bytes, in order. `order`: (sync id,
-        call number) for engines with `rollfleet_ordered_weight_calls` (rollfleet.engine.call_order)."""
+        call number) for engines with `rollfleet_ordered_weight_calls` (rollfleet.engine.weights.call_order)."""
         payload = {
             "names": names,
             "dtypes": dtypes,

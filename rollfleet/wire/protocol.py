@@ -104,7 +104,7 @@ class SamplingParams(_Lenient):
     sampling_seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     min_new_tokens: int = Field(0, ge=0)
     # SGLang's ranges; the embedded engine applies no penalty and refuses a value that is not neutral
-    # (rollfleet.engine.admission.NEUTRAL_PENALTIES): only the defaults reach here
+    # (rollfleet.engine.runtime.admission.NEUTRAL_PENALTIES): only the defaults reach here
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
@@ -240,7 +240,7 @@ class UpdateWeightsFromDistributedRequest(_Lenient):
     abort_all_requests: bool = False
     weight_version: Utf8Str | None = None
     load_format: Literal["flattened_bucket"] | None = None
-    # rollfleet extension (rollfleet.engine.call_order): numbered calls run in number order
+    # rollfleet extension (rollfleet.engine.weights.call_order): numbered calls run in number order
     rollfleet_sync_id: Utf8Str | None = None
     rollfleet_call: int | None = Field(None, ge=0)
 
@@ -295,7 +295,7 @@ class FinishReason(BaseModel):
 class LoadLoraAdapterRequest(_Lenient):
     lora_name: Utf8Str = Field(min_length=1)
     lora_path: Utf8Str  # a peft adapter directory: adapter_config.json + adapter_model.safetensors
-    pinned: bool = False  # never evicted past --max-loaded-loras (rollfleet.engine.lora_recency)
+    pinned: bool = False  # never evicted past --max-loaded-loras (rollfleet.engine.lora.lora_recency)
 
 
 class LoadLoraAdapterFromTensorsRequest(_Lenient):

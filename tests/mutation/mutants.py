@@ -40,7 +40,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="session-commits-a-partial-sync",
         claim="an engine commits a sync's version only when every tensor arrived in the session",
-        file="rollfleet/engine/weight_session.py",
+        file="rollfleet/engine/weights/weight_session.py",
         old="missing = sorted(self._required - session.arrived)",
         new="missing = []",
         tests=("tests/test_engine_sessions.py::test_a_session_missing_one_tensor_is_not_served_until_a_complete_one",),
@@ -48,7 +48,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="ranks-apply-without-agreeing",
         claim="a weight update applies on every tp rank or on none",
-        file="rollfleet/engine/ranks.py",
+        file="rollfleet/engine/tp/ranks.py",
         old="refusals = sorted({r for r in self.gather(refusal) if r})",
         new="refusals = sorted({r for r in [self.gather(refusal)[self.rank]] if r})",
         tests=("tests/test_engine_weight_routes.py::test_bad_tensor_updates_change_nothing",),
@@ -56,7 +56,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="update-does-not-wait-for-batch",
         claim="a weight update waits for the running batch",
-        file="rollfleet/engine/scheduler.py",
+        file="rollfleet/engine/runtime/scheduler.py",
         old="if action.needs_idle and self.running and not self.halted:",
         new="if False:",
         tests=("tests/test_engine_sessions.py::test_a_weight_update_waits_for_the_running_batch",),
@@ -121,7 +121,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="engine-reads-released-weights",
         claim="weight reads after a weights release are refused with 400 and touch no freed memory",
-        file="rollfleet/engine/model.py",
+        file="rollfleet/engine/model/model.py",
         old="        if self.weights_released():\n            raise WeightUpdateError(\n",
         new="        if False:\n            raise WeightUpdateError(\n",
         tests=(
@@ -150,7 +150,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         id="engine-follower-survives-failed-batch",
         claim="a tp follower whose batch action fails like rank 0's goes on with the next batch",
-        file="rollfleet/engine/lockstep.py",
+        file="rollfleet/engine/tp/lockstep.py",
         old="            if action in BATCH_ACTIONS:",
         new="            if False:",
         tests=(

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from rollfleet.engine.admission_batch import without
 from rollfleet.engine.kv.blocks import BlockPool, OutOfPages
-from rollfleet.engine.lockstep import Action
-from rollfleet.engine.logprobs import fill_input, input_positions
-from rollfleet.engine.next_token import StopRules, record_token
-from rollfleet.engine.sampling import Sampler
-from rollfleet.engine.sequence import Sequence
+from rollfleet.engine.sequences.admission_batch import without
+from rollfleet.engine.sequences.logprobs import fill_input, input_positions
+from rollfleet.engine.sequences.next_token import StopRules, record_token
+from rollfleet.engine.sequences.sampling import Sampler
+from rollfleet.engine.sequences.sequence import Sequence
+from rollfleet.engine.tp.lockstep import Action
 from rollfleet.wire.protocol import FinishReason
 
 

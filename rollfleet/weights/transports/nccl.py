@@ -9,7 +9,7 @@ without waiting for it: call k+1 is packed while call k is on the wire (two reus
 while connected: the sender's extra memory is two buckets).
 An engine must run the calls in broadcast order, and two requests in flight may reach it in either
 order. Engines that advertise `rollfleet_ordered_weight_calls` (the embedded one) take numbered
-calls and run them in number order (rollfleet.engine.call_order), so call k+1 is announced while
+calls and run them in number order (rollfleet.engine.weights.call_order), so call k+1 is announced while
 call k is on the wire. Others (SGLang) get call k+1 once every engine has answered call k (an
 engine answers when its receive is posted). A join that does not complete in time fails with the
 group, the ranks and the address named, instead of hanging. Engines with weight-update sessions get
@@ -89,7 +89,7 @@ class NcclTransport(Transport):
                 f"(world_size={self.world_size}; sender rank 0; engine ranks {ranks}): {exc}; check that every "
                 "engine can reach the address and that nothing else uses the port"
             ) from exc
-        # Engines that run numbered calls in order (rollfleet.engine.call_order) take the next
+        # Engines that run numbered calls in order (rollfleet.engine.weights.call_order) take the next
         # calls' announcements while a call is on the wire; others (SGLang) get one call at a time.
         ordered = all(info.get("rollfleet_ordered_weight_calls") for info in infos)
         self.calls_ahead = CALLS_AHEAD if ordered else 1

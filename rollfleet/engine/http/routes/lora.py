@@ -1,0 +1,97 @@
+"""LoRA adapter routes.
+
+Loading only stores an adapter (the weights change when a batch asks for it), so it needs no idle
+engine. Unloading waits until no unfinished request uses the adapter, and new requests naming it
+are refused meanwhile. Past --max-loaded-loras a load evicts the least recently used unpinned
+adapters that way (rollfleet.engine.lora.lora_recency); loads and unloads run one at a time.
+Answers: `{"success", "error_message", "loaded_adapters"}` (400 with `message` too on a refusal).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from rollfleet.engine.http.service import BadRequest, Engine, EngineService
+from rollfleet.engine.lora.lora_merge import LORA_OFF
+from rollfleet.engine.tp.lockstep import Action
+from rollfleet.wire.protocol import LoadLoraAdapterFromTensorsRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+
+router = APIRouter()
+
+
+def lora_reply(engine: EngineService, error: str | None = None):
+    body = {"success": error is None, "error_message": error or "", "loaded_adapters": engine.loaded_adapters()}
+    return body if error is None else JSONResponse({**body, "message": error}, status_code=400)
+
+
+async def lora_control(engine: EngineService, action: Action, *, waits_for=None, **kwargs):
+    if engine.runner.lora.limits is None:
+        return lora_reply(engine, LORA_OFF)
+    try:
+        await engine.control(lambda: engine.lockstep(action, **kwargs), needs_idle=False, waits_for=waits_for)
+    except BadRequest as exc:
+        return lora_reply(engine, exc.message)
+    return lora_reply(engine)
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(req: LoadLoraAdapterRequest, engine: Engine):
+    return await load_and_evict(engine, req.lora_name, req.pinned, lora_path=req.lora_path)
+
+
+@router.post("/load_lora_adapter_from_tensors")
+async def load_lora_adapter_from_tensors(req: LoadLoraAdapterFromTensorsRequest, engine: Engine):
+    payloads = req.payloads(engine.args.tp_size)
+    if problem := engine.not_one_per_rank(payloads):
+        return lora_reply(engine, problem)
+    return await load_and_evict(
+        engine,
+        req.lora_name,
+        req.pinned,
+        config_dict=req.config_dict,
+        serialized_named_tensors=payloads,
+        load_format=req.load_format,
+    )
+
+
+async def load_and_evict(engine: EngineService, name: str, pinned: bool, **source):
+    """Load an adapter; then, past --max-loaded-loras, unload the least recently used unpinned ones
+    (SGLang's order: rollfleet.engine.lora.lora_recency), each after the requests using it finished."""
+    limits = engine.runner.lora.limits
+    max_loaded = limits.max_loaded if limits is not None else None
+    async with engine.lora_lock:
+        if pinned and (refusal := engine.lora_recency.pinned_refusal(name, max_loaded)):
+            return lora_reply(engine, refusal)
+        reply = await lora_control(engine, Action.LOAD_LORA_ADAPTER, lora_name=name, **source)
+        if isinstance(reply, JSONResponse):
+            return reply
+        engine.lora_recency.loaded(name, pinned)
+        while max_loaded is not None and len(engine.runner.lora.adapters) > max_loaded:
+            victim = engine.lora_recency.victim(engine.runner.lora.adapters)
+            assert victim is not None, "a pinned load always leaves an unpinned adapter to evict"
+            evicted = await unload(engine, victim)
+            if isinstance(evicted, JSONResponse):
+                return evicted
+        return lora_reply(engine)
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(req: UnloadLoraAdapterRequest, engine: Engine):
+    async with engine.lora_lock:
+        return await unload(engine, req.lora_name)
+
+
+async def unload(engine: EngineService, name: str):
+    """Unload once no unfinished request uses the adapter; new requests naming it are refused meanwhile."""
+    if engine.runner.lora.limits is not None and name in engine.runner.lora.adapters:
+        engine.unloading.add(name)
+    try:
+        reply = await lora_control(
+            engine, Action.UNLOAD_LORA_ADAPTER, waits_for=lambda seq: seq.lora_name == name, lora_name=name
+        )
+    finally:
+        engine.unloading.discard(name)
+    if name not in engine.runner.lora.adapters:
+        engine.lora_recency.unloaded(name)
+    return reply

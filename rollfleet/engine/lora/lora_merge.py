@@ -1,0 +1,152 @@
+"""LoRA serving by merge on activation, and the one way to the model's parameters.
+
+A batch runs with one adapter or none. `use(name)` (at the start of every prefill and decode)
+makes the weights match it: restore the base values of the previous adapter's targets from saved
+copies (a copy back, never a subtraction, so the base is exact), save copies of the new
+adapter's targets and set W = W_base + scale * B @ A there. The delta is a full [out, in] tensor
+sliced to this rank's shard (`shard_of`), as weight updates are sliced, so tp and ep engines need
+nothing else and no rank talks to another.
+
+Every path that reads or replaces base weights gets the parameters from `base_params()`, which
+restores the base first: there is no other handle on them. The adapter merges again on the
+next forward that asks for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from rollfleet.engine.lora.lora import (
+    TENSORS_PATH,
+    LoraAdapter,
+    LoraError,
+    LoraLimits,
+    linear_targets,
+    parse_adapter,
+    read_adapter_dir,
+)
+from rollfleet.engine.tp.payloads import PayloadError, decode_entry, named_tensors
+from rollfleet.engine.tp.ranks import Ranks
+from rollfleet.engine.tp.shards import local_of, shard_of
+
+LORA_OFF = (
+    "LoRA is off on this engine: start it with --enable-lora (and --max-lora-rank, --lora-target-modules as needed)"
+)
+
+
+class LoraMerge:
+    def __init__(
+        self,
+        model: nn.Module,
+        params: dict[str, torch.Tensor],
+        limits: LoraLimits | None,
+        ranks: Ranks,
+        on_merge: Callable[[], None],
+    ):
+        self._model, self._params, self._ranks = model, params, ranks
+        self.limits = limits  # None: LoRA is off (no --enable-lora)
+        self.targetable = linear_targets(model, params)
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.active: str | None = None  # the adapter merged into the weights now
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (local weight, its saved base values)
+        self._on_merge = on_merge  # weights changed other than by an update (forgets load fingerprints)
+
+    @torch.no_grad()
+    def base_params(self) -> dict[str, torch.Tensor]:
+        """The parameters (in-memory name -> parameter) holding base weights: the active adapter's
+        targets are restored first (a no-op without one)."""
+        for local, base in self._saved:
+            local.copy_(base)
+        self._saved, self.active = [], None
+        return self._params
+
+    @torch.no_grad()
+    def use(self, lora_name: str | None) -> None:
+        """Make the weights those of `lora_name` merged into the base (None: the base)."""
+        if lora_name == self.active:
+            return
+        if lora_name is not None and lora_name not in self.adapters:  # checked before anything changes
+            raise LoraError(f"lora_name={lora_name!r} is not loaded (loaded: {sorted(self.adapters)})")
+        params = self.base_params()
+        if lora_name is None:
+            return
+        self._on_merge()
+        for target in self.adapters[lora_name].targets:
+            param = params[f"{target.module}.weight"]
+            local = local_of(param)
+            self._saved.append((local, local.clone()))
+            delta = shard_of(target.delta(local.device), param)
+            local.copy_((local.float() + delta).to(local.dtype))
+        self.active = lora_name
+
+    # ---- adapters (lockstep) -----------------------------------------------------------------
+    def load(
+        self,
+        lora_name: str,
+        lora_path: str | None = None,
+        config_dict: dict | None = None,
+        serialized_named_tensors: list[str] | None = None,
+        load_format: str | None = None,
+    ) -> None:
+        """Store an adapter read from a directory (`lora_path`) or from this rank's entry of
+        `serialized_named_tensors`; on every rank or, after any rank's refusal, on none."""
+        adapter, refusal = None, None
+        try:
+            adapter = self._read(lora_name, lora_path, config_dict, serialized_named_tensors, load_format)
+        except LoraError as exc:
+            refusal = str(exc)
+        self._ranks.agree(refusal, LoraError)
+        self.adapters[lora_name] = adapter
+
+    def unload(self, lora_name: str) -> None:
+        self._require_enabled()
+        if lora_name not in self.adapters:
+            raise LoraError(f"lora_name={lora_name!r} is not loaded (loaded: {sorted(self.adapters)})")
+        if self.active == lora_name:
+            self.base_params()
+        del self.adapters[lora_name]
+
+    def fingerprints(self, lora_name: str, names: list[str] | None, samples: int) -> dict[str, str]:
+        """peft key -> fingerprint of the adapter's stored tensor (rollfleet.wire.fingerprint). Every
+        rank decoded its own copy: a key whose ranks disagree gets a value that matches nothing."""
+        self._require_enabled()
+        adapter = self.adapters.get(lora_name)
+        if adapter is None:
+            raise LoraError(f"lora_name={lora_name!r} is not loaded (loaded: {sorted(self.adapters)})")
+        mine = adapter.fingerprints(names, samples)
+        ranks = self._ranks.gather(mine)
+        return {
+            name: value if all(r.get(name) == value for r in ranks) else f"ranks differ: {value}"
+            for name, value in mine.items()
+        }
+
+    def _read(self, lora_name, lora_path, config_dict, serialized_named_tensors, load_format) -> LoraAdapter:
+        limits = self._require_enabled()
+        if lora_name in self.adapters:
+            raise LoraError(
+                f"lora_name={lora_name!r} is already loaded: unload it first (/unload_lora_adapter), "
+                "or load under another name"
+            )
+        if lora_path is not None:
+            config, tensors = read_adapter_dir(lora_path)
+        else:
+            try:
+                payload = decode_entry(serialized_named_tensors, self._ranks.rank)
+            except PayloadError as exc:
+                raise LoraError(str(exc)) from exc
+            try:
+                tensors = named_tensors(payload, load_format, self._ranks.rank)
+            except PayloadError as exc:
+                raise LoraError(f"adapter {lora_name!r} refused, nothing changed: {exc}") from exc
+            config = config_dict
+        return parse_adapter(
+            lora_name, lora_path or TENSORS_PATH, config, tensors, self._model, self.targetable, limits
+        )
+
+    def _require_enabled(self) -> LoraLimits:
+        if self.limits is None:
+            raise LoraError(LORA_OFF)
+        return self.limits

@@ -1,0 +1,4 @@
+"""The engine's processes, its top layer: the server a process runs (server: `python -m
+rollfleet.engine.process.server`) and its serving flags (serving_flags), starting and stopping one
+from a launcher (launch), the pre-imported launcher and its client (zygote, zygote_client), and
+where a start's time goes (start_timing)."""
