@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed (torch's CPU wheel has none): the GPU check runs this")
 
-from rollfleet.engine import sample_kernel  # noqa: E402 - after TRITON_INTERPRET
+from rollfleet.engine.sequences import sample_kernel  # noqa: E402 - after TRITON_INTERPRET
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollfleet.engine import sample_kernel
+from rollfleet.engine.sequences import sample_kernel
 from rollfleet.wire.protocol import SamplingParams
 
 MASK32 = 0xFFFFFFFF
