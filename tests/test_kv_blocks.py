@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollfleet.engine.kv.blocks import TRASH_PAGE, BlockPool, OutOfPages, page_hashes
+from rollfleet.engine.kv.graphs import graph_width, width_bucket
 
 
 def _accounted(pool: BlockPool, held: dict[int, int]) -> None:
@@ -108,3 +109,16 @@ def test_a_pool_without_prefix_cache_records_nothing():
     pool.register([1, 2], pages, "r")
     pool.release(pages)
     assert pool.match([1, 2, 3], "r") == [] and pool.available == 3
+
+
+@given(st.integers(1, 5000), st.booleans())
+def test_a_graph_width_holds_the_rows_and_reuses_a_wider_capture(pages, coarse):
+    width = width_bucket(pages, coarse)
+    assert width >= pages
+    if coarse:
+        assert width >= 8 and width & (width - 1) == 0  # powers of two: few captures over a run
+    else:
+        assert width - pages < max(4, (1 << (pages - 1).bit_length()) // 8)  # the gather path: little padding
+    assert graph_width([], pages, coarse) == width
+    assert graph_width([width + 7, width * 4], pages, coarse) == width + 7  # the narrowest that fits
+    assert graph_width([pages - 1] if pages > 1 else [], pages, coarse) == width  # too narrow: a new one

@@ -92,7 +92,13 @@ def test_n_samples_share_the_prompt_prefill(small_pool_server, qwen3_dir):
     want = reference_greedy(qwen3_dir, prompt, 5)[0]
     assert [a["output_ids"] for a in answers] == [want] * 3
     assert sorted(a["meta_info"]["cached_tokens"] for a in answers) == [0, len(prompt), len(prompt)]  # forked
-    assert _stats(small_pool_server)["prefill_tokens"] - before["prefill_tokens"] == len(prompt)  # not 3 x
+    after = _stats(small_pool_server)
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompt)  # not 3 x
+    # the prompt's chunks of 8 (the last samples the first token of all three), then four decode steps
+    chunks = -(-len(prompt) // 8)
+    steps = (after["prefill_steps"] - before["prefill_steps"], after["decode_steps"] - before["decode_steps"])
+    assert steps == (chunks, 4)
+    assert after["prefill_seconds"] > before["prefill_seconds"] and after["decode_seconds"] > before["decode_seconds"]
 
 
 def test_a_repeated_prompt_starts_from_cached_pages_until_the_cache_is_flushed(small_pool_server, qwen3_dir):

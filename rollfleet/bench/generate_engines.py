@@ -95,7 +95,12 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args) -> list[dic
             engine = {
                 key: after[key] - before[key]
                 for key in ("batches", "joined", "recomputed_prefixes", "host_bytes", "prefill_tokens", "preempted")
+                + ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds")
+                if key in after
             }
+            graphs = ((await client.get_server_info()).get("rollfleet_kv_cache") or {}).get("cuda_graphs")
+            if graphs:  # captured so far (a capture inside a pass is part of its time)
+                engine["graph_captures"], engine["graph_capture_s"] = graphs["captures"], graphs["capture_s"]
             passes.append(
                 {"seconds": seconds, "tokens": tokens, "rows": len(outs), "logprobs": logprobs, "scheduler": engine}
             )

@@ -3,12 +3,13 @@ the first time a step needs one, into one memory pool, and replayed with the ste
 into the graph's static buffers: a decode step is one launch instead of hundreds of eager kernels.
 
 Buckets: batch sizes 1, 2, 4, 8, then steps of 16 up to `max_batch` (SGLang's
-`--cuda-graph-max-bs-decode`); block-table widths in steps of 4 pages, coarser past 32
-(`width_bucket`). Padded rows write to the trash page and attend to its first slot only. Graphs
-stay valid across in-place weight updates and LoRA merges (same addresses); a release or resume of
-weights or KV moves memory, and `drop` forgets them (recaptured on demand). A model whose forward
-cannot be captured (a host sync, e.g. MoE experts routed with `.nonzero()`) runs eagerly, said
-once in the log.
+`--cuda-graph-max-bs-decode`); block-table widths by `width_bucket`, and a step replays the
+narrowest graph of its batch bucket that is wide enough (a capture costs a fraction of a second,
+and a run's batches grow, shrink and widen through many shapes). Padded rows write to the trash
+page and attend to its first slot only. Graphs stay valid across in-place weight updates and LoRA
+merges (same addresses); a release or resume of weights or KV moves memory, and `drop` forgets
+them (recaptured on demand). A model whose forward cannot be captured (a host sync, e.g. MoE
+experts routed with `.nonzero()`) runs eagerly, said once in the log.
 """
 
 from __future__ import annotations
@@ -30,12 +31,22 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [*small, *range(16, max_batch, 16), max_batch] if max_batch > 8 else [*small, max_batch]
 
 
-def width_bucket(pages: int) -> int:
-    """The block-table width a graph covers for rows of up to `pages` pages: multiples of 4 pages up
-    to 32, then of an eighth of the power of two above (the KV a step gathers is at most 1/8 padding
-    past 32 pages; a few more graphs than powers of two, each captured once)."""
+def width_bucket(pages: int, coarse: bool = False) -> int:
+    """The block-table width a graph covers for rows of up to `pages` pages. `coarse` (the decode
+    kernel reads each row's own pages, so padding the table costs nothing): powers of two from 8.
+    Otherwise (the gather path copies every padded page): multiples of 4 pages up to 32, then of an
+    eighth of the power of two above (at most 1/8 padding past 32 pages)."""
+    if coarse:
+        return max(8, 1 << max(pages - 1, 1).bit_length())
     step = max(4, 1 << max(max(pages - 1, 1).bit_length() - 3, 0))
     return -(-pages // step) * step
+
+
+def graph_width(captured: list[int], pages: int, coarse: bool) -> int:
+    """The table width a step of rows of up to `pages` pages replays: the narrowest of its batch
+    bucket's `captured` widths that holds them (a wider table serves narrower rows), else a new one."""
+    wide_enough = [width for width in captured if width >= pages]
+    return min(wide_enough) if wide_enough else width_bucket(pages, coarse)
 
 
 @dataclass
@@ -68,7 +79,8 @@ class DecodeGraphs:
     def run(self, rows) -> torch.Tensor | None:
         """The logits of `rows` (a decode step), or None when this model cannot be captured: run it eagerly."""
         batch = next(b for b in self.buckets if b >= len(rows))
-        width = width_bucket(max(len(pages) for _, _, pages in rows))
+        need = max(len(pages) for _, _, pages in rows)
+        width = graph_width([w for b, w in self.graphs if b == batch], need, coarse=self.kernel)
         graph = self.graphs.get((batch, width))
         if graph is None:
             try:

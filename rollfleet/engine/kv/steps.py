@@ -44,6 +44,7 @@ class StepOutcome:
     sampled: int = 0
     recomputed: int = 0  # sequences whose output so far is fed again (after a retract, preemption, update)
     prefill_tokens: int = 0  # tokens fed by prefill steps (a prompt's n samples feed it once)
+    prefill: bool = False  # a prefill step (eager), not a decode step (a CUDA graph where captured)
     preempted: list[Sequence] = field(default_factory=list)  # back to the head of the queue, in order
 
 
@@ -117,6 +118,7 @@ class PagedBatches:
         outcome = StepOutcome()
         self._siblings = self._pair_siblings(running)
         feeds = self._prefill_feeds(running, outcome)
+        outcome.prefill = bool(feeds)
         if not feeds:
             feeds = self._decode_feeds(running, outcome)
         if feeds:

@@ -77,7 +77,9 @@ class DenseBatches:
             stops=self.stops,
             read_routes=self.read_routes,
         )
-        return StepOutcome(host_bytes=moved, sampled=len(running), recomputed=recomputed, prefill_tokens=prefilled)
+        return StepOutcome(
+            host_bytes=moved, sampled=len(running), recomputed=recomputed, prefill_tokens=prefilled, prefill=recompute
+        )
 
     def retire(self, running: list[Sequence], keep: list[int]) -> None:
         if not keep:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +56,7 @@ log = logging.getLogger("rollfleet.engine")
 # cumulative; host_bytes: what crossed from the model's device to the host for sampling and logprobs
 STATS = ("batches", "joined", "largest_batch", "generated_tokens", "recomputed_prefixes", "host_bytes")
 STATS += ("preempted", "prefill_tokens")  # the paged pool's: pages run out; tokens fed by prefill steps
+STATS += ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds")  # steps, and their wall time
 
 
 class EngineStopped(RuntimeError):
@@ -284,7 +286,11 @@ class Scheduler(Aborts, Pausing, Stepping):
 
     def _advance_batch(self) -> None:
         self.stats["largest_batch"] = max(self.stats["largest_batch"], len(self.running))
+        began = time.perf_counter()
         outcome = self.batches.advance(self.running, self.needs_prefill, self.batch_lora)
+        kind = "prefill" if outcome.prefill else "decode"
+        self.stats[f"{kind}_steps"] += 1
+        self.stats[f"{kind}_seconds"] += time.perf_counter() - began
         self.needs_prefill = False
         self.stats["host_bytes"] += outcome.host_bytes
         self.stats["generated_tokens"] += outcome.sampled
