@@ -273,4 +273,8 @@ def _nbytes(moved: list[torch.Tensor]) -> int:
 
 def _to_host(tensor: torch.Tensor, moved: list) -> list:
     moved.append(tensor)
+    if tensor.is_cuda:  # wait with the GIL released: `tolist` holds it through the wait, and the HTTP
+        done = torch.cuda.Event()  # thread, starved for a whole step, let requests join one a step
+        done.record(torch.cuda.current_stream(tensor.device))
+        done.synchronize()
     return tensor.tolist()
