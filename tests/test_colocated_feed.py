@@ -112,5 +112,7 @@ def test_a_trainer_turn_releases_what_the_config_says_and_the_engines_serve_afte
         assert held == ["before", "before"] and moves["engine_released_bytes"] == 0
     assert report.verified == [0, 1] and fleet.version == f"turn-{release_weights}"
     assert [s.lifecycle.state for s in fleet.slots] == [EngineState.ACTIVE] * 2
+    # read from both engines before the release; the CPU engines capture no decode graphs
+    assert (moves["engine_graph_captures_total"], moves["engine_graph_capture_seconds_total"]) == (0, 0.0)
     samples = fleet.generate([[1], [2]], n=2, sampling={"max_new_tokens": 2, "ignore_eos": True})
     assert {s.engine_id for s in samples} == {0, 1} and all(len(s.output_ids) == 2 for s in samples)

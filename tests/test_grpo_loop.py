@@ -117,6 +117,9 @@ def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, t
         assert row["sync_tensors"] == num_params and row["sync_verified_engines"] == 1
         if placement == "colocated":  # the engine gave its weights back for the trainer's turn (CPU: their bytes)
             assert row["engine_released_bytes"] >= sum(p.numel() * 4 for p in start_params), row
+            assert (row["engine_graph_captures"], row["engine_graph_capture_seconds"]) == (0, 0.0)  # CPU: no graphs
+        else:
+            assert row["engine_graph_captures"] is None  # no turn, nothing dropped
     assert all(abs(sum(r[f"time/{p}"] for p in (*PHASES, "other")) - r["time/total"]) < 1e-6 for r in rows)
     assert all(r["train/logprob_mismatch_mean"] < 1e-3 for r in rows)  # engine and trainer agree (fp32)
     # so TIS (on by default, cap 2) weighs every token ~1 and truncates none: the synchronous run is unchanged

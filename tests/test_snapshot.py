@@ -25,7 +25,7 @@ from rollfleet.config import ConfigError, load_config
 from rollfleet.fleet.colocation import freed_bytes
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.train.host_copy import HostBuffers, pinned_copy_ceiling
-from rollfleet.train.metrics import sleep_wake_figures
+from rollfleet.train.metrics import _moves_text, sleep_wake_figures
 from rollfleet.train.snapshot import SnapshotCancelled, SnapshotWriter
 from rollfleet.wire.hf_files import read_checkpoint
 from rollfleet.wire.net import free_port
@@ -243,6 +243,15 @@ def test_sleep_wake_rate_and_its_ceiling_for_the_same_bytes():
     assert figures["sleep_wake_ceiling_gbps"] == pytest.approx(8 / (4 / 40 + 4 / 20))  # 0.1 s + 0.2 s
     cpu = sleep_wake_figures({"trainer_onload_bytes": 0, "trainer_offload_bytes": 0}, None)
     assert cpu["sleep_wake_gbps"] is None and cpu["sleep_wake_ceiling_gbps"] is None
+    assert cpu["engine_graph_captures"] is None  # no colocated turn measured them
+
+
+def test_the_graphs_a_colocated_turn_makes_the_engines_capture_again_are_printed():
+    moves = {"trainer_onload_bytes": 1e9, "trainer_onload_seconds": 0.1, "engine_graph_captures": 3}
+    figures = sleep_wake_figures({**moves, "engine_graph_capture_seconds": 0.5}, None)
+    assert (figures["engine_graph_captures"], figures["engine_graph_capture_seconds"]) == (3, 0.5)
+    assert "graphs recaptured 3 in 0.50s" in _moves_text(figures)
+    assert "graphs recaptured" not in _moves_text({**figures, "engine_graph_captures": 0})
 
 
 @pytest.mark.parametrize("engines, every, expected", [(1, None, 1), (2, None, 0), (3, "auto", 0), (2, 5, 5), (1, 0, 0)])

@@ -19,7 +19,9 @@ ceilings, measured afterwards on the same machine with the run's own byte counts
 - colocated sync: an all-gather of the weights over the trainer's two devices plus a same-device
   copy of them (what the sync must at least do when every rank feeds its own GPU's engines);
 - disaggregated sync: plain broadcasts of the same bytes in the same buckets to a bare receiver;
-- sleep/wake: pinned host<->device copies of the bytes the step moved (GPU only).
+- sleep/wake: pinned host<->device copies of the bytes the step moved (GPU only); beside it, what
+  the turn adds for the engines' decode CUDA graphs (`engine_graph_capture_seconds`: the release
+  drops them, the next generate captures them again).
 On CPU the same runs work with gloo (slow, for checking the script); the pinned ceiling is skipped.
 Beside the phases, the summary keeps the sync's split (`sync/<phase>`, from the step metrics'
 `sync_phases`): where a sync that misses its ceiling spends its time.
@@ -120,6 +122,7 @@ def steady(rows: list[dict], skip: int) -> dict:
     kept = rows[skip:]
     figures = {p: statistics.median(r.get(f"time/{p}", 0.0) for r in kept) for p in PHASES}
     steady_keys = ("sleep_wake_gbps", "sleep_wake_ceiling_gbps", "generate_busy_seconds", "staleness_mean", "overlap")
+    steady_keys += ("engine_graph_capture_seconds", "engine_graph_captures")  # what a colocated turn adds for graphs
     for key in ("sync_bytes", "sleep_wake_bytes", *steady_keys):
         values = [r[key] for r in kept if isinstance(r.get(key), (int, float))]
         if values:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rollfleet.fleet.fleet import Fleet, Trainers
 
-# SGLang's memory tags (sglang.srt.constants); the embedded engine has no CUDA graphs and skips that tag
+# SGLang's memory tags (sglang.srt.constants); the embedded engine drops its decode graphs on a release
 RESUME_AFTER_PUSH = ["cuda_graph", "kv_cache"]
 
 
@@ -43,6 +43,18 @@ def freed_bytes(answers: list) -> int:
     return total
 
 
+def graph_totals(fleet: Fleet) -> tuple[int, float]:
+    """Decode CUDA graph captures so far and their seconds, over the running embedded engines (each
+    release drops an engine's graphs; the next generate captures them again). SGLang: (0, 0.0)."""
+    if fleet.rollout.backend != "embedded":
+        return 0, 0.0
+    graphs = [
+        ((info or {}).get("rollfleet_kv_cache") or {}).get("cuda_graphs") or {}
+        for info in fleet.pool.on_all("get_server_info", fleet._running())
+    ]
+    return sum(g.get("captures", 0) for g in graphs), sum(g.get("capture_s", 0.0) for g in graphs)
+
+
 def _moved(figures: dict | None) -> tuple[int, float]:
     figures = figures or {}
     return int(figures.get("bytes", 0)), float(figures.get("seconds", 0.0))
@@ -54,13 +66,15 @@ def trainer_turn(
 ):
     """See the module docstring; `timed("sleep_wake")` times the memory moves and `moves` (a dict)
     receives their bytes and seconds: trainer_onload/offload_bytes/_seconds, engine_release_seconds,
-    engine_released_bytes, engine_resume_seconds."""
+    engine_released_bytes, engine_resume_seconds, and the engines' graph captures so far
+    (engine_graph_captures_total, engine_graph_capture_seconds_total: read before the release)."""
     if fleet.rollout.placement != "colocated":
         yield
         return
     timed = timed or (lambda phase: nullcontext())
     moves = {} if moves is None else moves
     with fleet.recovery.paused():
+        moves["engine_graph_captures_total"], moves["engine_graph_capture_seconds_total"] = graph_totals(fleet)
         with timed("sleep_wake"):
             start = time.perf_counter()
             moves["engine_released_bytes"] = freed_bytes(fleet.sleep(release_tags(fleet.rollout.release_weights)))

@@ -62,6 +62,7 @@ class Run:
     snapshots: RecoverySnapshots
     observe: Observer | None = None  # (step, prompts, samples) after each generate (tests record them)
     copy_ceiling: dict | None = None  # pinned host<->device GB/s of the trainer's device (None on CPU)
+    graph_totals: tuple[int, float] = (0, 0.0)  # the engines' decode graph captures at the last turn
     stream: SampleStream | None = None  # where samples come from when they are made ahead or filtered
     agent: AgentRollout | None = None  # grpo.environment: samples are multi-turn episodes
 
@@ -255,10 +256,16 @@ def _train_and_push(run: Run, step: int, samples: list[Sample], clock: StepClock
 
 def _against_copy_ceiling(run: Run, moves: dict) -> dict:
     """The sleep/wake figures with the pinned copy ceiling beside them, measured once per run on the
-    trainer's device after the first step that moved bytes (outside the step's clock)."""
+    trainer's device after the first step that moved bytes (outside the step's clock), and the
+    engines' decode graph captures since the last turn (what a colocated release costs them)."""
     moved = max(moves.get("trainer_onload_bytes", 0), moves.get("trainer_offload_bytes", 0))
     if moved and run.copy_ceiling is None:
         run.copy_ceiling = run.trainers.copy_ceiling(moved)
+    totals = (moves.get("engine_graph_captures_total", 0), moves.get("engine_graph_capture_seconds_total", 0.0))
+    if "engine_graph_captures_total" in moves:  # the captures since the last turn: this step's generate
+        previous, run.graph_totals = run.graph_totals, totals  # after the last release (a restart resets)
+        moves["engine_graph_captures"] = max(totals[0] - previous[0], 0)
+        moves["engine_graph_capture_seconds"] = max(totals[1] - previous[1], 0.0)
     return sleep_wake_figures(moves, run.copy_ceiling)
 
 

@@ -94,6 +94,9 @@ def sleep_wake_figures(moves: dict, ceiling: dict | None = None) -> dict:
         "engine_released_bytes": moves.get("engine_released_bytes", 0),
         "engine_release_seconds": moves.get("engine_release_seconds", 0.0),
         "engine_resume_seconds": moves.get("engine_resume_seconds", 0.0),
+        # decode graphs the release dropped, captured again in the step's generate (embedded engine, GPU)
+        "engine_graph_captures": moves.get("engine_graph_captures"),
+        "engine_graph_capture_seconds": moves.get("engine_graph_capture_seconds"),
         "sleep_wake_ceiling_gbps": None,
     }
     if ceiling and moved:
@@ -192,6 +195,8 @@ def _moves_text(m: dict) -> str:
         ceiling = m.get("sleep_wake_ceiling_gbps")
         text += f"  sleep/wake {m['sleep_wake_bytes'] / 1e9:.2f} GB at {m['sleep_wake_gbps']:.1f} GB/s"
         text += f" (pinned copy {ceiling:.1f} GB/s)" if ceiling else " (no copy ceiling on CPU)"
+    if m.get("engine_graph_captures"):
+        text += f"  graphs recaptured {m['engine_graph_captures']} in {m['engine_graph_capture_seconds']:.2f}s"
     if m.get("snapshot_write_seconds") is not None:
         text += f"  snapshot written in {m['snapshot_write_seconds']:.2f}s"
     if m.get("snapshot_skipped"):
