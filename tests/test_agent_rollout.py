@@ -233,32 +233,32 @@ def test_engine_killed_under_a_turn_loses_and_doubles_nothing(serving, chat_dir)
     wait_until(lambda: serving.slots[1].state.value == "INACTIVE", what="engine 1 marked dead")
 
 
-def test_grpo_over_episodes_trains_on_the_policys_tokens_only(chat_dir, tmp_path):
+def train_episodes(chat_dir, tmp_path, overrides: list[str]) -> tuple[list[dict], dict]:
+    """A real `train` run over episodes (2 samples a prompt, 3 new tokens a turn): its metrics rows
+    and each step's samples."""
     temp = tempfile.mkdtemp(prefix="rf-ray-")
-    cfg = load_config(
-        None,
-        [
-            f"rollout.model_path={chat_dir}",
-            "rollout.sampling.n=2",
-            "rollout.sampling.max_new_tokens=3",
-            f"rollout.log_dir={tmp_path}/logs",
-            "rollout.placement=colocated",
-            "weight_sync.transport=tensor",
-            "grpo.environment=agent_envs:Echo",
-            "grpo.agent.max_turns=3",
-            "grpo.steps=2",
-            "grpo.prompts_per_step=2",
-            "grpo.synthetic_prompts=8",
-            f"grpo.output_dir={tmp_path}",
-            f"ray.temp_dir={temp}",
-        ],
-    )
+    common = [
+        f"rollout.model_path={chat_dir}",
+        "rollout.sampling.n=2",
+        "rollout.sampling.max_new_tokens=3",
+        f"rollout.log_dir={tmp_path}/logs",
+        "weight_sync.transport=tensor",
+        f"grpo.output_dir={tmp_path}",
+        f"ray.temp_dir={temp}",
+    ]
     steps = {}
     try:
-        train(cfg, observe=lambda step, items, samples: steps.update({step: samples}))
+        train(load_config(None, common + overrides), observe=lambda step, items, samples: steps.update({step: samples}))
     finally:
         shutil.rmtree(temp, ignore_errors=True)
-    rows = [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()], steps
+
+
+def test_grpo_over_episodes_trains_on_the_policys_tokens_only(chat_dir, tmp_path):
+    overrides = ["rollout.placement=colocated", "grpo.environment=agent_envs:Echo", "grpo.agent.max_turns=3"]
+    rows, steps = train_episodes(
+        chat_dir, tmp_path, overrides + ["grpo.steps=2", "grpo.prompts_per_step=2", "grpo.synthetic_prompts=8"]
+    )
     assert [r["step"] for r in rows] == [1, 2]
     for step, row in enumerate(rows):
         samples = steps[step]
@@ -273,34 +273,18 @@ def test_async_grpo_over_episodes_keeps_each_episode_within_the_staleness_bound(
     """grpo.max_staleness=1 with the calculator environment: the producer makes the next step's
     episodes while the trainer trains; every episode's policy tokens come from one version (a push
     never lands inside an episode), at most one behind its step, and the loss covers them only."""
-    temp = tempfile.mkdtemp(prefix="rf-ray-")
-    cfg = load_config(
-        None,
-        [
-            f"rollout.model_path={chat_dir}",
-            "rollout.sampling.n=2",
-            "rollout.sampling.max_new_tokens=3",
-            f"rollout.log_dir={tmp_path}/logs",
-            "rollout.placement=disaggregated",
-            "weight_sync.transport=tensor",
-            "grpo.max_staleness=1",
-            "grpo.environment=rollfleet.envs.calculator:Calculator",
-            "grpo.dataset=arithmetic",
-            "grpo.agent.max_turns=3",
-            "grpo.agent.max_total_tokens=128",
-            "grpo.steps=3",
-            "grpo.prompts_per_step=2",
-            "grpo.synthetic_prompts=16",
-            f"grpo.output_dir={tmp_path}",
-            f"ray.temp_dir={temp}",
-        ],
-    )
-    steps = {}
-    try:
-        train(cfg, observe=lambda step, items, samples: steps.update({step: samples}))
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    rows = [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    overrides = [
+        "rollout.placement=disaggregated",
+        "grpo.max_staleness=1",
+        "grpo.environment=rollfleet.envs.calculator:Calculator",
+        "grpo.dataset=arithmetic",
+        "grpo.agent.max_turns=3",
+        "grpo.agent.max_total_tokens=128",
+        "grpo.steps=3",
+        "grpo.prompts_per_step=2",
+        "grpo.synthetic_prompts=16",
+    ]
+    rows, steps = train_episodes(chat_dir, tmp_path, overrides)
     assert [r["step"] for r in rows] == [1, 2, 3] and sorted(steps) == [0, 1, 2]
     for step, row in enumerate(rows):
         samples = steps[step]
