@@ -61,6 +61,11 @@ def test_generate_benchmark_writes_a_complete_record(generate_run):
     assert case["ratios"]["embedded/generate"] > 0 and "embedded/generate_batch" not in case["ratios"]
     assert record["summary"]["copy_gb_per_s"]["median"] > 0 and not record["summary"]["failed_runs"]
     assert "| 2x2x8 | embedded |" in out.stdout and "rf-bench-generate" not in json.dumps(record)
+    # the 2 prompts' 2 samples share one prefill each (the bench's prompts: 64 tokens); 8 new tokens
+    # are the first one sampled by the prefill step and 7 decode steps at least
+    steps = case["engines"]["embedded"]
+    assert steps["prefill_of_prompts"] == 1.0 and steps["decode_steps"] >= 7 and steps["prefill_steps"] >= 1
+    assert "| 2x2x8 | embedded steps | prefill 1.00 x the prompts' tokens;" in out.stdout
 
 
 def test_generate_table_renders_from_the_record(generate_run):

@@ -143,8 +143,23 @@ def _stop(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
-def case_summary(case, answers: dict[str, dict], limit: dict) -> dict:
-    """Per engine: tokens/s (spread), ms per decode step, share of the roofline, token counts checked."""
+def engine_steps(passes: list[dict], prompt_tokens: int, prompts: int) -> dict:
+    """The embedded engine's own split of a pass (medians over passes): prefill tokens over the
+    prompts' tokens (1.0: a prompt's n samples share one prefill), its prefill and decode steps and
+    their seconds, and the graph captures so far. Empty for engines that report none."""
+    stats = [p["scheduler"] for p in passes if "prefill_tokens" in (p.get("scheduler") or {})]
+    if not stats:
+        return {}
+    split = {"prefill_of_prompts": statistics.median(s["prefill_tokens"] for s in stats) / (prompts * prompt_tokens)}
+    for key in ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds", "graph_captures"):
+        if all(key in s for s in stats):
+            split[key] = statistics.median(s[key] for s in stats)
+    return split
+
+
+def case_summary(case, answers: dict[str, dict], limit: dict, prompt_tokens: int = 64) -> dict:
+    """Per engine: tokens/s (spread), ms per decode step, share of the roofline, token counts checked,
+    and the embedded engine's prefill share and step split (`engine_steps`)."""
     prompts, n, new_tokens = case
     expected = prompts * n * new_tokens
     engines, problems = {}, []
@@ -163,6 +178,7 @@ def case_summary(case, answers: dict[str, dict], limit: dict) -> dict:
             "ms_per_step": statistics.median(p["seconds"] for p in passes) / new_tokens * 1e3,
             "of_roofline": tok_s / limit["tok_s"],
             "tokens_ok": not short,
+            **engine_steps(passes, prompt_tokens, prompts),
         }
     ratios = {}
     for other in ("generate", "generate_batch"):
@@ -187,7 +203,18 @@ def table(cases: dict[str, dict]) -> str:
             )
         ratios = ", ".join(f"{k} {v:.2f}" for k, v in case["ratios"].items())
         lines += [f"| {name} | ratios | {ratios} | | | |"] if ratios else []
+        lines += [_steps_row(name, engine, f) for engine, f in case["engines"].items() if "prefill_of_prompts" in f]
     return "\n".join(lines)
+
+
+def _steps_row(name: str, engine: str, f: dict) -> str:
+    split = f"prefill {f['prefill_of_prompts']:.2f} x the prompts' tokens"
+    if "decode_steps" in f:
+        split += (
+            f"; {f['prefill_steps']:.0f} prefill steps ({f['prefill_seconds']:.2f} s), "
+            f"{f['decode_steps']:.0f} decode steps ({f['decode_seconds']:.2f} s)"
+        )
+    return f"| {name} | {engine} steps | {split} | | | |"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -234,7 +261,7 @@ def measure(args, scratch: Path) -> tuple[dict, dict, list[dict], dict]:
         mine = {engine: run_worker(engine, args, scratch, case, prompts) for engine in args.engines.split(",")}
         answers += [{"case": case_name(case), **answer} for answer in mine.values()]
         limit = roofline(case, args.prompt_tokens, figures, bandwidth["median"])
-        cases[case_name(case)] = case_summary(case, mine, limit)
+        cases[case_name(case)] = case_summary(case, mine, limit, args.prompt_tokens)
     return figures, bandwidth, answers, cases
 
 

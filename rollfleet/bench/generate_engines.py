@@ -79,6 +79,7 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args) -> list[dic
         )
         passes = []
         for _ in range(args.repeats):
+            await client.flush_cache()  # each pass prefills its prompts (no pages cached by the last one)
             before = (await client.get_server_info())["scheduler_stats"]
             begin = time.perf_counter()
             answers = await asyncio.gather(
