@@ -16,6 +16,7 @@ import torch
 from rollfleet.engine.kv import decode_kernel
 from rollfleet.engine.kv.attention import ATTENTION_NAME, PagedInputs
 from rollfleet.engine.kv.graphs import DecodeGraphs
+from rollfleet.engine.kv.norm_kernel import fuse_rms_norms
 from rollfleet.engine.kv.pool import KVPool, KVShape
 
 log = logging.getLogger("rollfleet.engine")
@@ -53,6 +54,8 @@ class PagedModel:
         self.model, self.lora, self.route_capture = model, lora, route_capture
         self.device, self.page_size = device, page_size
         self.kernel = kernel and decode_kernel.available(device)  # decode reads the pages in place
+        if self.kernel:  # and the RMSNorms run as one kernel each (the Triton fast path, kv/norm_kernel.py)
+            fuse_rms_norms(model)
         self.shape = KVShape.of(model.config, next(model.parameters()).dtype, tp_size)
         model.set_attn_implementation(ATTENTION_NAME)
         self.pool: KVPool | None = None

@@ -44,9 +44,9 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-backend",
         default=None,
-        help="decode attention: triton (the pages read in place; the default on a GPU with Triton) or "
-        "torch_native (pages gathered, then SDPA; the CPU's); SGLang's other names (flashinfer, fa3, ...) "
-        "are accepted and served by triton where it runs",
+        help="triton (the default on a GPU with Triton): decode attention reads the pages in place and each "
+        "RMSNorm is one kernel; torch_native (the CPU's): pages gathered, then SDPA, transformers' own "
+        "modules; SGLang's other names (flashinfer, fa3, ...) are accepted and served by triton where it runs",
     )
 
 
