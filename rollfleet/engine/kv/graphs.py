@@ -33,10 +33,11 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 def width_bucket(pages: int, coarse: bool = False) -> int:
     """The block-table width a graph covers for rows of up to `pages` pages. `coarse` (the decode
-    kernel reads each row's own pages, so padding the table costs nothing): powers of two from 8.
-    Otherwise (the gather path copies every padded page): multiples of 4 pages up to 32, then of an
-    eighth of the power of two above (at most 1/8 padding past 32 pages)."""
-    if coarse:
+    kernel reads each row's own pages, so padding costs the GPU nothing): powers of two from 8 up to
+    64 pages. Otherwise, and past 64 (the gather path copies every padded page, and the host builds
+    the table every step): multiples of 4 pages up to 32, then of an eighth of the power of two
+    above (at most 1/8 padding past 32 pages)."""
+    if coarse and pages <= 64:
         return max(8, 1 << max(pages - 1, 1).bit_length())
     step = max(4, 1 << max(max(pages - 1, 1).bit_length() - 3, 0))
     return -(-pages // step) * step
