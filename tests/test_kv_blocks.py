@@ -4,11 +4,13 @@ cache, eviction, and the invariants any sequence of operations keeps."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollfleet.engine.kv.blocks import TRASH_PAGE, BlockPool, OutOfPages, page_hashes
 from rollfleet.engine.kv.graphs import graph_width, width_bucket
+from rollfleet.engine.kv.tables import TableMirror
 
 
 def _accounted(pool: BlockPool, held: dict[int, int]) -> None:
@@ -122,3 +124,28 @@ def test_a_graph_width_holds_the_rows_and_reuses_a_wider_capture(pages, coarse):
     assert graph_width([], pages, coarse) == width
     assert graph_width([width + 7, width * 4], pages, coarse) == width + 7  # the narrowest that fits
     assert graph_width([pages - 1] if pages > 1 else [], pages, coarse) == width  # too narrow: a new one
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.sampled_from(["grow", "replace", "leave", "join"])), max_size=50))
+def test_the_table_mirror_equals_the_table_built_from_scratch(script):
+    """The running rows grow by appending, get new lists (forks, preemptions), leave (the rows after
+    them move up) or join at the end; after every step the mirror holds exactly each row's pages
+    and zeros past them, and rows past the step's are all zeros."""
+    width, batch = 24, 8
+    mirror, running, page = TableMirror(batch, width, pin=False), [[1]], iter(range(2, 10**6))
+    for row, action in script:
+        row = row % len(running) if running else 0
+        if action == "grow" and running and len(running[row]) < width:
+            running[row] += [next(page) for _ in range(min(3, width - len(running[row])))]  # the same list
+        elif action == "replace" and running:
+            running[row] = [next(page) for _ in range(row % 4 + 1)]  # another sequence's list
+        elif action == "leave" and running:
+            del running[row]
+        elif action == "join" and len(running) < batch:
+            running.append([next(page) for _ in range(row % 3)])
+        table = mirror.update(running)
+        want = torch.zeros(batch, width, dtype=torch.long)
+        for i, pages in enumerate(running):
+            want[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+        assert torch.equal(table, want), (running, table)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from rollfleet.engine.kv.attention import PagedInputs
+from rollfleet.engine.kv.tables import TableMirror
 
 log = logging.getLogger("rollfleet.engine")
 
@@ -58,6 +59,8 @@ class Graph:
     inputs: PagedInputs
     keep: torch.Tensor  # every static input the graph reads stays alive with it: a freed one is reused
     logits: torch.Tensor  # [batch, vocab]
+    table: TableMirror  # its block table on the host (pinned), written where it changed (kv/tables.py)
+    copied: torch.cuda.Event | None = None  # the last copy of `table` to the device (the host waits on it)
 
 
 class DecodeGraphs:
@@ -97,17 +100,19 @@ class DecodeGraphs:
 
     def _fill(self, graph: Graph, rows) -> None:
         size, batch = self.kv.page_size, graph.ids.shape[1]
-        width = graph.inputs.table.shape[1]
         pad = batch - len(rows)
         ids = [tokens[0] for _, tokens, _ in rows] + [0] * pad
         positions = [start for start, _, _ in rows] + [0] * pad
         slots = [pages[start // size] * size + start % size for start, _, pages in rows] + [0] * pad
         lens = [start + 1 for start, _, _ in rows] + [1] * pad
-        table = [pages + [0] * (width - len(pages)) for _, _, pages in rows] + [[0] * width] * pad
         host = torch.tensor([ids, positions, slots, lens], dtype=torch.long)
         graph.ids.copy_(host[0:1]), graph.positions.copy_(host[1:2])
         graph.inputs.slots.copy_(host[2]), graph.inputs.lens.copy_(host[3])
-        graph.inputs.table.copy_(torch.tensor(table, dtype=torch.long))
+        if graph.copied is not None:
+            graph.copied.synchronize()  # the last step's copy has left the host table (normally long ago)
+        graph.inputs.table.copy_(graph.table.update([pages for _, _, pages in rows]), non_blocking=True)
+        graph.copied = torch.cuda.Event()
+        graph.copied.record()
 
     def _capture(self, batch: int, width: int) -> Graph:
         start = time.perf_counter()
@@ -138,7 +143,7 @@ class DecodeGraphs:
             logits = self.forward(ids, positions, inputs, keep)
         self.captures += 1
         self.capture_s += time.perf_counter() - start
-        return Graph(graph, ids, positions, inputs, keep, logits)
+        return Graph(graph, ids, positions, inputs, keep, logits, TableMirror(batch, width, pin=True))
 
     def drop(self) -> None:
         self.graphs.clear()
