@@ -257,7 +257,8 @@ class PagedBatches:
             if count:
                 lp = torch.log_softmax(logits[feed.logits_from : feed.logits_from + count].float(), dim=-1)
                 outcome.host_bytes += fill_input(seq.record, lp, seq.prompt_ids, seq.ask)
-            for member in [seq, *self._fork(seq)]:
+            forks = self._fork(seq) if id(seq) in self._siblings else ()
+            for member in (seq, *forks):
                 samplers.append(member)
                 index.append(feed.logits_from + count)
             if not seq.output_ids:

@@ -19,9 +19,12 @@ class StopRules:
     context_length: int
     tokenizer: object
 
-    def stop_ids(self, seq: Sequence) -> set[int]:
-        ids = set(seq.params.stop_token_ids or [])
-        return ids if seq.params.ignore_eos else ids | self.eos_token_ids
+    def stop_ids(self, seq: Sequence) -> frozenset[int]:
+        """The token ids that end `seq` (its params never change: made once, kept on it)."""
+        if seq.stop_ids is None:
+            ids = frozenset(seq.params.stop_token_ids or [])
+            seq.stop_ids = ids if seq.params.ignore_eos else ids | self.eos_token_ids
+        return seq.stop_ids
 
     def finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Why `seq` finishes with `token`, its newest output token (None: it goes on). A matched stop

@@ -28,6 +28,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -74,9 +75,9 @@ def hashed_uniform(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((x >> 8).to(torch.float32) + 0.5) / 2**24  # 24 bits: exact in float32, never 0 or 1
 
 
-@dataclass(frozen=True)
-class SampleRow:
-    """What the sampler needs of one running sample this step."""
+class SampleRow(NamedTuple):
+    """What the sampler needs of one running sample this step (a tuple: one is made per row per
+    step, and a frozen dataclass costs several times as much to build)."""
 
     params: SamplingParams
     key: int | None  # seed_key, None when unseeded

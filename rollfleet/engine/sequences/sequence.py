@@ -15,6 +15,8 @@ from rollfleet.engine.sequences.sampling import SampleRow, seed_key
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 from rollfleet.wire.routed_experts import encode_routed_experts
 
+NOTHING_BANNED: frozenset[int] = frozenset()
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -46,6 +48,7 @@ class Sequence:
     kv_len: int = 0
     cached_tokens: int = 0
     fork_of: Sequence | None = None
+    stop_ids: frozenset[int] | None = None  # the token ids that end it (next_token.StopRules.stop_ids)
 
     @property
     def prefill_ids(self) -> list[int]:
@@ -61,7 +64,7 @@ class Sequence:
             self.params,
             self.key,
             position,
-            frozenset(stop_ids(self)) if position < self.params.min_new_tokens else frozenset(),
+            frozenset(stop_ids(self)) if position < self.params.min_new_tokens else NOTHING_BANNED,
             self.ask.top_n,
             self.ask.token_ids,
             self.return_logprob,
