@@ -1,27 +1,21 @@
 """The paged decode kernel (kv/decode_kernel.py) against the gather + SDPA path it replaces.
 
-It runs where Triton runs: on a CUDA device, or on the CPU under Triton's interpreter
-(TRITON_INTERPRET=1, set by this module before Triton is imported) when the triton package is
-installed; CPU CI has no Triton (torch's CPU wheel does not bring it) and skips, saying so. The GPU
-check (scripts/gpu_check_paged.py) runs this module on the device.
+It runs where Triton runs (tests/triton_here.py).
 """
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+from triton_here import triton_device
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="Triton is not installed (torch's CPU wheel has none): the GPU check runs this")
+DEVICE = triton_device()
 
-from rollfleet.engine.kv import decode_kernel  # noqa: E402 - after TRITON_INTERPRET
+from rollfleet.engine.kv import decode_kernel  # noqa: E402 - after triton_device()
 from rollfleet.engine.kv.attention import PagedInputs, paged_attention  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 
 

@@ -1,27 +1,21 @@
 """The one-kernel RMSNorm (engine/kv/norm_kernel.py) against transformers' own module.
 
-Runs where Triton runs: a CUDA device, or the CPU under Triton's interpreter (TRITON_INTERPRET=1,
-set here before Triton is imported) when triton is installed; CPU CI has none and skips, saying so.
+Runs where Triton runs (tests/triton_here.py).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_here import triton_device
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="Triton is not installed (torch's CPU wheel has none): the GPU check runs this")
+DEVICE = triton_device()
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 
 from rollfleet.engine.kv.norm_kernel import fusable, fuse_rms_norms, rms_norm  # noqa: E402
 from rollfleet.tiny_models import tiny_config  # noqa: E402
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,25 +1,18 @@
-"""The fused sampling kernel (engine/sample_kernel.py) against the distribution and conventions of
+"""The fused sampling kernel (engine/sequences/sample_kernel.py) against the distribution and conventions of
 sampling.py's general path: greedy rows take the first argmax and the raw log_softmax, the others
 draw from softmax(logits / temperature) with that logprob.
 
-Runs where Triton runs: a CUDA device, or the CPU under Triton's interpreter (TRITON_INTERPRET=1,
-set here before Triton is imported) when triton is installed; CPU CI has none and skips, saying so.
+Runs where Triton runs (tests/triton_here.py).
 """
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
+from triton_here import triton_device
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="Triton is not installed (torch's CPU wheel has none): the GPU check runs this")
+DEVICE = triton_device()
 
-from rollfleet.engine.sequences import sample_kernel  # noqa: E402 - after TRITON_INTERPRET
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from rollfleet.engine.sequences import sample_kernel  # noqa: E402 - after triton_device()
 
 
 def _run(logits, temperature, greedy, seed=1, block=16):
