@@ -118,7 +118,7 @@ class Sampler:
         """The next token of every row of `logits` ([rows, vocab], on the device)."""
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         moved: list[torch.Tensor] = []
-        if sample_kernel.available(logits.device) and all(map(_plain, rows)):
+        if sample_kernel.available(logits.device) and all(_plain(r, logits.shape[1]) for r in rows):
             return self._fused(logits, rows, moved)
         # each pass over [rows, vocab] float32 costs ~0.15 ms at 512 x 151,936 on an H200: none is made
         # that no row needs (no argmax without a greedy row, no division at temperature 1, no copy
@@ -158,12 +158,10 @@ class Sampler:
     def _fused(self, logits: torch.Tensor, rows: Seq[SampleRow], moved: list) -> Sampled:
         """Every row plain (`_plain`): the token and its logprob in one pass (sample_kernel.py)."""
         params = [r.params for r in rows]
-        inverse = torch.tensor([1.0 if p.is_greedy else 1.0 / p.temperature for p in params], dtype=torch.float32)
-        greedy = torch.tensor([p.is_greedy for p in params], dtype=torch.bool)
+        inverse = _column([1.0 if p.is_greedy else 1.0 / p.temperature for p in params], logits.device)[:, 0]
+        greedy = torch.tensor([p.is_greedy for p in params], dtype=torch.bool).to(logits.device)
         seed = int(torch.randint(2**31 - 1, (1,), generator=self._generator(torch.device("cpu"))))
-        tokens, values = sample_kernel.fused_sample(
-            _ban(logits, rows), inverse.to(logits.device), greedy.to(logits.device), seed
-        )
+        tokens, values = sample_kernel.fused_sample(_ban(logits, rows), inverse, greedy, seed)
         tokens_host = _to_host(tokens, moved)
         asked = [r.wants_logprob for r in rows]
         logprobs = (
@@ -200,11 +198,10 @@ def _ban(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
     return logits
 
 
-def _plain(row: SampleRow) -> bool:
+def _plain(row: SampleRow, vocab: int) -> bool:
     """A row the fused kernel samples: greedy or plain temperature, unseeded, no top-k / chosen ids."""
-    p = row.params
-    plain = p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
-    return (p.is_greedy or (plain and row.key is None)) and not row.top_n and row.token_ids is None
+    drawn_plainly = not filters(row.params, vocab) and row.key is None
+    return (row.params.is_greedy or drawn_plainly) and not row.top_n and row.token_ids is None
 
 
 def filters(params: SamplingParams, vocab: int) -> bool:
