@@ -246,6 +246,7 @@ def _train_and_push(run: Run, step: int, samples: list[Sample], clock: StepClock
             run.stream.pushed(step + 1)
         with clock.phase("recovery"):  # a host copy at most: the snapshot is written in the background
             snapshot = run.snapshots.after_sync(step + 1, str(step + 1))
+    _graph_captures_since_last_turn(run, moves)
     recovery = {**snapshot, "snapshots_written": run.snapshots.take_written()}
     events, retries = fleet.take_events(), fleet.router.retries - retries
     metrics = step_metrics(samples, train_metrics, report, events, clock, retries, sleep_wake=moves, recovery=recovery)
@@ -256,17 +257,22 @@ def _train_and_push(run: Run, step: int, samples: list[Sample], clock: StepClock
 
 def _against_copy_ceiling(run: Run, moves: dict) -> dict:
     """The sleep/wake figures with the pinned copy ceiling beside them, measured once per run on the
-    trainer's device after the first step that moved bytes (outside the step's clock), and the
-    engines' decode graph captures since the last turn (what a colocated release costs them)."""
+    trainer's device after the first step that moved bytes (outside the step's clock)."""
     moved = max(moves.get("trainer_onload_bytes", 0), moves.get("trainer_offload_bytes", 0))
     if moved and run.copy_ceiling is None:
         run.copy_ceiling = run.trainers.copy_ceiling(moved)
-    totals = (moves.get("engine_graph_captures_total", 0), moves.get("engine_graph_capture_seconds_total", 0.0))
-    if "engine_graph_captures_total" in moves:  # the captures since the last turn: this step's generate
-        previous, run.graph_totals = run.graph_totals, totals  # after the last release (a restart resets)
-        moves["engine_graph_captures"] = max(totals[0] - previous[0], 0)
-        moves["engine_graph_capture_seconds"] = max(totals[1] - previous[1], 0.0)
     return sleep_wake_figures(moves, run.copy_ceiling)
+
+
+def _graph_captures_since_last_turn(run: Run, moves: dict) -> None:
+    """Into `moves`: the engines' decode graph captures (and seconds) since the last colocated turn,
+    i.e. in this step's generate, after the last release dropped them (a restart resets a total)."""
+    if "engine_graph_captures_total" not in moves:  # no turn: nothing released
+        return
+    totals = (moves["engine_graph_captures_total"], moves["engine_graph_capture_seconds_total"])
+    previous, run.graph_totals = run.graph_totals, totals
+    moves["engine_graph_captures"] = max(totals[0] - previous[0], 0)
+    moves["engine_graph_capture_seconds"] = max(totals[1] - previous[1], 0.0)
 
 
 def _restart_inactive(fleet: Fleet) -> int:
