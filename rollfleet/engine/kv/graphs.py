@@ -60,7 +60,7 @@ class Graph:
     keep: torch.Tensor  # every static input the graph reads stays alive with it: a freed one is reused
     logits: torch.Tensor  # [batch, vocab]
     table: TableMirror  # its block table on the host (pinned), written where it changed (kv/tables.py)
-    copied: torch.cuda.Event | None = None  # the last copy of `table` to the device (the host waits on it)
+    copied: torch.cuda.Event  # recorded after each copy of `table` to the device (the host waits on it)
 
 
 class DecodeGraphs:
@@ -108,10 +108,8 @@ class DecodeGraphs:
         host = torch.tensor([ids, positions, slots, lens], dtype=torch.long)
         graph.ids.copy_(host[0:1]), graph.positions.copy_(host[1:2])
         graph.inputs.slots.copy_(host[2]), graph.inputs.lens.copy_(host[3])
-        if graph.copied is not None:
-            graph.copied.synchronize()  # the last step's copy has left the host table (normally long ago)
+        graph.copied.synchronize()  # the last step's copy has left the host table (normally long ago)
         graph.inputs.table.copy_(graph.table.update([pages for _, _, pages in rows]), non_blocking=True)
-        graph.copied = torch.cuda.Event()
         graph.copied.record()
 
     def _capture(self, batch: int, width: int) -> Graph:
@@ -143,7 +141,8 @@ class DecodeGraphs:
             logits = self.forward(ids, positions, inputs, keep)
         self.captures += 1
         self.capture_s += time.perf_counter() - start
-        return Graph(graph, ids, positions, inputs, keep, logits, TableMirror(batch, width, pin=True))
+        table = TableMirror(batch, width, pin=True)
+        return Graph(graph, ids, positions, inputs, keep, logits, table, torch.cuda.Event())
 
     def drop(self) -> None:
         self.graphs.clear()
