@@ -3,7 +3,8 @@ changed: the pages a row gained, a row copied when its sequence moved up (one be
 a whole row for a sequence new to the table.
 
 Building the table from Python lists every step costs rows x pages (512 rows of 4,096-token
-contexts: 131,072 ids, milliseconds a step); a sequence's page list only grows by appending
+contexts: 131,072 ids, 8.1 ms a step on a 2-core CPU; this mirror 0.8 ms, 1.6 ms when every row
+moved up); a sequence's page list only grows by appending
 (kv/steps.py `_grow`) or is replaced by a new list (forks, preemptions, releases), so a list that
 is the same object as last step needs only its new tail written. The mirror keeps a reference to
 each row's list (an id alone could be reused by a new list), its row and its length then; every
