@@ -16,8 +16,6 @@ def episode(lifetime, generates, tools, reason="answered") -> Sample:
         "lifetime": lifetime,
         "generate_spans": generates,
         "tool_spans": tools,
-        "generate_seconds": sum(e - b for b, e in generates),
-        "tool_seconds": sum(e - b for b, e in tools),
     }
     return s
 

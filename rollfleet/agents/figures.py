@@ -43,8 +43,8 @@ def wall_figures(samples: list[Sample]) -> dict:
 
 def episode_figures(samples: list[Sample]) -> dict:
     """A step's episodes: turns, tokens, how they ended, and the share of their time spent in tools."""
-    tool = sum(s.episode.get("tool_seconds", 0.0) for s in samples)
-    busy = tool + sum(s.episode.get("generate_seconds", 0.0) for s in samples)
+    tool = sum(end - start for s in samples for start, end in s.episode.get("tool_spans", []))
+    busy = tool + sum(end - start for s in samples for start, end in s.episode.get("generate_spans", []))
     reasons: dict[str, int] = {}
     for s in samples:
         reasons[s.finish_reason.get("type", "?")] = reasons.get(s.finish_reason.get("type", "?"), 0) + 1

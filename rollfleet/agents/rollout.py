@@ -47,8 +47,6 @@ class Episode:
         self.sample.episode = {
             "engine_ids": [],
             "segments": [],
-            "tool_seconds": 0.0,
-            "generate_seconds": 0.0,
             # perf_counter seconds [start, end]: the episode, each generate call, each environment step
             "lifetime": [now, now],
             "generate_spans": [],
@@ -82,9 +80,7 @@ class Episode:
 
     def timed(self, kind: str, began: float) -> None:
         """Record a generate call or an environment step that began at `began` and ends now."""
-        now, record = time.perf_counter(), self.sample.episode
-        record[f"{kind}_seconds"] += now - began
-        record[f"{kind}_spans"].append([began, now])
+        self.sample.episode[f"{kind}_spans"].append([began, time.perf_counter()])
 
     def finish(self, reason: str, reward: float, tokenizer, **detail) -> Sample:
         self.sample.episode["lifetime"][1] = time.perf_counter()
