@@ -20,7 +20,7 @@ import ray
 import torch
 from sleep_check import bare_sleeps
 from transformers import AutoModelForCausalLM
-from waits import WaitTimedOut, wait_until
+from waits import WaitTimedOut, fleet_state, wait_until
 
 from rollfleet.engine.process.launch import EngineProcess, PortInUse, embedded_argv
 from rollfleet.engine.process.zygote_client import SHARED_ZYGOTE_ENV, Zygote
@@ -419,6 +419,7 @@ def hold_with_requests(fleet, engine_id: int, *, alive, steps: int = 0) -> dict:
         lambda: fleet.pool.call(engine_id, "get_server_info")["scheduler_stats"]["waiting_requests"],
         what=f"requests queued on engine {engine_id}",
         alive=alive,
+        state=lambda: fleet_state(fleet),
     )
     if steps:
         return fleet.pool.call(engine_id, "step", steps)["scheduler_stats"]

@@ -20,7 +20,7 @@ from conftest import call, engine_servers, every_engine, reference_greedy
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
-from waits import wait_until
+from waits import fleet_state, wait_until
 
 from rollfleet.config import LoraSync, TensorSync, load_config
 from rollfleet.engine.lora.lora import LoraError, LoraLimits, linear_targets, parse_adapter
@@ -540,7 +540,11 @@ def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, ada
         # a restarted engine loads the base weights itself (a LoRA run never sends them), then the current
         # adapter from the directory its sync left, verified before it serves
         ray.get(fleet.slots[0].head.kill_engine.remote())
-        wait_until(lambda: fleet.slots[0].state.value == "INACTIVE", what="the killed engine INACTIVE")
+        wait_until(
+            lambda: fleet.slots[0].state.value == "INACTIVE",
+            what="the killed engine INACTIVE",
+            state=lambda: fleet_state(fleet),
+        )
         assert fleet.restart_inactive() == [0] and fleet.slots[0].state.value == "ACTIVE"
         assert fleet.slots[0].lifecycle.history[-1].why == "recovered: verified at version '1' (adapter)"
         (base,) = every_engine(fleet, "generate", input_ids=PROMPTS, sampling_params=GREEDY)

@@ -18,7 +18,7 @@ import torch
 from conftest import FailsAfter, kill, reference_greedy, stop
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
-from waits import wait_until
+from waits import fleet_state, wait_until
 
 from rollfleet.config import TensorSync, load_config
 from rollfleet.fleet.fleet import Fleet
@@ -92,6 +92,7 @@ def wait_state(fleet, engine_id, state):
     wait_until(
         lambda: fleet.slots[engine_id].state.value == state,
         what=f"engine {engine_id} {state} (history {fleet.slots[engine_id].lifecycle.history[-3:]})",
+        state=lambda: fleet_state(fleet),
     )
     return fleet.slots[engine_id].state.value
 
@@ -139,7 +140,12 @@ def test_generate_waits_for_recovery_when_no_engine_is_active(fleet, v1, qwen3_d
     retries = fleet.router.retries
     waiting.start()
     # nothing ACTIVE: the router holds the requests (no engine to try) instead of failing them
-    wait_until(lambda: fleet.router.waiting_requests, what="requests waiting for an engine", alive=waiting.is_alive)
+    wait_until(
+        lambda: fleet.router.waiting_requests,
+        what="requests waiting for an engine",
+        alive=waiting.is_alive,
+        state=lambda: fleet_state(fleet),
+    )
     assert fleet.router.retries == retries and "samples" not in results
     assert sorted(fleet.restart_inactive()) == [0, 1]  # restores v1 from the disk checkpoint and verifies
     waiting.join(timeout=60)
@@ -172,6 +178,7 @@ def test_background_restart_brings_a_dead_engine_back_without_being_asked(fleet,
         wait_until(
             lambda: fleet.slots[1].lifecycle.failed_since(mark) and fleet.slots[1].state.value == "ACTIVE",
             what=f"engine 1 back ({fleet.slots[1].lifecycle.history[mark:]})",
+            state=lambda: fleet_state(fleet),
         )
     finally:
         fleet.rollout.auto_restart = False
@@ -207,7 +214,12 @@ def test_a_seed_killed_during_the_pull_fails_only_that_restore_and_the_checkpoin
     stop(fleet, 0)  # the seed hangs: the pull waits on it, then the seed is killed mid-pull
     restore = threading.Thread(target=fleet.restart_inactive)
     restore.start()
-    wait_until(lambda: fleet.recovery.gate.phase == "restoring", what="the restore under way", alive=restore.is_alive)
+    wait_until(
+        lambda: fleet.recovery.gate.phase == "restoring",
+        what="the restore under way",
+        alive=restore.is_alive,
+        state=lambda: fleet_state(fleet),
+    )
     kill(fleet, 0)
     restore.join()
     assert fleet.slots[1].state.value == "ACTIVE" and restored_by(fleet, 1) == "checkpoint"
@@ -250,7 +262,12 @@ def test_a_failed_push_is_undone_by_a_restore_and_a_restore_past_its_timeout_giv
     restore = threading.Thread(target=fleet.restart_inactive)
     try:
         restore.start()
-        wait_until(lambda: fleet.recovery.gate.phase == "restoring", what="the restore", alive=restore.is_alive)
+        wait_until(
+            lambda: fleet.recovery.gate.phase == "restoring",
+            what="the restore",
+            alive=restore.is_alive,
+            state=lambda: fleet_state(fleet),
+        )
         with fleet.recovery.paused():  # what a colocated step enters: it waits for the restore, bounded
             given_up = fleet.slots[0].lifecycle.history[-1].why  # it got in once the restore gave up
         restore.join()

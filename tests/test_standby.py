@@ -7,14 +7,13 @@ prompt is answered exactly once. Layouts that cannot fit are refused with the su
 
 from __future__ import annotations
 
-import random
 import threading
 
 import pytest
 import ray
 from conftest import hold_with_requests, kill, pause_engine, reference_greedy, stop
 from transformers import AutoModelForCausalLM
-from waits import wait_until
+from waits import chaos_rng, fleet_state, wait_until
 
 from rollfleet.config import ConfigError, load_config
 from rollfleet.fleet import standby
@@ -61,7 +60,7 @@ def roles(fleet):
 def settled(fleet):
     """The fleet with its two serving engines ACTIVE and its standby up, whatever a test before left:
     each test sets up the state it asserts on. Returns (serving engine ids, the standby's id)."""
-    wait_until(lambda: _settled(fleet), what=f"a settled fleet, roles {roles(fleet)}")
+    wait_until(lambda: _settled(fleet), what=f"a settled fleet, roles {roles(fleet)}", state=lambda: fleet_state(fleet))
     every = [s.engine_id for s in fleet.slots]
     fleet.pool.on_all("continue_generation", every)  # a test that failed may have left one paused
     return [s.engine_id for s in fleet.slots if not s.standby], next(s.engine_id for s in fleet.slots if s.standby)
@@ -129,7 +128,9 @@ def test_a_standby_takes_a_dead_engines_place_and_the_dead_one_becomes_the_stand
     hold_with_requests(fleet, victim, alive=generating.is_alive, steps=1)  # its requests mid-generation
     mark = fleet.slots[victim].lifecycle.mark()
     kill(fleet, victim)
-    wait_until(lambda: fleet.slots[spare].state.value == "ACTIVE", what="the standby ACTIVE")
+    wait_until(
+        lambda: fleet.slots[spare].state.value == "ACTIVE", what="the standby ACTIVE", state=lambda: fleet_state(fleet)
+    )
     assert not fleet.slots[spare].standby and fleet.slots[spare].version == "v1"
     down = [t for t in fleet.slots[victim].lifecycle.since(mark) if t.new.value == "INACTIVE"]
     assert down and "process exited" in down[0].why, down  # caught by the death watch or the router
@@ -146,7 +147,11 @@ def test_a_standby_takes_a_dead_engines_place_and_the_dead_one_becomes_the_stand
     assert all(s.output_ids == expected[tuple(s.prompt_ids)] for s in samples)
 
     # the dead slot restarts in the background as the standby: dummy weights, not routed
-    wait_until(lambda: roles(fleet)[victim] == ("AWAITING_WEIGHTS", True), what="the dead slot back as the standby")
+    wait_until(
+        lambda: roles(fleet)[victim] == ("AWAITING_WEIGHTS", True),
+        what="the dead slot back as the standby",
+        state=lambda: fleet_state(fleet),
+    )
     assert fleet.slots[victim].version == "" and "as a standby" in fleet.slots[victim].lifecycle.history[-1].why
     start = fleet.pool.call(victim, "get_server_info")["start_breakdown"]
     assert start["launch"] == "zygote", start  # forked by the worker's zygote: no imports to pay
@@ -168,6 +173,7 @@ def test_pushes_go_to_the_serving_engines_and_a_dead_standby_is_restarted(fleet,
     wait_until(
         lambda: fleet.slots[spare].url != url and roles(fleet)[spare] == ("AWAITING_WEIGHTS", True),
         what="the killed standby restarted as a standby",
+        state=lambda: fleet_state(fleet),
     )
     assert roles(fleet) == before
     assert any("process exited" in t.why for t in fleet.slots[spare].lifecycle.since(mark))
@@ -178,7 +184,7 @@ def test_chaos_a_hung_then_a_killed_engine_are_replaced_by_standbys_and_no_promp
     hangs (SIGSTOP) during a generate, the probes catch it and the standby takes its place; then a
     serving engine is killed at a random step of the next generate, and the standby that came back
     in the meantime takes that place. Every prompt is answered exactly once, at the fleet's version."""
-    rng = random.Random(0)
+    rng = chaos_rng()
     base = AutoModelForCausalLM.from_pretrained(qwen3_dir)
     assert fleet.sync_weights(ModuleSource(base), "chaos").verified == settled[0]
     for fault in (stop, kill):
@@ -199,14 +205,20 @@ def _fault_during_generate(fleet, fault, rng, base_dir) -> None:
     generating, results = _generating(fleet, prompts, sampling=GREEDY)
     hold_with_requests(fleet, victim, alive=generating.is_alive, steps=rng.randint(0, 6))
     fault(fleet, victim)
-    wait_until(lambda: roles(fleet)[spare] == ("ACTIVE", False), what="the standby ACTIVE")
+    wait_until(
+        lambda: roles(fleet)[spare] == ("ACTIVE", False), what="the standby ACTIVE", state=lambda: fleet_state(fleet)
+    )
     generating.join()
     samples = results["out"]
     assert sorted(s.prompt_index for s in samples) == list(range(len(prompts)))  # none lost, none twice
     assert {s.weight_version for s in samples} == {fleet.version}
     expected = {tuple(p): reference_greedy(base_dir, p, 8)[0] for p in PROMPTS}  # v2 is the base model
     assert all(s.output_ids == expected[tuple(s.prompt_ids)] for s in samples)
-    wait_until(lambda: roles(fleet)[victim] == ("AWAITING_WEIGHTS", True) and _settled(fleet), what="settled again")
+    wait_until(
+        lambda: roles(fleet)[victim] == ("AWAITING_WEIGHTS", True) and _settled(fleet),
+        what="settled again",
+        state=lambda: fleet_state(fleet),
+    )
 
 
 def _settled(fleet) -> bool:
