@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo demo-lora demo-agent bench-agents test lint mutants bench-batching clean sglang-site
+.PHONY: demo demo-lora demo-agent bench-agents test test-stress lint mutants bench-batching clean sglang-site
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,12 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 test: $(VENV)/.installed lint sglang-site
 	$(PY) -m pytest -q --durations=15
+
+# the chaos, recovery, standby and async-loop tests 5 rounds in a row, fault seeds varied, every core
+# kept busy beside them (scripts/stress_tests.py); not part of `make test`: run it before a change to
+# fleet/, train/ or the engine's runtime/ lands
+test-stress: $(VENV)/.installed sglang-site
+	$(PY) scripts/stress_tests.py --rounds 5
 
 # SGLang's own code for tests/test_sglang_contract.py (pure Python for its weight-update path, no GPU
 # toolchain): a folder on PYTHONPATH of the test's subprocess only. A failed install (no registry)
