@@ -5,7 +5,11 @@ never the other package of its own layer (engine and weights do not know each ot
 
 Inside the engine its subpackages have layers too (ENGINE_LAYERS): process -> http -> model -> weights
 -> lora -> runtime -> kv -> sequences -> tp. An engine module imports its own subpackage and those
-below it, and lives in one of them (no flat modules in rollfleet/engine/)."""
+below it, and lives in one of them (no flat modules in rollfleet/engine/).
+
+And no circles, inside a package or across packages: no module imports, even through others, a module
+that imports it (TYPE_CHECKING and function-level imports count: a circle drawn only for the type
+checker still ties the modules' jobs together)."""
 
 from __future__ import annotations
 
@@ -116,6 +120,72 @@ def _violations() -> list[str]:
     return bad
 
 
+def _module_edges(path: Path, root: Path) -> list[tuple[int, str]]:
+    """The rollfleet modules `path` imports (line, dotted name): `from p import m` names p.m when m is a
+    module of the tree under `root` (and then not p), else p; a package is its __init__."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                module, where = f"{node.module}.{alias.name}", root / node.module.replace(".", "/") / alias.name
+                is_module = where.is_dir() or where.with_suffix(".py").is_file()
+                found.append((node.lineno, module if is_module else node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    found = list(dict.fromkeys(found))  # `from m import a, b` is one arrow
+    return [(line, name) for line, name in found if name == "rollfleet" or name.startswith("rollfleet.")]
+
+
+def _module_graph(root: Path) -> dict[str, list[tuple[int, str]]]:
+    """Every module under `root`/rollfleet (a package named by its dotted name) -> the modules of the
+    tree it imports, with the line."""
+    paths = {}
+    for path in sorted((root / "rollfleet").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return {
+        name: [(line, target) for line, target in _module_edges(path, root) if target in paths and target != name]
+        for name, path in paths.items()
+    }
+
+
+def _circles(root: Path = PACKAGE.parent) -> list[str]:
+    """Each circle of imports among the modules under `root` (a strongly connected set of modules,
+    Tarjan's algorithm), as the imports inside it: the arrows to cut."""
+    graph = _module_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for _, target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            members = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(members) > 1:
+                circles.append(sorted(members))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return [
+        "circle of "
+        + ", ".join(members)
+        + ": "
+        + "; ".join(f"{m}:{line} imports {t}" for m in members for line, t in graph[m] if t in members)
+        for members in sorted(circles)
+    ]
+
+
 def test_imports_run_one_way():
     bad = _violations()
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
@@ -141,6 +211,36 @@ def test_the_engine_check_sees_imports_up_and_flat_modules(tmp_path):
         "rollfleet/engine/kv/steps:2 imports rollfleet.engine.http.app (up: engine.kv -> engine.http)",
         "rollfleet/engine/lora/merge:1 imports rollfleet.engine.weights (up: engine.lora -> engine.weights)",
     ]
+
+
+def test_no_circle_of_imports_inside_a_package_or_across_packages():
+    bad = _circles()
+    assert not bad, "imports in a circle (pass the helpers what they need instead):\n" + "\n".join(bad)
+
+
+def test_the_circle_check_sees_type_checking_imports_and_circles_through_a_package(tmp_path):
+    package = tmp_path / "rollfleet" / "pkg"
+    package.mkdir(parents=True)
+    (tmp_path / "rollfleet" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("from rollfleet.pkg.top import Top\n")
+    (package / "top.py").write_text("from rollfleet.pkg import helper\n")  # a module, not the package
+    (package / "helper.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rollfleet.pkg.top import Top\n"
+    )
+    (package / "low.py").write_text("from rollfleet.pkg.helper import x\n")  # down only: no circle
+    (package / "sub.py").write_text("def f():\n    from rollfleet.pkg import Top\n")  # the package's name
+    (package / "top2.py").write_text("import rollfleet.pkg.sub\n")
+    assert _circles(tmp_path) == [
+        "circle of rollfleet.pkg.helper, rollfleet.pkg.top: "
+        "rollfleet.pkg.helper:3 imports rollfleet.pkg.top; rollfleet.pkg.top:1 imports rollfleet.pkg.helper",
+    ]
+    (package / "top.py").write_text("from rollfleet.pkg import helper, top2\n")  # top -> top2 -> sub -> pkg -> top
+    assert _circles(tmp_path)[0] == (
+        "circle of rollfleet.pkg, rollfleet.pkg.helper, rollfleet.pkg.sub, rollfleet.pkg.top, rollfleet.pkg.top2: "
+        "rollfleet.pkg:1 imports rollfleet.pkg.top; rollfleet.pkg.helper:3 imports rollfleet.pkg.top; "
+        "rollfleet.pkg.sub:2 imports rollfleet.pkg; rollfleet.pkg.top:1 imports rollfleet.pkg.helper; "
+        "rollfleet.pkg.top:1 imports rollfleet.pkg.top2; rollfleet.pkg.top2:1 imports rollfleet.pkg.sub"
+    )
 
 
 def test_the_check_sees_function_level_imports(tmp_path):

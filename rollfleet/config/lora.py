@@ -6,15 +6,10 @@ when the config is read."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pydantic import Field
 
 from rollfleet.config.errors import FieldProblem
 from rollfleet.config.section import Section
-
-if TYPE_CHECKING:
-    from rollfleet.config.models import RunConfig
 
 
 class LoraTrainConfig(Section):
@@ -43,8 +38,9 @@ class LoraTrainConfig(Section):
         )
 
 
-def check_lora_run(cfg: RunConfig) -> None:
-    """train.lora needs weight_sync.transport=lora, and engines that can serve the adapter."""
+def check_lora_run(cfg) -> None:
+    """train.lora needs weight_sync.transport=lora, and engines that can serve the adapter (cfg: a
+    RunConfig, which imports this module: untyped here, as in rollfleet.config.agent)."""
     lora, sync = cfg.train.lora, cfg.weight_sync
     if lora is None:  # a fleet may take a LoRA transport for a trainer of its own; `rollfleet train` refuses it
         return
@@ -74,7 +70,7 @@ def check_lora_run(cfg: RunConfig) -> None:
     _check_memory_moves(cfg)
 
 
-def _check_memory_moves(cfg: RunConfig) -> None:
+def _check_memory_moves(cfg) -> None:
     """Nothing of a LoRA run ever sends base weights: the engines keep theirs for the whole run."""
     rollout = cfg.rollout
     if rollout.placement == "colocated" and rollout.release_weights:

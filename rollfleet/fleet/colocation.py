@@ -17,10 +17,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from rollfleet.fleet.fleet import Fleet, Trainers
+from rollfleet.fleet.seams import Trainers, TurnFleet
 
 # SGLang's memory tags (sglang.srt.constants); the embedded engine drops its decode graphs on a release
 RESUME_AFTER_PUSH = ["cuda_graph", "kv_cache"]
@@ -43,14 +41,14 @@ def freed_bytes(answers: list) -> int:
     return total
 
 
-def graph_totals(fleet: Fleet) -> tuple[int, float]:
+def graph_totals(fleet: TurnFleet) -> tuple[int, float]:
     """Decode CUDA graph captures so far and their seconds, over the running embedded engines (each
     release drops an engine's graphs; the next generate captures them again). SGLang: (0, 0.0)."""
     if fleet.rollout.backend != "embedded":
         return 0, 0.0
     graphs = [
         ((info or {}).get("rollfleet_kv_cache") or {}).get("cuda_graphs") or {}
-        for info in fleet.pool.on_all("get_server_info", fleet._running())
+        for info in fleet.pool.on_all("get_server_info", fleet.running())
     ]
     return sum(g.get("captures", 0) for g in graphs), sum(g.get("capture_s", 0.0) for g in graphs)
 
@@ -62,7 +60,7 @@ def _moved(figures: dict | None) -> tuple[int, float]:
 
 @contextmanager
 def trainer_turn(
-    fleet: Fleet, trainers: Trainers, timed: Callable[[str], object] | None = None, moves: dict | None = None
+    fleet: TurnFleet, trainers: Trainers, timed: Callable[[str], object] | None = None, moves: dict | None = None
 ):
     """See the module docstring; `timed("sleep_wake")` times the memory moves and `moves` (a dict)
     receives their bytes and seconds: trainer_onload/offload_bytes/_seconds, engine_release_seconds,
@@ -87,7 +85,7 @@ def trainer_turn(
                 _offload_and_resume(fleet, trainers, moves)
 
 
-def _offload_and_resume(fleet: Fleet, trainers: Trainers, moves: dict) -> None:
+def _offload_and_resume(fleet: TurnFleet, trainers: Trainers, moves: dict) -> None:
     """The trainer's offload and the engines' KV cache resume, at the same time where that is safe.
 
     Safe on the embedded engine: its KV resume allocates nothing (the cache is rebuilt by the next

@@ -1,5 +1,7 @@
-"""Fleet: lays rollout engines out over GPUs with Ray, starts them, routes generate requests, and
-moves weights into them.
+"""Fleet: the one object callers drive the rollout engines through, on top of fleet/'s helpers (none
+imports this module): it routes generate requests, releases and resumes the engines' memory, and
+pushes weights into them and verifies them. Starting the engines is rollfleet.fleet.startup's job,
+recovery rollfleet.fleet.recovery's, a colocated trainer's turn rollfleet.fleet.colocation's.
 
 fleet = Fleet.from_config(cfg)
 samples = fleet.generate(prompts, n=8)
@@ -23,46 +25,30 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from pathlib import Path
-from typing import Protocol
 
-import ray
 from rich.progress import Progress
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from rollfleet.config import RunConfig
-from rollfleet.fleet import colocation, standby
+from rollfleet.fleet import colocation, startup
 from rollfleet.fleet.engine_protocols import check_engine_protocols
 from rollfleet.fleet.lifecycle import EngineSlot, EngineState
-from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, ensure_ray, worker_options
 from rollfleet.fleet.recovery import Recovery
 from rollfleet.fleet.router import Router
-from rollfleet.fleet.workers import RemoteRolloutWorker
-from rollfleet.layout import engine_rank_groups, weight_update_group
+from rollfleet.fleet.seams import Trainers
+from rollfleet.fleet.weight_sends import WeightSends
 from rollfleet.sample import Sample
 from rollfleet.weights.source import WeightSource
-from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
+from rollfleet.weights.transports import EngineTarget, SyncReport
 from rollfleet.weights.transports.base import transport_class
 from rollfleet.weights.verify import find_unverified
-from rollfleet.wire.buckets import dtype_from_name
-from rollfleet.wire.fingerprint import fingerprints
-from rollfleet.wire.hf_files import read_checkpoint
 from rollfleet.wire.pool import EnginePool
-from rollfleet.wire.routed_experts import ROUTED_EXPERTS_FLAG
 
 log = logging.getLogger("rollfleet.fleet")
 
 
 class WeightSyncError(RuntimeError):
     pass
-
-
-class Trainers(Protocol):
-    """What the fleet needs of a trainer (rollfleet.train.worker.TrainerGroup is one)."""
-
-    def push_weights(self, spec, targets: list[EngineTarget], version: str, **options) -> SyncReport: ...
-    def onload(self) -> dict | None: ...  # bytes moved and seconds
-    def offload(self) -> dict | None: ...
 
 
 class Fleet:
@@ -77,83 +63,25 @@ class Fleet:
         self.pool = EnginePool.for_urls(
             {s.engine_id: s.url for s in slots}, **self.rollout.keys, timeout=self.rollout.request_timeout_s
         )
-        self.recovery = Recovery(self)
+        self.sends = WeightSends(cfg, slots, self.pool)  # targets, sends, a checkpoint's fingerprints
+        self.recovery = Recovery(cfg, slots, self.pool, self.sends, fleet_version=lambda: self.version)
         self.router = Router(slots, self.pool, wait_s=self.rollout.recovery_wait_s, on_dead=self.recovery.mark_dead)
 
     # ---- building -----------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: RunConfig, *, load_format: str = "auto", on_placement: Callable | None = None) -> Fleet:
         """Workers on a placement group, engines started and waited for; `on_placement(group)` runs once
-        the group exists, before the engines start (the loop creates its trainers there)."""
-        rollout, layout = cfg.rollout, cfg.rollout.layout
-        layout.check_model(
-            AutoConfig.from_pretrained(rollout.model_path), allow_kv_head_replication=rollout.backend == "sglang"
-        )
-        ensure_ray(cfg)
-        placed = standby.with_standbys(rollout)  # serving engines, then standbys on bundles of their own
-        ranks = placed.layout.ranks()
-        group = create_placement_group(placed, count=standby.bundle_count(rollout))
-        if on_placement is not None:
-            on_placement(group)
-        log_dir = str(Path(rollout.log_dir).resolve())
-        # engines serve what the transport sends (a LoRA run: --enable-lora ...)
-        extras = [*transport_class(cfg.weight_sync).server_args(cfg.weight_sync), *rollout.server_extras]
-        if cfg.train.routing_replay:  # the trainer replays the engines' expert choices
-            extras.append(ROUTED_EXPERTS_FLAG)
-        rollout = rollout.model_copy(update={"server_extras": extras})
-        workers = [cls._worker(group, rollout, r, log_dir) for r in ranks]
-        try:
-            placements = ray.get([w.placement.remote() for w in workers])
-            check_engines_on_one_node(ranks, {p["rank"]: p["node_id"] for p in placements})
-            formats = partial(standby.start_format, cfg=cfg, load_format=load_format)
-            slots = cls._start_engines(ranks, workers, placements, formats)
-            standby.mark_started(slots, rollout.num_engines, load_format)
-        except BaseException:
-            cls._teardown(workers, group)
-            raise
-        fleet = cls(cfg, group, workers, slots, AutoTokenizer.from_pretrained(rollout.model_path))
+        the group exists, before the engines start (the loop creates its trainers there;
+        rollfleet.fleet.startup)."""
+        group, workers, slots = startup.place_and_start(cfg, load_format, on_placement)
+        fleet = cls(cfg, group, workers, slots, AutoTokenizer.from_pretrained(cfg.rollout.model_path))
         check_engine_protocols(fleet.pool, [s.engine_id for s in slots], on_refusal=fleet.shutdown)
         return fleet
-
-    @staticmethod
-    def _worker(group, rollout, rank, log_dir: str):
-        """Rank `rank`'s worker, on its bundle (a standby beside an engine shares that engine's)."""
-        options = worker_options(
-            group, standby.bundle_index(rollout, rank), rollout, share=standby.bundle_share(rollout, rank)
-        )
-        return RemoteRolloutWorker.options(**options).remote(
-            rank, standby.with_mem_fraction(rollout, rank.engine_id), log_dir
-        )
-
-    @staticmethod
-    def _start_engines(ranks, workers, placements, load_format_of: Callable[[int], str]) -> list[EngineSlot]:
-        slots, starts = [], []
-        for engine_id, members in sorted(engine_rank_groups(ranks).items()):
-            gpu_ids = [g for m in members for g in placements[m.rank]["gpu_ids"]]
-            head = workers[members[0].rank]
-            slots.append(EngineSlot(engine_id, "", head, gpu_ids=gpu_ids))
-            starts.append(head.start_engine.remote(gpu_ids, load_format_of(engine_id)))
-        for slot, info in zip(slots, ray.get(starts)):  # engines start in parallel; a failure raises with its log
-            slot.url = info["url"]
-        return slots
-
-    def engine_started(self, slot: EngineSlot, url: str) -> None:
-        """A (re)started engine answers at `url`, holds no verified weights, speaks a known protocol."""
-        slot.url, slot.version, slot.dtype = url, "", None
-        self.pool.set_url(slot.engine_id, url)
-        check_engine_protocols(self.pool, [slot.engine_id])
-
-    @staticmethod
-    def _teardown(workers, group) -> None:
-        ray.get([w.stop_engine.remote() for w in workers], timeout=60)
-        for worker in workers:
-            ray.kill(worker)
-        ray.util.remove_placement_group(group)
 
     def shutdown(self) -> None:
         self.recovery.close()
         self.pool.close()
-        self._teardown(self.workers, self.placement_group)
+        startup.teardown(self.workers, self.placement_group)
 
     # ---- recovery (rollfleet.fleet.recovery) ------------------------------------------------------
     def restart_inactive(
@@ -226,7 +154,7 @@ class Fleet:
         Per engine, its memory per rank before and after (`{"memory": [{"before", "after"}]}`, read
         from the embedded engine's /rollfleet/memory: a release answers null, as SGLang's does; {}
         for SGLang, which reports no figures)."""
-        running, embedded = self._running(), self.rollout.backend == "embedded"
+        running, embedded = self.running(), self.rollout.backend == "embedded"
         before = self.pool.on_all("memory", running) if embedded else []
         self.pool.on_all("release_memory_occupation", running, tags)
         after = self.pool.on_all("memory", running) if embedded else []
@@ -241,7 +169,7 @@ class Fleet:
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Resume memory; an engine whose weights were released waits for a push (AWAITING_WEIGHTS)."""
-        self.pool.on_all("resume_memory_occupation", self._running(), tags)
+        self.pool.on_all("resume_memory_occupation", self.running(), tags)
         for slot in self.slots:
             if slot.state == EngineState.SLEEPING:
                 holds_weights = slot.version == self.version
@@ -256,32 +184,14 @@ class Fleet:
         disaggregated placement."""
         return colocation.trainer_turn(self, trainers, timed, moves)
 
-    def _running(self, engine_ids: list[int] | None = None) -> list[int]:
+    def running(self, engine_ids: list[int] | None = None) -> list[int]:
         """Serving engines that are up (standbys left out: they take no pushes, sleep or wake)."""
-        slots = standby.in_rotation(self.slots)
-        return [s.engine_id for s in slots if s.is_running and (engine_ids is None or s.engine_id in engine_ids)]
+        return self.sends.running(engine_ids)
 
     # ---- weight sync ----------------------------------------------------------------------------
     def weight_targets(self, engine_ids: list[int] | None = None) -> list[EngineTarget]:
-        """The live engines a sync goes to; group ranks are numbered over the targeted engines only
-        (rollfleet.layout.weight_update_group), so a sync to a subset forms a smaller group."""
-        slots = [self.slots[e] for e in self._running(engine_ids)]
-        unknown = [s for s in slots if s.dtype is None]
-        for slot, info in zip(unknown, self.pool.on_all("get_model_info", [s.engine_id for s in unknown])):
-            slot.dtype = info.get("dtype", "")  # SGLang does not report one: fingerprints in the sent dtype
-        ranks = self.rollout.layout.gpus_per_engine
-        offsets, _ = weight_update_group([ranks] * len(slots))
-        return [
-            EngineTarget(
-                engine_id=s.engine_id,
-                url=s.url,
-                num_ranks=ranks,
-                rank_offset=offset,
-                dtype=dtype_from_name(s.dtype) if s.dtype else None,
-                **self.rollout.keys,
-            )
-            for s, offset in zip(slots, offsets)
-        ]
+        """The live engines a sync goes to (rollfleet.fleet.weight_sends)."""
+        return self.sends.weight_targets(engine_ids)
 
     def sync_weights(
         self,
@@ -296,20 +206,8 @@ class Fleet:
         """Push `source` (tensors in this process) to the engines over `transport` (default: the
         configured weight_sync), then verify every engine."""
         spec = transport or self.cfg.weight_sync
-        send = partial(self.send_weights, source, version, spec=spec, **transport_options)  # send(targets)
+        send = partial(self.sends.send_weights, source, version, spec=spec, **transport_options)  # send(targets)
         return self._push(send, version, engine_ids, advance=advance)
-
-    def send_weights(self, source: WeightSource, version: str, targets: list[EngineTarget], spec, **options):
-        """Only the send of `source` over `spec` (options: the transport's, and `timeout_s`): no
-        verification, no state change (`_push` does those for a push, `Recovery` for a restore)."""
-        options = {**transport_class(spec).sender_options(self.rollout.model_path), **options}
-        options.setdefault("timeout_s", self.rollout.request_timeout_s)
-        sender = make_transport(spec, targets, pool=self.pool, **options)
-        sender.connect()
-        try:
-            return sender.send(source, version)
-        finally:
-            sender.disconnect()
 
     def sync_from(self, trainers: Trainers, version: str, attempts: int = 3) -> SyncReport:
         """The trainer's push of `version` to every running engine, verified. An engine that dies during
@@ -321,7 +219,7 @@ class Fleet:
             try:
                 return self._push(lambda targets: trainers.push_weights(spec, targets, version, **options), version)
             except Exception:
-                if attempt == attempts - 1 or not self.recovery.wait_for_failure(marks):
+                if attempt == attempts - 1 or not self.recovery.watch.wait_for_failure(marks):
                     raise
                 self.restart_inactive(restore=False)  # they take this very push
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -353,7 +251,7 @@ class Fleet:
     ) -> None:
         """Load a HF directory into engines, then verify them against the files' own fingerprints."""
         with self.recovery.paused(starts=False):  # a push never overlaps a restore
-            self.pool.on_all("update_weights_from_disk", self._running(engine_ids), path, weight_version=weight_version)
+            self.pool.on_all("update_weights_from_disk", self.running(engine_ids), path, weight_version=weight_version)
             self.verify_checkpoint(path, weight_version, engine_ids, advance=advance)
 
     def verify_checkpoint(
@@ -363,15 +261,8 @@ class Fleet:
         self.verify(self.expected_from_checkpoint(path, weight_version, engine_ids), advance=advance)
 
     def expected_from_checkpoint(self, path: str, weight_version: str, engine_ids: list[int] | None = None):
-        """What engines holding checkpoint `path` at `weight_version` must report (fingerprints in
-        each engine's dtype; none in version mode, which reads no files)."""
-        targets = self.weight_targets(engine_ids)
-        tensors = read_checkpoint(path) if self.cfg.verify_mode == "fingerprint" else {}
-        report = SyncReport(version=weight_version, transport="disk", engine_ids=[t.engine_id for t in targets])
-        if tensors:
-            for target in targets:
-                report.fingerprints[target.engine_id] = fingerprints(tensors.items(), target.dtype)
-        return report
+        """What engines holding checkpoint `path` at `weight_version` must report (rollfleet.fleet.weight_sends)."""
+        return self.sends.expected_from_checkpoint(path, weight_version, engine_ids)
 
     def verify(self, report: SyncReport, *, advance: bool = True) -> None:
         """Compare each engine's fingerprints and version with what was sent; an engine that differs is

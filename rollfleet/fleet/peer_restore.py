@@ -19,28 +19,26 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
 import ray
 
+from rollfleet.config import RunConfig
 from rollfleet.engine.process.launch import RemoteSeed
 from rollfleet.fleet.lifecycle import EngineSlot, EngineState
 from rollfleet.weights.transports import SyncReport
 from rollfleet.weights.transports.base import transport_class
 from rollfleet.wire.client import EngineClient
 from rollfleet.wire.errors import EngineError
-
-if TYPE_CHECKING:
-    from rollfleet.fleet.fleet import Fleet
+from rollfleet.wire.pool import EnginePool
 
 
 class PeerRestore:
     name = "peer"
 
-    def __init__(self, fleet: Fleet):
-        self.fleet = fleet
+    def __init__(self, cfg: RunConfig, slots: list[EngineSlot], pool: EnginePool):
+        self.cfg, self.rollout, self.slots, self.pool = cfg, cfg.rollout, slots, pool
         self._lock = threading.Lock()
         self._seeding: set[int] = set()  # engine ids seeding a restore now (one destination each)
         self._pulled_at_start: dict[str, str] = {}  # SGLang: url of an engine started from a seed -> version
@@ -52,7 +50,7 @@ class PeerRestore:
             busy = set(self._seeding)
         return [
             s
-            for s in self.fleet.slots
+            for s in self.slots
             if s.state == EngineState.ACTIVE
             and s.version == version
             and s.engine_id not in busy
@@ -65,16 +63,16 @@ class PeerRestore:
         return not (set(seed.gpu_ids) & set(dest.gpu_ids)) or not self._on_cuda(dest)
 
     def _on_cuda(self, slot: EngineSlot) -> bool:
-        if not self.fleet.rollout.use_gpu:
+        if not self.rollout.use_gpu:
             return False
         if slot.engine_id not in self._devices:
 
             async def ask() -> dict:  # a client of its own: a short timeout, not the pool's
-                async with EngineClient(slot.url, **self.fleet.rollout.keys, timeout=5) as client:
+                async with EngineClient(slot.url, **self.rollout.keys, timeout=5) as client:
                     return await client.get_server_info()
 
             try:
-                info = self.fleet.pool.run(ask())
+                info = self.pool.run(ask())
             except (httpx.HTTPError, EngineError):
                 return True  # not known yet: assume NCCL
             self._devices[slot.engine_id] = info.get("device", "cuda")  # SGLang serves on GPUs
@@ -82,15 +80,15 @@ class PeerRestore:
 
     def available(self, version: str, slot: EngineSlot) -> bool:
         # a LoRA run moves only the adapter: a seed sends base weights, so the adapter would be missing
-        if not transport_class(self.fleet.cfg.weight_sync).sends_full_weights:
+        if not transport_class(self.cfg.weight_sync).sends_full_weights:
             return False
-        if self.fleet.rollout.backend == "sglang":
+        if self.rollout.backend == "sglang":
             return self._pulled_at_start.get(slot.url) == version
         return bool(self.seeds(version, slot))
 
     def _take(self, version: str, count: int) -> list[EngineSlot]:
         with self._lock:
-            chosen = [s for s in self.fleet.slots if s.state == EngineState.ACTIVE and s.version == version]
+            chosen = [s for s in self.slots if s.state == EngineState.ACTIVE and s.version == version]
             chosen = [s for s in chosen if s.engine_id not in self._seeding][:count]
             self._seeding.update(s.engine_id for s in chosen)
         return chosen
@@ -101,7 +99,7 @@ class PeerRestore:
 
     def restore(self, slots: list[EngineSlot], version: str, deadline: float) -> SyncReport:
         report = SyncReport(version=version, transport="peer", engine_ids=[s.engine_id for s in slots])
-        if self.fleet.rollout.backend == "sglang":
+        if self.rollout.backend == "sglang":
             return self._label_pulled_at_start(slots, version, report)
         seeds = self._take(version, len(slots))
         if not seeds:
@@ -112,7 +110,7 @@ class PeerRestore:
             async def every():
                 await asyncio.gather(*(self._chain(seed, chain, version, deadline, report) for seed, chain in chains))
 
-            self.fleet.pool.run(every())
+            self.pool.run(every())
         finally:
             self._release(seeds)
         return report
@@ -140,17 +138,17 @@ class PeerRestore:
     async def _seed_prints(self, seed: EngineSlot, version: str) -> dict[str, str]:
         """What a destination must then hold: the seed's fingerprints ({} in version mode), checking
         that the seed really holds `version`."""
-        client = self.fleet.pool.client(seed.engine_id)
+        client = self.pool.client(seed.engine_id)
         held = str((await client.get_model_info())["weight_version"])
         if held != version:
             raise RuntimeError(f"seed engine {seed.engine_id} holds version {held!r}, not {version!r}")
-        return await client.weights_fingerprint(None) if self.fleet.cfg.verify_mode == "fingerprint" else {}
+        return await client.weights_fingerprint(None) if self.cfg.verify_mode == "fingerprint" else {}
 
     async def _pull(self, seed: EngineSlot, dest: EngineSlot, timeout_s: float) -> None:
-        tp = self.fleet.rollout.layout.tp_size
+        tp = self.rollout.layout.tp_size
         ports = await asyncio.to_thread(ray.get, seed.head.free_ports.remote(tp), timeout=timeout_s)
         where = urlsplit(seed.url)
-        answer = await self.fleet.pool.client(dest.engine_id).load_from_remote_instance(
+        answer = await self.pool.client(dest.engine_id).load_from_remote_instance(
             where.hostname,
             where.port,
             ports,
@@ -164,10 +162,10 @@ class PeerRestore:
     def start_seeds(self, slots: list[EngineSlot], version: str) -> dict[int, RemoteSeed]:
         """SGLang only: a seed for each engine about to be restarted (at most one per seed), reserved
         until `started`; {} for the embedded engine (it pulls while running, in `restore`)."""
-        if self.fleet.rollout.backend != "sglang" or not self.available_for_start():
+        if self.rollout.backend != "sglang" or not self.available_for_start():
             return {}
         seeds = self._take(version, len(slots))
-        tp = self.fleet.rollout.layout.tp_size
+        tp = self.rollout.layout.tp_size
         try:
             ports = ray.get([s.head.free_ports.remote(tp) for s in seeds], timeout=60)
         except ray.exceptions.RayError:  # a seed's worker is gone: these engines start without one
@@ -179,7 +177,7 @@ class PeerRestore:
         }
 
     def available_for_start(self) -> bool:
-        return transport_class(self.fleet.cfg.weight_sync).sends_full_weights
+        return transport_class(self.cfg.weight_sync).sends_full_weights
 
     def started(self, seeds: dict[int, RemoteSeed], up: list[EngineSlot], version: str) -> None:
         """The starts are over: the seeds are free again; the engines that came up pulled `version`."""
@@ -194,7 +192,7 @@ class PeerRestore:
         weights with the seed's version; the version check then sees them answer with it."""
         for slot in slots:
             if self._pulled_at_start.pop(slot.url, None) == version:
-                self.fleet.pool.call(slot.engine_id, "update_weight_version", version)
+                self.pool.call(slot.engine_id, "update_weight_version", version)
             else:
                 report.failed[slot.engine_id] = "not started from a seed at this version"
         return report

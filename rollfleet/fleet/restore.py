@@ -18,18 +18,17 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from rollfleet.config import TensorSync
 from rollfleet.fleet.lifecycle import EngineSlot
+from rollfleet.fleet.weight_sends import WeightSends
 from rollfleet.weights.adapter import SavedAdapter
 from rollfleet.weights.checkpoint import CheckpointSource
 from rollfleet.weights.transports import SyncReport
 from rollfleet.weights.transports.base import transport_class
 from rollfleet.weights.verify import find_unverified
-
-if TYPE_CHECKING:
-    from rollfleet.fleet.fleet import Fleet
+from rollfleet.wire.pool import EnginePool
 
 
 class RestoreError(RuntimeError):
@@ -61,8 +60,8 @@ class CheckpointRestore:
 
     name = "checkpoint"
 
-    def __init__(self, fleet: Fleet, directory_for: Callable[[str], str | None], fan_out: bool = False):
-        self.fleet, self.directory_for, self.fan_out = fleet, directory_for, fan_out
+    def __init__(self, sends: WeightSends, directory_for: Callable[[str], str | None], fan_out: bool = False):
+        self.sends, self.directory_for, self.fan_out = sends, directory_for, fan_out
 
     def available(self, version: str, slot: EngineSlot) -> bool:
         return self.directory_for(version) is not None
@@ -73,11 +72,11 @@ class CheckpointRestore:
             raise RestoreError(f"no checkpoint holds version {version!r} any more")
         engine_ids = [s.engine_id for s in slots]
         if self.fan_out and len(engine_ids) > 1:
-            source, targets = CheckpointSource(directory), self.fleet.weight_targets(engine_ids)
+            source, targets = CheckpointSource(directory), self.sends.weight_targets(engine_ids)
             timeout_s = max(1.0, deadline - time.monotonic())
-            return self.fleet.send_weights(source, version, targets, TensorSync(), timeout_s=timeout_s)
-        self.fleet.pool.on_all("update_weights_from_disk", engine_ids, directory, weight_version=version)
-        return self.fleet.expected_from_checkpoint(directory, version, engine_ids)
+            return self.sends.send_weights(source, version, targets, TensorSync(), timeout_s=timeout_s)
+        self.sends.pool.on_all("update_weights_from_disk", engine_ids, directory, weight_version=version)
+        return self.sends.expected_from_checkpoint(directory, version, engine_ids)
 
 
 class AdapterRestore:
@@ -88,11 +87,11 @@ class AdapterRestore:
 
     name = "adapter"
 
-    def __init__(self, fleet: Fleet):
-        self.fleet = fleet
+    def __init__(self, sends: WeightSends):
+        self.sends = sends
 
     def _directory(self, version: str) -> str | None:
-        spec = self.fleet.cfg.weight_sync
+        spec = self.sends.cfg.weight_sync
         return transport_class(spec).saved_adapter(spec, version)
 
     def available(self, version: str, slot: EngineSlot) -> bool:
@@ -102,10 +101,10 @@ class AdapterRestore:
         directory = self._directory(version)
         if directory is None:
             raise RestoreError(f"no adapter directory holds version {version!r} any more")
-        targets = self.fleet.weight_targets([s.engine_id for s in slots])
+        targets = self.sends.weight_targets([s.engine_id for s in slots])
         timeout_s = max(1.0, deadline - time.monotonic())
-        spec = self.fleet.cfg.weight_sync
-        return self.fleet.send_weights(SavedAdapter(directory), version, targets, spec, timeout_s=timeout_s)
+        spec = self.sends.cfg.weight_sync
+        return self.sends.send_weights(SavedAdapter(directory), version, targets, spec, timeout_s=timeout_s)
 
 
 class WaitForPush:
@@ -142,21 +141,20 @@ def run_before(fn: Callable[[], object], deadline: float) -> tuple[Future, threa
     return future, thread
 
 
-def verify_each(fleet: Fleet, report: SyncReport, engine_ids: list[int]) -> dict[int, str | None]:
-    """Engine id -> what is wrong with it (None: verified), each engine checked on its own, so one
-    that does not answer fails only itself."""
-    mode = fleet.cfg.verify_mode
+def verify_each(pool: EnginePool, mode: str, report: SyncReport, engine_ids: list[int]) -> dict[int, str | None]:
+    """Engine id -> what is wrong with it (None: verified in `mode`, the run's verify_mode), each
+    engine checked on its own, so one that does not answer fails only itself."""
 
     async def one(engine_id: int) -> str | None:
         if engine_id in report.failed:  # the source could not load it (a peer's pull that failed)
             return report.failed[engine_id]
         alone = dataclasses.replace(report, engine_ids=[engine_id])
         try:
-            return (await find_unverified(alone, {engine_id: fleet.pool.client(engine_id)}, mode)).get(engine_id)
+            return (await find_unverified(alone, {engine_id: pool.client(engine_id)}, mode)).get(engine_id)
         except Exception as exc:  # noqa: BLE001 - a dead or hung engine: its own verification fails
             return f"not answering: {exc!r:.200}"
 
     async def every():
         return await asyncio.gather(*(one(e) for e in engine_ids))
 
-    return dict(zip(engine_ids, fleet.pool.run(every())))
+    return dict(zip(engine_ids, pool.run(every())))

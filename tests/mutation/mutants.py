@@ -162,7 +162,7 @@ MUTANTS: list[Mutant] = [
         id="restore-not-verified",
         claim="a restored engine serves only once its weights are verified against the version's",
         file="rollfleet/fleet/restore.py",
-        old="return dict(zip(engine_ids, fleet.pool.run(every())))",
+        old="return dict(zip(engine_ids, pool.run(every())))",
         new="return dict.fromkeys(engine_ids)",
         tests=("tests/test_recovery.py::test_a_restore_that_delivers_other_weights_than_it_claims_is_not_served",),
     ),
