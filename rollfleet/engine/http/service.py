@@ -177,6 +177,10 @@ class EngineService:
             )
         if self.sessions.mixed is not None:
             return BadRequest(self.sessions.mixed, 503)
+        if "kv_cache" in self.memory_tags.released:  # a step would write a freed pool (tp > 1: a rank lost)
+            return BadRequest(
+                "the KV cache is released: call /resume_memory_occupation with tags ['kv_cache'] first", 503
+            )
         return None
 
     def not_serving_reason(self) -> str | None:
