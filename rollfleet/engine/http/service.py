@@ -117,7 +117,7 @@ class EngineService:
     start_breakdown: dict = field(default_factory=dict)  # start_timing.StartTimer.breakdown(), once listening
     sessions: WeightSessions = field(init=False)
     remote: RemoteTransfers = field(default_factory=RemoteTransfers)
-    memory_tags: ReleasedTags = field(default_factory=ReleasedTags)  # released tags, SGLang's state errors
+    memory_tags: ReleasedTags = field(default_factory=ReleasedTags)  # released tags, as SGLang 0.5.23 records them
 
     def __post_init__(self):
         self.sessions = WeightSessions(
