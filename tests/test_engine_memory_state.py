@@ -1,8 +1,9 @@
-"""Release and resume on real servers at tp 1 and tp 2: SGLang's state errors (a resume of a tag not
-released, or of another tag than the one released, and a second release, each a 400 naming the tag and
-its state, nothing changed), and --enable-weights-cpu-backup's cycle (the weights come back from the
-host copy bit-exact and the engine serves without a push, also after a refused disk update while
-released); without the flag released weights stay unloaded until a push."""
+"""Release and resume on real servers at tp 1 and tp 2: SGLang 0.5.23's bookkeeping (a second release
+of a tag succeeds and frees nothing twice; a resume of a tag not released, or of another tag than the
+one released, is a 400 naming the tag and its state, nothing changed), and
+--enable-weights-cpu-backup's cycle (the weights come back from the host copy bit-exact and the
+engine serves without a push, also after a refused disk update while released); without the flag
+released weights stay unloaded until a push."""
 
 from __future__ import annotations
 
@@ -47,23 +48,55 @@ def memory(server) -> list[dict]:
     return call(server, "memory")
 
 
-def test_state_errors_name_the_tag_and_change_nothing(server):
+def kv_epoch(server) -> int:
+    """The KV pool's count of releases and resumes (kv/pool.py)."""
+    return call(server, "get_server_info")["rollfleet_kv_cache"]["epoch"]
+
+
+def released(server) -> list[str]:
+    return call(server, "get_server_info")["rollfleet_released_memory"]
+
+
+def test_a_release_adds_to_the_released_tags_and_frees_nothing_twice(server):
+    """SGLang 0.5.23's record is a set: a release of tags already released succeeds (XTuner releases all
+    tags while `cuda_graph` is still released); here it frees only what is still held."""
+    output, resident = greedy(server), [rank["weight_bytes"] for rank in memory(server)]
+    epoch = kv_epoch(server)
+    call(server, "release_memory_occupation", ["kv_cache"])
+    call(server, "release_memory_occupation", ["kv_cache"])
+    assert kv_epoch(server) == epoch + 1 and released(server) == ["kv_cache"]  # the pool released once
+    assert [rank["weight_bytes"] for rank in memory(server)] == resident
+    # a generate meanwhile is refused before any rank steps on the freed pool (at tp 2 a step that
+    # failed on every rank lost the follower), naming the fix
+    answer = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+    assert answer.status_code == 503 and "the KV cache is released" in answer.json()["message"], answer.text
+    assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 503
+    call(server, "release_memory_occupation", None)  # all tags: the weights go, the KV cache is gone already
+    assert kv_epoch(server) == epoch + 1 and released(server) == ["cuda_graph", "kv_cache", "weights"]
+    assert [rank["weight_bytes"] for rank in memory(server)] == [0] * len(resident)
+    call(server, "resume_memory_occupation", None)
+    assert kv_epoch(server) == epoch + 2 and released(server) == []
+    assert greedy(server) == output  # the host copy of the first release of the weights came back
+
+
+def test_a_resume_of_a_tag_not_released_is_refused_naming_it_and_changes_nothing(server):
+    """SGLang 0.5.23's scheduler raises there (`set.remove`), which ends its server; here a 400 names
+    the tag and what is released, and nothing is resumed, not even the call's other tags."""
     message = refused(server, "/resume_memory_occupation", ["kv_cache"])
     assert "tag 'kv_cache' is not currently released" in message and "nothing is released now" in message
     call(server, "release_memory_occupation", ["kv_cache"])
     message = refused(server, "/resume_memory_occupation", ["weights"])
     assert "tag 'weights' is not currently released" in message and "released now: ['kv_cache']" in message
-    assert "tag 'kv_cache' is already released" in refused(server, "/release_memory_occupation", ["kv_cache"])
-    message = refused(server, "/release_memory_occupation", None)  # all tags: kv_cache among them
-    assert "already released" in message and "kv_cache" in message
-    assert all(rank["weight_bytes"] > 0 for rank in memory(server))  # the refused release of all freed nothing
+    epoch = kv_epoch(server)
+    message = refused(server, "/resume_memory_occupation", None)  # all tags: kv_cache and two not released
+    assert "tags ['weights', 'cuda_graph'] are not currently released" in message
+    assert kv_epoch(server) == epoch and released(server) == ["kv_cache"]  # the KV cache was not resumed
     call(server, "resume_memory_occupation", ["kv_cache"])
     assert "not currently released" in refused(server, "/resume_memory_occupation", ["kv_cache"])
     call(server, "release_memory_occupation", None)
-    assert "tags ['kv_cache', 'weights', 'cuda_graph'] are already released" in refused(
-        server, "/release_memory_occupation", None
-    )
-    call(server, "resume_memory_occupation", None)
+    call(server, "resume_memory_occupation", ["weights"])
+    assert "tag 'weights' is not currently released" in refused(server, "/resume_memory_occupation", ["weights"])
+    call(server, "resume_memory_occupation", ["kv_cache", "cuda_graph"])
     assert "not currently released" in refused(server, "/resume_memory_occupation", None)
     assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
 
@@ -77,8 +110,8 @@ def test_cpu_backup_restores_the_weights_bit_exact_and_serves_without_a_push(ser
     assert [rank["host_copy_bytes"] for rank in released] == resident  # a host copy per rank, of every byte
     assert not any(rank["host_copy_pinned"] for rank in released)  # pinned only beside a GPU
     assert httpx.get(server.url + "/ready", timeout=60).status_code == 503
-    # a second release is refused and keeps the copy
-    assert "already released" in refused(server, "/release_memory_occupation", ["weights"])
+    # a second release is accepted and keeps the first one's copy
+    call(server, "release_memory_occupation", ["weights"])
     assert [rank["host_copy_bytes"] for rank in memory(server)] == resident
     call(server, "resume_memory_occupation", None)
     assert [(rank["weight_bytes"], rank["host_copy_bytes"]) for rank in memory(server)] == [(b, 0) for b in resident]

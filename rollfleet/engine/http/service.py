@@ -117,7 +117,7 @@ class EngineService:
     start_breakdown: dict = field(default_factory=dict)  # start_timing.StartTimer.breakdown(), once listening
     sessions: WeightSessions = field(init=False)
     remote: RemoteTransfers = field(default_factory=RemoteTransfers)
-    memory_tags: ReleasedTags = field(default_factory=ReleasedTags)  # released tags, SGLang's state errors
+    memory_tags: ReleasedTags = field(default_factory=ReleasedTags)  # released tags, as SGLang 0.5.23 records them
 
     def __post_init__(self):
         self.sessions = WeightSessions(
@@ -177,6 +177,10 @@ class EngineService:
             )
         if self.sessions.mixed is not None:
             return BadRequest(self.sessions.mixed, 503)
+        if "kv_cache" in self.memory_tags.released:  # a step would write a freed pool (tp > 1: a rank lost)
+            return BadRequest(
+                "the KV cache is released: call /resume_memory_occupation with tags ['kv_cache'] first", 503
+            )
         return None
 
     def not_serving_reason(self) -> str | None:

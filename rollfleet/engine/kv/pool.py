@@ -61,6 +61,8 @@ class KVPool:
             tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def release(self) -> None:
+        if self.released:  # a release of all tags while the KV cache is released already
+            return
         for tensor in [*self.keys, *self.values]:
             tensor.untyped_storage().resize_(0)
         self.released, self.epoch = True, self.epoch + 1

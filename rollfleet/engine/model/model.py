@@ -269,9 +269,10 @@ class ModelRunner:
         return self.ranks.gather(stats)
 
     def release_memory(self, tags: list[str], cpu_backup: bool = False) -> list[dict[str, int]]:
-        """Free the tagged memory; with `cpu_backup` (SGLang's --enable-weights-cpu-backup) complete
-        weights are copied to the host first (pinned memory beside a GPU) and come back on resume,
-        bit-exact and ready to serve."""
+        """Free the tagged memory still held (a tag released before frees nothing more: clients
+        release all tags again while one is still released, as SGLang allows); with `cpu_backup`
+        (SGLang's --enable-weights-cpu-backup) complete weights are copied to the host first (pinned
+        memory beside a GPU) and come back on resume, bit-exact and ready to serve."""
         params = self.lora.base_params()  # no adapter's saved base values outlive the weights (nor are copied)
         before = self._memory()
         self.weights.drop_held_payloads()

@@ -1,12 +1,15 @@
-"""Which memory tags are released now: SGLang's scheduler-side bookkeeping (`offload_tags`, 0.5.23's
-SchedulerWeightUpdaterManager) with its state errors answered as 400s that name the tag and its state.
+"""Which memory tags are released now: SGLang 0.5.23's scheduler-side bookkeeping (`offload_tags` of
+SchedulerWeightUpdaterManager), which real clients' sleep/wake cycles rely on.
 
-A release adds its tags, a resume removes them; resuming a tag that is not released (none, or another
-one) and releasing a tag twice are refused, and a refused call changes nothing. Tags None or [] mean
-all of SGLang's tags, `cuda_graph` included (the paged path's decode graphs: released, they are
-captured again on demand after the resume), so that a client's calls are refused here exactly where
-SGLang refuses them. A
-disk update while weights are released loads them (model.py) and leaves this record as it is, as on SGLang.
+SGLang keeps the released tags in a set. A release adds its tags, whatever is already there, so a
+release of a tag already released succeeds: XTuner releases all tags, resumes only `weights` and
+`kv_cache`, and releases all of them again at its next step, with `cuda_graph` still released. Here
+such a release frees what is still held (the model's release skips what is already freed). A resume
+removes its tags one by one; a tag not released makes SGLang's `set.remove` raise inside the
+scheduler, which ends the server. This engine refuses that resume instead, with a 400 naming the tag
+and the state, before anything changes. Tags None or [] mean all of SGLang's tags, `cuda_graph`
+included (the paged path's decode graphs: released, they are captured again on demand). A disk
+update while weights are released loads them (model.py) and leaves this record as it is, as on SGLang.
 """
 
 from __future__ import annotations
@@ -25,21 +28,12 @@ class ReleasedTags:
         """The tags a call names, in order, once each; None or [] is all of them."""
         return list(dict.fromkeys(tags or ALL_MEMORY_TAGS))
 
-    def check_release(self, tags: list[str]) -> None:
-        again = [tag for tag in tags if tag in self.released]
-        if again:
-            raise ValueError(
-                f"release_memory_occupation refused, nothing changed: {self._name(again)} already released "
-                f"({self._now()}): resume {'it' if len(again) == 1 else 'them'} first, or leave "
-                f"{'it' if len(again) == 1 else 'them'} out of tags"
-            )
-
     def check_resume(self, tags: list[str]) -> None:
         missing = [tag for tag in tags if tag not in self.released]
         if missing:
             raise ValueError(
                 f"resume_memory_occupation refused, nothing changed: {self._name(missing)} not currently released "
-                f"({self._now()}): resume only tags a release named"
+                f"({self._now()}): resume only tags a release named (SGLang 0.5.23's scheduler raises here)"
             )
 
     def after_release(self, tags: list[str]) -> None:

@@ -92,7 +92,9 @@ async def memory(engine: Engine):
 
 
 async def move_memory(engine: EngineService, req: MemoryRequest, action: Action) -> dict:
-    tags = ReleasedTags.of(req.tags)  # cuda_graph: the decode graphs go (captured again on demand)
+    # cuda_graph: the decode graphs go (captured again on demand). A release names tags already
+    # released too (SGLang 0.5.23 accepts it): the model frees only what it still holds
+    tags = ReleasedTags.of(req.tags)
 
     def act():
         if engine.scheduler.num_unfinished:
@@ -104,7 +106,6 @@ async def move_memory(engine: EngineService, req: MemoryRequest, action: Action)
             engine.memory_tags.check_resume(tags)
             engine.lockstep(action, tags=tags)
             return engine.memory_tags.after_resume(tags)
-        engine.memory_tags.check_release(tags)
         engine.sessions.check_release(tags)
         # a host copy only of weights that may be served again (not of a session's mixed ones)
         backup = engine.args.enable_weights_cpu_backup and engine.sessions.mixed is None
