@@ -217,6 +217,36 @@ def test_kv_flags_that_cannot_work_are_refused_naming_the_flag(qwen3_dir, flags,
     assert named in capsys.readouterr().err
 
 
+def test_the_memory_saver_is_chosen_once_at_start_and_off_without_a_gpu(small_pool_server, qwen3_dir, monkeypatch):
+    from rollfleet.engine.kv import saver
+    from rollfleet.engine.process.server import build_parser
+
+    info = call(small_pool_server, "get_server_info")
+    assert info["rollfleet_kv_cache"]["memory_saver"] is False and info["rollfleet_memory_saver"] == "off"
+    parser = build_parser()
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu"])
+    assert "--device cpu" in saver.resolve(parser, args) and args.rollfleet_memory_saver == "off"
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cuda", "--rollfleet-kv-cache", "dense"])
+    assert "--rollfleet-kv-cache dense" in saver.unavailable(args)
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cuda"])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert "expandable_segments" in saver.unavailable(args)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(saver.importlib.util, "find_spec", lambda name: None)  # as where it is not installed
+    assert "not installed" in saver.unavailable(args)
+
+
+def test_memory_saver_on_where_it_cannot_run_is_a_start_error(qwen3_dir, capsys):
+    from rollfleet.engine.kv import saver
+    from rollfleet.engine.process.server import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu", "--rollfleet-memory-saver", "on"])
+    with pytest.raises(SystemExit):
+        saver.resolve(parser, args)
+    assert "--rollfleet-memory-saver on: --device cpu" in capsys.readouterr().err
+
+
 def test_a_next_turn_starts_from_the_cached_pages_of_the_previous_turn_output(small_pool_server, qwen3_dir):
     """A multi-turn episode's next request is the whole token list so far: the pages a finished turn
     filled, its output's included, are cached for it."""
