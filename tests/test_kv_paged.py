@@ -225,7 +225,9 @@ def test_the_memory_saver_is_chosen_once_at_start_and_off_without_a_gpu(small_po
     assert info["rollfleet_kv_cache"]["memory_saver"] is False and info["rollfleet_memory_saver"] == "off"
     parser = build_parser()
     args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu"])
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # resolve sets it: put back at the end
     assert "--device cpu" in saver.resolve(parser, args) and args.rollfleet_memory_saver == "off"
+    assert saver.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # off: as before the saver
     args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cuda", "--rollfleet-kv-cache", "dense"])
     assert "--rollfleet-kv-cache dense" in saver.unavailable(args)
     args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cuda"])

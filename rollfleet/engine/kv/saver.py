@@ -38,11 +38,18 @@ def unavailable(args: argparse.Namespace) -> str | None:
 
 def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
     """Turn `--rollfleet-memory-saver auto` into on or off for this process and its tp ranks (they
-    get these args); the reason it is off, if it is. `on` that cannot be honoured is a start error."""
+    get these args, and this environment); the reason it is off, if it is. `on` that cannot be
+    honoured is a start error. Runs before CUDA starts: the allocator reads its settings then."""
     why_not = "--rollfleet-memory-saver off" if args.rollfleet_memory_saver == "off" else unavailable(args)
     if why_not and args.rollfleet_memory_saver == "on":
         parser.error(f"--rollfleet-memory-saver on: {why_not}; install it, or give auto or off")
     args.rollfleet_memory_saver = "off" if why_not else "on"
+    if why_not:
+        # Released weights must give their memory back to the device: with expandable segments the
+        # caching allocator unmaps freed pages even when a segment still holds other live blocks.
+        # (With the saver, which refuses them, a released weight's memory returns where its whole
+        # segment is free: weights of 10 MB and more have segments of their own.)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     return why_not
 
 

@@ -275,12 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    saver_off = memory_saver.resolve(parser, args)  # before CUDA starts; tp ranks get the answer in args
-    if saver_off:
-        # Released weights must give their memory back to the device: with expandable segments the
-        # caching allocator unmaps freed pages even when a segment still holds other live blocks
-        # (the memory saver refuses them: with it, weights stay on their own segments, freed whole).
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    saver_off = memory_saver.resolve(parser, args)  # before CUDA starts (the allocator's settings)
     dump_stacks_if_hung()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log.warning("memory saver %s", f"off: {saver_off}" if saver_off else "on: kv_cache and cuda_graph pause in place")
