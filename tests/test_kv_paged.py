@@ -25,8 +25,11 @@ class _NoAdapter:
         assert name is None
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
-def test_chunked_prefill_fork_and_decode_match_a_full_forward(kind):
+@pytest.mark.parametrize("kind, pool_holds", [("qwen3", 0.0), ("qwen3_moe", 0.0), ("qwen3", float("nan"))])
+def test_chunked_prefill_fork_and_decode_match_a_full_forward(kind, pool_holds):
+    """`pool_holds`: what every slot holds before the first step. NaN stands for the arbitrary bits a
+    resume under the memory saver leaves (kv/pool.py): the slots read past a row's length (the rest
+    of its last page, padding pages) must not reach the logits."""
     torch.manual_seed(0)
     config = tiny_config(kind)
     reference = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
@@ -34,6 +37,8 @@ def test_chunked_prefill_fork_and_decode_match_a_full_forward(kind):
     model.load_state_dict(reference.state_dict())
     paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=torch.device("cpu"), page_size=4, graphs=False)
     paged.allocate(num_pages=40, max_graph_batch=0)
+    for tensor in [*paged.pool.keys, *paged.pool.values]:
+        tensor.fill_(pool_holds)
     blocks = BlockPool(40, 4)
     pages = [blocks.allocate(blocks.pages_for(len(p) + 4)) for p in PROMPTS]
     paged.step([(0, p[:3], pg) for p, pg in zip(PROMPTS, pages)], logits_at=[0])  # a first chunk of each
@@ -210,6 +215,38 @@ def test_kv_flags_that_cannot_work_are_refused_naming_the_flag(qwen3_dir, flags,
     with pytest.raises(SystemExit):
         check_args(parser, args)
     assert named in capsys.readouterr().err
+
+
+def test_the_memory_saver_is_chosen_once_at_start_and_off_without_a_gpu(small_pool_server, qwen3_dir, monkeypatch):
+    from rollfleet.engine.kv import saver
+    from rollfleet.engine.process.server import build_parser
+
+    info = call(small_pool_server, "get_server_info")
+    assert info["rollfleet_kv_cache"]["memory_saver"] is False and info["rollfleet_memory_saver"] == "off"
+    parser = build_parser()
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu"])
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # resolve sets it: put back at the end
+    assert "--device cpu" in saver.resolve(parser, args) and args.rollfleet_memory_saver == "off"
+    assert saver.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # off: as before the saver
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cuda", "--rollfleet-kv-cache", "dense"])
+    assert "--rollfleet-kv-cache dense" in saver.unavailable(args)
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cuda"])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert "expandable_segments" in saver.unavailable(args)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(saver.importlib.util, "find_spec", lambda name: None)  # as where it is not installed
+    assert "not installed" in saver.unavailable(args)
+
+
+def test_memory_saver_on_where_it_cannot_run_is_a_start_error(qwen3_dir, capsys):
+    from rollfleet.engine.kv import saver
+    from rollfleet.engine.process.server import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu", "--rollfleet-memory-saver", "on"])
+    with pytest.raises(SystemExit):
+        saver.resolve(parser, args)
+    assert "--rollfleet-memory-saver on: --device cpu" in capsys.readouterr().err
 
 
 def test_a_next_turn_starts_from_the_cached_pages_of_the_previous_turn_output(small_pool_server, qwen3_dir):

@@ -204,13 +204,15 @@ class EngineService:
         """Which KV cache serves (paged or dense) and, paged, its pages and CUDA graphs now."""
         paged = self.runner.paged
         if paged is None:
-            return {"layout": "dense"}
+            return {"layout": "dense", "memory_saver": False}
         blocks, graphs = self.scheduler.batches.blocks, paged.graphs
         report = {"layout": "paged", "page_size": paged.page_size, "pages": blocks.usable}
+        report["memory_saver"] = paged.saver is not None  # kv_cache and cuda_graph pause in place (kv/saver.py)
         report.update(free_pages=len(blocks.free), cached_pages=len(blocks.hash_of), epoch=paged.pool.epoch)
         if graphs is not None:
             report["cuda_graphs"] = {"captured": len(graphs.graphs), "captures": graphs.captures}
             report["cuda_graphs"].update(capture_s=round(graphs.capture_s, 3), disabled=graphs.disabled)
+            report["cuda_graphs"]["paused"] = graphs.paused  # cuda_graph released with the saver: decode runs eagerly
         return report
 
     def not_one_per_rank(self, payloads: list[str]) -> str | None:

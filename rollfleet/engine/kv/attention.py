@@ -41,6 +41,20 @@ class PagedInputs:
     q_index: torch.Tensor | None = None  # [T]: packed token -> row * longest + index in row (not decode)
     q_pos: torch.Tensor | None = None  # [rows, longest]: each padded query's position (0 for padding)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _unwritten: torch.Tensor | None = None
+
+    def forget_masks(self) -> None:
+        """Built again on the next call (a graph capture builds them from its static buffers)."""
+        self._masks.clear()
+        self._unwritten = None
+
+    def unwritten(self) -> torch.Tensor:
+        """[rows, width * page_size, 1, 1] bool: the gathered key slots at or past each row's length,
+        which hold whatever the pool held (another sequence's KV, or arbitrary bits after a resume)."""
+        if self._unwritten is None:
+            key_pos = torch.arange(self.table.shape[1] * self.page_size, device=self.lens.device)
+            self._unwritten = (key_pos >= self.lens[:, None])[:, :, None, None]
+        return self._unwritten
 
     def mask(self, group: int) -> torch.Tensor:
         """[rows, 1, queries, width * page_size] bool, built once per step (the first layer's call)."""
@@ -79,8 +93,8 @@ def paged_attention(
         scale = head_dim**-0.5 if scaling is None else scaling
         out = decode_kernel.decode_attention(q, pool_k, pool_v, paged.table, paged.lens, paged.page_size, scale)
         return out[None].to(query.dtype), None
-    k = _gather(pool_k, paged.table, paged.page_size)
-    v = _gather(pool_v, paged.table, paged.page_size)
+    k = _gather(pool_k, paged)
+    v = _gather(pool_v, paged)
     q = query[0].transpose(0, 1).reshape(tokens, kv_heads, group, head_dim)
     if paged.decode:
         out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=paged.mask(group), scale=scaling)
@@ -96,11 +110,15 @@ def paged_attention(
     return out[None].to(query.dtype), None
 
 
-def _gather(pool: torch.Tensor, table: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[rows, kv heads, width * page_size, head_dim]: each row's pages, in order."""
+def _gather(pool: torch.Tensor, paged: PagedInputs) -> torch.Tensor:
+    """[rows, kv heads, width * page_size, head_dim]: each row's pages, in order, with the slots past
+    the row's length zeroed. The mask gives those slots zero weight, but zero times a NaN or an
+    infinity left in the pool is NaN: zeroed, whatever the pool holds cannot reach the output."""
+    table, page_size = paged.table, paged.page_size
     pages = pool.view(-1, page_size, pool.shape[1], pool.shape[2])[table]  # [rows, width, page, heads, dim]
     rows, width = table.shape
-    return pages.view(rows, width * page_size, pool.shape[1], pool.shape[2]).transpose(1, 2)
+    keys = pages.view(rows, width * page_size, pool.shape[1], pool.shape[2]).masked_fill_(paged.unwritten(), 0)
+    return keys.transpose(1, 2)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)

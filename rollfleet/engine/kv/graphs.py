@@ -7,13 +7,22 @@ Buckets: batch sizes 1, 2, 4, 8, then steps of 16 up to `max_batch` (SGLang's
 narrowest graph of its batch bucket that is wide enough (a capture costs a fraction of a second,
 and a run's batches grow, shrink and widen through many shapes). Padded rows write to the trash
 page and attend to its first slot only. Graphs stay valid across in-place weight updates and LoRA
-merges (same addresses); a release or resume of weights or KV moves memory, and `drop` forgets
-them (recaptured on demand). A model whose forward cannot be captured (a host sync, e.g. MoE
-experts routed with `.nonzero()`) runs eagerly, said once in the log.
+merges (same addresses); a release or resume of weights moves memory, and `drop` forgets them
+(recaptured on demand). A model whose forward cannot be captured (a host sync, e.g. MoE experts
+routed with `.nonzero()`) runs eagerly, said once in the log.
+
+The `cuda_graph` memory tag: with the memory saver (kv/saver.py) captures allocate inside its
+`cuda_graph` region, so a release pauses the graphs' memory (intermediates and outputs) and a
+resume maps it again at the same addresses: the graphs are kept, nothing is captured again. Their
+contents after a resume are arbitrary, which is harmless: every replay writes each intermediate
+before reading it (the static inputs a replay reads live outside the region, refilled by `_fill`).
+While paused no step replays (it would touch unmapped memory): decode runs eagerly. Without the
+saver a release of the tag drops the graphs, as a release of weights does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from rollfleet.engine.kv.attention import PagedInputs
+from rollfleet.engine.kv.saver import CUDA_GRAPH_TAG, PausableMemory
 from rollfleet.engine.kv.tables import TableMirror
 
 log = logging.getLogger("rollfleet.engine")
@@ -64,8 +74,15 @@ class Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Callable[..., torch.Tensor], device: torch.device, kernel: bool = False):
-        self.forward, self.device, self.kernel = forward, device, kernel
+    def __init__(
+        self,
+        forward: Callable[..., torch.Tensor],
+        device: torch.device,
+        kernel: bool = False,
+        saver: PausableMemory | None = None,
+    ):
+        self.forward, self.device, self.kernel, self.saver = forward, device, kernel, saver
+        self.paused = False  # the cuda_graph tag is released (saver only): no replay until resumed
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.disabled: str | None = None
         self.pool = None
@@ -78,7 +95,7 @@ class DecodeGraphs:
             self.disabled = "CUDA graphs are off (--disable-cuda-graph or a max batch of 0)"
 
     def usable(self, batch: int) -> bool:
-        return self.disabled is None and bool(self.buckets) and batch <= self.buckets[-1]
+        return self.disabled is None and not self.paused and bool(self.buckets) and batch <= self.buckets[-1]
 
     def run(self, rows) -> torch.Tensor | None:
         """The logits of `rows` (a decode step), or None when this model cannot be captured: run it eagerly."""
@@ -135,9 +152,11 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             self.forward(ids, positions, inputs, keep)  # warm-up: lazy inits happen outside the capture
         torch.cuda.current_stream(dev).wait_stream(side)
-        inputs._masks.clear()  # built again inside the capture, from the static buffers
+        inputs.forget_masks()  # built again inside the capture, from the static buffers
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # the saver's region routes this thread's allocations, the capture's included, to its pool
+        region = self.saver.region(CUDA_GRAPH_TAG) if self.saver is not None else contextlib.nullcontext()
+        with region, torch.cuda.graph(graph, pool=self.pool):
             logits = self.forward(ids, positions, inputs, keep)
         self.captures += 1
         self.capture_s += time.perf_counter() - start
@@ -147,3 +166,17 @@ class DecodeGraphs:
     def drop(self) -> None:
         self.graphs.clear()
         self.pool = None
+
+    def pause(self) -> None:
+        """Release the cuda_graph tag: with the saver its memory is unmapped and the graphs kept;
+        without it they go (their memory returns to the allocator)."""
+        if self.saver is None:
+            return self.drop()
+        if not self.paused:
+            self.saver.pause(CUDA_GRAPH_TAG, self.device)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self.saver.resume(CUDA_GRAPH_TAG)
+            self.paused = False

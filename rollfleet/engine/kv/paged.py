@@ -18,6 +18,7 @@ from rollfleet.engine.kv.attention import ATTENTION_NAME, PagedInputs
 from rollfleet.engine.kv.graphs import DecodeGraphs
 from rollfleet.engine.kv.norm_kernel import fuse_rms_norms
 from rollfleet.engine.kv.pool import KVPool, KVShape
+from rollfleet.engine.kv.saver import CUDA_GRAPH_TAG, KV_CACHE_TAG, PausableMemory
 
 log = logging.getLogger("rollfleet.engine")
 # model types whose attention goes through transformers' registry with full attention on every layer
@@ -50,6 +51,7 @@ class PagedModel:
         page_size: int,
         graphs: bool,
         kernel=True,
+        memory_saver: bool = False,
     ):
         self.model, self.lora, self.route_capture = model, lora, route_capture
         self.device, self.page_size = device, page_size
@@ -59,12 +61,15 @@ class PagedModel:
         self.shape = KVShape.of(model.config, next(model.parameters()).dtype, tp_size)
         model.set_attn_implementation(ATTENTION_NAME)
         self.pool: KVPool | None = None
-        self.graphs = DecodeGraphs(self._forward, device, self.kernel) if graphs and device.type == "cuda" else None
+        # chosen once at start (kv/saver.py): the KV pool and graphs pause in place, or are freed
+        self.saver = PausableMemory() if memory_saver and device.type == "cuda" else None
+        on_gpu = graphs and device.type == "cuda"
+        self.graphs = DecodeGraphs(self._forward, device, self.kernel, self.saver) if on_gpu else None
         self.last_routes: torch.Tensor | None = None
 
     def allocate(self, num_pages: int, max_graph_batch: int) -> None:
         """The pool (a lockstep action rank 0 sends once at start, so that every rank's is alike)."""
-        self.pool = KVPool(self.shape, num_pages, self.page_size, self.device)
+        self.pool = KVPool(self.shape, num_pages, self.page_size, self.device, self.saver)
         if self.graphs is not None:
             self.graphs.configure(self.pool, max_graph_batch)
 
@@ -149,14 +154,23 @@ class PagedModel:
         return as_row[0:1], as_row[1:2], inputs
 
     # ---- memory ----------------------------------------------------------------------------
-    def release(self) -> None:
-        self.drop_graphs()
-        self.pool.release()
+    def release(self, tags: list[str]) -> None:
+        """Release the `kv_cache` and `cuda_graph` tags among `tags`. With the saver each pauses in
+        place and the graphs are kept (their addresses hold); without it the pool's storages go, and
+        so do the graphs (they read the pool's old addresses)."""
+        if CUDA_GRAPH_TAG in tags or (KV_CACHE_TAG in tags and self.saver is None):
+            if self.graphs is not None:
+                self.graphs.pause()  # without the saver: dropped
+        if KV_CACHE_TAG in tags:
+            self.pool.release()
 
-    def resume(self) -> None:
-        self.pool.resume()
+    def resume(self, tags: list[str]) -> None:
+        if KV_CACHE_TAG in tags:
+            self.pool.resume()
+        if CUDA_GRAPH_TAG in tags and self.graphs is not None:
+            self.graphs.resume()
 
     def drop_graphs(self) -> None:
-        """Weights or KV moved (a release or resume): graphs captured on the old addresses go."""
+        """The weights moved (a release or resume): graphs captured on the old addresses go."""
         if self.graphs is not None:
             self.graphs.drop()

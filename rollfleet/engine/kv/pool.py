@@ -1,14 +1,26 @@
 """The KV pool on one tp rank's device: per attention layer a key and a value tensor of
-`[num_pages * page_size, local kv heads, head_dim]` token slots, allocated once (zeros: a masked slot
-must hold a finite value, or softmax's zero weight times NaN is NaN), released and resumed with the
-`kv_cache` memory tag. `epoch` counts releases and resumes: KV written before a change is gone, and
-CUDA graphs that captured the old addresses are stale (kv/graphs.py)."""
+`[num_pages * page_size, local kv heads, head_dim]` token slots, allocated once, released and
+resumed with the `kv_cache` memory tag. `epoch` counts releases and resumes: KV written before a
+change is gone (the scheduler's pages and prefix cache start over, kv/steps.py).
+
+Two ways to release (chosen once at start, kv/saver.py): with the memory saver the pages are
+unmapped and mapped again at the same addresses (milliseconds; CUDA graphs over the pool stay
+valid); without it each storage is resized to 0 and back, and zeroed (new addresses: graphs are
+dropped, kv/paged.py). The saver's resume does not zero (that would be a pass over the whole pool
+on every turn): stale or arbitrary slot contents (NaN bit patterns included) are never used. A slot
+is written before any step reads it as a key below a row's length (a new epoch hands out pages
+afresh and its running sequences recompute), and the slots a step reads past a row's length (the
+rest of its last page, padding pages) are masked: the decode kernel does not load them, and the
+gather path zeroes them (kv/attention.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+
+from rollfleet.engine.kv.saver import KV_CACHE_TAG, PausableMemory
 
 DEFAULT_PAGE_SIZE = 16
 
@@ -33,11 +45,15 @@ class KVShape:
 
 
 class KVPool:
-    def __init__(self, shape: KVShape, num_pages: int, page_size: int, device: torch.device):
+    def __init__(
+        self, shape: KVShape, num_pages: int, page_size: int, device: torch.device, saver: PausableMemory | None = None
+    ):
         self.shape, self.num_pages, self.page_size, self.device = shape, num_pages, page_size, device
+        self.saver = saver
         slots = num_pages * page_size
-        self.keys = [self._zeros(slots) for _ in range(shape.num_layers)]
-        self.values = [self._zeros(slots) for _ in range(shape.num_layers)]
+        with saver.region(KV_CACHE_TAG) if saver is not None else contextlib.nullcontext():
+            self.keys = [self._zeros(slots) for _ in range(shape.num_layers)]
+            self.values = [self._zeros(slots) for _ in range(shape.num_layers)]
         self.epoch = 0
         self.released = False
 
@@ -63,16 +79,22 @@ class KVPool:
     def release(self) -> None:
         if self.released:  # a release of all tags while the KV cache is released already
             return
-        for tensor in [*self.keys, *self.values]:
-            tensor.untyped_storage().resize_(0)
+        if self.saver is not None:
+            self.saver.pause(KV_CACHE_TAG, self.device)
+        else:
+            for tensor in [*self.keys, *self.values]:
+                tensor.untyped_storage().resize_(0)
         self.released, self.epoch = True, self.epoch + 1
 
     def resume(self) -> None:
         if not self.released:
             return
-        for tensor in [*self.keys, *self.values]:
-            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-            tensor.zero_()
+        if self.saver is not None:
+            self.saver.resume(KV_CACHE_TAG)
+        else:
+            for tensor in [*self.keys, *self.values]:  # fresh storage: zeroed, as before the saver
+                tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+                tensor.zero_()
         self.released, self.epoch = False, self.epoch + 1
 
 

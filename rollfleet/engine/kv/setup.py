@@ -42,6 +42,14 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
     for flag in ("--disable-decode-cuda-graph", "--disable-cuda-graph"):
         p.add_argument(flag, action="store_true", help="decode steps run eagerly")
     p.add_argument(
+        "--rollfleet-memory-saver",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the KV pool and decode graphs in torch_memory_saver's pausable memory, so that a release and "
+        "resume of kv_cache and cuda_graph keep their addresses (no recapture): auto uses it on a GPU where it "
+        "is installed (pip install 'rollfleet[gpu]'), on requires it; decided at start, see /get_server_info",
+    )
+    p.add_argument(
         "--attention-backend",
         default=None,
         help="triton (the default on a GPU with Triton): decode attention reads the pages in place and each "
@@ -67,6 +75,7 @@ def paged_options(args: argparse.Namespace) -> dict | None:
         "page_size": args.page_size,
         "graphs": not (args.disable_decode_cuda_graph or args.disable_cuda_graph),
         "kernel": args.attention_backend != "torch_native",  # where Triton runs (kv/decode_kernel.py)
+        "memory_saver": args.rollfleet_memory_saver == "on",  # resolved at start (kv/saver.py)
     }
 
 

@@ -38,7 +38,7 @@ from rollfleet.wire.fingerprint import Fingerprints
 from rollfleet.wire.naming import model_to_checkpoint
 
 log = logging.getLogger("rollfleet.engine")
-WEIGHT_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG = "weights", "kv_cache", "cuda_graph"
+WEIGHT_TAG, KV_CACHE_TAG = "weights", "kv_cache"
 
 
 class ModelRunner:
@@ -284,10 +284,10 @@ class ModelRunner:
             self._free_weights(params)
         if KV_CACHE_TAG in tags:
             self.cache = None
-            if self.paged is not None:
-                self.paged.release()
-        if self.paged is not None and {WEIGHT_TAG, CUDA_GRAPH_TAG} & set(tags):
-            self.paged.drop_graphs()  # the weights' addresses change on resume
+        if self.paged is not None:
+            if WEIGHT_TAG in tags:
+                self.paged.drop_graphs()  # the weights' addresses change on resume
+            self.paged.release(tags)  # kv_cache, cuda_graph: paused in place with the memory saver
         self._empty_cache()
         return self.ranks.gather({"before": before, "after": self._memory()})
 
@@ -297,8 +297,8 @@ class ModelRunner:
             self._allocate_weights()
             if self.host_copy.restore(self._storages):
                 self.weights.mark_loaded()
-        if KV_CACHE_TAG in tags and self.paged is not None:
-            self.paged.resume()
+        if self.paged is not None:
+            self.paged.resume(tags)
         return self.ranks.gather({"before": before, "after": self._memory()})
 
     def update_weights_from_disk(self, model_path: str) -> list[str]:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from rollfleet.engine.http.http_server import RequestBodyLimit, run_server
+from rollfleet.engine.kv import saver as memory_saver
 from rollfleet.engine.kv.setup import add_kv_flags, check_kv_args, paged_options, start_paged
 from rollfleet.engine.lora.lora import LoraLimits
 from rollfleet.engine.model.model import ModelRunner, local_device, model_class
@@ -274,11 +275,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    # Released weights must give their memory back to the device: with expandable segments the
-    # caching allocator unmaps freed pages even when a segment still holds other live blocks.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    saver_off = memory_saver.resolve(parser, args)  # before CUDA starts (the allocator's settings)
     dump_stacks_if_hung()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log.warning("memory saver %s", f"off: {saver_off}" if saver_off else "on: kv_cache and cuda_graph pause in place")
     if args.random_seed is not None:
         log.warning("--random-seed %s is ignored: see --help", args.random_seed)
     timer.mark("args")
