@@ -51,7 +51,7 @@ from rollfleet.config import TrainConfig
 from rollfleet.train import lora
 from rollfleet.train.batch import check_batch, collate, trained_tokens
 from rollfleet.train.grpo import logprob_mismatch, policy_loss, truncated_is_weights
-from rollfleet.train.offload import Offloader
+from rollfleet.train.offload import Offloader, give_back
 from rollfleet.train.routing_replay import RoutingReplay
 from rollfleet.train.token_logprobs import ChunkedHead
 from rollfleet.weights.adapter import LoraSource
@@ -349,9 +349,13 @@ class PolicyTrainer:
     # ---------------------------------------------------------------- colocation
 
     def offload(self) -> dict:
-        """Parameters and optimizer state to host buffers reused across steps (frees the GPU for the
-        engines; rollfleet.train.offload). Returns the bytes moved and seconds; no-op on CPU and with
-        train.offload=false (the state stays on the GPU)."""
+        """The end of a colocated turn: parameters and optimizer state to host buffers reused across
+        steps (no move on CPU or with train.offload=false), then, either way, the cached device memory
+        given back for the engines (rollfleet.train.offload.give_back). Returns the bytes moved and
+        seconds, and `memory`: allocated/reserved bytes before and after (None on CPU)."""
+        return give_back(self.device, self._offload)
+
+    def _offload(self) -> dict:
         if self.device.type == "cpu" or self._offloaded or not self.config.offload:
             return {"bytes": 0, "seconds": 0.0, "host_allocations": 0}
         moved = self._offloader.offload(self._models(), self.optimizer)
