@@ -11,6 +11,7 @@ import ray
 from rollfleet.config import load_config
 from rollfleet.fleet.lifecycle import EngineState
 from rollfleet.train.loop import start_fleet_and_trainers
+from rollfleet.train.metrics import TRAINER_MEMORY
 
 
 def colocated(model_dir, log_dir, *overrides):
@@ -114,5 +115,7 @@ def test_a_trainer_turn_releases_what_the_config_says_and_the_engines_serve_afte
     assert [s.lifecycle.state for s in fleet.slots] == [EngineState.ACTIVE] * 2
     # read from both engines before the release; the CPU engines capture no decode graphs
     assert (moves["engine_graph_captures_total"], moves["engine_graph_capture_seconds_total"]) == (0, 0.0)
+    # the trainer's offload ended the turn and reported its memory (CPU ranks: no device figures)
+    assert moves["trainer_memory"] == dict.fromkeys(TRAINER_MEMORY)
     samples = fleet.generate([[1], [2]], n=2, sampling={"max_new_tokens": 2, "ignore_eos": True})
     assert {s.engine_id for s in samples} == {0, 1} and all(len(s.output_ids) == 2 for s in samples)

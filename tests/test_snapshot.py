@@ -1,7 +1,7 @@
 """Recovery snapshots off the critical path and the colocated memory moves, on CPU: host buffers
 reused across steps, the background writer (atomic rename, one write at a time, skip, error, cancel,
 a process killed mid-write), the FSDP2 trainer's offload/onload through reused buffers (gloo), the
-byte accounting, and the 'auto' interval."""
+byte accounting, the trainer's memory given back at the end of its turn, and the 'auto' interval."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from rollfleet.config import ConfigError, load_config
 from rollfleet.fleet.colocation import freed_bytes
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.train.host_copy import HostBuffers, pinned_copy_ceiling
-from rollfleet.train.metrics import _moves_text, sleep_wake_figures
+from rollfleet.train.metrics import TRAINER_MEMORY, _moves_text, sleep_wake_figures
 from rollfleet.train.snapshot import SnapshotCancelled, SnapshotWriter
 from rollfleet.wire.hf_files import read_checkpoint
 from rollfleet.wire.net import free_port
@@ -244,6 +244,22 @@ def test_sleep_wake_rate_and_its_ceiling_for_the_same_bytes():
     cpu = sleep_wake_figures({"trainer_onload_bytes": 0, "trainer_offload_bytes": 0}, None)
     assert cpu["sleep_wake_gbps"] is None and cpu["sleep_wake_ceiling_gbps"] is None
     assert cpu["engine_graph_captures"] is None  # no colocated turn measured them
+
+
+def test_the_end_of_a_turn_reports_the_trainer_memory_given_back(qwen3_dir, gloo_world_of_one):
+    """CPU: nothing to move and no cache to give back, but the trainer's offload runs the give-back and
+    says so (None figures); a GPU's figures reach the step's metrics and its console line."""
+    from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
+
+    answer = PolicyTrainer(qwen3_dir, TrainConfig()).offload()
+    assert answer["bytes"] == 0 and answer["memory"] == dict.fromkeys(TRAINER_MEMORY)
+    cpu = sleep_wake_figures({"trainer_memory": answer["memory"]})
+    assert cpu["trainer_reserved_after_bytes"] is None and "trainer reserved" not in _moves_text(cpu)
+    gib = 2**30
+    gpu = {"allocated_before": 40 * gib, "reserved_before": 108 * gib, "allocated_after": 0, "reserved_after": gib}
+    figures = sleep_wake_figures({"trainer_memory": gpu})
+    assert figures["trainer_reserved_before_bytes"] == 108 * gib and figures["trainer_allocated_after_bytes"] == 0
+    assert "trainer reserved 108.0 -> 1.0 GiB" in _moves_text(figures)
 
 
 def test_the_graphs_a_colocated_turn_makes_the_engines_capture_again_are_printed():

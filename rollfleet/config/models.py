@@ -246,6 +246,13 @@ class TrainConfig(_Section):
         "rollout.mem_fraction_static); the engines still release theirs for the trainer's turn. "
         "Ignored when disaggregated and on CPU.",
     )
+    logprob_chunk: int = Field(
+        1024,
+        ge=1,
+        description="Token positions whose logits the trainer builds at once for its log-probs (forward, and "
+        "again in backward): the logits' peak is logprob_chunk x vocab in float32, not rows x width x vocab. "
+        "Any value gives the same log-probs; larger: fewer head calls, more memory.",
+    )
     seed: int = Field(0, description="Torch seed set before the model is built.")
     lora: LoraTrainConfig | None = Field(
         None, description="Train a LoRA adapter (peft) instead of the full weights; needs weight_sync.transport=lora."

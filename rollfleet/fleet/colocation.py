@@ -5,10 +5,13 @@ Order on entry: no engine restart may start (the trainer is about to hold the GP
 release their KV cache, CUDA graphs and (with `rollout.release_weights`, the default) weights; then
 the trainer onloads (it needs the memory they freed). Inside: train, then `Fleet.sync_from` (which
 resumes released weights first). On exit, also after an error: the trainer offloads (after the
-push: its parameters are what was sent) and the engines resume their CUDA graphs, then their KV
-cache; restarts may start again. This is SGLang's order (slime's too): resume weights, push,
-resume CUDA graphs and KV cache. Every tag released is resumed: SGLang keeps a released tag's
-memory unmapped until it is resumed, and its next CUDA graph replay would read unmapped memory.
+push: its parameters are what was sent) and gives its cached device memory back, offloaded or not
+(`PolicyTrainer.offload`); the engines resume their CUDA graphs, then their KV cache; restarts may
+start again. No engine allocates before the trainer gave its memory back: SGLang's resume is called
+after the offload returned, the embedded engine's resume allocates nothing (`_offload_and_resume`).
+This is SGLang's order (slime's too): resume weights, push, resume CUDA graphs and KV cache. Every
+tag released is resumed: SGLang keeps a released tag's memory unmapped until it is resumed, and its
+next CUDA graph replay would read unmapped memory.
 """
 
 from __future__ import annotations
@@ -58,6 +61,12 @@ def _moved(figures: dict | None) -> tuple[int, float]:
     return int(figures.get("bytes", 0)), float(figures.get("seconds", 0.0))
 
 
+def _offloaded(moves: dict, figures: dict | None) -> None:
+    """The offload's bytes and seconds, and the trainer's device memory around it (`trainer_memory`)."""
+    moves["trainer_offload_bytes"], moves["trainer_offload_seconds"] = _moved(figures)
+    moves["trainer_memory"] = (figures or {}).get("memory")
+
+
 @contextmanager
 def trainer_turn(
     fleet: TurnFleet, trainers: Trainers, timed: Callable[[str], object] | None = None, moves: dict | None = None
@@ -89,9 +98,10 @@ def _offload_and_resume(fleet: TurnFleet, trainers: Trainers, moves: dict) -> No
     """The trainer's offload and the engines' KV cache resume, at the same time where that is safe.
 
     Safe on the embedded engine: its KV resume allocates nothing (the cache is rebuilt by the next
-    generate, which starts only after this returns, i.e. after the offload freed the GPU), so the two
-    never compete for memory. Not on SGLang: its resume maps the KV cache's physical memory at once,
-    which the trainer's offload may not have freed yet; there they run one after the other."""
+    generate, which starts only after this returns, i.e. after the offload freed the GPU and gave the
+    trainer's cache back), so the two never compete for memory. Not on SGLang: its resume maps the KV
+    cache's physical memory at once, which the trainer may not have freed yet; there they run one after
+    the other."""
 
     def resume() -> None:
         start = time.perf_counter()
@@ -99,7 +109,7 @@ def _offload_and_resume(fleet: TurnFleet, trainers: Trainers, moves: dict) -> No
         moves["engine_resume_seconds"] = time.perf_counter() - start
 
     if fleet.rollout.backend != "embedded":
-        moves["trainer_offload_bytes"], moves["trainer_offload_seconds"] = _moved(trainers.offload())
+        _offloaded(moves, trainers.offload())
         resume()
         return
     with ThreadPoolExecutor(1, thread_name_prefix="rollfleet-offload") as pool:
@@ -107,4 +117,4 @@ def _offload_and_resume(fleet: TurnFleet, trainers: Trainers, moves: dict) -> No
         try:
             resume()
         finally:
-            moves["trainer_offload_bytes"], moves["trainer_offload_seconds"] = _moved(offload.result())
+            _offloaded(moves, offload.result())

@@ -51,8 +51,9 @@ from rollfleet.config import TrainConfig
 from rollfleet.train import lora
 from rollfleet.train.batch import check_batch, collate, trained_tokens
 from rollfleet.train.grpo import logprob_mismatch, policy_loss, truncated_is_weights
-from rollfleet.train.offload import Offloader
+from rollfleet.train.offload import Offloader, give_back
 from rollfleet.train.routing_replay import RoutingReplay
+from rollfleet.train.token_logprobs import ChunkedHead
 from rollfleet.weights.adapter import LoraSource
 from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
@@ -102,6 +103,8 @@ class PolicyTrainer:
         self.ref_model = self._load_sharded(trainable=False) if self.config.kl_coef > 0 and not self.lora else None
         # the engine's expert choices in every forward (routing_replay.py)
         self.replays = {id(m): RoutingReplay(m) for m in self._models() if self.config.routing_replay}
+        # log-probs from the head's input, logprob_chunk positions at a time (rollfleet.train.token_logprobs)
+        self.heads = {id(m): ChunkedHead(m, self.config.logprob_chunk) for m in self._models()}
         self.optimizer = torch.optim.AdamW(  # with LoRA only the adapter requires grad
             [p for p in self.model.parameters() if p.requires_grad],
             lr=self.config.lr,
@@ -246,16 +249,13 @@ class PolicyTrainer:
 
     def _logprobs(self, model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """log p(token p+1 | tokens <= p) in fp32, shape [rows, width-1], of logits / the sampling
-        temperature like the engines' logprobs (SGLang's convention); with routing replay the MoE
-        layers take the engine's experts."""
-        replay = self.replays.get(id(model))
+        temperature like the engines' logprobs (SGLang's convention), the logits built
+        `train.logprob_chunk` positions at a time; with routing replay the MoE layers take the engine's experts."""
+        replay, head = self.replays.get(id(model)), self.heads[id(model)]
         with replay.forcing(micro["routes"]) if replay is not None else contextlib.nullcontext():
-            logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits
-        logits = logits[:, :-1].float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        targets = micro["input_ids"][:, 1:].unsqueeze(-1)
-        return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+            with head.scoring(micro["input_ids"], self.temperature):
+                output = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])
+        return head.logprobs(output)
 
     # ---------------------------------------------------------------- weights out
 
@@ -349,9 +349,13 @@ class PolicyTrainer:
     # ---------------------------------------------------------------- colocation
 
     def offload(self) -> dict:
-        """Parameters and optimizer state to host buffers reused across steps (frees the GPU for the
-        engines; rollfleet.train.offload). Returns the bytes moved and seconds; no-op on CPU and with
-        train.offload=false (the state stays on the GPU)."""
+        """The end of a colocated turn: parameters and optimizer state to host buffers reused across
+        steps (no move on CPU or with train.offload=false), then, either way, the cached device memory
+        given back for the engines (rollfleet.train.offload.give_back). Returns the bytes moved and
+        seconds, and `memory`: allocated/reserved bytes before and after (None on CPU)."""
+        return give_back(self.device, self._offload)
+
+    def _offload(self) -> dict:
         if self.device.type == "cpu" or self._offloaded or not self.config.offload:
             return {"bytes": 0, "seconds": 0.0, "host_allocations": 0}
         moved = self._offloader.offload(self._models(), self.optimizer)

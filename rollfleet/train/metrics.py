@@ -12,6 +12,7 @@ from rollfleet.sample import Sample
 from rollfleet.weights.transports import SyncReport
 
 PHASES = ("generate", "reward", "train", "sync", "sleep_wake", "recovery")
+TRAINER_MEMORY = ("allocated_before", "reserved_before", "allocated_after", "reserved_after")
 
 
 class StepClock:
@@ -98,6 +99,9 @@ def sleep_wake_figures(moves: dict, ceiling: dict | None = None) -> dict:
         "engine_graph_captures": moves.get("engine_graph_captures"),
         "engine_graph_capture_seconds": moves.get("engine_graph_capture_seconds"),
         "sleep_wake_ceiling_gbps": None,
+        # the trainer's (rank 0's) device memory around the end of its turn: the offload, then its
+        # cached memory given back (PolicyTrainer.offload); None on CPU or without a colocated turn
+        **{f"trainer_{key}_bytes": (moves.get("trainer_memory") or {}).get(key) for key in TRAINER_MEMORY},
     }
     if ceiling and moved:
         best_seconds = onload / (ceiling["h2d_gbps"] * 1e9) + offload / (ceiling["d2h_gbps"] * 1e9)
@@ -195,6 +199,9 @@ def _moves_text(m: dict) -> str:
         ceiling = m.get("sleep_wake_ceiling_gbps")
         text += f"  sleep/wake {m['sleep_wake_bytes'] / 1e9:.2f} GB at {m['sleep_wake_gbps']:.1f} GB/s"
         text += f" (pinned copy {ceiling:.1f} GB/s)" if ceiling else " (no copy ceiling on CPU)"
+    if m.get("trainer_reserved_before_bytes") is not None:
+        before, after = m["trainer_reserved_before_bytes"], m["trainer_reserved_after_bytes"]
+        text += f"  trainer reserved {before / 2**30:.1f} -> {after / 2**30:.1f} GiB"
     if m.get("engine_graph_captures"):
         text += f"  graphs recaptured {m['engine_graph_captures']} in {m['engine_graph_capture_seconds']:.2f}s"
     if m.get("snapshot_write_seconds") is not None:

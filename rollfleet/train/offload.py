@@ -14,12 +14,16 @@ move; module buffers (rotary tables: small, and the engines never need their mem
 Parameters are swapped with `Module._apply`, the mechanism `.to()` uses, so FSDP2 re-registers its
 sharded parameters exactly as after `.to()`; a DTensor keeps its spec and only its local tensor
 changes device.
+
+The freed memory goes back to the device in `give_back`, which ends the trainer's colocated turn
+whether or not it offloaded: without it the CUDA caching allocator keeps every block the step and the
+push freed (activations, logits, gather buffers) for the trainer's process, out of the engines' reach.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -78,8 +82,6 @@ class Offloader:
             module._apply(lambda tensor: moved.get(id(tensor), tensor))
         for state, key, value in states:
             state[key] = value
-        if to_host and self.device.type == "cuda":
-            torch.cuda.empty_cache()  # give the freed memory back, for the engines
         return {
             "bytes": nbytes,
             "seconds": time.perf_counter() - start,
@@ -92,3 +94,27 @@ class Offloader:
         target = torch.empty(local.shape, dtype=local.dtype, device=self.device)
         target.copy_(local, non_blocking=self.host.pin)
         return target
+
+
+def give_back(device: torch.device, work: Callable[[], dict]) -> dict:
+    """`work()` (an offload, or nothing to move), then the cached memory given back to the device
+    (torch.cuda.empty_cache); work's answer with `memory`: this process's allocated and reserved bytes
+    on `device` before `work` and after the give-back. On CPU there is no cache: the figures are None."""
+    allocated_before, reserved_before = _memory(device)
+    answer = work()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    allocated_after, reserved_after = _memory(device)
+    memory = {
+        "allocated_before": allocated_before,
+        "reserved_before": reserved_before,
+        "allocated_after": allocated_after,
+        "reserved_after": reserved_after,
+    }
+    return {**answer, "memory": memory}
+
+
+def _memory(device: torch.device) -> tuple[int | None, int | None]:
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
