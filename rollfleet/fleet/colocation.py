@@ -7,8 +7,8 @@ the trainer onloads (it needs the memory they freed). Inside: train, then `Fleet
 resumes released weights first). On exit, also after an error: the trainer offloads (after the
 push: its parameters are what was sent) and gives its cached device memory back, offloaded or not
 (`PolicyTrainer.offload`); the engines resume their CUDA graphs, then their KV cache; restarts may
-start again. No engine allocates before the trainer gave its memory back: SGLang's resume is called
-after the offload returned, the embedded engine's resume allocates nothing (`_offload_and_resume`).
+start again. No engine allocates before the trainer gave its memory back: every engine's resume is
+called after the offload returned (`_offload_and_resume`).
 This is SGLang's order (slime's too): resume weights, push, resume CUDA graphs and KV cache. Every
 tag released is resumed: SGLang keeps a released tag's memory unmapped until it is resumed, and its
 next CUDA graph replay would read unmapped memory.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 
 from rollfleet.fleet.seams import Trainers, TurnFleet
@@ -95,26 +94,11 @@ def trainer_turn(
 
 
 def _offload_and_resume(fleet: TurnFleet, trainers: Trainers, moves: dict) -> None:
-    """The trainer's offload and the engines' KV cache resume, at the same time where that is safe.
-
-    Safe on the embedded engine: its KV resume allocates nothing (the cache is rebuilt by the next
-    generate, which starts only after this returns, i.e. after the offload freed the GPU and gave the
-    trainer's cache back), so the two never compete for memory. Not on SGLang: its resume maps the KV
-    cache's physical memory at once, which the trainer may not have freed yet; there they run one after
-    the other."""
-
-    def resume() -> None:
-        start = time.perf_counter()
-        fleet.wake(RESUME_AFTER_PUSH)
-        moves["engine_resume_seconds"] = time.perf_counter() - start
-
-    if fleet.rollout.backend != "embedded":
-        _offloaded(moves, trainers.offload())
-        resume()
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="rollfleet-offload") as pool:
-        offload = pool.submit(trainers.offload)
-        try:
-            resume()
-        finally:
-            _offloaded(moves, offload.result())
+    """The trainer's offload and give-back, then the engines' resume: one after the other on every
+    backend. An engine's resume maps its KV pool's memory at once (SGLang's and the embedded engine's
+    paged pool alike: through torch_memory_saver, or a new allocation without it), so it must come
+    after the trainer freed the GPU and emptied its cache, or the two meet at the peak."""
+    _offloaded(moves, trainers.offload())
+    start = time.perf_counter()
+    fleet.wake(RESUME_AFTER_PUSH)
+    moves["engine_resume_seconds"] = time.perf_counter() - start

@@ -13,12 +13,17 @@ from rollfleet.wire.pool import EnginePool
 
 
 def check_engine_protocols(
-    pool: EnginePool, engine_ids: Iterable[int], *, on_refusal: Callable[[], None] | None = None
+    pool: EnginePool,
+    engine_ids: Iterable[int],
+    *,
+    on_refusal: Callable[[], None] | None = None,
+    timeout_s: float | None = None,
 ) -> None:
-    """Read every engine's `/get_server_info` (concurrently; cached per engine client). Raises
-    UnsupportedEngine naming the engine, its release, the supported range and the fix, after
-    `on_refusal()` (on any failure: a starting fleet shuts itself down: no engine outlives a refused start)."""
-    pending = {e: pool.submit(pool.client(e).server_protocol()) for e in engine_ids}
+    """Read every engine's `/get_server_info` (concurrently; cached per engine client), each within
+    `timeout_s` (None: the client's own timeout). Raises UnsupportedEngine naming the engine, its
+    release, the supported range and the fix, after `on_refusal()` (on any failure: a starting fleet
+    shuts itself down: no engine outlives a refused start)."""
+    pending = {e: pool.submit(pool.client(e).server_protocol(timeout_s)) for e in engine_ids}
     try:
         for engine_id, answer in pending.items():
             try:

@@ -211,11 +211,13 @@ class Recovery:
         """The restarted engine answers at `url`, holds no verified weights and speaks a known protocol
         (its /get_server_info read once, rollfleet.fleet.engine_protocols); an SGLang release the
         senders do not speak, or an engine that does not answer /get_server_info (it died just after
-        its start), is stopped and left INACTIVE with the reason."""
+        its start, or hangs: it must answer within the probes' budget, since no probe watches an engine
+        while it is RECOVERING and this runs under the restart), is stopped and left INACTIVE with the reason."""
         try:
             slot.url, slot.version, slot.dtype = url, "", None
             self.pool.set_url(slot.engine_id, url)
-            check_engine_protocols(self.pool, [slot.engine_id])
+            budget = self.rollout.probe_timeout_s * self.rollout.probe_failures
+            check_engine_protocols(self.pool, [slot.engine_id], timeout_s=budget)
             return True
         except Exception as exc:  # noqa: BLE001 - this engine's restart failed; the others go on
             why = str(exc) if isinstance(exc, UnsupportedEngine) else f"its /get_server_info failed: {exc!r:.200}"

@@ -98,15 +98,15 @@ class EngineClient(GenerationRoutes):
     async def get_model_info(self) -> dict:
         return await self._call("GET", "/get_model_info")
 
-    async def get_server_info(self) -> dict:
-        return await self._call("GET", "/get_server_info")
+    async def get_server_info(self, timeout: float | None = None) -> dict:
+        return await self._call("GET", "/get_server_info", timeout=timeout)
 
-    async def server_protocol(self) -> dict:
+    async def server_protocol(self, timeout: float | None = None) -> dict:
         """`/get_server_info`, read once per client (the engine's kind and release do not change while
         it runs), after `check_supported`: raises UnsupportedEngine for an SGLang release outside
-        SUPPORTED_SGLANG."""
+        SUPPORTED_SGLANG. `timeout`: seconds for the read (None: the client's)."""
         if self._server_info is None:
-            info = await self.get_server_info()
+            info = await self.get_server_info(timeout)
             check_supported(info, self.base_url)
             self._server_info = info
         return self._server_info

@@ -8,7 +8,9 @@ such a release frees what is still held (the model's release skips what is alrea
 removes its tags one by one; a tag not released makes SGLang's `set.remove` raise inside the
 scheduler, which ends the server. This engine refuses that resume instead, with a 400 naming the tag
 and the state, before anything changes. Tags None or [] mean all of SGLang's tags, `cuda_graph`
-included (the paged path's decode graphs: released, they are captured again on demand). A disk
+included (the paged path's decode graphs: under torch_memory_saver their memory is paused and
+they stay captured, decoding eagerly until resumed; without it they are dropped and captured again
+on demand). A disk
 update while weights are released loads them (model.py) and leaves this record as it is, as on SGLang.
 """
 

@@ -92,7 +92,8 @@ async def memory(engine: Engine):
 
 
 async def move_memory(engine: EngineService, req: MemoryRequest, action: Action) -> dict:
-    # cuda_graph: the decode graphs go (captured again on demand). A release names tags already
+    # cuda_graph: the decode graphs' memory goes (kept captured under torch_memory_saver, else dropped
+    # and captured again on demand). A release names tags already
     # released too (SGLang 0.5.23 accepts it): the model frees only what it still holds
     tags = ReleasedTags.of(req.tags)
 
