@@ -187,6 +187,8 @@ def test_prefills_that_only_wait_on_each_other_for_pages_preempt_the_last_admitt
         stops=stops,
         read_routes=lambda: None,
         kv_epoch=lambda: 0,
+        weights_generation=lambda: 0,
+        adapter_identity=lambda lora_name: "base",
         chunk_tokens=8,
     )
     batches.epoch = 0  # the pool's epoch these pages are from (a first step would otherwise start afresh)

@@ -6,10 +6,11 @@ of pages (its block table). Pages are reference-counted: the n samples of a prom
 pages (`fork`), and so do requests whose prompts start alike (the prefix cache).
 
 Prefix cache: a full page is named by a hash chained over every token up to its end, under a root
-that names what else the KV depends on (the LoRA adapter); `register` records the full pages of a
-sequence once their KV is written, `match` finds the longest run of recorded pages a new sequence
-starts with. A recorded page nobody holds stays cached (LRU) until an allocation needs it back;
-`flush` forgets every record (weights changed: the cached KV is not theirs).
+that names what else the KV depends on (kv/steps.py: the base weights' generation and the LoRA
+adapter's load), so chains made under other weights never meet; `register` records the full pages
+of a sequence once their KV is written, `match` finds the longest run of recorded pages a new
+sequence starts with. A recorded page nobody holds stays cached (LRU) until an allocation needs it
+back; `flush` forgets every record at once (pages of records no root can match any more).
 """
 
 from __future__ import annotations

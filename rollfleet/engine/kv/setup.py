@@ -113,4 +113,11 @@ def start_paged(args: argparse.Namespace, runner, lockstep, context_length: int)
     )
     chunk = None if args.chunked_prefill_size == -1 else args.chunked_prefill_size
     blocks = BlockPool(num_pages, args.page_size, prefix_cache=not args.disable_radix_cache)
-    return functools.partial(PagedBatches, blocks, kv_epoch=lambda: paged.epoch, chunk_tokens=chunk)
+    return functools.partial(
+        PagedBatches,
+        blocks,
+        kv_epoch=lambda: paged.epoch,
+        weights_generation=lambda: runner.weights.generation,
+        adapter_identity=runner.lora.identity,
+        chunk_tokens=chunk,
+    )

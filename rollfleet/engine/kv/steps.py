@@ -13,8 +13,11 @@ Requests join the running set at any step; nobody's KV is recomputed for it.
 The n samples of a prompt prefill it once: the first is fed, the others wait, then share its full
 pages and get a copy of its last partial one (`fork`), and all sample from the same logits. A new
 sequence starts from the longest run of cached full pages its tokens begin with (kv/blocks.py;
-`cached_tokens` in meta_info). When a decode step finds no free page, the sequences admitted last
-give theirs back and wait again at the head of the queue (preemption by recompute: nothing lost,
+`cached_tokens` in meta_info) under its root: the generation of the base weights and the adapter's
+identity (name and load) when its prefill starts, which its pages are recorded under too. A running
+sequence whose root is no longer the current one (the weights changed under a paused batch, by any
+route) recomputes its KV before its next token. When a decode step finds no free page, the
+sequences admitted last give theirs back and wait again at the head of the queue (preemption by recompute: nothing lost,
 nothing doubled).
 """
 
@@ -67,11 +70,17 @@ class PagedBatches:
         stops: StopRules,
         read_routes: Callable[[], torch.Tensor | None],
         kv_epoch: Callable[[], int],
+        weights_generation: Callable[[], int],
+        adapter_identity: Callable[[str | None], str],
         chunk_tokens: int | None,
     ):
+        """`weights_generation()`: a number every change of the base weights bumps;
+        `adapter_identity(lora_name)`: the adapter's name and load (weight_update.py, lora_merge.py)."""
         self.blocks, self.lockstep, self.sampler, self.stops = blocks, lockstep, sampler, stops
         self.read_routes, self.kv_epoch, self.chunk_tokens = read_routes, kv_epoch, chunk_tokens
+        self.weights_generation, self.adapter_identity = weights_generation, adapter_identity
         self.epoch = None  # the pool's epoch the pages were handed out in
+        self.generation = None  # the weights' generation the cache's records were made in
         self.copies: list[tuple[int, int]] = []  # forks' partial pages, copied before the next step
 
     # ---- admission -----------------------------------------------------------------------
@@ -111,10 +120,16 @@ class PagedBatches:
             for seq in running:
                 _forget_kv(seq)
             self.epoch, self.copies = self.kv_epoch(), []
-        if recompute:  # the weights changed under the running set: its KV is the old weights'
-            self.drop(running)
+        if self.generation != self.weights_generation():  # no record can match again: their pages go back now
             self.flush()
-            self.copies = []
+            self.generation = self.weights_generation()
+        # the weights changed under the running set (the scheduler says so after an update; the
+        # roots show any change): its KV is the old weights'. One adapter runs at a time.
+        root = self._root(lora_name)
+        stale = running if recompute else [s for s in running if s.kv_root is not None and s.kv_root != root]
+        if stale:
+            self.drop(stale)
+            self.copies = []  # the forks of the last step: their pages were made with the old weights too
         outcome = StepOutcome()
         self._siblings = self._pair_siblings(running)
         feeds = self._prefill_feeds(running, outcome)
@@ -154,8 +169,9 @@ class PagedBatches:
                 continue
             if not seq.pages and not seq.kv_len:  # a (re)prefill starts
                 outcome.recomputed += bool(seq.output_ids)
+                seq.kv_root = self._root(seq.lora_name)
                 if _may_share(seq):
-                    seq.pages = self.blocks.match(seq.prefill_ids, _root(seq))
+                    seq.pages = self.blocks.match(seq.prefill_ids, seq.kv_root)
                     seq.kv_len = seq.cached_tokens = len(seq.pages) * self.blocks.page_size
                     left = _total(seq) - seq.kv_len
             count = left if budget is None or not _may_share(seq) else min(left, budget)
@@ -262,7 +278,7 @@ class PagedBatches:
                 samplers.append(member)
                 index.append(feed.logits_from + count)
             if not seq.output_ids:
-                self.blocks.register(seq.prefill_ids, seq.pages, _root(seq))
+                self.blocks.register(seq.prefill_ids, seq.pages, seq.kv_root)
         if not samplers:
             return
         rows = logits[torch.tensor(index, device=logits.device)] if len(index) != logits.shape[0] else logits
@@ -288,6 +304,7 @@ class PagedBatches:
                 seq.pages += self.blocks.allocate(1)
                 self.copies.append((leader.pages[full], seq.pages[-1]))
             seq.kv_len = seq.cached_tokens = leader.kv_len
+            seq.kv_root = leader.kv_root
             seq.record = copy.deepcopy(leader.record)
             seq.routes = list(leader.routes)
             forked.append(seq)
@@ -307,7 +324,7 @@ class PagedBatches:
         for row, seq in enumerate(running):
             if row not in kept:
                 if seq.pages and seq.kv_len and seq.finish is not None and seq.finish.type != "abort":
-                    self.blocks.register(seq.prefill_ids[: seq.kv_len], seq.pages, _root(seq))
+                    self.blocks.register(seq.prefill_ids[: seq.kv_len], seq.pages, seq.kv_root)
                 self._release(seq)
 
     def drop(self, seqs: list[Sequence]) -> None:
@@ -316,7 +333,12 @@ class PagedBatches:
             self._release(seq)
 
     def flush(self) -> None:
+        """Forget every cached prefix (frees their pages; the roots keep stale ones from matching anyway)."""
         self.blocks.flush()
+
+    def _root(self, lora_name: str | None) -> str:
+        """What a page's KV depends on besides its tokens: the base weights and the adapter."""
+        return f"weights {self.weights_generation()}, adapter {self.adapter_identity(lora_name)}"
 
     def _release(self, seq: Sequence) -> None:
         if seq.pages:
@@ -339,7 +361,7 @@ def _tokens(seq: Sequence, start: int, count: int) -> list[int]:
 
 
 def _forget_kv(seq: Sequence) -> None:
-    seq.pages, seq.kv_len = [], 0
+    seq.pages, seq.kv_len, seq.kv_root = [], 0, None
 
 
 def _may_share(seq: Sequence) -> bool:
@@ -350,7 +372,3 @@ def _may_share(seq: Sequence) -> bool:
 
 def _input_count(seq: Sequence) -> int:
     return 0 if seq.output_ids else input_positions(len(seq.prompt_ids), seq.ask)
-
-
-def _root(seq: Sequence) -> str:
-    return f"lora:{seq.lora_name}"

@@ -50,6 +50,8 @@ class LoraMerge:
         self.limits = limits  # None: LoRA is off (no --enable-lora)
         self.targetable = linear_targets(model, params)
         self.adapters: dict[str, LoraAdapter] = {}
+        self._loads = 0  # adapters loaded since start: each load's number names its weights (`identity`)
+        self._load_of: dict[str, int] = {}
         self.active: str | None = None  # the adapter merged into the weights now
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (local weight, its saved base values)
         self._on_merge = on_merge  # weights changed other than by an update (forgets load fingerprints)
@@ -82,6 +84,14 @@ class LoraMerge:
             local.copy_((local.float() + delta).to(local.dtype))
         self.active = lora_name
 
+    def identity(self, lora_name: str | None) -> str:
+        """What the weights of `lora_name` are, as the KV they make depends on it: the base, or the
+        adapter's name and the number of its load (one unloaded and loaded again under the same name
+        may hold other weights)."""
+        if lora_name is None:
+            return "base"
+        return f"{lora_name!r} load {self._load_of.get(lora_name, 'none')}"
+
     # ---- adapters (lockstep) -----------------------------------------------------------------
     def load(
         self,
@@ -100,6 +110,8 @@ class LoraMerge:
             refusal = str(exc)
         self._ranks.agree(refusal, LoraError)
         self.adapters[lora_name] = adapter
+        self._loads += 1
+        self._load_of[lora_name] = self._loads
 
     def unload(self, lora_name: str) -> None:
         self._require_enabled()
@@ -108,6 +120,7 @@ class LoraMerge:
         if self.active == lora_name:
             self.base_params()
         del self.adapters[lora_name]
+        del self._load_of[lora_name]
 
     def fingerprints(self, lora_name: str, names: list[str] | None, samples: int) -> dict[str, str]:
         """peft key -> fingerprint of the adapter's stored tensor (rollfleet.wire.fingerprint). Every

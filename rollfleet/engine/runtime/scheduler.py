@@ -268,12 +268,12 @@ class Scheduler(Aborts, Pausing, Stepping):
         return action.waits_for is None or not any(map(action.waits_for, itertools.chain(self.waiting, self.running)))
 
     def _run_control(self, action: ControlAction) -> None:
+        # No flush after it: the prefix cache is keyed by the weights' generation and the adapter's
+        # load (kv/steps.py), so a control that changed either leaves nothing that matches.
         try:
             action.future.set_result(action.fn())
         except Exception as exc:  # reported to the caller (an HTTP 400), the engine goes on
             action.future.set_exception(exc)
-        finally:  # any control may have changed weights or adapters: cached prefixes are not theirs
-            self.batches.flush()
 
     def _step(self) -> None:
         self._drop_aborted_running()

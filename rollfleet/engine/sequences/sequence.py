@@ -42,10 +42,11 @@ class Sequence:
     # (old version, output tokens made with it) at each weight-version change while unfinished
     version_events: list[tuple[str, int]] = field(default_factory=list)
     # the paged KV pool's view (kv/steps.py): pages holding the KV of the first kv_len tokens of
-    # prompt + output, how many of them came from the prefix cache or a sibling, the sample whose
-    # prefill this one waits for
+    # prompt + output, what made that KV (the weights and adapter, as the prefix cache keys it), how
+    # many of them came from the prefix cache or a sibling, the sample whose prefill this one waits for
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0
+    kv_root: str | None = None
     cached_tokens: int = 0
     fork_of: Sequence | None = None
     stop_ids: frozenset[int] | None = None  # the token ids that end it (next_token.StopRules.stop_ids)

@@ -77,6 +77,9 @@ class WeightUpdater:
         self.model, self.schema, self.lora, self.ranks = model, schema, lora, ranks
         self.load_prints, self.groups, self.released = load_prints, groups, released
         self.loaded_names: set[str] = set(schema.required_names) if loaded else set()
+        # Bumped by every change of the base weights' values (an update applied, a release, a
+        # receive, a restore): KV made under one generation is not another's (the prefix cache's key).
+        self.generation = 0
         # The last two decoded tensor payloads stay referenced until the sync ends: a sender
         # alternates two buffers, and a buffer still referenced here is not mapped again (opening a
         # CUDA IPC handle costs far more than reading a few hundred MB).
@@ -90,12 +93,14 @@ class WeightUpdater:
     def forget_loaded(self) -> None:
         """The weights were released (SGLang semantics: released weights must be pushed again)."""
         self.loaded_names = set()
+        self.generation += 1
         self._held_payloads.clear()
 
     def mark_loaded(self) -> None:
         """Every tensor is whole again without a load through this class: received in place from a
         seed (R-Fork, rollfleet.engine.weights.remote_instance), or released weights back from their host copy."""
         self.loaded_names = set(self.schema.required_names)
+        self.generation += 1
 
     def drop_held_payloads(self) -> None:
         """The sync is over: let the sender's buffers go."""
@@ -193,6 +198,7 @@ class WeightUpdater:
             refusal = str(exc)
         clock.append(time.perf_counter())
         self.ranks.agree(refusal, WeightUpdateError)
+        self.generation += 1  # before the copy: one that fails part-way has changed values too
         clock.append(time.perf_counter())
         with torch.no_grad():
             same_device = [(t, v) for t, v in staged if t.device == v.device and t.dtype == v.dtype]
