@@ -73,7 +73,10 @@ def train_command(args: list[str]) -> None:
         sys.exit(str(err))
     from rollfleet.train.loop import train
 
-    output_dir = train(cfg, resume=resume)
+    try:
+        output_dir = train(cfg, resume=resume)
+    except ConfigError as err:  # what the config names outside itself (model, data, reward): one line, no traceback
+        sys.exit(str(err))
     print(f"metrics, TensorBoard, checkpoints and curves.png are in {output_dir}")
 
 

@@ -1,12 +1,14 @@
-"""Regenerate the result tables of docs/benchmarks.md and README.md from the records in docs/results/.
+"""Regenerate the result tables of docs/benchmarks.md and README.md from the records in docs/results/,
+and the config reference (docs/config.md) from the config's pydantic models.
 
     python scripts/make_tables.py            # rewrite the tables in place
     python scripts/make_tables.py --check    # exit 1 if a committed table differs from its records
 
 A table lives between `<!-- table:NAME -->` and `<!-- /table -->`; everything between the markers is
-generated (NAME: weight-sync, recovery, batching, grpo-step, generate, demo, demo-summary). Records
-are the JSON files the benchmarks write with --json (rollfleet/bench/record.py); a GPU run's files
-dropped into docs/results/ join the tables on the next run of this script.
+generated (NAME: weight-sync, recovery, batching, grpo-step, generate, demo, demo-summary,
+config-reference). Records are the JSON files the benchmarks write with --json
+(rollfleet/bench/record.py); a GPU run's files dropped into docs/results/ join the tables on the next
+run of this script. The config reference is rollfleet.config.reference's, of this checkout's models.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the config reference documents this checkout's models, not an installed copy
+from rollfleet.config.reference import reference  # noqa: E402
+
 RESULTS = REPO / "docs" / "results"
-DOCS = [REPO / "docs" / "benchmarks.md", REPO / "README.md"]
+DOCS = [REPO / "docs" / "benchmarks.md", REPO / "README.md", REPO / "docs" / "config.md"]
 MARKER = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
@@ -244,6 +249,7 @@ TABLES: dict[str, Callable[[list[tuple[str, dict]]], str]] = {
     "generate": generate,
     "demo": demo,
     "demo-summary": demo_summary,
+    "config-reference": lambda records: reference(),
 }
 
 

@@ -74,11 +74,13 @@ class GrpoConfig(Section):
     @field_validator("environment")
     @classmethod
     def _environment_path(cls, path):
+        """environment is written 'package.module:Class' (whether it imports is checked when the run starts)."""
         return check_environment_path(path)
 
     @field_validator("recovery_checkpoint_every", mode="before")
     @classmethod
     def _auto_or_step_count(cls, every):
+        """recovery_checkpoint_every is 'auto', 0 (never) or a positive step count."""
         if every == "auto" or (isinstance(every, int) and not isinstance(every, bool) and every >= 0):
             return every
         raise FieldProblem(

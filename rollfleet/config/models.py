@@ -36,6 +36,7 @@ class SamplingDefaults(_Section):
     @field_validator("top_k")
     @classmethod
     def _top_k_is_off_or_positive(cls, top_k: int) -> int:
+        """top_k is -1 (every token) or a positive count: 0 would leave no token to sample."""
         if top_k == -1 or top_k >= 1:
             return top_k
         raise FieldProblem("must be -1 (off) or >= 1", "use -1 to keep every token, or a positive count")
@@ -157,6 +158,10 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _check_parallel_sizes(self) -> RolloutConfig:
+        """The engine's shape: ep_size divides tp_size; pp_size > 1 only with backend=sglang (the embedded
+        engine has no pipeline parallel); standby engines only when disaggregated; standby_beside names one
+        serving engine per standby, both memory fractions set, and no GPU's fractions adding up to more than 1.
+        Warns that gpus_per_worker is ignored when use_gpu is false."""
         try:
             _ = self.layout  # validates the shape
         except LayoutError as err:
@@ -192,6 +197,7 @@ class TrainerConfig(_Section):
 
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> TrainerConfig:
+        """sequence_parallel_size divides world_size: each sequence is split over a whole group of ranks."""
         if self.world_size % self.sequence_parallel_size:
             raise FieldProblem(
                 f"must divide trainer.world_size={self.world_size}",
@@ -285,6 +291,8 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_pipeline_weight_path(self) -> RunConfig:
+        """With rollout.pp_size > 1, weight_sync.transport is one SGLang can feed to every pipeline stage
+        (disk: each stage reads its own layers; tensor, nccl and lora cannot)."""
         problem, transport = self.weight_sync.pipeline_parallel_problem, self.weight_sync.transport
         if self.rollout.pp_size > 1 and problem is not None:
             members = get_args(get_args(WeightSyncConfig)[0])
@@ -299,16 +307,23 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_lora(self) -> RunConfig:
+        """train.lora needs weight_sync.transport=lora, a rank within weight_sync.max_lora_rank, targets
+        within weight_sync.lora_target_modules, rollout.release_weights=false when colocated (nothing pushes
+        base weights back) and no full-weight grpo.recovery_checkpoint_every."""
         check_lora_run(self)
         return self
 
     @model_validator(mode="after")
     def _check_agent(self) -> RunConfig:
+        """grpo.environment: no train.routing_replay (an episode is many engine answers), and a turn of
+        rollout.sampling.max_new_tokens leaves room within grpo.agent.max_total_tokens; warns that
+        grpo.reward is ignored (the environment rewards each episode)."""
         check_agent_run(self)
         return self
 
     @model_validator(mode="after")
     def _check_verification(self) -> RunConfig:
+        """weight_sync.verify=fingerprint only with the embedded engine (SGLang has no fingerprint route)."""
         if self.rollout.backend == "sglang" and self.weight_sync.verify == "fingerprint":
             raise FieldProblem(
                 "SGLang has no /rollfleet/weights_fingerprint route (an embedded-engine extension), so syncs "
@@ -340,6 +355,9 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_colocation(self) -> RunConfig:
+        """placement=colocated (engines and trainer share each GPU): grpo.max_staleness=0 (no generating while
+        the trainer trains), no trainer sequence parallel beside engines spanning several GPUs, and
+        trainer.world_size equal to the rollout world size (one trainer rank and one rollout rank per GPU)."""
         rollout, trainer = self.rollout, self.trainer
         if rollout.placement != "colocated":
             return self

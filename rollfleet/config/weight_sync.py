@@ -25,6 +25,8 @@ class _WeightSync(_Section):
 
 
 class _Bucketed(_WeightSync):
+    """The settings of a transport that moves weights in flattened buckets."""
+
     bucket_mb: float = Field(
         512,
         gt=0,
@@ -40,7 +42,7 @@ class _Bucketed(_WeightSync):
 class TensorSync(_Bucketed):
     """Colocated: CUDA IPC (GPU) or shared-memory (CPU) handles through /update_weights_from_tensor."""
 
-    transport: Literal["tensor"] = "tensor"
+    transport: Literal["tensor"] = Field("tensor", description="Selects this transport.")
     pipeline_parallel_problem: ClassVar[str | None] = (
         "every pipeline stage of a tp rank reads the same payload (serialized_named_tensors is indexed "
         "by tp_rank only), and a CUDA IPC or shared-memory handle unpickled by several processes is "
@@ -51,7 +53,7 @@ class TensorSync(_Bucketed):
 class NcclSync(_Bucketed):
     """Disaggregated: broadcast from trainer rank 0 to every engine rank (gloo on CPU)."""
 
-    transport: Literal["nccl"] = "nccl"
+    transport: Literal["nccl"] = Field("nccl", description="Selects this transport.")
     pipeline_parallel_problem: ClassVar[str | None] = "its weight-update group ignores the pipeline rank"
     master_address: str = Field("127.0.0.1", description="Address of trainer rank 0, reachable from every engine.")
     master_port: int | None = Field(None, ge=1, le=65535, description="Port of the group's store; None: a free one.")
@@ -61,7 +63,7 @@ class NcclSync(_Bucketed):
 class DiskSync(_WeightSync):
     """An HF checkpoint directory and /update_weights_from_disk."""
 
-    transport: Literal["disk"] = "disk"
+    transport: Literal["disk"] = Field("disk", description="Selects this transport.")
     pipeline_parallel_problem: ClassVar[str | None] = None  # each stage reads its own layers from the directory
     path: str = Field("runs/weight-sync", description="Directory the trainer saves the synced weights into.")
 
@@ -69,7 +71,7 @@ class DiskSync(_WeightSync):
 class LoraSync(_WeightSync):
     """Only the LoRA adapter moves, as tensors or as a saved adapter directory; engines keep their base weights."""
 
-    transport: Literal["lora"] = "lora"
+    transport: Literal["lora"] = Field("lora", description="Selects this transport.")
     pipeline_parallel_problem: ClassVar[str | None] = (
         "LoRA serving with pipeline parallel has not been built or tested here"
     )

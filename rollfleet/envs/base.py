@@ -66,8 +66,11 @@ def load_environment(path: str) -> type:
     module_name, _, attribute = path.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        raise ValueError(f"grpo.environment={path!r}: cannot import module {module_name!r} ({err})") from err
+    except ImportError as err:
+        raise ValueError(
+            f"grpo.environment={path!r}: cannot import module {module_name!r} ({err}) (fix: install the package "
+            "that holds it or put it on PYTHONPATH, or name another class, e.g. rollfleet.envs.calculator:Calculator)"
+        ) from err
     cls = getattr(module, attribute, None)
     if not isinstance(cls, type) or not callable(getattr(cls, "step", None)):
         raise ValueError(

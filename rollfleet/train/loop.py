@@ -43,6 +43,7 @@ from rollfleet.train.metrics import MetricsLog, StepClock, console_line, plot, s
 from rollfleet.train.prompt_cursor import PromptCursor
 from rollfleet.train.recovery import RecoverySnapshots
 from rollfleet.train.routing_replay import check_replayable
+from rollfleet.train.run_inputs import check_run_inputs
 from rollfleet.train.sample_stream import SampleStream, generate_and_reward
 from rollfleet.train.worker import TrainerGroup
 from rollfleet.weights.checkpoint import atomic_directory
@@ -90,6 +91,7 @@ def latest_state(output_dir: Path) -> Path | None:
 def train(
     cfg: RunConfig, *, resume: bool = False, console: Console | None = None, observe: Observer | None = None
 ) -> Path:
+    check_run_inputs(cfg)  # the model, data, reward or environment it names: before anything starts
     if cfg.train.lora is None and cfg.weight_sync.transport == "lora":
         raise ConfigError(
             "weight_sync.transport='lora': the lora transport sends only an adapter, and this run trains the full "
