@@ -15,6 +15,7 @@ HF_HUB_OFFLINE set the hub is not asked.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import yaml
@@ -97,7 +98,6 @@ def _reads_as_hub_id(path: str) -> bool:
 
 def _hub_problem(repo_id: str) -> str | None:
     """Why hub id `repo_id` cannot be loaded here (None: the local HF cache or the hub has it)."""
-    import httpx2
     from huggingface_hub import get_hf_file_metadata, hf_hub_url, is_offline_mode, try_to_load_from_cache
     from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
@@ -116,9 +116,21 @@ def _hub_problem(repo_id: str) -> str | None:
         return f"hub repo {repo_id!r} has no config.json (not a transformers model)"
     except HfHubHTTPError as err:
         return f"the hub answered {err.response.status_code} for {url}"
-    except (httpx2.TransportError, OSError) as err:  # no route, refused, DNS, timeout
+    except _transport_errors() as err:  # no route, refused, DNS, timeout
         return f"hub id {repo_id!r} is not in the local HF cache and the hub could not be reached ({err})"
     return None
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """What a hub that cannot be reached raises: huggingface_hub 2 asks through httpx2, 1.x (still in
+    some GPU images) through httpx; OSError for the rest."""
+    errors: list[type[BaseException]] = [OSError]
+    for name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(name).TransportError)
+        except ImportError:
+            continue
+    return tuple(errors)
 
 
 def _dataset_problem(dataset: str) -> str | None:
