@@ -103,7 +103,7 @@ class PolicyTrainer:
         # the engine's expert choices in every forward (routing_replay.py)
         self.replays = {id(m): RoutingReplay(m) for m in self._models() if self.config.routing_replay}
         self.optimizer = torch.optim.AdamW(  # with LoRA only the adapter requires grad
-            [p for p in self.model.parameters() if p.requires_grad],
+            lora.param_groups(self.model, self.config),
             lr=self.config.lr,
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
