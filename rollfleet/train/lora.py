@@ -47,10 +47,10 @@ def wrap(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
 
 
 def param_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict]:
-    """The optimizer's groups: everything that trains at train.lr, except (LoRA) the A matrices at
-    train.lr * train.lora.a_lr_scale."""
+    """The optimizer's groups: everything that trains at train.lr, except (LoRA with a_lr_scale != 1)
+    the A matrices at train.lr * train.lora.a_lr_scale."""
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    if config.lora is None:
+    if config.lora is None or config.lora.a_lr_scale == 1.0:  # one group: what a full run's state holds
         return [{"params": [p for _, p in trained]}]
     a_matrices = [p for name, p in trained if ".lora_A." in name]
     rest = [p for name, p in trained if ".lora_A." not in name]
