@@ -95,6 +95,29 @@ def test_saved_adapter_and_resumed_state(qwen3_dir, gloo_world_of_one, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(adapter(trainer).values(), adapter(resumed).values()))
 
 
+def test_a_matrices_learn_at_their_share_of_the_lr(qwen3_dir, gloo_world_of_one):
+    """LoRA+ (train.lora.a_lr_scale): A steps at lr * scale, B at lr. From the same init, two steps (A's
+    gradient is 0 on the first, B being 0) leave B the same and move A by exactly the scale's share."""
+    plain, scaled = (
+        PolicyTrainer(qwen3_dir, TrainConfig(lr=1e-2, micro_batch_size=4, lora=LoraTrainConfig(**LORA, a_lr_scale=s)))
+        for s in (1.0, 0.0625)
+    )
+    assert [g["lr"] for g in scaled.optimizer.param_groups] == [1e-2, 1e-2 * 0.0625]
+    start = adapter(plain)
+    assert all(torch.equal(a, start[k]) for k, a in adapter(scaled).items())
+    for trainer in (plain, scaled):
+        for seed in range(2):
+            trainer.train_step(make_batch(seed))
+    moved, moved_scaled = adapter(plain), adapter(scaled)
+    for name in start:
+        if ".lora_B." in name:
+            assert torch.allclose(moved_scaled[name], moved[name], rtol=1e-5, atol=1e-7)
+        else:
+            step, step_scaled = moved[name] - start[name], moved_scaled[name] - start[name]
+            assert step.abs().max() > 0
+            assert torch.allclose(step_scaled, step * 0.0625, rtol=1e-3, atol=1e-9)
+
+
 def test_targets_checked_against_the_model(qwen3_dir, moe_dir, tmp_path):
     check_targets(LoraTrainConfig(target_modules=["q_proj", "down_proj"]), qwen3_dir)
     with pytest.raises(ConfigError, match=r"train\.lora\.target_modules=.*'qproj'.*no module of that name.*fix"):

@@ -17,6 +17,13 @@ class LoraTrainConfig(Section):
 
     rank: int = Field(8, ge=1, description="LoRA rank r (peft's r); at most weight_sync.max_lora_rank.")
     alpha: float = Field(16.0, gt=0.0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    a_lr_scale: float = Field(
+        1.0,
+        gt=0.0,
+        description="The A matrices' learning rate as a share of train.lr (which B and everything else take). "
+        "Below 1 is LoRA+ (Hayou et al., 2024; their lr_B / lr_A = 16 is 0.0625): A stays near its random init "
+        "while B learns on it, so the update's directions grow side by side instead of the strongest alone.",
+    )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input while training.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],

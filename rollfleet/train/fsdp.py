@@ -106,7 +106,7 @@ class PolicyTrainer:
         # log-probs from the head's input, logprob_chunk positions at a time (rollfleet.train.token_logprobs)
         self.heads = {id(m): ChunkedHead(m, self.config.logprob_chunk) for m in self._models()}
         self.optimizer = torch.optim.AdamW(  # with LoRA only the adapter requires grad
-            [p for p in self.model.parameters() if p.requires_grad],
+            lora.param_groups(self.model, self.config),
             lr=self.config.lr,
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,

@@ -46,6 +46,17 @@ def wrap(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
     return get_peft_model(model, config.lora.peft_config())
 
 
+def param_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict]:
+    """The optimizer's groups: everything that trains at train.lr, except (LoRA with a_lr_scale != 1)
+    the A matrices at train.lr * train.lora.a_lr_scale."""
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if config.lora is None or config.lora.a_lr_scale == 1.0:  # one group: what a full run's state holds
+        return [{"params": [p for _, p in trained]}]
+    a_matrices = [p for name, p in trained if ".lora_A." in name]
+    rest = [p for name, p in trained if ".lora_A." not in name]
+    return [{"params": rest}, {"params": a_matrices, "lr": config.lr * config.lora.a_lr_scale}]
+
+
 def save_adapter_dir(model: torch.nn.Module, path: str | Path, *, keep: bool) -> None:
     """A peft adapter directory (adapter_config.json, whose base_model_name_or_path names the base the
     trainer loaded, and adapter_model.safetensors). Every rank calls (the gathers are collective);
