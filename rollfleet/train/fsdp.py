@@ -351,8 +351,9 @@ class PolicyTrainer:
     def offload(self) -> dict:
         """Parameters and optimizer state to host buffers reused across steps (frees the GPU for the
         engines; rollfleet.train.offload). Returns the bytes moved and seconds; no-op on CPU and with
-        train.offload=false (the state stays on the GPU)."""
-        if self.device.type == "cpu" or self._offloaded or not self.config.offload:
+        train.offload=false (the state stays on the GPU). A run's plan resolved `auto`
+        (rollfleet.fleet.memory_plan); a trainer built without one offloads, as before the plan."""
+        if self.device.type == "cpu" or self._offloaded or self.config.offload is False:
             return {"bytes": 0, "seconds": 0.0, "host_allocations": 0}
         moved = self._offloader.offload(self._models(), self.optimizer)
         self._offloaded = True
