@@ -180,3 +180,12 @@ def test_the_plan_is_written_as_json_figures(tmp_path):
     figures = json.loads(json.dumps(plan.as_dict()))
     assert figures["gpu_gb"] == 141.0 and figures["parts_gb"]["engine_weights"] == pytest.approx(4.16, abs=0.01)
     assert figures["trainer_turn_gb"] <= 141.0 and figures["engine_turn_gb"] <= 141.0
+
+
+def test_the_one_gpu_example_loads_with_the_plans_defaults_and_fits_an_h200():
+    cfg = load_config("examples/gpu-1x.yaml")
+    assert cfg.rollout.placement == "colocated" and cfg.rollout.use_gpu and cfg.train.lora is None
+    assert (cfg.rollout.release_weights, cfg.train.offload, cfg.rollout.mem_fraction_static) == ("auto", "auto", None)
+    assert cfg.rollout.model_path.endswith("qwen3-h2048-l24-v151936")  # what the grpo-step bench writes
+    plan = plan_memory(cfg, ModelShape.from_config(BENCH), H200, prompt_tokens=16)
+    assert not plan.release_weights and not plan.offload
