@@ -140,7 +140,12 @@ def test_targets_checked_against_the_model(qwen3_dir, moe_dir, tmp_path):
             "add them to weight_sync.lora_target_modules",
         ),
         (
-            ["weight_sync.transport=lora", "train.lora.rank=4", "rollout.placement=colocated"],
+            [
+                "weight_sync.transport=lora",
+                "train.lora.rank=4",
+                "rollout.placement=colocated",
+                "rollout.release_weights=true",
+            ],
             "rollout.release_weights=True",
             "set rollout.release_weights=false",
         ),

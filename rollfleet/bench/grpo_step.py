@@ -1,11 +1,13 @@
 """Seconds per phase of a real GRPO step, each beside its ceiling measured in the same run.
 
-    rollfleet bench grpo-step [--runs colocated,disaggregated] [--max-staleness 0,1,2] [--steps 8] [--json F]
+    rollfleet bench grpo-step [--runs colocated,disaggregated] [--max-staleness 0,1,2] [--step small|large]
+                              [--steps 8] [--json F]
 
 Runs `rollfleet train` (a separate process, the real loop) on a Qwen3-shaped model written in bf16
 (rollfleet.bench.shapes; default: hidden 2048, 24 layers, vocab 151,936: 2.08B parameters; `--vocab
 320` gives the step-time issue's 1.46B model with the tiny test tokenizer), 16 prompts x n=8 x 32 new
-tokens, in up to two layouts:
+tokens (`--step large`: 64 x 8 x 512 at train.micro_batch_size=32, a realistic step), in up to two
+layouts:
 - colocated: trainer world 2, two tp=1 engines, one per GPU, `tensor` sync, 2048 MB buckets (on one
   GPU, `--gpus 1`: trainer world 1 beside one engine; the all-gather ceiling is then one copy);
 - disaggregated: trainer world 1 on GPU 0, one engine on GPU 1, `nccl` sync; once per
@@ -24,7 +26,10 @@ ceilings, measured afterwards on the same machine with the run's own byte counts
   drops them, the next generate captures them again).
 On CPU the same runs work with gloo (slow, for checking the script); the pinned ceiling is skipped.
 Beside the phases, the summary keeps the sync's split (`sync/<phase>`, from the step metrics'
-`sync_phases`): where a sync that misses its ceiling spends its time.
+`sync_phases`): where a sync that misses its ceiling spends its time. Each run's record holds the
+memory plan its colocated GPUs ran with (`memory_plan`, the run's memory-plan.json; None where
+nothing was planned: disaggregated, CPU). Buckets of 2048 MB are asked of the transports that take
+buckets (not of `--set weight_sync.transport=lora`, which sends one adapter).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import get_args
 
 import torch
 import torch.distributed as dist
@@ -46,9 +52,15 @@ import torch.multiprocessing as mp
 from rollfleet.bench.raw_ceiling import raw_broadcast
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.bench.shapes import add_vocab_flag, write_model
+from rollfleet.config.weight_sync import WeightSyncConfig
 from rollfleet.train.host_copy import pinned_copy_ceiling
 from rollfleet.wire.net import free_port
 
+STEPS = {  # --step: prompts, samples per prompt, new tokens, train.micro_batch_size (None: the config's)
+    "small": (16, 8, 32, None),
+    "large": (64, 8, 512, 32),
+}
+PLAN_FILE = "memory-plan.json"  # what `rollfleet train` writes of a colocated GPU run's memory plan
 PHASES = ("generate", "reward", "train", "sync", "sleep_wake", "recovery", "other", "total")
 LAYOUTS = {
     "colocated": [
@@ -87,10 +99,21 @@ def planned_runs(layouts: str, staleness: str) -> dict[str, tuple[str, int]]:
     return runs
 
 
+def bucket_overrides(overrides: list[str]) -> list[str]:
+    """2048 MB buckets when the run's transport (the last weight_sync.transport set) takes buckets."""
+    transport = [o.split("=", 1)[1] for o in overrides if o.startswith("weight_sync.transport=")][-1:]
+    members = {m.model_fields["transport"].default: m for m in get_args(get_args(WeightSyncConfig)[0])}
+    member = members.get(transport[0].strip() if transport else "disk")
+    return ["weight_sync.bucket_mb=2048"] if member is not None and "bucket_mb" in member.model_fields else []
+
+
 def run_layout(name: str, model: Path, out: Path, args, gpu: bool, layout: str | None = None, k: int = 0) -> dict:
-    """One `rollfleet train` run; returns its metrics rows (or the failure and the log's tail)."""
+    """One `rollfleet train` run; returns its metrics rows (or the failure and the log's tail) and
+    the memory plan it ran with."""
     run_dir = out / f"run-{name}"
     log = out / f"{name}.log"
+    chosen = [*layout_overrides(layout or name, args.gpus), f"grpo.max_staleness={k}", *args.set]
+    micro_batch = STEPS[args.step][3]
     overrides = [
         f"rollout.model_path={model}",
         f"rollout.use_gpu={'true' if gpu else 'false'}",
@@ -98,12 +121,11 @@ def run_layout(name: str, model: Path, out: Path, args, gpu: bool, layout: str |
         f"grpo.prompts_per_step={args.prompts}",
         f"rollout.sampling.n={args.n}",
         f"rollout.sampling.max_new_tokens={args.new_tokens}",
-        "weight_sync.bucket_mb=2048",
+        *([f"train.micro_batch_size={micro_batch}"] if micro_batch else []),
+        *bucket_overrides(chosen),
         f"grpo.output_dir={run_dir}",
         f"ray.num_cpus={max(4, os.cpu_count() or 4)}",
-        *layout_overrides(layout or name, args.gpus),
-        f"grpo.max_staleness={k}",
-        *args.set,
+        *chosen,
     ]
     command = [sys.executable, "-m", "rollfleet", "train", args.config, *overrides]
     began = time.perf_counter()
@@ -112,6 +134,8 @@ def run_layout(name: str, model: Path, out: Path, args, gpu: bool, layout: str |
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
     result = {"command": " ".join(command[2:]), "exit_code": code, "wall_s": time.perf_counter() - began, "rows": rows}
+    plan = run_dir / PLAN_FILE
+    result["memory_plan"] = json.loads(plan.read_text()) if plan.exists() else None
     if code != 0 or len(rows) <= args.skip:
         result["log_tail"] = log.read_text()[-3000:]
     return result
@@ -255,16 +279,21 @@ def parse(argv: list[str] | None):
     add_vocab_flag(p)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the medians (warm-up)")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--step", choices=sorted(STEPS), default="small", help="small: 16 x 8 x 32; large: 64 x 8 x 512")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default: --step's)")
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (default: --step's)")
+    p.add_argument("--new-tokens", type=int, default=None, help="new tokens per sample (default: --step's)")
     p.add_argument("--repeats", type=int, default=5, help="timed passes of each ceiling")
     p.add_argument("--run-timeout-s", type=float, default=280)
     p.add_argument("--gpus", type=int, default=0, help="GPUs to lay the runs on (0: up to 2 that are there)")
     p.add_argument("--set", action="append", default=[], help="extra config override, key.path=value")
     p.add_argument("--out", default="runs/grpo-step", help="work folder (the model, the runs); $WORK in the record")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    prompts, n, new_tokens, _ = STEPS[args.step]
+    args.prompts, args.n = args.prompts or prompts, args.n or n
+    args.new_tokens = new_tokens if args.new_tokens is None else args.new_tokens
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -80,7 +80,7 @@ def check_lora_run(cfg) -> None:
 def _check_memory_moves(cfg) -> None:
     """Nothing of a LoRA run ever sends base weights: the engines keep theirs for the whole run."""
     rollout = cfg.rollout
-    if rollout.placement == "colocated" and rollout.release_weights:
+    if rollout.placement == "colocated" and rollout.release_weights is True:  # auto: the plan keeps them
         raise FieldProblem(
             "a LoRA run never pushes base weights, so colocated engines must keep theirs for the trainer's "
             "turn (they release only the KV cache)",

@@ -81,12 +81,13 @@ class RolloutConfig(_Section):
     placement: Literal["colocated", "disaggregated"] = Field(
         "disaggregated", description="colocated: trainer and engines share GPUs; disaggregated: separate GPUs."
     )
-    release_weights: bool = Field(
-        True,
+    release_weights: bool | Literal["auto"] = Field(
+        "auto",
         description="Colocated: the engines release their weights for the trainer's turn (true) or keep them "
         "on the GPU (false: they release only the KV cache and CUDA graphs, and a push writes into weights "
         "that never left, with no re-allocation before it; their memory must fit beside the trainer's). "
-        "Ignored when disaggregated.",
+        "auto: the memory plan keeps them when the trainer's turn fits beside them (rollfleet.fleet.memory_plan; "
+        "on CPU: release, a LoRA run: keep). Ignored when disaggregated.",
     )
     gpus_per_worker: float = Field(
         1.0, gt=0.0, le=1.0, description="GPU fraction one rollout worker reserves in Ray (below 1 when colocated)."
@@ -244,13 +245,13 @@ class TrainConfig(_Section):
         "auto",
         description="Compute dtype: auto = bf16 on GPU, fp32 on CPU; bf16 needs a GPU. Master weights stay fp32.",
     )
-    offload: bool = Field(
-        True,
+    offload: bool | Literal["auto"] = Field(
+        "auto",
         description="Colocated on GPU: the trainer's parameters and optimizer state go to host memory for the "
         "engines' turn and come back for training (reused pinned buffers). false: they stay on the GPU and "
-        "nothing is copied (the engines' memory must fit beside them: with SGLang lower "
-        "rollout.mem_fraction_static); the engines still release theirs for the trainer's turn. "
-        "Ignored when disaggregated and on CPU.",
+        "nothing is copied (the engines' memory must fit beside them); the engines still release theirs for "
+        "the trainer's turn. auto: the memory plan keeps them when the engines' KV pool still holds the step's "
+        "samples at once beside them (rollfleet.fleet.memory_plan). Ignored when disaggregated and on CPU.",
     )
     logprob_chunk: int = Field(
         1024,
@@ -311,6 +312,13 @@ class RunConfig(_Section):
         within weight_sync.lora_target_modules, rollout.release_weights=false when colocated (nothing pushes
         base weights back) and no full-weight grpo.recovery_checkpoint_every."""
         check_lora_run(self)
+        return self
+
+    @model_validator(mode="after")
+    def _lora_keeps_base_weights(self) -> RunConfig:
+        """A LoRA run never pushes base weights: its `auto` keeps them, with or without a memory plan."""
+        if self.train.lora is not None and self.rollout.release_weights == "auto":
+            self.rollout.release_weights = False
         return self
 
     @model_validator(mode="after")

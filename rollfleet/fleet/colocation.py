@@ -2,7 +2,7 @@
 its turn and take them back after, with the bytes and seconds of every move recorded.
 
 Order on entry: no engine restart may start (the trainer is about to hold the GPUs); engines
-release their KV cache, CUDA graphs and (with `rollout.release_weights`, the default) weights; then
+release their KV cache, CUDA graphs and (with `rollout.release_weights`) weights; then
 the trainer onloads (it needs the memory they freed). Inside: train, then `Fleet.sync_from` (which
 resumes released weights first). On exit, also after an error: the trainer offloads (after the
 push: its parameters are what was sent) and gives its cached device memory back, offloaded or not
@@ -26,9 +26,10 @@ from rollfleet.fleet.seams import Trainers, TurnFleet
 RESUME_AFTER_PUSH = ["cuda_graph", "kv_cache"]
 
 
-def release_tags(release_weights: bool) -> list[str]:
-    """What the engines release for the trainer's turn."""
-    return ["kv_cache", "weights", "cuda_graph"] if release_weights else ["kv_cache", "cuda_graph"]
+def release_tags(release_weights: bool | str) -> list[str]:
+    """What the engines release for the trainer's turn. A run's memory plan resolved `auto`
+    (rollfleet.train.memory_setup); a fleet built without one releases, as fleets did before the plan."""
+    return ["kv_cache", "cuda_graph"] if release_weights is False else ["kv_cache", "weights", "cuda_graph"]
 
 
 def freed_bytes(answers: list) -> int:

@@ -350,13 +350,14 @@ class PolicyTrainer:
 
     def offload(self) -> dict:
         """The end of a colocated turn: parameters and optimizer state to host buffers reused across
-        steps (no move on CPU or with train.offload=false), then, either way, the cached device memory
-        given back for the engines (rollfleet.train.offload.give_back). Returns the bytes moved and
-        seconds, and `memory`: allocated/reserved bytes before and after (None on CPU)."""
+        steps (no move on CPU or with train.offload=false; a run's plan resolved `auto`, and a trainer
+        built without one offloads), then, either way, the cached device memory given back for the
+        engines (rollfleet.train.offload.give_back). Returns the bytes moved and seconds, and `memory`:
+        allocated/reserved bytes before and after (None on CPU)."""
         return give_back(self.device, self._offload)
 
     def _offload(self) -> dict:
-        if self.device.type == "cpu" or self._offloaded or not self.config.offload:
+        if self.device.type == "cpu" or self._offloaded or self.config.offload is False:
             return {"bytes": 0, "seconds": 0.0, "host_allocations": 0}
         moved = self._offloader.offload(self._models(), self.optimizer)
         self._offloaded = True

@@ -39,6 +39,7 @@ from rollfleet.sample import Sample
 from rollfleet.train.grpo import group_advantages
 from rollfleet.train.invariants import check_complete, check_samples, check_staleness
 from rollfleet.train.lora import check_targets
+from rollfleet.train.memory_setup import plan_run
 from rollfleet.train.metrics import MetricsLog, StepClock, console_line, plot, sleep_wake_figures, step_metrics
 from rollfleet.train.prompt_cursor import PromptCursor
 from rollfleet.train.recovery import RecoverySnapshots
@@ -107,7 +108,9 @@ def train(
     log, run = MetricsLog(output_dir, resume), None
     owns_ray = not ray.is_initialized()  # a Ray the caller started stays up for the caller
     try:
-        run = _start(cfg, output_dir, observe)
+        dataset = load_dataset(cfg)
+        cfg, _ = plan_run(cfg, output_dir, [item.prompt for item in dataset.items])  # `auto` resolved here
+        run = _start(cfg, output_dir, dataset, observe)
         start, version, saved = _resume_point(run, resume, console)
         cursor = PromptCursor.from_state(saved.get("prompt_cursor"), start, cfg.grpo.prompts_per_step)
         if uses_stream(cfg) or not cursor.at_step(start, cfg.grpo.prompts_per_step):
@@ -141,12 +144,12 @@ def train(
     return output_dir
 
 
-def _start(cfg: RunConfig, output_dir: Path, observe: Observer | None) -> Run:
+def _start(cfg: RunConfig, output_dir: Path, dataset: PromptDataset, observe: Observer | None) -> Run:
     grpo = cfg.grpo
     environment = load_environment(grpo.environment) if grpo.environment else None  # before any process starts
     fleet, trainers = start_fleet_and_trainers(cfg)
     snapshots = RecoverySnapshots(cfg.recovery_snapshot_every, fleet, trainers, output_dir / "recovery")
-    run = Run(cfg, fleet, trainers, load_dataset(cfg), load_reward(grpo.reward), output_dir, snapshots, observe)
+    run = Run(cfg, fleet, trainers, dataset, load_reward(grpo.reward), output_dir, snapshots, observe)
     if environment is not None:
         run.agent = AgentRollout(fleet, environment, grpo.environment_args, grpo.agent)
     return run

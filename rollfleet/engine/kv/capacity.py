@@ -15,7 +15,15 @@ import torch
 from rollfleet.engine.kv.pool import KVShape
 
 CPU_MAX_RUNNING_REQUESTS = 64
+GPU_MAX_RUNNING_REQUESTS = 4096  # the largest batch a GPU engine plans for when not told
 DEFAULT_GPU_FRACTION = 0.85
+
+
+def activation_reserve_bytes(max_running: int, vocab: int) -> int:
+    """What the paged pool leaves inside `--mem-fraction-static` for a step's transient tensors: the
+    logits of a full batch and the sampler's two copies of them (fp32), plus 2 GiB of activations
+    (the memory plan counts the same figure, rollfleet.fleet.memory_plan)."""
+    return 3 * max_running * vocab * 4 + 2 * 2**30
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype, tp_size: int) -> int:

@@ -9,7 +9,12 @@ import functools
 import logging
 
 from rollfleet.engine.kv.blocks import BlockPool
-from rollfleet.engine.kv.capacity import CPU_MAX_RUNNING_REQUESTS, DEFAULT_GPU_FRACTION
+from rollfleet.engine.kv.capacity import (
+    CPU_MAX_RUNNING_REQUESTS,
+    DEFAULT_GPU_FRACTION,
+    GPU_MAX_RUNNING_REQUESTS,
+    activation_reserve_bytes,
+)
 from rollfleet.engine.kv.pool import DEFAULT_PAGE_SIZE, pool_tokens
 from rollfleet.engine.kv.steps import PagedBatches
 from rollfleet.engine.tp.lockstep import Action
@@ -87,7 +92,7 @@ def start_paged(args: argparse.Namespace, runner, lockstep, context_length: int)
         return None
     on_gpu = runner.device.type == "cuda"
     vocab = runner.model.config.get_text_config().vocab_size
-    largest = args.max_running_requests or (4096 if on_gpu else CPU_MAX_RUNNING_REQUESTS)
+    largest = args.max_running_requests or (GPU_MAX_RUNNING_REQUESTS if on_gpu else CPU_MAX_RUNNING_REQUESTS)
     tokens = pool_tokens(
         paged.shape,
         runner.device,
@@ -95,7 +100,7 @@ def start_paged(args: argparse.Namespace, runner, lockstep, context_length: int)
         mem_fraction=args.mem_fraction_static or DEFAULT_GPU_FRACTION,
         max_running=largest,
         context_length=context_length,
-        reserve_bytes=3 * largest * vocab * 4 + 2 * 2**30,  # logits and the sampler's, activations
+        reserve_bytes=activation_reserve_bytes(largest, vocab),
     )
     if args.max_running_requests is None:  # SGLang 0.5.23's estimate from the pool (capacity.py)
         estimate = min(max(tokens * 512 // context_length, 2048), 4096) if on_gpu else CPU_MAX_RUNNING_REQUESTS

@@ -1,0 +1,233 @@
+"""The memory plan of a colocated GPU: one place decides, before any process starts, what each GPU
+holds in each turn, what the engines get, and what moves at a turn.
+
+A GPU holds one trainer rank and one engine rank, in two turns:
+- the trainer's turn: the engine has released its KV pool and CUDA graphs (and, with
+  rollout.release_weights, its weights); the trainer holds its parameters, gradients and optimizer
+  state (sharded over trainer.world_size by FSDP2) and the peak of one micro batch;
+- the engines' turn (generate): the engine holds `mem_fraction_static` of the GPU, as both backends
+  mean it: weights + KV pool (the embedded engine's allocator is capped there, so its activation
+  reserve is inside it too; SGLang's activations and graphs are outside it); beside it the trainer
+  keeps its parameters and optimizer state unless train.offload moves them to host.
+Beside both: a CUDA context per process and a margin of the GPU.
+
+The engines get what the trainer leaves (at most 0.85, the engines' own default), or the user's
+fraction is checked. `auto` moves nothing when both fit; else, cheapest first: the engines' weights
+are released for the trainer's turn (the push rewrites them anyway; the re-allocation costs ~15 ms),
+then the trainer's state goes to host while the engines generate (a copy each way: 0.75 s for
+17.5 GB on an H200). The two fix different turns: release_weights makes room in the trainer's,
+offload in the engines' (it is chosen when the KV pool could not hold the step's samples at once).
+A run that cannot fit is refused with the figures and the settings to change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from rollfleet.config import ConfigError, RunConfig
+from rollfleet.engine.kv.capacity import DEFAULT_GPU_FRACTION, GPU_MAX_RUNNING_REQUESTS, activation_reserve_bytes
+from rollfleet.fleet.memory_figures import ModelShape
+
+GB = 1e9
+CONTEXT_BYTES = 2**30  # one process's CUDA context, cuBLAS workspace and NCCL buffers
+MARGIN = 0.04  # of the GPU: allocator fragmentation and what the figures leave out
+MIN_KV_TOKENS = 1024  # the embedded engine's pool refuses fewer (rollfleet.engine.kv.pool)
+DEFAULT_LOGPROB_CHUNK = 1024  # positions per log-prob chunk until train.logprob_chunk exists
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The plan of one GPU: each part in bytes, the two turns' totals and what was decided."""
+
+    gpu_bytes: int
+    parts: dict[str, int]
+    release_weights: bool
+    offload: bool
+    mem_fraction_static: float
+    fraction_from: str  # "plan" or "rollout.mem_fraction_static"
+    kv_pool_tokens: int
+    step_tokens: int  # prompts x n x width: the step's samples at once
+    width: int  # prompt bound + new tokens (an episode's budget)
+    micro_batch_rows: int
+    logprob_chunk: int
+
+    @property
+    def trainer_turn_bytes(self) -> int:
+        p = self.parts
+        engine = 0 if self.release_weights else p["engine_weights"]
+        return p["trainer_state"] + p["trainer_gradients"] + p["trainer_peak"] + engine + _overheads(p)
+
+    @property
+    def engine_turn_bytes(self) -> int:
+        p = self.parts
+        trainer = 0 if self.offload else p["trainer_state"]
+        return round(self.mem_fraction_static * self.gpu_bytes) + p["engine_outside"] + trainer + _overheads(p)
+
+    def as_dict(self) -> dict:
+        """GB figures for the log, memory-plan.json and the benches' records."""
+        out = asdict(self)
+        out["gpu_gb"] = round(out.pop("gpu_bytes") / GB, 2)
+        out["parts_gb"] = {k: round(v / GB, 2) for k, v in out.pop("parts").items()}
+        out["trainer_turn_gb"] = round(self.trainer_turn_bytes / GB, 2)
+        out["engine_turn_gb"] = round(self.engine_turn_bytes / GB, 2)
+        return out
+
+    def apply(self, cfg: RunConfig) -> RunConfig:
+        """`cfg` with the plan's booleans and fraction (what the fleet and the trainers read)."""
+        rollout = cfg.rollout.model_copy(
+            update={"release_weights": self.release_weights, "mem_fraction_static": self.mem_fraction_static}
+        )
+        train = cfg.train.model_copy(update={"offload": self.offload})
+        return cfg.model_copy(update={"rollout": rollout, "train": train})
+
+
+def unplanned(cfg: RunConfig) -> RunConfig:
+    """`auto` where no plan runs (CPU, disaggregated, a fleet built as a library): what runs did before
+    the plan, release and offload (a LoRA run keeps its base weights: nothing pushes them)."""
+    rollout, train = cfg.rollout, cfg.train
+    if rollout.release_weights != "auto" and train.offload != "auto":
+        return cfg
+    release = train.lora is None if rollout.release_weights == "auto" else rollout.release_weights
+    offload = True if train.offload == "auto" else train.offload
+    return cfg.model_copy(
+        update={
+            "rollout": rollout.model_copy(update={"release_weights": release}),
+            "train": train.model_copy(update={"offload": offload}),
+        }
+    )
+
+
+def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens: int) -> MemoryPlan:
+    """The plan of a colocated GPU run (see the module docstring); ConfigError when it cannot fit."""
+    width = _width(cfg, prompt_tokens)
+    rows = min(cfg.train.micro_batch_size, math.ceil(cfg.grpo.prompts_per_step * cfg.rollout.sampling.n / _world(cfg)))
+    chunk = getattr(cfg.train, "logprob_chunk", None) or DEFAULT_LOGPROB_CHUNK
+    parts = _parts(cfg, shape, gpu_bytes, rows, width, chunk)
+    kv_token = shape.kv_bytes_per_token(_engine_dtype_bytes(cfg, shape), cfg.rollout.tp_size)
+    step_tokens = cfg.grpo.prompts_per_step * cfg.rollout.sampling.n * width
+
+    def plan(release: bool, offload: bool, fraction: float | None = None) -> MemoryPlan:
+        chosen = fraction if fraction is not None else _largest_fraction(parts, gpu_bytes, offload)
+        pool = max(int((chosen * gpu_bytes - parts["engine_weights"] - parts["engine_inside"]) // kv_token), 0)
+        source = "plan" if fraction is None else "rollout.mem_fraction_static"
+        return MemoryPlan(
+            gpu_bytes, parts, release, offload, chosen, source, pool, step_tokens, width, rows, min(chunk, rows * width)
+        )
+
+    user = cfg.rollout.mem_fraction_static
+    release = cfg.rollout.release_weights
+    if release == "auto":  # keep the weights when the trainer's turn fits beside them (a LoRA run must)
+        release = cfg.train.lora is None and plan(False, True).trainer_turn_bytes > gpu_bytes
+    offload = cfg.train.offload
+    if offload == "auto":  # keep the trainer's state when the engines still get room for the whole step
+        kept, moved = plan(release, False, user), plan(release, True, user)
+        too_full = kept.engine_turn_bytes > gpu_bytes or kept.kv_pool_tokens < max(MIN_KV_TOKENS, width)
+        offload = too_full or (kept.kv_pool_tokens < step_tokens and moved.kv_pool_tokens > kept.kv_pool_tokens)
+    chosen = plan(release, offload, user)
+    refuse_unless_fits(chosen, cfg)
+    return chosen
+
+
+def refuse_unless_fits(plan: MemoryPlan, cfg: RunConfig) -> None:
+    """ConfigError naming the settings, the figures and the fixes when a turn does not fit."""
+    gpu, parts, problems = plan.gpu_bytes, plan.parts, []
+    head = f"rollout.placement=colocated on a GPU of {gpu / GB:.1f} GB"
+    if plan.trainer_turn_bytes > gpu:
+        engine = "" if plan.release_weights else f" + engine weights kept {parts['engine_weights'] / GB:.1f}"
+        state = parts["trainer_state"] + parts["trainer_gradients"] + _overheads(parts)
+        fixes = [] if state > gpu else ["train.micro_batch_size lower (its peak)"]
+        fixes.append("trainer.world_size higher (FSDP shards the state)")
+        fixes += [] if plan.release_weights or cfg.train.lora else ["rollout.release_weights=true"]
+        fixes += [] if cfg.train.lora else ["train.lora (only an adapter trains)"]
+        problems.append(
+            f"{head}: the trainer's turn needs {plan.trainer_turn_bytes / GB:.1f} GB = parameters and optimizer "
+            f"state {parts['trainer_state'] / GB:.1f} + gradients {parts['trainer_gradients'] / GB:.1f} + the peak "
+            f"of a micro batch of {plan.micro_batch_rows} x {plan.width} tokens or of the optimizer step "
+            f"{parts['trainer_peak'] / GB:.1f}{engine} "
+            f"+ contexts and margin {_overheads(parts) / GB:.1f} (fix: {'; '.join(fixes)}; or "
+            "rollout.placement=disaggregated); nothing was started"
+        )
+    if plan.engine_turn_bytes > gpu or plan.kv_pool_tokens < max(MIN_KV_TOKENS, plan.width):
+        activations = (parts["engine_inside"] + parts["engine_outside"]) / GB
+        kept = "" if plan.offload else f" + the trainer's state kept {parts['trainer_state'] / GB:.1f}"
+        fixes = [] if plan.offload else ["train.offload=true"]
+        if plan.fraction_from != "plan":
+            way = "lower" if plan.engine_turn_bytes > gpu else "higher"
+            fixes.append(f"rollout.mem_fraction_static {way} than {plan.mem_fraction_static} (or unset: planned)")
+        problems.append(
+            f"{head}: the engines' turn gives the engine {plan.mem_fraction_static} of it (weights "
+            f"{parts['engine_weights'] / GB:.1f} + activations {activations:.1f} + a KV pool"
+            f" of {plan.kv_pool_tokens} tokens, needs >= {max(MIN_KV_TOKENS, plan.width)}){kept} + "
+            f"contexts and margin {_overheads(parts) / GB:.1f}: {plan.engine_turn_bytes / GB:.1f} GB (fix: "
+            f"{'; '.join([*fixes, 'train.lora', 'rollout.tp_size higher', 'rollout.placement=disaggregated'])}); "
+            "nothing was started"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _parts(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, rows: int, width: int, chunk: int) -> dict[str, int]:
+    """Bytes per GPU of each part the two turns add up."""
+    world, train = _world(cfg), cfg.train
+    compute = 4 if train.mixed_precision == "fp32" else 2  # auto is bf16 on GPU
+    total = shape.parameters()
+    trainable = total if train.lora is None else shape.lora_parameters(train.lora.rank, train.lora.target_modules)
+    frozen = (total if train.lora is not None else 0) + (total if train.kl_coef > 0 and train.lora is None else 0)
+    # fp32 master weights (the trainer loads fp32) + Adam's two moments; a frozen base or reference: fp32 only
+    state = (12 * trainable + 4 * frozen) // world
+    gathered = (shape.embedding_parameters() + 2 * shape.layer_parameters()) * compute  # FSDP2's unsharded copies
+    activations = rows * width * shape.activation_bytes_per_token(compute)
+    logprobs = min(chunk, rows * width) * shape.vocab * 4 * 3  # fp32 logits of a chunk, their exp and log-softmax
+    optimizer_step = 4 * trainable // world  # foreach AdamW's temporaries, after the activations are freed
+    engine_bytes, tp = _engine_dtype_bytes(cfg, shape), cfg.rollout.tp_size
+    reserve = activation_reserve_bytes(_max_running(cfg), shape.vocab)
+    embedded = cfg.rollout.backend == "embedded"
+    return {
+        "trainer_state": state,
+        "trainer_gradients": 4 * trainable // world,
+        "trainer_peak": max(activations + logprobs + gathered, optimizer_step),
+        "engine_weights": total * engine_bytes // tp,
+        "engine_inside": reserve if embedded else 0,  # inside mem_fraction_static (the allocator's cap)
+        "engine_outside": 0 if embedded else reserve,  # SGLang: activations and graphs beside its fraction
+        "contexts": 2 * CONTEXT_BYTES,
+        "margin": round(MARGIN * gpu_bytes),
+    }
+
+
+def _overheads(parts: dict[str, int]) -> int:
+    return parts["contexts"] + parts["margin"]
+
+
+def _largest_fraction(parts: dict[str, int], gpu_bytes: int, offload: bool) -> float:
+    """What the engines' turn leaves the engine, in hundredths, at most the engines' default."""
+    trainer = 0 if offload else parts["trainer_state"]
+    room = gpu_bytes - _overheads(parts) - parts["engine_outside"] - trainer
+    return max(min(math.floor(100 * room / gpu_bytes) / 100, DEFAULT_GPU_FRACTION), 0.01)
+
+
+def _width(cfg: RunConfig, prompt_tokens: int) -> int:
+    """The longest sample the trainer sees: an episode's budget, or the prompt bound + new tokens."""
+    if cfg.grpo.environment:
+        return cfg.grpo.agent.max_total_tokens
+    return prompt_tokens + cfg.rollout.sampling.max_new_tokens
+
+
+def _world(cfg: RunConfig) -> int:
+    return cfg.trainer.world_size
+
+
+def _engine_dtype_bytes(cfg: RunConfig, shape: ModelShape) -> int:
+    """The checkpoint's dtype (`--dtype auto` on GPU); SGLang serves an fp32 checkpoint in 16 bits."""
+    return min(shape.dtype_bytes, 2) if cfg.rollout.backend == "sglang" else shape.dtype_bytes
+
+
+def _max_running(cfg: RunConfig) -> int:
+    """`--max-running-requests` when server_extras gives it, else what a GPU engine plans for."""
+    extras = cfg.rollout.server_extras
+    for index, arg in enumerate(extras):
+        if arg == "--max-running-requests" and index + 1 < len(extras):
+            return int(extras[index + 1])
+        if arg.startswith("--max-running-requests="):
+            return int(arg.split("=", 1)[1])
+    return GPU_MAX_RUNNING_REQUESTS

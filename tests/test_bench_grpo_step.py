@@ -1,0 +1,42 @@
+"""`rollfleet bench grpo-step` on CPU with a tiny shape: a LoRA run starts under it (no bucket size
+asked of the lora transport), and its record keeps every run's figures and memory plan."""
+
+from __future__ import annotations
+
+import json
+
+from rollfleet.bench.grpo_step import STEPS, bucket_overrides, main, parse
+
+
+def test_buckets_are_asked_only_of_transports_that_take_them():
+    assert bucket_overrides(["weight_sync.transport=tensor"]) == ["weight_sync.bucket_mb=2048"]
+    assert bucket_overrides(["weight_sync.transport=nccl"]) == ["weight_sync.bucket_mb=2048"]
+    assert bucket_overrides(["weight_sync.transport=tensor", "weight_sync.transport=lora"]) == []
+    assert bucket_overrides(["weight_sync.transport=disk"]) == []
+
+
+def test_the_large_step_is_64_x_8_x_512_at_micro_batch_32():
+    large = parse(["--step", "large"])
+    assert (large.prompts, large.n, large.new_tokens, STEPS["large"][3]) == (64, 8, 512, 32)
+    small = parse(["--new-tokens", "4"])
+    assert (small.prompts, small.n, small.new_tokens) == (16, 8, 4)
+
+
+def test_a_colocated_lora_run_of_the_bench_passes_on_cpu(tmp_path):
+    out, record_path = tmp_path / "work", tmp_path / "record.json"
+    tiny = ["--hidden", "64", "--layers", "2", "--vocab", "320", "--prompts", "2", "--n", "2", "--new-tokens", "3"]
+    lora = [
+        "--set=weight_sync.transport=lora",
+        f"--set=weight_sync.path={tmp_path / 'adapters'}",
+        "--set=train.lora.target_modules=[q_proj,v_proj]",
+    ]
+    main(
+        ["--runs", "colocated", "--gpus", "1", "--steps", "2", "--skip", "1", "--repeats", "1", *tiny, *lora]
+        + ["--config", "examples/cpu-demo-lora.yaml", "--out", str(out), "--json", str(record_path)]
+    )
+    record = json.loads(record_path.read_text())
+    run = record["repeats"][0]
+    assert record["ok"] and run["exit_code"] == 0 and len(run["rows"]) == 2
+    assert "bucket_mb" not in run["command"] and "weight_sync.transport=lora" in run["command"]
+    assert run["memory_plan"] is None  # a CPU run shares no GPU: nothing is planned
+    assert record["summary"]["phases"]["colocated"]["steps"] == 1
