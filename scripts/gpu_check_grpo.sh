@@ -1,17 +1,46 @@
 #!/usr/bin/env bash
-# GPU check of the GRPO loop (issue: the main job): a few steps colocated (trainer world 2, two tp=1
-# engines, CUDA IPC) and disaggregated (trainer on one GPU, one engine on the other, NCCL).
-# Writes each run's metrics.jsonl under $OUT (or ./runs).
+# GPU check of the main job on one GPU (run it in every session that changes engine/, train/ or
+# fleet/): GRPO with examples/gpu-1x.yaml's defaults (colocated, 64 prompts x 8 x 512 tokens; the
+# memory plan picks the engine's share and what moves at a turn) on the benches' 2.08B Qwen3 shape
+# (vocab 151,936), the same as a LoRA run (rank 32, every linear layer), and the calculator agent's
+# episodes on the GPU, 3 steps each. Each run's output lands in $OUT as it runs (a call cut by its
+# limit still returns what finished); printed: each run's exit code, memory plan and step lines.
+#   bash scripts/gpu_check_grpo.sh [full] [lora] [agent]     (all three when none is named)
+# Ray, FastAPI, ... carried as wheels: docs/benchmarks.md ("GPU checks").
 set -u
-out=${OUT:-runs}
-python3 -c "from rollfleet.tiny_models import make_tiny_model as m; m('/tmp/gpu-small', hidden_size=512, num_hidden_layers=4, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4, head_dim=64)" >/dev/null 2>&1
-common="rollout.model_path=/tmp/gpu-small rollout.use_gpu=true grpo.steps=4 grpo.prompts_per_step=16 rollout.sampling.n=8 rollout.sampling.max_new_tokens=16"
-timeout 140 python3 -m rollfleet train examples/cpu-demo.yaml $common rollout.num_engines=2 \
-  rollout.placement=colocated rollout.gpus_per_worker=0.5 trainer.world_size=2 weight_sync.transport=tensor \
-  grpo.output_dir=/tmp/run-colocated ray.num_cpus=16 > $out/colocated.log 2>&1; echo "colocated rc=$?"
-cp /tmp/run-colocated/metrics.jsonl $out/colocated-metrics.jsonl 2>/dev/null
-timeout 120 python3 -m rollfleet train examples/cpu-demo.yaml $common rollout.num_engines=1 \
-  rollout.placement=disaggregated trainer.world_size=1 weight_sync.transport=nccl \
-  grpo.output_dir=/tmp/run-disaggregated ray.num_cpus=16 > $out/disaggregated.log 2>&1; echo "disaggregated rc=$?"
-cp /tmp/run-disaggregated/metrics.jsonl $out/disaggregated-metrics.jsonl 2>/dev/null
-grep -h "step " $out/colocated.log $out/disaggregated.log
+OUT=${OUT:-/tmp/rollfleet-gpu-check}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+runs=${*:-full lora agent}
+phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end on stdout
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name: exit $? at $SECONDS s"
+    grep -h "memory plan\|^step \|Error\|error:" "$OUT/$name.log" | cut -c1-400 | tail -12
+    cp /tmp/run-$name/metrics.jsonl "$OUT/$name-metrics.jsonl" 2>/dev/null
+    cp /tmp/run-$name/memory-plan.json "$OUT/$name-memory-plan.json" 2>/dev/null
+}
+model=/tmp/rollfleet-2b
+common="rollout.model_path=$model grpo.steps=3 ray.num_cpus=16"
+case " $runs " in *" full "*|*" lora "*)
+    test -f $model/config.json || python3 -c "from rollfleet.bench.shapes import write_model; write_model('$model')";;
+esac
+case " $runs " in *" full "*)
+    phase full 260 python3 -m rollfleet train examples/gpu-1x.yaml $common grpo.output_dir=/tmp/run-full;;
+esac
+case " $runs " in *" lora "*)
+    python3 - <<'PY'  # the same run as a LoRA run: the lora transport takes no buckets
+import yaml
+cfg = yaml.safe_load(open("examples/gpu-1x.yaml"))
+cfg["weight_sync"] = {"transport": "lora"}
+linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+cfg["train"]["lora"] = {"rank": 32, "alpha": 64, "a_lr_scale": 0.0625, "target_modules": linear}
+yaml.safe_dump(cfg, open("/tmp/gpu-1x-lora.yaml", "w"))
+PY
+    phase lora 220 python3 -m rollfleet train /tmp/gpu-1x-lora.yaml $common grpo.output_dir=/tmp/run-lora;;
+esac
+case " $runs " in *" agent "*)
+    phase agent 150 python3 -m rollfleet.demo examples/cpu-agent.yaml rollout.use_gpu=true rollout.gpus_per_worker=0.5 \
+        grpo.steps=3 grpo.output_dir=/tmp/run-agent rollout.model_path=/tmp/run-agent/tiny-qwen3 ray.num_cpus=16;;
+esac
