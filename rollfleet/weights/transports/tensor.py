@@ -24,7 +24,14 @@ flight while the next is gathered and packed, and the ranks need no second messa
 After the last call rank 0 waits for every answer, then ends the sessions (commit) or, after any
 failure on any rank, abandons them; then it tells every rank the outcome, and only then do the
 ranks drop their buffers. Engines finish reading a call's buffer before they answer; the version
-is set after the last call landed (engines with sessions: at the session's end)."""
+is set after the last call landed (engines with sessions: at the session's end).
+
+Fixed costs per call, kept off the per-tensor path: a call's layout is planned once per run
+(`staging.PackPlan`: offsets, wire metadata, fingerprint sample positions); packing is one
+multi-tensor copy; when rank 0 packs, the fingerprints are sampled from its packed buffer (one
+gather per dtype, in the same stream before the pack's synchronisation) and hashed on the host
+right after the call is posted, while the engines load it, so nothing is hashed after the last
+call but what a rank 0 that packs nothing collected."""
 
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ import torch
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
 from rollfleet.weights.transports.feed import SoloFeed
-from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, call_bytes, pack_call, wait_all
+from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, PackPlans, call_bytes, wait_all
 from rollfleet.wire.serialize import serialize
 
 GO, DONE, FAILED = "go", "done", "failed"
@@ -51,6 +58,7 @@ class TensorTransport(Transport):
     def __init__(self, spec, targets, *, feed: SoloFeed | None = None, **kwargs):
         super().__init__(spec, targets, **kwargs)
         self.feed = feed or SoloFeed()
+        self.plans = PackPlans()  # call layouts, the same every sync
         # the engine ranks this sender rank packs for: (engine id, rank in engine)
         self.mine = [
             (t.engine_id, i)
@@ -108,14 +116,19 @@ class TensorTransport(Transport):
         """The calls in lockstep (module docstring); returns the failure that stopped them, if any
         (rank 0: every call it posted was answered before this returns)."""
         caller = self.feed.is_caller
-        tensors = self._recorded(source, report, collectors) if caller else source.named_tensors()
+        # rank 0 fingerprints its packed buffers when it packs; otherwise each tensor as it passes
+        fused = collectors if caller and self.mine else None
+        tensors = (
+            self._recorded(source, report, collectors, fingerprint=fused is None) if caller else source.named_tensors()
+        )
         calls = iter_calls(tensors, self.spec.bucket_bytes)
         buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight(depth=1)
         failure: BaseException | None = None
         index = 0
         while True:
             call, state = _next_call(calls)
-            contribution, keep = self._pack_mine(call, index, buffers, report) if call is not None else ({}, [])
+            packed = self._pack_mine(call, index, buffers, report, fused) if call is not None else ({}, [])
+            contribution, keep = packed
             if "error" in contribution:
                 state = ("error", contribution["error"])
             if caller and failure is None:
@@ -130,6 +143,10 @@ class TensorTransport(Transport):
             held[index] = keep
             if caller:
                 failure = self._post(index, [c for _, c in everyone], version, in_flight, keep, report)
+                if fused is not None:
+                    with timed(report, "fingerprint"):  # on the host, while the engines load this call
+                        for collector in fused.values():
+                            collector.hash_gathered()
             index += 1
         if caller:
             with timed(report, "wait_engines"):
@@ -137,15 +154,22 @@ class TensorTransport(Transport):
             failure = failure or error or (RuntimeError(detail) if decision == FAILED else None)
         return failure
 
-    def _pack_mine(self, call, index: int, buffers: DoubleBuffer, report: SyncReport) -> tuple[dict, list]:
+    def _pack_mine(self, call, index: int, buffers: DoubleBuffer, report: SyncReport, fused) -> tuple[dict, list]:
         """This rank's handles for the engine ranks it feeds, or its error (the buckets to keep alive);
-        an error becomes this rank's state at the call's exchange, so every rank stops there."""
+        an error becomes this rank's state at the call's exchange, so every rank stops there.
+        `fused`: the collectors that fingerprint the packed buffer (rank 0), or None."""
         if not self.mine:
             return {"entries": {}, "buckets": 0, "bytes": 0, "facts": self._facts(None)}, []
         try:
             device = call[0][1].device
             with timed(report, "pack"):
-                buckets = [pack_call(call, buffers.take(index, call_bytes(call), device))]
+                plan = self.plans.plan(call)
+                buckets = [plan.pack(call, buffers.take(index, call_bytes(call), device))]
+            if fused is not None:
+                with timed(report, "fingerprint"):
+                    for collector in fused.values():
+                        plan.fingerprint(buckets[0], collector)
+            with timed(report, "pack"):
                 if device.type == "cuda":
                     # An engine that still holds this buffer's IPC handle from an earlier call
                     # reads it without waiting on our stream: the packing must be finished first.
