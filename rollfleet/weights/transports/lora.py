@@ -20,11 +20,13 @@ With tensors they are sampled from the packed bucket (one gather per dtype, `sta
 Fixed costs, kept small: the bucket's layout is planned once per run (`PackPlans`) and packed in one
 multi-tensor copy (a fresh buffer each sync: an engine reads a loaded adapter in place, so the old
 version's buffer must not change while it is loaded); the adapter directory is written in a
-thread while the engines load (removed again if the sync fails and it was not there before, so a
-failed version leaves no directory); the version call and the listing of loaded adapters go
-together, and every old version is unloaded at once. `SyncReport.phases` has source, pack,
-fingerprint, serialize, load, versions (version, listing, unloads) and save (the wait for the
-directory after the engines were done).
+thread while the engines load (removed again if the sync fails, so a failed version leaves no
+directory; a version resent over its own directory replaces it only after the engines took it);
+the version call and the listing of loaded adapters go together, and every old version is
+unloaded at once. `SyncReport.phases` has source, pack,
+fingerprint, serialize, unload_retried (a copy of this version left by a failed sync; the listing is
+asked for before the pack and answered meanwhile), load, versions (version, listing, unloads), save
+(the wait for the directory after the engines were done) and prune.
 """
 
 from __future__ import annotations
@@ -87,42 +89,45 @@ class LoraTransport(Transport):
         report = SyncReport(
             version=version, transport=self.name, engine_ids=[t.engine_id for t in self.targets], lora_name=name
         )
-        saving: tuple[Future, bool] | None = None  # the directory being written; was it new?
+        saving: Future | None = None  # this version's new directory, being written
         with timed(report):
             with timed(report, "source"):
                 tensors = list(source.named_tensors())
                 config = source.config_dict()
             report.tensors = len(tensors)
             report.bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+            listing = self._each("loaded_lora_adapters", lambda t: ((), {}))  # answered while this rank packs
             try:
                 if source.directory is not None:  # a saved adapter (a restore): the engines read it
                     self._fingerprint(report, tensors)
-                    self._unload_where_loaded(lambda loaded: loaded == name)  # a half-done sync of this version
+                    self._unload_retried(listing, name, report)
                     self._load_directory(name, source.directory, report)
                 elif self.spec.source == "directory":
                     self._fingerprint(report, tensors)
-                    self._unload_where_loaded(lambda loaded: loaded == name)
+                    self._unload_retried(listing, name, report)
                     with timed(report, "save"):
                         directory = save_adapter(tensors, config, version_dir(self.spec.path, version))
                     self._load_directory(name, directory, report)
                 else:
                     payload = self._packed(report, tensors)
                     saving = self._save_meanwhile(tensors, config, version)  # what a restarted engine restores from
-                    self._unload_where_loaded(lambda loaded: loaded == name)
+                    self._unload_retried(listing, name, report)
                     self._load_tensors(name, payload, config, report)
                 with timed(report, "versions"):
                     self._set_version_and_unload_old(name, version)
-                if saving is not None:
-                    with timed(report, "save"):
-                        saving[0].result()
+                with timed(report, "save"):
+                    if saving is not None:
+                        saving.result()
+                    elif source.directory is None and self.spec.source == "tensors":  # a resent version
+                        save_adapter(tensors, config, version_dir(self.spec.path, version))
             except BaseException:
-                if saving is not None:
-                    wait([saving[0]])  # its own error, if any, is not the one raised here
-                    if saving[1]:  # a failed version leaves no directory
-                        shutil.rmtree(version_dir(self.spec.path, version), ignore_errors=True)
+                if saving is not None:  # a failed version leaves no directory
+                    wait([saving])  # (its own error, if any, is not the one raised here)
+                    shutil.rmtree(version_dir(self.spec.path, version), ignore_errors=True)
                 raise
         if source.directory is None:
-            prune_versions(Path(self.spec.path), KEEP_LAST)
+            with timed(report, "prune"):
+                prune_versions(Path(self.spec.path), KEEP_LAST)
         return report
 
     def _fingerprint(self, report: SyncReport, tensors) -> None:
@@ -144,13 +149,15 @@ class LoraTransport(Transport):
         report.fingerprints = {t.engine_id: dict(prints) for t in self.targets}
         return bucket.to_payload()
 
-    def _save_meanwhile(self, tensors, config: dict, version: str) -> tuple[Future, bool]:
-        """Write this version's adapter directory in a thread: (its future, whether it is new)."""
+    def _save_meanwhile(self, tensors, config: dict, version: str) -> Future | None:
+        """Write this version's adapter directory in a thread, unless a sync of this version left one
+        (it is replaced only once the engines took the new one, as a failed sync must leave it)."""
         directory = version_dir(self.spec.path, version)
+        if directory.exists():
+            return None
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollfleet-adapter-save")
-        new = not directory.exists()
-        return self._writer.submit(save_adapter, tensors, config, directory), new
+        return self._writer.submit(save_adapter, tensors, config, directory)
 
     def _load_directory(self, name: str, directory, report: SyncReport) -> None:
         with timed(report, "load"):
@@ -181,13 +188,18 @@ class LoraTransport(Transport):
         if error is not None:
             raise error
 
-    def _unload_where_loaded(self, unload) -> None:
-        """Unload, on each engine, the adapters it lists (/v1/models, as SGLang lists them) for which
-        `unload(name)` is true."""
-        adapters = self._each("loaded_lora_adapters", lambda t: ((), {})).result()
-        for target, names in zip(self.targets, adapters):
-            for name in [n for n in names if unload(n)]:
-                self._each("unload_lora_adapter", lambda t, n=name: ((n,), {}), engine_ids=[target.engine_id]).result()
+    def _unload_retried(self, listing: Future, name: str, report: SyncReport) -> None:
+        """Unload a copy of `name` wherever `listing` (each engine's loaded adapters, /v1/models as
+        SGLang lists them) shows one: left by a sync of this very version that failed part-way."""
+        with timed(report, "unload_retried"):
+            unloading = [
+                self._each("unload_lora_adapter", lambda t: ((name,), {}), engine_ids=[target.engine_id])
+                for target, names in zip(self.targets, listing.result())
+                if name in names
+            ]
+            error = wait_all(*unloading)
+        if error is not None:
+            raise error
 
 
 def served_name(adapter_name: str, version: str) -> str:
