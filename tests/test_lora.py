@@ -464,7 +464,7 @@ def test_a_refused_sync_leaves_no_adapter_directory(servers, adapter, qwen3_dir,
     kept = load_file(Path(LoraTransport.saved_adapter(spec, "kept")) / SavedAdapter.WEIGHTS_FILE)
     sent = get_peft_model_state_dict(peft_model)
     assert kept.keys() == sent.keys() and all(torch.equal(kept[k], sent[k]) for k in sent)
-    assert list(loaded(proc)) == [report.lora_name]
+    assert list(loaded(proc)) == []  # the resend unloaded its own name first (a retry), then was refused
 
 
 def test_adapter_fingerprints_cover_every_rank(servers, adapter):
