@@ -11,10 +11,9 @@ and copied to the host once, at `digests()`. Pending views keep their tensors al
 gathers early once they reference more than `hold_bytes` (a sender's gathered full tensors are
 temporaries).
 
-A sender that packs its tensors into one buffer per call samples the buffer instead, with ONE index
-gather per dtype (`sample_positions` of each tensor, offset to where it lies, computed once per
-layout: rollfleet.weights.transports.staging.PackPlan), and hashes each call's samples while the
-engines load it (`hash_gathered`): no Python per tensor on the device, no hashing after the last call.
+A sender that fingerprints what it packed (the LoRA transport: an adapter as sent) samples its
+packed buffer instead, with ONE index gather per dtype (`sample_positions` of each tensor, offset
+to where it lies, computed once per layout: rollfleet.weights.transports.staging.PackPlan).
 """
 
 from __future__ import annotations
@@ -104,7 +103,7 @@ class Fingerprints:
 
     def hash_gathered(self) -> None:
         """Copy what was gathered so far to the host and hash it now (waits for the device's work on
-        it); `digests()` returns these with the rest. A sender calls it while the engines load a call."""
+        it); `digests()` returns these with the rest."""
         by_device: dict[torch.device, list] = {}
         for records, values in self._gathered:
             by_device.setdefault(values.device, []).append((records, values))

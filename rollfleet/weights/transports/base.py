@@ -141,10 +141,9 @@ class Transport(ABC):
         """One fingerprint collector per target dtype, for `_recorded` and `_finish_fingerprints`."""
         return {dtype: Fingerprints(dtype) for dtype in {t.dtype for t in self.targets}}
 
-    def _recorded(self, source: WeightSource, report: SyncReport, collectors: dict, *, fingerprint: bool = True):
-        """The source's tensors, counted and (unless the caller fingerprints them elsewhere: its packed
-        buffers) fingerprinted per target dtype as they pass; the fingerprints land in the report at
-        `_finish_fingerprints`."""
+    def _recorded(self, source: WeightSource, report: SyncReport, collectors: dict):
+        """The source's tensors, counted and fingerprinted (per target dtype) as they pass; the
+        fingerprints land in the report at `_finish_fingerprints`."""
         tensors = iter(source.named_tensors())
         while True:
             with timed(report, "source"):  # gathers and name conversion
@@ -154,10 +153,9 @@ class Transport(ABC):
             name, tensor = item
             report.tensors += 1
             report.bytes += tensor.numel() * tensor.element_size()
-            if fingerprint:
-                with timed(report, "fingerprint"):
-                    for collector in collectors.values():
-                        collector.add(name, tensor)
+            with timed(report, "fingerprint"):
+                for collector in collectors.values():
+                    collector.add(name, tensor)
             yield name, tensor
 
     def _finish_fingerprints(self, report: SyncReport, collectors: dict) -> None:

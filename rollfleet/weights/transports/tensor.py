@@ -26,12 +26,12 @@ failure on any rank, abandons them; then it tells every rank the outcome, and on
 ranks drop their buffers. Engines finish reading a call's buffer before they answer; the version
 is set after the last call landed (engines with sessions: at the session's end).
 
-Fixed costs per call, kept off the per-tensor path: a call's layout is planned once per run
-(`staging.PackPlan`: offsets, wire metadata, fingerprint sample positions); packing is one
-multi-tensor copy; when rank 0 packs, the fingerprints are sampled from its packed buffer (one
-gather per dtype, in the same stream before the pack's synchronisation) and hashed on the host
-right after the call is posted, while the engines load it, so nothing is hashed after the last
-call but what a rank 0 that packs nothing collected."""
+Fixed costs per call: a call's layout is planned once per run (`staging.PackPlan`: offsets, the
+wire metadata records, the buffer's split), so packing is one multi-tensor copy and serializing
+pickles records made once. The fingerprints stay those of the source's tensors, gathered late (at
+`_finish_fingerprints`, or every HOLD_BYTES): they are what the trainer holds after the push, so a
+trainer that changed a tensor under the push fails verification (tests/test_fleet_sync.py); read
+from the packed buffers they would only say the engines hold what was sent."""
 
 from __future__ import annotations
 
@@ -116,19 +116,14 @@ class TensorTransport(Transport):
         """The calls in lockstep (module docstring); returns the failure that stopped them, if any
         (rank 0: every call it posted was answered before this returns)."""
         caller = self.feed.is_caller
-        # rank 0 fingerprints its packed buffers when it packs; otherwise each tensor as it passes
-        fused = collectors if caller and self.mine else None
-        tensors = (
-            self._recorded(source, report, collectors, fingerprint=fused is None) if caller else source.named_tensors()
-        )
+        tensors = self._recorded(source, report, collectors) if caller else source.named_tensors()
         calls = iter_calls(tensors, self.spec.bucket_bytes)
         buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight(depth=1)
         failure: BaseException | None = None
         index = 0
         while True:
             call, state = _next_call(calls)
-            packed = self._pack_mine(call, index, buffers, report, fused) if call is not None else ({}, [])
-            contribution, keep = packed
+            contribution, keep = self._pack_mine(call, index, buffers, report) if call is not None else ({}, [])
             if "error" in contribution:
                 state = ("error", contribution["error"])
             if caller and failure is None:
@@ -143,10 +138,6 @@ class TensorTransport(Transport):
             held[index] = keep
             if caller:
                 failure = self._post(index, [c for _, c in everyone], version, in_flight, keep, report)
-                if fused is not None:
-                    with timed(report, "fingerprint"):  # on the host, while the engines load this call
-                        for collector in fused.values():
-                            collector.hash_gathered()
             index += 1
         if caller:
             with timed(report, "wait_engines"):
@@ -154,22 +145,15 @@ class TensorTransport(Transport):
             failure = failure or error or (RuntimeError(detail) if decision == FAILED else None)
         return failure
 
-    def _pack_mine(self, call, index: int, buffers: DoubleBuffer, report: SyncReport, fused) -> tuple[dict, list]:
+    def _pack_mine(self, call, index: int, buffers: DoubleBuffer, report: SyncReport) -> tuple[dict, list]:
         """This rank's handles for the engine ranks it feeds, or its error (the buckets to keep alive);
-        an error becomes this rank's state at the call's exchange, so every rank stops there.
-        `fused`: the collectors that fingerprint the packed buffer (rank 0), or None."""
+        an error becomes this rank's state at the call's exchange, so every rank stops there."""
         if not self.mine:
             return {"entries": {}, "buckets": 0, "bytes": 0, "facts": self._facts(None)}, []
         try:
             device = call[0][1].device
             with timed(report, "pack"):
-                plan = self.plans.plan(call)
-                buckets = [plan.pack(call, buffers.take(index, call_bytes(call), device))]
-            if fused is not None:
-                with timed(report, "fingerprint"):
-                    for collector in fused.values():
-                        plan.fingerprint(buckets[0], collector)
-            with timed(report, "pack"):
+                buckets = [self.plans.plan(call).pack(call, buffers.take(index, call_bytes(call), device))]
                 if device.type == "cuda":
                     # An engine that still holds this buffer's IPC handle from an earlier call
                     # reads it without waiting on our stream: the packing must be finished first.
