@@ -11,6 +11,7 @@ import copy
 import json
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,9 +29,10 @@ from rollfleet.engine.process.launch import EngineProcess
 from rollfleet.engine.process.server import build_parser, check_args
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.tiny_models import tiny_config
-from rollfleet.weights.adapter import LoraSource, save_adapter
+from rollfleet.weights.adapter import LoraSource, SavedAdapter, save_adapter
 from rollfleet.weights.transports import EngineTarget, make_transport
 from rollfleet.weights.transports.base import transport_class
+from rollfleet.weights.transports.lora import LoraTransport
 from rollfleet.weights.verify import find_unverified
 from rollfleet.wire.client import EngineClient, EngineError
 from rollfleet.wire.fingerprint import fingerprints
@@ -444,6 +446,25 @@ def test_bad_adapters_change_nothing(servers, adapter, qwen3_dir, tmp_path):
         assert loaded(proc) == before
     assert generate(proc, [name, None]) == tokens
     assert_matches(tokens[:1], want[:1])
+
+
+def test_a_refused_sync_leaves_no_adapter_directory(servers, adapter, qwen3_dir, tmp_path):
+    """The directory is written while the engines load: a sync they refuse removes it again (a restore
+    must not find a version that never loaded); one a successful sync of that version left stays."""
+    peft_model, _ = adapter
+    proc = servers["tp2"]
+    spec = LoraSync(path=str(tmp_path / "adapters"))
+    report = sync(spec, LoraSource(peft_model), "kept", {0: proc}, ranks={0: 2})
+    assert {"source", "pack", "fingerprint", "serialize", "load", "versions", "save"} <= set(report.phases)
+    big = LoraSource(make_adapter(qwen3_dir, ["q_proj"], r=16))  # rank 16 > --max-lora-rank 8
+    for version in ("refused", "kept"):
+        with pytest.raises(EngineError, match="rank 16 > --max-lora-rank 8"):
+            sync(spec, big, version, {0: proc}, ranks={0: 2})
+    assert LoraTransport.saved_adapter(spec, "refused") is None
+    kept = load_file(Path(LoraTransport.saved_adapter(spec, "kept")) / SavedAdapter.WEIGHTS_FILE)
+    sent = get_peft_model_state_dict(peft_model)
+    assert kept.keys() == sent.keys() and all(torch.equal(kept[k], sent[k]) for k in sent)
+    assert list(loaded(proc)) == []  # the resend unloaded its own name first (a retry), then was refused
 
 
 def test_adapter_fingerprints_cover_every_rank(servers, adapter):

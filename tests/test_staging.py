@@ -160,3 +160,62 @@ def test_aligned_order_puts_every_tensor_at_a_multiple_of_its_element_size_when_
     for _, tensor in call:
         assert offset % tensor.element_size() == 0
         offset += tensor.numel() * tensor.element_size()
+
+
+def _layout_call(seed: int):
+    """One call layout (mixed dtypes; tensors below, at and above the sample count; a non-contiguous
+    one; an empty one) with values from `seed`."""
+    torch.manual_seed(seed)
+    return [
+        ("big", torch.randn(300, 70)),
+        ("half", (torch.randn(5000) * 3).to(torch.bfloat16)),
+        ("small", torch.randn(10).to(torch.float16)),
+        ("exact", torch.randn(128)),
+        ("transposed", torch.randn(40, 9).t()),
+        ("empty", torch.empty(0, 4)),
+        ("ints", torch.arange(7, dtype=torch.int64)),
+    ]
+
+
+@pytest.mark.parametrize("engine_dtype", [None, torch.bfloat16, torch.float16])
+def test_fingerprints_sampled_from_the_packed_bucket_equal_those_of_the_tensors(engine_dtype):
+    from rollfleet.weights.transports.staging import PackPlan
+
+    call = _layout_call(0)
+    plan = PackPlan(call)
+    bucket = plan.pack(call, torch.empty(call_bytes(call), dtype=torch.uint8))
+    fused = Fingerprints(engine_dtype, samples=128)
+    plan.fingerprint(bucket, fused)
+    fused.hash_gathered()  # hashed early (as the sender does while the engines load): still returned
+    assert fused.digests() == fingerprints(call, engine_dtype, samples=128)
+    assert fused.digests() == {}  # a collector starts empty after digests()
+
+
+def test_a_reused_plan_and_buffer_carry_only_the_latest_call():
+    """The same layout packed again into the same buffer: every byte, every metadata record and every
+    fingerprint is the new call's (the buffer is filled with a pattern first, so a slice the pack
+    skipped would show)."""
+    from rollfleet.weights.transports.staging import PackPlans
+
+    plans, buffer = PackPlans(), torch.empty(call_bytes(_layout_call(0)) + 256, dtype=torch.uint8)
+    for seed in (1, 2):
+        call = _layout_call(seed)
+        buffer.fill_(0xA5)
+        plan = plans.plan(call)
+        bucket = plan.pack(call, buffer)
+        unpacked = bucket.unpack()
+        assert set(unpacked) == {name for name, _ in call}
+        for name, tensor in call:
+            assert unpacked[name].dtype == tensor.dtype and torch.equal(unpacked[name], tensor), name
+        collector = Fingerprints(torch.bfloat16)
+        plan.fingerprint(bucket, collector)
+        assert collector.digests() == fingerprints(call, torch.bfloat16)
+        wire = bucket.to_payload()["metadata"]
+        assert [(r.name, tuple(r.shape), r.start_idx) for r in wire] == [
+            (m.name, m.shape, m.start_idx) for m in bucket.metadata
+        ]
+    assert plans.plan(_layout_call(3)) is plan  # one plan per layout, kept across syncs
+    other = [("big", torch.randn(70, 300))]
+    assert plans.plan(other) is not plan
+    with pytest.raises(AssertionError, match="layout"):
+        plan.pack(other, buffer)

@@ -1,19 +1,24 @@
 """Weight-sync bandwidth against the raw ceiling of the same path, measured in the same run.
 
-    rollfleet bench weight-sync --transport {tensor,nccl,disk} --size-gb X [--repeats 5] [--json F]
+    rollfleet bench weight-sync --transport {tensor,nccl,disk,lora} --size-gb X [--repeats 5] [--json F]
 
 A model of the benchmarks' shape (rollfleet.bench.shapes: vocab 151,936 by default, `--vocab`) of
 about X GB lives in this process (the "trainer", GPU 0 or CPU); one
 embedded engine is started (tensor: on the same GPU; nccl and disk: on GPU 1 when there is one).
 Raw ceiling (rollfleet/bench/raw_ceiling.py): nccl = plain broadcasts of the same buckets to a
 bare receiver process on the engine's device; tensor = a device-to-device copy of the same bytes;
-disk = reading the saved files onto the engine's device. Both the ceiling and the sync are measured
+disk = reading the saved files onto the engine's device; lora = a device-to-device copy of the
+adapter's bytes. lora: the model gets a peft adapter of `--lora-rank` on `--lora-targets` (the
+trainer's defaults: q, k, v, o; fp32 as peft keeps it), perturbed each repeat, pushed to an engine
+on the same device started with --enable-lora. Both the ceiling and the sync are measured
 warm (one untimed pass first, the ceiling's buffers allocated before timing) and repeated the same
 number of times; the ratio is median raw seconds / median sync seconds, with min/median/max of each.
 
 Sync = gather + pack + send + engine load, on a transport connected once (as a run keeps it).
 Verify = the fleet's fingerprint check (a fresh client, as the fleet does), timed after each sync.
 A run whose verification fails prints no figures, writes a record marked not ok, and exits non-zero.
+Each phase of the sender (`SyncReport.phases`: source, fingerprint, pack, serialize, wait_engines or
+load, ...) is printed in ms (median over the repeats) beside the raw copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ import torch
 from rollfleet.bench.raw_ceiling import measure_raw, model_for
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.bench.shapes import add_vocab_flag, bench_tokenizer
-from rollfleet.config import DiskSync, NcclSync, TensorSync
+from rollfleet.config import DiskSync, LoraSync, NcclSync, TensorSync
 from rollfleet.engine.process.launch import EngineProcess, embedded_argv
 from rollfleet.engine.process.server import dump_stacks_if_hung
 from rollfleet.engine.process.zygote_client import Zygote
+from rollfleet.weights.adapter import LoraSource
 from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import EngineTarget, make_transport
+from rollfleet.weights.transports.lora import LoraTransport
 from rollfleet.weights.verify import find_unverified
 from rollfleet.wire.buckets import iter_buckets
 from rollfleet.wire.client import EngineClient
@@ -45,10 +52,14 @@ from rollfleet.wire.net import free_port
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rollfleet bench weight-sync")
-    parser.add_argument("--transport", choices=["tensor", "nccl", "disk"], required=True)
+    parser.add_argument("--transport", choices=["tensor", "nccl", "disk", "lora"], required=True)
     parser.add_argument("--size-gb", type=float, default=0.05)
     parser.add_argument("--bucket-mb", type=float, default=512)
     add_vocab_flag(parser)
+    parser.add_argument("--lora-rank", type=int, default=32, help="lora: the adapter's rank")
+    parser.add_argument(
+        "--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"], help="lora: target modules"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--repeats", "--repeat", type=int, default=5, help="timed passes of the ceiling and timed syncs (after warm-up)"
@@ -72,19 +83,35 @@ def _say(what: str) -> None:
 
 
 def _prepare(args, scratch: Path, dtype: torch.dtype, device: str):
-    """The sender's model (saved first, as the engine's starting weights, then perturbed) and its buckets."""
+    """The sender's model (saved first, as the engine's starting weights, then perturbed; lora: wrapped
+    with a peft adapter, the base kept) and the buckets of what a sync moves."""
     model = model_for(args.size_gb, dtype, device, args.vocab)
     save_checkpoint(ModuleSource(model).named_tensors(), scratch / "model", None)
     bench_tokenizer(args.vocab).save_pretrained(scratch / "model")
     model.config.save_pretrained(scratch / "model")
-    with torch.no_grad():  # the trainer's "new" weights differ from the engine's
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 1e-3)
+    if args.transport == "lora":
+        from peft import LoraConfig, get_peft_model  # imported here: peft takes seconds to import
+
+        config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=args.lora_targets)
+        model = get_peft_model(model, config)
+    _perturb(model)
     buckets = [
         b.flattened_tensor.view(torch.uint8)
-        for b in iter_buckets(ModuleSource(model).named_tensors(), int(args.bucket_mb * (1 << 20)))
+        for b in iter_buckets(_source(args, model).named_tensors(), int(args.bucket_mb * (1 << 20)))
     ]
     return model, buckets
+
+
+def _source(args, model):
+    return LoraSource(model) if args.transport == "lora" else ModuleSource(model)
+
+
+def _perturb(model) -> None:
+    """The trainer's "new" weights (lora: the adapter's) differ from what the engine holds."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 1e-3)
 
 
 async def _verify(url: str, report) -> dict:
@@ -105,13 +132,15 @@ async def _tamper(url: str, checkpoint: Path, version: str) -> None:
 def _timed_syncs(args, transport, model, url: str, checkpoint: Path) -> tuple[float, list[dict], dict]:
     """One cold send, then `repeats` timed sends each followed by a timed verification."""
     start = time.perf_counter()
-    transport.send(ModuleSource(model), "cold")  # first send: lazy communicator set-up, allocations
+    transport.send(_source(args, model), "cold")  # first send: lazy communicator set-up, allocations
     cold = time.perf_counter() - start
     rows, problems = [], {}
     for repeat in range(args.repeats):
         version = str(repeat + 1)
+        if args.transport == "lora":
+            _perturb(model)  # a new adapter each step (the full-weight sends resend the same weights)
         start = time.perf_counter()
-        report = transport.send(ModuleSource(model), version)
+        report = transport.send(_source(args, model), version)
         sent = time.perf_counter()
         if args.tamper_for_test:
             asyncio.run(_tamper(url, checkpoint, version))
@@ -136,6 +165,8 @@ def _timed_syncs(args, transport, model, url: str, checkpoint: Path) -> tuple[fl
 def _engine(args, scratch: Path, engine_gpu: int, gpu: bool) -> EngineProcess:
     port = free_port()
     extra = ["--device", args.device, "--base-gpu-id", str(engine_gpu), "--dtype", "bfloat16" if gpu else "float32"]
+    if args.transport == "lora":
+        extra += LoraTransport.server_args(_lora_spec(args, scratch))
     log_dir = Path(args.log_dir or scratch)
     # forked from a shared zygote where ROLLFLEET_ZYGOTE_SOCKET names one (the test suite's): the sync
     # is measured once the engine is up, so how it started does not change the figures
@@ -147,6 +178,10 @@ def _engine(args, scratch: Path, engine_gpu: int, gpu: bool) -> EngineProcess:
     )
 
 
+def _lora_spec(args, scratch: Path) -> LoraSync:
+    return LoraSync(path=str(scratch / "adapters"), max_lora_rank=args.lora_rank)
+
+
 def _sync_phase(args, scratch: Path, model, dtype, engine_gpu: int, gpu: bool) -> dict:
     engine = _engine(args, scratch, engine_gpu, gpu)
     try:
@@ -156,6 +191,7 @@ def _sync_phase(args, scratch: Path, model, dtype, engine_gpu: int, gpu: bool) -
             "tensor": TensorSync(bucket_mb=args.bucket_mb),
             "nccl": NcclSync(bucket_mb=args.bucket_mb, join_timeout_s=60),
             "disk": DiskSync(path=str(scratch / "sync")),
+            "lora": _lora_spec(args, scratch),
         }[args.transport]
         target = EngineTarget(engine_id=0, url=engine.url, num_ranks=1, rank_offset=1, dtype=dtype)
         options = {"config_dir": str(scratch / "model")} if args.transport == "disk" else {}
@@ -177,7 +213,7 @@ def _summary(args, model_bytes: int, raw: dict, synced: dict, sender_extra: floa
     raw_med = statistics.median(raw["timed"])
     sync_med = statistics.median(r["sync_s"] for r in rows)
     full_med = statistics.median(r["sync_plus_verify_s"] for r in rows)
-    old_raw = raw["timed"][0] if args.transport == "tensor" else raw["first_pass"]
+    old_raw = raw["timed"][0] if args.transport in ("tensor", "lora") else raw["first_pass"]
     return {
         "model_gb": gb,
         "raw_path": raw["path"],
@@ -197,6 +233,10 @@ def _summary(args, model_bytes: int, raw: dict, synced: dict, sender_extra: floa
             "ratio_sync_to_raw": old_raw / sync_med,
         },
         "verified": True,
+        "phases_s": {
+            phase: statistics.median(r["phases"].get(phase, 0.0) for r in rows)
+            for phase in dict.fromkeys(p for r in rows for p in r["phases"])
+        },
         "sender_peak_extra_gb": sender_extra,
         "engine_memory": synced["engine_memory"],
     }
@@ -217,6 +257,12 @@ def _print(args, s: dict) -> None:
     print(f"  {'old method ratio (single-pass ceiling)':44} {s['old_method']['ratio_sync_to_raw']:8.3f}")
     if s["sender_peak_extra_gb"] is not None:
         print(f"  sender peak extra GPU memory {s['sender_peak_extra_gb']:.2f} GB; engine {s['engine_memory']}")
+    print(f"  per phase, ms (median of {s['sync_s']['n']}), beside the raw copy of the same bytes:")
+    print(f"    {'raw ceiling (' + args.transport + ')':28} {s['raw_s']['median'] * 1e3:8.2f}")
+    print(f"    {'sync':28} {s['sync_s']['median'] * 1e3:8.2f}")
+    print(f"    {'verify':28} {s['verify_s']['median'] * 1e3:8.2f}")
+    for phase, seconds in s["phases_s"].items():
+        print(f"    {'  ' + phase:28} {seconds * 1e3:8.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -225,16 +271,17 @@ def main(argv: list[str] | None = None) -> None:
     dump_stacks_if_hung()
     gpu = args.device == "cuda"
     sender_device = "cuda:0" if gpu else "cpu"
-    engine_gpu = 0 if args.transport == "tensor" or torch.cuda.device_count() < 2 else 1
+    engine_gpu = 0 if args.transport in ("tensor", "lora") or torch.cuda.device_count() < 2 else 1
     dtype = torch.bfloat16 if gpu else torch.float32
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         _say("building the model")
         model, buckets = _prepare(args, scratch, dtype, sender_device)
-        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        model_bytes = sum(b.numel() for b in buckets)  # what a sync moves (lora: the adapter)
         _say("measuring the raw ceiling")
         engine_device = f"cuda:{engine_gpu}" if gpu else "cpu"
-        raw = measure_raw(args.transport, buckets, scratch / "model", args.repeats, gpu, sender_device, engine_device)
+        raw_path = "tensor" if args.transport == "lora" else args.transport  # lora: a device copy, as tensor
+        raw = measure_raw(raw_path, buckets, scratch / "model", args.repeats, gpu, sender_device, engine_device)
         del buckets
         if gpu:
             torch.cuda.empty_cache()

@@ -21,7 +21,7 @@ import math
 import operator
 import types
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +106,7 @@ class FlattenedTensorMetadata:
 class Bucket:
     flattened_tensor: torch.Tensor
     metadata: list[FlattenedTensorMetadata]
+    wire: list[types.SimpleNamespace] | None = field(default=None, repr=False)  # `metadata` on the wire, if made
 
     @property
     def dtype(self) -> torch.dtype:
@@ -177,7 +178,8 @@ class Bucket:
 
     def to_payload(self) -> dict[str, Any]:
         """SGLang's "flattened_bucket" payload (pickle it with rollfleet.wire.serialize)."""
-        return {"flattened_tensor": self.flattened_tensor, "metadata": [m.to_wire() for m in self.metadata]}
+        wire = self.wire if self.wire is not None else [m.to_wire() for m in self.metadata]
+        return {"flattened_tensor": self.flattened_tensor, "metadata": wire}
 
     @classmethod
     def from_payload(cls, payload: Any) -> Bucket:

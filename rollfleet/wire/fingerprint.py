@@ -10,6 +10,10 @@ so sender and engine agree bit for bit on the same weights, on any device.
 and copied to the host once, at `digests()`. Pending views keep their tensors alive, so the collector
 gathers early once they reference more than `hold_bytes` (a sender's gathered full tensors are
 temporaries).
+
+A sender that fingerprints what it packed (the LoRA transport: an adapter as sent) samples its
+packed buffer instead, with ONE index gather per dtype (`sample_positions` of each tensor, offset
+to where it lies, computed once per layout: rollfleet.weights.transports.staging.PackPlan).
 """
 
 from __future__ import annotations
@@ -29,6 +33,13 @@ def sample_view(tensor: torch.Tensor, samples: int = DEFAULT_SAMPLES) -> torch.T
         return flat
     step = flat.numel() // samples
     return flat[: step * samples : step]
+
+
+def sample_positions(numel: int, samples: int = DEFAULT_SAMPLES) -> torch.Tensor:
+    """Which elements of a flattened tensor of `numel` elements `sample_view` takes (int64, on the CPU)."""
+    if numel <= samples:
+        return torch.arange(numel)
+    return torch.arange(samples) * (numel // samples)
 
 
 def _digest(data, shape: tuple[int, ...]) -> str:
@@ -56,6 +67,7 @@ class Fingerprints:
         self._views: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
         self._held = 0
         self._gathered: list[tuple[list[tuple[str, tuple[int, ...], int]], torch.Tensor]] = []
+        self._hashed: dict[str, str] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         self._views.append((name, tuple(tensor.shape), sample_view(tensor, self.samples)))
@@ -67,6 +79,11 @@ class Fingerprints:
         """`sample`: `sample_view(tensor, self.samples)` of a tensor of `shape` that outlives the
         collector's next `flush()` (an engine's parameter)."""
         self._views.append((name, tuple(shape), sample))
+
+    def add_gathered(self, records: list[tuple[str, tuple[int, ...], int]], values: torch.Tensor) -> None:
+        """Samples gathered already: `values` holds each record's (name, shape, count) samples back to
+        back, as `sample_view` takes them, in the tensors' own dtype."""
+        self._gathered.append((list(records), _as_float32(values, self.dtype)))
 
     def flush(self) -> None:
         """Gather the pending views now, on their device (one `cat` per device and dtype): their
@@ -82,12 +99,11 @@ class Fingerprints:
     @property
     def pending(self) -> int:
         """Tensors added since the last `digests()`."""
-        return len(self._views) + sum(len(records) for records, _ in self._gathered)
+        return len(self._views) + sum(len(records) for records, _ in self._gathered) + len(self._hashed)
 
-    def digests(self) -> dict[str, str]:
-        """Every fingerprint collected since the last call; the later of two for one name wins."""
-        self.flush()
-        out: dict[str, str] = {}
+    def hash_gathered(self) -> None:
+        """Copy what was gathered so far to the host and hash it now (waits for the device's work on
+        it); `digests()` returns these with the rest."""
         by_device: dict[torch.device, list] = {}
         for records, values in self._gathered:
             by_device.setdefault(values.device, []).append((records, values))
@@ -96,9 +112,15 @@ class Fingerprints:
             data, start = memoryview(host.numpy()).cast("B"), 0  # float32: 4 bytes per value
             for records, _ in batches:
                 for name, shape, count in records:
-                    out[name] = _digest(data[4 * start : 4 * (start + count)], shape)
+                    self._hashed[name] = _digest(data[4 * start : 4 * (start + count)], shape)
                     start += count
         self._gathered = []
+
+    def digests(self) -> dict[str, str]:
+        """Every fingerprint collected since the last call; the later of two for one name wins."""
+        self.flush()
+        self.hash_gathered()
+        out, self._hashed = self._hashed, {}
         return out
 
 

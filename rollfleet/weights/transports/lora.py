@@ -15,10 +15,24 @@ engine (base weights from the model path) gets the current adapter from it (`sav
 
 Fingerprints cover the adapter's tensors by peft key, as sent (no cast: engines keep adapters in
 the dtype they arrive in); verification asks the engines for the adapter's fingerprints by name.
+With tensors they are sampled from the packed bucket (one gather per dtype, `staging.PackPlan`).
+
+Fixed costs, kept small: the bucket's layout is planned once per run (`PackPlans`) and packed in one
+multi-tensor copy (a fresh buffer each sync: an engine reads a loaded adapter in place, so the old
+version's buffer must not change while it is loaded); the adapter directory is written in a
+thread while the engines load (removed again if the sync fails, so a failed version leaves no
+directory; a version resent over its own directory replaces it only after the engines took it);
+the version call and the listing of loaded adapters go together, and every old version is
+unloaded at once. `SyncReport.phases` has source, pack,
+fingerprint, serialize, unload_retried (a copy of this version left by a failed sync; the listing is
+asked for before the pack and answered meanwhile), load, versions (version, listing, unloads), save
+(the wait for the directory after the engines were done) and prune.
 """
 
 from __future__ import annotations
 
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -27,8 +41,8 @@ from rollfleet.weights.adapter import AdapterSource, SavedAdapter, save_adapter
 from rollfleet.weights.checkpoint import prune_versions
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
 from rollfleet.weights.transports.disk import version_dir
-from rollfleet.weights.transports.staging import call_bytes, pack_call
-from rollfleet.wire.fingerprint import fingerprints
+from rollfleet.weights.transports.staging import PackPlans, call_bytes, wait_all
+from rollfleet.wire.fingerprint import Fingerprints, fingerprints
 from rollfleet.wire.serialize import serialize
 
 KEEP_LAST = 2
@@ -54,6 +68,17 @@ class LoraTransport(Transport):
         directory = version_dir(spec.path, version)
         return str(directory.resolve()) if (directory / SavedAdapter.WEIGHTS_FILE).is_file() else None
 
+    def __init__(self, spec, targets, **kwargs):
+        super().__init__(spec, targets, **kwargs)
+        self.plans = PackPlans()  # the adapter's layout, the same every sync
+        self._writer: ThreadPoolExecutor | None = None  # writes the adapter directory while engines load
+
+    def disconnect(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        super().disconnect()
+
     def send(self, source: AdapterSource, version: str) -> SyncReport:
         if not isinstance(source, AdapterSource):
             raise TypeError(
@@ -64,51 +89,117 @@ class LoraTransport(Transport):
         report = SyncReport(
             version=version, transport=self.name, engine_ids=[t.engine_id for t in self.targets], lora_name=name
         )
+        saving: Future | None = None  # this version's new directory, being written
         with timed(report):
-            tensors = list(source.named_tensors())
-            config = source.config_dict()
-            prints = fingerprints(tensors)
-            report.fingerprints = {t.engine_id: dict(prints) for t in self.targets}
+            with timed(report, "source"):
+                tensors = list(source.named_tensors())
+                config = source.config_dict()
             report.tensors = len(tensors)
             report.bytes = sum(t.numel() * t.element_size() for _, t in tensors)
-            self._unload_where_loaded(lambda loaded: loaded == name)  # a half-done sync of this very version
-            if source.directory is not None:  # a saved adapter (a restore): the engines read it
-                self._load_directory(name, source.directory)
-            elif self.spec.source == "directory":
-                self._load_directory(name, save_adapter(tensors, config, version_dir(self.spec.path, version)))
-            else:
-                self._load_tensors(name, tensors, config)
-            self._each("update_weight_version", lambda t: ((version,), {})).result()
-            self._unload_where_loaded(lambda loaded: loaded != name and is_version_of(loaded, self.spec.adapter_name))
-        if source.directory is None and self.spec.source == "tensors":  # what a restarted engine restores from
-            save_adapter(tensors, config, version_dir(self.spec.path, version))
+            listing = self._each("loaded_lora_adapters", lambda t: ((), {}))  # answered while this rank packs
+            try:
+                if source.directory is not None:  # a saved adapter (a restore): the engines read it
+                    self._fingerprint(report, tensors)
+                    self._unload_retried(listing, name, report)
+                    self._load_directory(name, source.directory, report)
+                elif self.spec.source == "directory":
+                    self._fingerprint(report, tensors)
+                    self._unload_retried(listing, name, report)
+                    with timed(report, "save"):
+                        directory = save_adapter(tensors, config, version_dir(self.spec.path, version))
+                    self._load_directory(name, directory, report)
+                else:
+                    payload = self._packed(report, tensors)
+                    saving = self._save_meanwhile(tensors, config, version)  # what a restarted engine restores from
+                    self._unload_retried(listing, name, report)
+                    self._load_tensors(name, payload, config, report)
+                with timed(report, "versions"):
+                    self._set_version_and_unload_old(name, version)
+                with timed(report, "save"):
+                    if saving is not None:
+                        saving.result()
+                    elif source.directory is None and self.spec.source == "tensors":  # a resent version
+                        save_adapter(tensors, config, version_dir(self.spec.path, version))
+            except BaseException:
+                if saving is not None:  # a failed version leaves no directory
+                    wait([saving])  # (its own error, if any, is not the one raised here)
+                    shutil.rmtree(version_dir(self.spec.path, version), ignore_errors=True)
+                raise
         if source.directory is None:
-            prune_versions(Path(self.spec.path), KEEP_LAST)
+            with timed(report, "prune"):
+                prune_versions(Path(self.spec.path), KEEP_LAST)
         return report
 
-    def _load_directory(self, name: str, directory) -> None:
-        self._each("load_lora_adapter", lambda t: ((name, str(Path(directory).resolve())), {})).result()
+    def _fingerprint(self, report: SyncReport, tensors) -> None:
+        with timed(report, "fingerprint"):
+            prints = fingerprints(tensors)
+        report.fingerprints = {t.engine_id: dict(prints) for t in self.targets}
 
-    def _load_tensors(self, name: str, tensors, config: dict) -> None:
-        """One flattened bucket (copies, see the docstring: the trainer's own parameter storages never
-        become shared memory), one dict per entry as SGLang's tp worker indexes it (`data["flattened_tensor"]`)."""
+    def _packed(self, report: SyncReport, tensors) -> dict:
+        """The adapter as one flattened bucket in a fresh buffer (the trainer's own parameter storages
+        never become shared memory), fingerprinted from the bucket."""
         device = tensors[0][1].device if tensors else torch.device("cpu")
-        payload = pack_call(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8, device=device)).to_payload()
-        self._each(
-            "load_lora_adapter_from_tensors",
-            lambda t: (
-                (name, config, [serialize(payload) for _ in range(t.num_ranks)]),
-                {"load_format": "flattened_bucket"},
-            ),
-        ).result()
+        with timed(report, "pack"):
+            plan = self.plans.plan(tensors)
+            bucket = plan.pack(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8, device=device))
+        with timed(report, "fingerprint"):
+            collector = Fingerprints()
+            plan.fingerprint(bucket, collector)
+            prints = collector.digests()  # waits for the pack: the engines may read the bucket after this
+        report.fingerprints = {t.engine_id: dict(prints) for t in self.targets}
+        return bucket.to_payload()
 
-    def _unload_where_loaded(self, unload) -> None:
-        """Unload, on each engine, the adapters it lists (/v1/models, as SGLang lists them) for which
-        `unload(name)` is true."""
+    def _save_meanwhile(self, tensors, config: dict, version: str) -> Future | None:
+        """Write this version's adapter directory in a thread, unless a sync of this version left one
+        (it is replaced only once the engines took the new one, as a failed sync must leave it)."""
+        directory = version_dir(self.spec.path, version)
+        if directory.exists():
+            return None
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollfleet-adapter-save")
+        return self._writer.submit(save_adapter, tensors, config, directory)
+
+    def _load_directory(self, name: str, directory, report: SyncReport) -> None:
+        with timed(report, "load"):
+            self._each("load_lora_adapter", lambda t: ((name, str(Path(directory).resolve())), {})).result()
+
+    def _load_tensors(self, name: str, payload: dict, config: dict, report: SyncReport) -> None:
+        """One dict per entry as SGLang's tp worker indexes it (`data["flattened_tensor"]`), serialized
+        once per engine rank."""
+        with timed(report, "serialize"):
+            entries = {t.engine_id: [serialize(payload) for _ in range(t.num_ranks)] for t in self.targets}
+        with timed(report, "load"):
+            self._each(
+                "load_lora_adapter_from_tensors",
+                lambda t: ((name, config, entries[t.engine_id]), {"load_format": "flattened_bucket"}),
+            ).result()
+
+    def _set_version_and_unload_old(self, name: str, version: str) -> None:
+        """The version on every engine, and (listed meanwhile) the run's other versions unloaded, all at once."""
+        setting = self._each("update_weight_version", lambda t: ((version,), {}))
         adapters = self._each("loaded_lora_adapters", lambda t: ((), {})).result()
-        for target, names in zip(self.targets, adapters):
-            for name in [n for n in names if unload(n)]:
-                self._each("unload_lora_adapter", lambda t, n=name: ((n,), {}), engine_ids=[target.engine_id]).result()
+        unloading = [
+            self._each("unload_lora_adapter", lambda t, n=old: ((n,), {}), engine_ids=[target.engine_id])
+            for target, names in zip(self.targets, adapters)
+            for old in names
+            if old != name and is_version_of(old, self.spec.adapter_name)
+        ]
+        error = wait_all(setting, *unloading)
+        if error is not None:
+            raise error
+
+    def _unload_retried(self, listing: Future, name: str, report: SyncReport) -> None:
+        """Unload a copy of `name` wherever `listing` (each engine's loaded adapters, /v1/models as
+        SGLang lists them) shows one: left by a sync of this very version that failed part-way."""
+        with timed(report, "unload_retried"):
+            unloading = [
+                self._each("unload_lora_adapter", lambda t: ((name,), {}), engine_ids=[target.engine_id])
+                for target, names in zip(self.targets, listing.result())
+                if name in names
+            ]
+            error = wait_all(*unloading)
+        if error is not None:
+            raise error
 
 
 def served_name(adapter_name: str, version: str) -> str:

@@ -2,7 +2,14 @@
 call k is in flight, and the sender's extra memory stays at two buckets whatever the model size.
 
 The tensor transport makes them per sync (a colocated trainer holds nothing between syncs); the
-nccl transport keeps them while connected (NCCL releases a broadcast's tensors late)."""
+nccl transport keeps them while connected (NCCL releases a broadcast's tensors late).
+
+A call's layout (names, shapes, dtypes) is the same at every sync, so what depends only on it is
+worked out once (`PackPlan`, kept by the sender per layout): the offsets, the metadata records as
+they go on the wire, the split of the buffer into each tensor's slice, and where each tensor's
+fingerprint samples lie in the buffer. Packing is then one multi-tensor copy (`torch._foreach_copy_`,
+a few kernels for the whole call instead of one per tensor) and the fingerprints one index gather
+per dtype over the packed buffer (`PackPlan.fingerprint`)."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from concurrent.futures import Future
 import torch
 
 from rollfleet.wire.buckets import Bucket, FlattenedTensorMetadata
+from rollfleet.wire.fingerprint import Fingerprints, sample_positions
 
 ALIGN = 64  # bytes: every dtype view of a slice starts aligned
 
@@ -113,17 +121,89 @@ def pack_call(call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> Buc
     """The whole call as ONE bucket in SGLang's byte form (its `FlattenedTensorBucket`,
     `supports_multi_dtypes`): a uint8 tensor, each tensor's bytes at an ALIGN-aligned offset, and
     metadata in bytes. SGLang reads one `{"flattened_tensor", "metadata"}` dict per tp rank's entry
-    (`payload["flattened_tensor"]`); a list of buckets there is a TypeError its scheduler does not catch."""
-    metadata, offset = [], 0
-    for name, tensor in call:
-        nbytes = tensor.numel() * tensor.element_size()
-        target = buffer[offset : offset + nbytes]
-        target.copy_(tensor.detach().reshape(-1).view(torch.uint8))
-        metadata.append(
-            FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, offset, offset + nbytes, nbytes)
-        )
-        offset += _aligned(nbytes)
-    return Bucket(buffer[:offset], metadata)
+    (`payload["flattened_tensor"]`); a list of buckets there is a TypeError its scheduler does not catch.
+    A sender that packs the same layout again keeps the `PackPlan` instead."""
+    return PackPlan(call).pack(call, buffer)
+
+
+def layout_of(call: list[tuple[str, torch.Tensor]]) -> tuple:
+    """What a call's packing depends on: each tensor's name, shape and dtype, in order."""
+    return tuple((name, tensor.shape, tensor.dtype) for name, tensor in call)
+
+
+class PackPlan:
+    """Where each tensor of one call layout lies in a packed bucket (SGLang's byte form, see
+    `pack_call`), worked out once and reused by every sync that sends the same layout."""
+
+    def __init__(self, call: list[tuple[str, torch.Tensor]], samples: int | None = None):
+        self.layout = layout_of(call)
+        self.metadata: list[FlattenedTensorMetadata] = []
+        self._sizes: list[int] = []  # the buffer's split: each tensor's bytes, then its padding
+        offset = 0
+        for name, tensor in call:
+            nbytes = tensor.numel() * tensor.element_size()
+            self.metadata.append(
+                FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, offset, offset + nbytes, nbytes)
+            )
+            self._sizes += [nbytes, _aligned(nbytes) - nbytes]
+            offset += _aligned(nbytes)
+        self.nbytes = offset
+        self._wire = [meta.to_wire() for meta in self.metadata]  # what the payload pickles, made once
+        self._samples: dict[tuple[int, torch.device], list] = {}  # (samples, device) -> per dtype
+
+    def pack(self, call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> Bucket:
+        """Copy the call's tensors (of this plan's layout) into `buffer` (1-D uint8, at least
+        `nbytes`), one multi-tensor copy; the bucket's payload carries the plan's metadata records."""
+        assert layout_of(call) == self.layout, "a PackPlan packs only the layout it was made for"
+        flat = buffer[: self.nbytes]
+        slices = flat.split(self._sizes)[::2]
+        sources = [tensor.detach().reshape(-1).view(torch.uint8) for _, tensor in call]
+        if sources:
+            torch._foreach_copy_(list(slices), sources)
+        return Bucket(flat, self.metadata, wire=self._wire)
+
+    def fingerprint(self, bucket: Bucket, collector: Fingerprints) -> None:
+        """Add every tensor's fingerprint samples, read from the packed bucket: one index gather per
+        dtype (the same elements `sample_view` takes from each tensor, so the same fingerprints)."""
+        flat = bucket.flattened_tensor
+        for dtype, index, records in self._sample_index(collector.samples, flat.device):
+            collector.add_gathered(records, flat.view(dtype)[index])
+
+    def _sample_index(self, samples: int, device: torch.device) -> list:
+        """Per dtype of the call: (dtype, positions of every sample in the buffer viewed as that
+        dtype, (name, shape, count) per tensor), on `device`; computed once per device."""
+        key = (samples, device)
+        if key not in self._samples:
+            by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+            for meta in self.metadata:
+                numel = meta.numel // meta.dtype.itemsize
+                positions = sample_positions(numel, samples) + meta.start_idx // meta.dtype.itemsize
+                members = by_dtype.setdefault(meta.dtype, ([], []))
+                members[0].append(positions)
+                members[1].append((meta.name, meta.shape, positions.numel()))
+            self._samples[key] = [
+                (dtype, torch.cat(positions).to(device), records) for dtype, (positions, records) in by_dtype.items()
+            ]
+        return self._samples[key]
+
+
+class PackPlans:
+    """A sender's plans by call layout, kept across syncs (layouts only: no device memory beyond
+    the sample positions)."""
+
+    LIMIT = 256  # layouts kept; a sender whose layouts change every sync does not grow without bound
+
+    def __init__(self):
+        self._plans: dict[tuple, PackPlan] = {}
+
+    def plan(self, call: list[tuple[str, torch.Tensor]]) -> PackPlan:
+        layout = layout_of(call)
+        found = self._plans.get(layout)
+        if found is None:
+            if len(self._plans) >= self.LIMIT:
+                self._plans.clear()
+            found = self._plans[layout] = PackPlan(call)
+        return found
 
 
 def pack_buckets(call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> list[Bucket]:

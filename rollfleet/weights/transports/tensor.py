@@ -24,7 +24,14 @@ flight while the next is gathered and packed, and the ranks need no second messa
 After the last call rank 0 waits for every answer, then ends the sessions (commit) or, after any
 failure on any rank, abandons them; then it tells every rank the outcome, and only then do the
 ranks drop their buffers. Engines finish reading a call's buffer before they answer; the version
-is set after the last call landed (engines with sessions: at the session's end)."""
+is set after the last call landed (engines with sessions: at the session's end).
+
+Fixed costs per call: a call's layout is planned once per run (`staging.PackPlan`: offsets, the
+wire metadata records, the buffer's split), so packing is one multi-tensor copy and serializing
+pickles records made once. The fingerprints stay those of the source's tensors, gathered late (at
+`_finish_fingerprints`, or every HOLD_BYTES): they are what the trainer holds after the push, so a
+trainer that changed a tensor under the push fails verification (tests/test_fleet_sync.py); read
+from the packed buffers they would only say the engines hold what was sent."""
 
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ import torch
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
 from rollfleet.weights.transports.feed import SoloFeed
-from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, call_bytes, pack_call, wait_all
+from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, PackPlans, call_bytes, wait_all
 from rollfleet.wire.serialize import serialize
 
 GO, DONE, FAILED = "go", "done", "failed"
@@ -51,6 +58,7 @@ class TensorTransport(Transport):
     def __init__(self, spec, targets, *, feed: SoloFeed | None = None, **kwargs):
         super().__init__(spec, targets, **kwargs)
         self.feed = feed or SoloFeed()
+        self.plans = PackPlans()  # call layouts, the same every sync
         # the engine ranks this sender rank packs for: (engine id, rank in engine)
         self.mine = [
             (t.engine_id, i)
@@ -145,7 +153,7 @@ class TensorTransport(Transport):
         try:
             device = call[0][1].device
             with timed(report, "pack"):
-                buckets = [pack_call(call, buffers.take(index, call_bytes(call), device))]
+                buckets = [self.plans.plan(call).pack(call, buffers.take(index, call_bytes(call), device))]
                 if device.type == "cuda":
                     # An engine that still holds this buffer's IPC handle from an earlier call
                     # reads it without waiting on our stream: the packing must be finished first.
