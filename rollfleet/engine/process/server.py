@@ -31,7 +31,8 @@ from rollfleet.engine.http.http_server import RequestBodyLimit, run_server
 from rollfleet.engine.kv import saver as memory_saver
 from rollfleet.engine.kv.setup import add_kv_flags, check_kv_args, paged_options, start_paged
 from rollfleet.engine.lora.lora import LoraLimits
-from rollfleet.engine.model.model import ModelRunner, local_device, model_class
+from rollfleet.engine.model.build import local_device, model_class
+from rollfleet.engine.model.model import ModelRunner
 from rollfleet.engine.process.serving_flags import add_serving_flags
 from rollfleet.engine.tp.lockstep import Action, Lockstep, follow
 from rollfleet.engine.weights.remote_args import add_remote_instance_flags, check_remote_instance_args
