@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM
 
 from rollfleet.engine.process.launch import EngineProcess, embedded_argv
 from rollfleet.tiny_models import make_tiny_model
-from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
+from rollfleet.train.sharding import init_distributed
 from rollfleet.wire.client import EngineClient
 from rollfleet.wire.net import free_port
 from rollfleet.wire.routed_experts import ROUTED_EXPERTS_FLAG

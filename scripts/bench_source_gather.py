@@ -28,7 +28,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rollfleet.tiny_models import make_tiny_model
-from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
+from rollfleet.train.sharding import init_distributed
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.net import free_port
 
