@@ -177,7 +177,7 @@ def gloo_world_of_one():
     """This process as a one-rank gloo world (an in-process trainer), for the test's length."""
     import torch.distributed as dist
 
-    from rollfleet.train.fsdp import init_distributed
+    from rollfleet.train.sharding import init_distributed
 
     init_distributed(0, 1, master_port=free_port(), backend="gloo")
     yield

@@ -24,7 +24,7 @@ from rollfleet.config import RolloutConfig
 from rollfleet.engine.http.app import create_app
 from rollfleet.engine.http.service import EngineService
 from rollfleet.engine.model.model import ModelRunner
-from rollfleet.engine.process.server import build_parser, check_args
+from rollfleet.engine.process.server_args import build_parser, check_args
 from rollfleet.engine.runtime.scheduler import Scheduler
 from rollfleet.engine.sequences.logprobs import LogprobAsk
 from rollfleet.engine.tp.lockstep import Lockstep

@@ -210,7 +210,7 @@ def test_prefills_that_only_wait_on_each_other_for_pages_preempt_the_last_admitt
     ],
 )
 def test_kv_flags_that_cannot_work_are_refused_naming_the_flag(qwen3_dir, flags, named, capsys):
-    from rollfleet.engine.process.server import build_parser, check_args
+    from rollfleet.engine.process.server_args import build_parser, check_args
 
     parser = build_parser()
     args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu", *flags])
@@ -221,7 +221,7 @@ def test_kv_flags_that_cannot_work_are_refused_naming_the_flag(qwen3_dir, flags,
 
 def test_the_memory_saver_is_chosen_once_at_start_and_off_without_a_gpu(small_pool_server, qwen3_dir, monkeypatch):
     from rollfleet.engine.kv import saver
-    from rollfleet.engine.process.server import build_parser
+    from rollfleet.engine.process.server_args import build_parser
 
     info = call(small_pool_server, "get_server_info")
     assert info["rollfleet_kv_cache"]["memory_saver"] is False and info["rollfleet_memory_saver"] == "off"
@@ -242,7 +242,7 @@ def test_the_memory_saver_is_chosen_once_at_start_and_off_without_a_gpu(small_po
 
 def test_memory_saver_on_where_it_cannot_run_is_a_start_error(qwen3_dir, capsys):
     from rollfleet.engine.kv import saver
-    from rollfleet.engine.process.server import build_parser
+    from rollfleet.engine.process.server_args import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu", "--rollfleet-memory-saver", "on"])

@@ -95,7 +95,7 @@ def test_a_remote_seed_becomes_sglangs_three_flags(backend):
     """R-Fork at start: the same flags, in SGLang's formats (the group ports as a JSON list), for both
     backends; the embedded server parses them as SGLang does and checks one port per tp rank."""
     from rollfleet.engine.process.launch import RemoteSeed
-    from rollfleet.engine.process.server import build_parser, check_args
+    from rollfleet.engine.process.server_args import build_parser, check_args
 
     cfg = rollout(f"rollout.backend={backend}", "rollout.tp_size=2")
     seed = RemoteSeed("10.0.0.7", 30001, (29600, 29601))

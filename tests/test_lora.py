@@ -26,7 +26,7 @@ from waits import fleet_state, wait_until
 from rollfleet.config import LoraSync, TensorSync, load_config
 from rollfleet.engine.lora.lora import LoraError, LoraLimits, linear_targets, parse_adapter
 from rollfleet.engine.process.launch import EngineProcess
-from rollfleet.engine.process.server import build_parser, check_args
+from rollfleet.engine.process.server_args import build_parser, check_args
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.tiny_models import tiny_config
 from rollfleet.weights.adapter import LoraSource, SavedAdapter, save_adapter

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
 from rollfleet.train.routing_replay import check_replayable
+from rollfleet.train.sharding import init_distributed
 from rollfleet.wire.net import free_port
 from rollfleet.wire.routed_experts import encode_routed_experts
 

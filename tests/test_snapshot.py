@@ -175,8 +175,9 @@ def test_a_process_killed_mid_write_leaves_nothing_a_restore_takes(qwen3_dir, tm
 
 
 def _offload_worker(rank: int, port: int, model_dir: str, out: str) -> None:
-    from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+    from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
     from rollfleet.train.offload import Offloader
+    from rollfleet.train.sharding import init_distributed
     from tests.test_trainer import full_weights, make_batch
 
     init_distributed(rank, 2, master_port=port, backend="gloo")

@@ -14,7 +14,8 @@ from helper_processes import start_method
 from safetensors.torch import load_file
 
 from rollfleet.tiny_models import make_tiny_model
-from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
+from rollfleet.train.sharding import init_distributed
 from rollfleet.weights.gather import is_row_sharded
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.fingerprint import fingerprints

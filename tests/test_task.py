@@ -23,8 +23,9 @@ from rollfleet.data.synthetic import REWARD, make_records
 from rollfleet.rewards import load_reward
 from rollfleet.rewards.basic import copy_digits, exact_match
 from rollfleet.tiny_models import make_tiny_model
-from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
 from rollfleet.train.grpo import group_advantages
+from rollfleet.train.sharding import init_distributed
 from rollfleet.wire.net import free_port
 
 

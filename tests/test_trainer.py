@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollfleet.tiny_models import make_tiny_model
-from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
+from rollfleet.train.sharding import init_distributed
 from rollfleet.wire.net import free_port
 
 

@@ -2,6 +2,10 @@
 
 Every model forbids unknown keys, so a typo is an error, not a silently ignored setting; a bad
 value raises FieldProblem in a validator, which rollfleet.config.loading turns into one line.
+
+One job: the sections of one run's config and RunConfig's checks across them (colocation, LoRA, agent,
+verification, pipeline weight paths), which read several sections at once; the sections with settings
+of their own already live beside it (weight_sync.py, standby.py, lora.py, agent.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """FSDP2 policy trainer: one `PolicyTrainer` per rank, driven in lockstep by its caller.
 
 Process group. The CALLER initialises torch.distributed before building a trainer (a Ray actor, a
-`torch.multiprocessing` worker or `torchrun`; `init_distributed` below is the short way) and
+`torch.multiprocessing` worker or `torchrun`; sharding.py's `init_distributed` is the short way) and
 destroys it afterwards. The trainer builds a 1-D device mesh over the whole default group and
 shards every decoder layer, then the root, with `fully_shard`. Runtime objects are never config.
 
@@ -29,52 +29,27 @@ the saved model; the KL reference is the same module with the adapter disabled.
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
 import math
-import os
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
 
 from rollfleet.config import TrainConfig
-from rollfleet.train import lora
+from rollfleet.train import lora, trainer_files
 from rollfleet.train.batch import check_batch, collate, trained_tokens
 from rollfleet.train.grpo import logprob_mismatch, policy_loss, truncated_is_weights
 from rollfleet.train.offload import Offloader, give_back
 from rollfleet.train.routing_replay import RoutingReplay
+from rollfleet.train.sharding import compute_dtype_for, default_device, load_sharded
 from rollfleet.train.token_logprobs import ChunkedHead
 from rollfleet.weights.adapter import LoraSource
-from rollfleet.weights.checkpoint import save_checkpoint
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.protocol import GREEDY_TEMPERATURE
-
-STATE_META = "trainer_state.json"
-# Files of a model directory that are weights or are rewritten by save_hf; everything else
-# (tokenizer, chat template, generation config) is copied as is.
-_NOT_COPIED = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
-def init_distributed(
-    rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500, backend: str | None = None
-) -> None:
-    """Join the default process group (gloo on CPU, NCCL when a GPU is visible); the trainer needs one."""
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":  # one GPU per rank: LOCAL_RANK under torchrun, else the rank (one node)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size)
 
 
 class PolicyTrainer:
@@ -87,12 +62,12 @@ class PolicyTrainer:
         self.config = config or TrainConfig()
         self.temperature = sampling_temperature if sampling_temperature >= GREEDY_TEMPERATURE else 1.0
         self.model_path = Path(model_path)
-        self.device = torch.device(device) if device is not None else _default_device()
-        self.compute_dtype = _compute_dtype(self.config.mixed_precision, self.device)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.compute_dtype = compute_dtype_for(self.config.mixed_precision, self.device)
         if not dist.is_initialized():
             raise RuntimeError(
                 "PolicyTrainer needs torch.distributed initialised first "
-                "(fix: call rollfleet.train.fsdp.init_distributed(rank, world_size, ...) on every rank)"
+                "(fix: call rollfleet.train.sharding.init_distributed(rank, world_size, ...) on every rank)"
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(self.config.seed)
@@ -119,26 +94,10 @@ class PolicyTrainer:
     # ---------------------------------------------------------------- build
 
     def _load_sharded(self, *, trainable: bool) -> torch.nn.Module:
-        # Every rank reads the full checkpoint on CPU, then keeps its shard (moved to self.device).
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        if trainable and self.lora:
-            model = lora.wrap(model, self.config)  # peft freezes the base; the adapter is sharded with it
-        layer_classes = set(getattr(model, "_no_split_modules", None) or [])
-        layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
-        if not layers:
-            raise ValueError(
-                f"{type(model).__name__} names no decoder layer class in _no_split_modules; "
-                "cannot shard it layer by layer"
-            )
-        policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        for layer in layers:
-            fully_shard(layer, mesh=self.mesh, mp_policy=policy)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy)
-        if trainable:
-            model.train()
-        else:
-            model.eval().requires_grad_(False)
-        return model
+        lora_config = self.config if trainable and self.lora else None
+        return load_sharded(
+            self.model_path, self.mesh, self.compute_dtype, trainable=trainable, lora_config=lora_config
+        )
 
     # ---------------------------------------------------------------- training
 
@@ -281,27 +240,15 @@ class PolicyTrainer:
         if self.lora:  # the adapter in peft's layout; its config names the base model it trains on
             lora.save_adapter_dir(self.model, path, keep=self.rank == 0)
             return dist.barrier()
-        with torch.no_grad():
-            tensors = (
-                (name, tensor.to(device="cpu", dtype=dtype or tensor.dtype))
-                for name, tensor in self.weight_source().named_tensors()
-            )
-            if self.rank != 0:
-                for _ in tensors:  # the gathers are collective: every rank walks the source
-                    pass
-            else:
-                save_checkpoint(tensors, path, shard_bytes=max_shard_bytes)
-                config = copy.deepcopy(self.model.config)
-                config.dtype = dtype or torch.float32
-                config.save_pretrained(path)
-                for source in sorted(self.model_path.iterdir()):
-                    if (
-                        source.is_file()
-                        and source.name not in _NOT_COPIED
-                        and not source.name.endswith(_WEIGHT_SUFFIXES)
-                    ):
-                        shutil.copy2(source, path / source.name)
-        dist.barrier()
+        trainer_files.save_hf_dir(
+            self.model,
+            self.weight_source(),
+            path,
+            model_path=self.model_path,
+            rank=self.rank,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+        )
 
     # ---------------------------------------------------------------- resumable state
 
@@ -310,41 +257,19 @@ class PolicyTrainer:
         so `path` must be one directory every rank can reach) and the step; `extra` (JSON) rides along."""
         self._require_onloaded("save_state")
         path = Path(path)
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
-        if self.rank == 0:
-            meta = {"step": self.step, "world_size": self.world_size, "extra": dict(extra or {})}
-            (path / STATE_META).write_text(json.dumps(meta, indent=2) + "\n")
-        dist.barrier()
+        meta = {"step": self.step, "world_size": self.world_size, "extra": dict(extra or {})}
+        trainer_files.save_state(
+            self.model, self.optimizer, path, options=trainer_files.state_options(self.lora), rank=self.rank, meta=meta
+        )
 
     def load_state(self, path: str | Path) -> dict[str, Any]:
         """Restore what `save_state` wrote (any world size; DCP reshards) and return its `extra`."""
         self._require_onloaded("load_state")
         path = Path(path)
-        if not (path / STATE_META).is_file():
-            raise FileNotFoundError(
-                f"{path} holds no trainer state ({STATE_META} is missing); "
-                "pass a directory written by PolicyTrainer.save_state"
-            )
-        options = self._state_options()
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=options,
-        )
-        meta = json.loads((path / STATE_META).read_text())
+        options = trainer_files.state_options(self.lora)
+        meta = trainer_files.load_state(self.model, self.optimizer, path, options=options)
         self.step = int(meta["step"])
         return meta["extra"]
-
-    def _state_options(self) -> StateDictOptions:
-        """A LoRA run's state holds what trains (the adapter and its optimizer state), not the frozen base
-        (which a load therefore leaves as the trainer loaded it from the model path)."""
-        return StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
 
     # ---------------------------------------------------------------- colocation
 
@@ -383,18 +308,3 @@ class PolicyTrainer:
 def _disabled_adapter(model: torch.nn.Module):
     with model.disable_adapter():
         yield model
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _compute_dtype(mixed_precision: str, device: torch.device) -> torch.dtype:
-    if mixed_precision == "bf16" and device.type != "cuda":
-        raise ValueError(
-            f"mixed_precision='bf16' needs a GPU; this trainer runs on {device} "
-            "(fix: set mixed_precision to 'auto' or 'fp32')"
-        )
-    if mixed_precision == "bf16" or (mixed_precision == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32

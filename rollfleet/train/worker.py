@@ -36,7 +36,8 @@ class TrainWorker:
         train_config: dict,
         sampling_temperature: float = 1.0,
     ):
-        from rollfleet.train.fsdp import PolicyTrainer, TrainConfig, init_distributed
+        from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
+        from rollfleet.train.sharding import init_distributed
 
         init_distributed(rank, world_size, "127.0.0.1", master_port)
         self.rank = rank

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 # Gathered bytes per collective (whole layers; a larger layer goes alone). On a GPU, NCCL's cost per
 # collective dominates: few large ones. On CPU (gloo over loopback) bytes dominate and buffers past
 # glibc's mmap threshold are mapped and faulted in afresh each time: measured with
-# scripts/bench_source_gather.py (127 MB model, world 2, loaded 2-core machine) 16 MB per gather
+# a one-off script (docs/benchmarks.md: "Trainer source"; 127 MB model, world 2, loaded 2-core machine) 16 MB per gather
 # took 0.45 s, 64 MB 1.9 s, 256 MB 2.9 s, one full_tensor per parameter 0.55 s.
 GATHER_BYTES = {"cuda": 256 << 20, "cpu": 16 << 20}
 

@@ -31,6 +31,10 @@ another GPU in a process whose CUDA_VISIBLE_DEVICES differs (torch issue 149248)
 a UUID to its own device index and refuses one it cannot see.
 A payload can still name any shared-memory file or CUDA IPC handle of the same user: guard the
 routes that accept payloads with an API key when the port is reachable by others.
+
+One job: the payload's round trip. The allowlist accepts exactly what `serialize` writes (its rebuild
+functions, the CUDA device named by UUID, the file-system sharing), so the writer and the reader change
+together, in one file.
 """
 
 from __future__ import annotations

@@ -29,14 +29,15 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from rollfleet.engine.http.chat_messages import check_tool_calls, template_message
 from rollfleet.engine.http.chat_tools import check_tool_choice, check_tools, template_tool
 from rollfleet.engine.runtime.admission import unserved
-from rollfleet.wire.protocol import MAX_TOP_LOGPROBS, SEED_RANGE, GenerateRequest, Utf8Str, _Lenient
+from rollfleet.wire.protocol import MAX_TOP_LOGPROBS, SEED_RANGE, GenerateRequest
+from rollfleet.wire.request_fields import Lenient, Utf8Str
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class _Sampling(_Lenient):
+class _Sampling(Lenient):
     """The fields both routes share, named as OpenAI (and SGLang's extras) name them."""
 
     model: Utf8Str = "default"
@@ -145,7 +146,7 @@ class CompletionRequest(_Sampling):
         )
 
 
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     """One part of a message's content; parts other than text are refused when the prompt is made."""
 
     type: Utf8Str
@@ -158,7 +159,7 @@ class ContentPart(_Lenient):
         return self
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     """A chat message with what multi-turn tool conversations carry (chat_messages.py: as SGLang
     passes them to the chat template)."""
 

@@ -19,6 +19,10 @@ sequence whose root is no longer the current one (the weights changed under a pa
 route) recomputes its KV before its next token. When a decode step finds no free page, the
 sequences admitted last give theirs back and wait again at the head of the queue (preemption by recompute: nothing lost,
 nothing doubled).
+
+One job: PagedBatches, one step of the running set over the pool. Its feeds, page growth, preemption,
+forks and sampling all change the same state (each sequence's pages and `kv_len`, the pool's free
+pages) within one step, in an order the step alone keeps.
 """
 
 from __future__ import annotations

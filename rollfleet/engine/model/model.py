@@ -1,5 +1,5 @@
-"""The model inside one tensor-parallel rank of the embedded engine: loading, prefill and decode
-with a KV cache, weight reads, memory release and resume.
+"""The runner of one tensor-parallel rank of the embedded engine, over the model build.py built: prefill
+and decode with a KV cache, weight reads, memory release and resume.
 
 Every method called through `Action` (lockstep.py) is a *lockstep action*: tp rank 0 decides,
 broadcasts the action with its arguments, and every rank runs the same method in the same order.
@@ -10,22 +10,18 @@ which is also the only handle on the parameters.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, DynamicCache
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.distributed import DistributedConfig
+from transformers import DynamicCache
 
 from rollfleet.engine.kv.paged import PagedModel, paged_support
 from rollfleet.engine.lora.lora import LoraLimits
 from rollfleet.engine.lora.lora_merge import LoraMerge
+from rollfleet.engine.model.build import build_model
 from rollfleet.engine.model.route_capture import RouteCapture
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import full_of, local_of, tensor_sha256
@@ -62,7 +58,8 @@ class ModelRunner:
         mark = mark or (lambda phase: None)
         self.tp_size, self.ep_size, self.device = tp_size, ep_size, torch.device(device)
         self.ranks = Ranks(group)  # gloo group of this engine's ranks (None when tp_size == 1)
-        self.model = self._load(model_path, dtype, dummy).eval().requires_grad_(False)
+        built = build_model(model_path, dtype, dummy, device=self.device, tp_size=tp_size, ep_size=ep_size)
+        self.model = built.eval().requires_grad_(False)
         mark("model_build")
         params = dict(self.model.named_parameters(remove_duplicate=False))
         self.dtype = next(iter(params.values())).dtype
@@ -116,38 +113,6 @@ class ModelRunner:
                 f"weights are not loaded: {len(missing)} tensors have had no values since the start (dummy) or "
                 f"the last release, e.g. {missing[:3]}: push every weight (or /update_weights_from_disk) first"
             )
-
-    # ---- loading -------------------------------------------------------------------------
-    def _distributed_config(self) -> DistributedConfig | None:
-        if self.tp_size == 1:
-            return None
-        if self.ep_size > 1:
-            return DistributedConfig(tp_size=self.tp_size, ep_size=self.ep_size)
-        return DistributedConfig(tp_size=self.tp_size, tp_plan="auto")
-
-    def _load(self, model_path: str, dtype: torch.dtype, dummy: bool):
-        """The model, laid out as transformers' TP/EP plan gives this rank (DTensor shards), on this
-        rank's device in `dtype`: from the checkpoint's files, or (`dummy`) without values and
-        without reading any weight file (`_parameters_left_unset`)."""
-        config = AutoConfig.from_pretrained(model_path)
-        distributed = self._distributed_config()
-        placement = {"device_map": {"": self.device}} if distributed is None else {"distributed_config": distributed}
-        if not dummy:
-            return model_class(config).from_pretrained(
-                model_path, config=config, dtype=dtype, disable_mmap=True, **placement
-            )
-        # transformers' own loader lays out the model (meta device, then each missing key allocated
-        # empty on its device: the shards, in `dtype`), given no tensors; it still computes the
-        # buffers that are not weights (rotary inv_freq) as it does for any missing key. The engine
-        # stays not ready, and weight reads are refused (`_refuse_unloaded_reads`), until weights arrive.
-        with _parameters_left_unset(), _quiet_load_report():
-            model = model_class(config).from_pretrained(None, config=config, state_dict={}, dtype=dtype, **placement)
-        on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-        assert not on_meta, f"dummy start left tensors on the meta device: {on_meta[:5]}"
-        # The loader keeps the weight conversions it used, none here: keep every one the model has,
-        # or checkpoint names that fuse (MoE experts) would be unknown to the weight schema.
-        model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
-        return model
 
     # ---- generation (lockstep) ----------------------------------------------------------
     @torch.inference_mode()
@@ -347,51 +312,3 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-
-
-@contextlib.contextmanager
-def _parameters_left_unset():
-    """transformers initialises every key a load did not provide, skipping each tensor flagged
-    `_is_hf_initialized` (transformers.initialization). Flag every parameter (plain or DTensor, the
-    class attribute) for the length of a dummy build: parameters keep their allocation without
-    values (no random fill, whose cost grows with the model), while buffers, which are plain
-    tensors, are still computed. The flag is gone again on exit."""
-    classes = (torch.nn.Parameter, DTensor)
-    for cls in classes:
-        cls._is_hf_initialized = True
-    try:
-        yield
-    finally:
-        for cls in classes:
-            del cls._is_hf_initialized
-
-
-@contextlib.contextmanager
-def _quiet_load_report():
-    """A dummy build lists every weight as MISSING in transformers' load report: expected, not worth
-    a table in the engine's log."""
-    report = logging.getLogger("transformers.modeling_utils")
-    level = report.level
-    report.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        report.setLevel(level)
-
-
-def model_class(config_or_path) -> type:
-    """The causal LM class of a config (or of a model directory's config.json); the first call for
-    an architecture imports its code, which takes seconds."""
-    config = config_or_path
-    if isinstance(config, str | os.PathLike):
-        config = AutoConfig.from_pretrained(config)
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-
-
-def local_device(device_type: str, base_gpu_id: int, tp_rank: int) -> str:
-    """The device of one tp rank: GPU base_gpu_id + tp_rank, or the CPU."""
-    if device_type == "cpu":
-        return "cpu"
-    os.environ["LOCAL_RANK"] = str(base_gpu_id + tp_rank)  # transformers binds its TP device from this
-    torch.cuda.set_device(base_gpu_id + tp_rank)
-    return f"cuda:{base_gpu_id + tp_rank}"

@@ -5,6 +5,9 @@ processes; together they form one torch.distributed group (gloo on CPU, NCCL on 
 gloo group for control messages). Rank 0 serves HTTP and runs the scheduler; every model
 action it takes is broadcast first (lockstep.py: `Lockstep`, `Action`), and followers execute the
 same actions in the same order (`follow`). If any rank dies, the others exit: a half-dead engine never serves.
+
+This module is the process tree; its flags are server_args.py's, and rank 0's serving side (scheduler,
+service, HTTP app) is rank_zero.py's.
 """
 
 from __future__ import annotations
@@ -13,8 +16,6 @@ from __future__ import annotations
 from rollfleet.engine.process.start_timing import StartTimer
 
 # isort: split
-import argparse
-import gc
 import logging
 import multiprocessing
 import os
@@ -25,155 +26,18 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer
 
-from rollfleet.engine.http.http_server import RequestBodyLimit, run_server
 from rollfleet.engine.kv import saver as memory_saver
-from rollfleet.engine.kv.setup import add_kv_flags, check_kv_args, paged_options, start_paged
-from rollfleet.engine.lora.lora import LoraLimits
-from rollfleet.engine.model.model import ModelRunner, local_device, model_class
-from rollfleet.engine.process.serving_flags import add_serving_flags
-from rollfleet.engine.tp.lockstep import Action, Lockstep, follow
-from rollfleet.engine.weights.remote_args import add_remote_instance_flags, check_remote_instance_args
+from rollfleet.engine.kv.setup import paged_options
+from rollfleet.engine.model.build import local_device, model_class
+from rollfleet.engine.model.model import ModelRunner
+from rollfleet.engine.process.rank_zero import serve
+from rollfleet.engine.process.server_args import build_parser, check_args, lora_limits, resolve_dtype
+from rollfleet.engine.tp.lockstep import Lockstep, follow
 from rollfleet.wire.net import free_port
-from rollfleet.wire.routed_experts import routing_shape
 
 log = logging.getLogger("rollfleet.engine")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="rollfleet serve",
-        description="Embedded rollout engine with "
-        "SGLang's HTTP protocol (flags named as python -m sglang.launch_server).",
-    )
-    p.add_argument("--model-path", required=True, help="HF causal LM directory (config, tokenizer, weights)")
-    p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel processes")
-    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size inside the TP group")
-    p.add_argument("--pp-size", type=int, default=1, help="pipeline parallel: not available here (SGLang has it)")
-    p.add_argument("--dp-size", type=int, default=1, help="data parallel: run one server per replica instead")
-    p.add_argument("--base-gpu-id", type=int, default=0, help="first GPU of this engine (rank r uses base+r)")
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "safetensors", "dummy", "remote_instance"],
-        help="dummy = weights allocated without values (no file read); not ready until weights are pushed. "
-        "remote_instance = load them from a running engine of the same layout "
-        "(R-Fork; the --remote-instance-weight-loader-* flags)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", *DTYPES],
-        help="auto = float32 on CPU, the checkpoint's dtype on GPU",
-    )
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--weight-version", default="default")
-    _add_limit_flags(p)
-    add_kv_flags(p)
-    add_remote_instance_flags(p)
-    add_serving_flags(p)
-    p.add_argument(
-        "--random-seed",
-        type=int,
-        default=None,
-        help="accepted for SGLang compatibility, ignored (a warning says so): a dummy start leaves weights "
-        "without values, and sampling seeds come per request (sampling_params.sampling_seed)",
-    )
-    p.add_argument(
-        "--enable-lora",
-        action="store_true",
-        help="serve LoRA adapters (merged into the weights for the batches that use them; nn.Linear targets only)",
-    )
-    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted (default: any)")
-    p.add_argument(
-        "--lora-target-modules",
-        nargs="+",
-        default=None,
-        help="module names adapters may target (q_proj v_proj ...; 'all' or unset: any nn.Linear)",
-    )
-    p.add_argument("--max-loaded-loras", type=int, default=None, help="most adapters loaded at once (default: any)")
-    p.add_argument("--enable-memory-saver", action="store_true", help="accepted; release/resume always works here")
-    p.add_argument("--skip-server-warmup", action="store_true", help="accepted; the embedded engine has no warmup")
-    p.add_argument("--log-level", default="warning")
-    return p
-
-
-def _add_limit_flags(p: argparse.ArgumentParser) -> None:
-    """How much one batch and one request may ask of the engine."""
-    p.add_argument("--max-running-requests", type=int, help="largest batch (CPU: 64; GPU: sized from memory)")
-    p.add_argument(
-        "--max-samples-per-request",
-        type=int,
-        default=1024,
-        help="most samples one /generate request may ask for (prompts x n); more is refused with 400",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=8 * 2**20,
-        help="largest request body in bytes (default 8 MiB, about a million prompt tokens as input_ids); "
-        "more is refused with 413. The HTTP thread parses bodies, so this bounds how long one request holds it",
-    )
-
-
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse what the embedded engine cannot do, with the fix, before any process starts."""
-    if args.pp_size != 1:
-        parser.error(
-            f"--pp-size {args.pp_size}: the embedded engine has no pipeline parallel; "
-            "SGLang does (rollout.backend=sglang), or use --pp-size 1 with --tp-size"
-        )
-    if args.dp_size != 1:
-        parser.error(f"--dp-size {args.dp_size}: run one server per data-parallel replica (rollout.num_engines)")
-    if args.tp_size < 1:
-        parser.error(f"--tp-size {args.tp_size}: must be >= 1")
-    if args.ep_size < 1 or args.tp_size % args.ep_size:
-        parser.error(f"--ep-size {args.ep_size}: must divide --tp-size {args.tp_size}")
-    if args.ep_size not in (1, args.tp_size):
-        parser.error(
-            f"--ep-size {args.ep_size}: the embedded engine (transformers' EP plan) needs "
-            f"--ep-size 1 or equal to --tp-size {args.tp_size}; SGLang supports other splits"
-        )
-    lora_flags = {
-        "--max-lora-rank": args.max_lora_rank,
-        "--lora-target-modules": args.lora_target_modules,
-        "--max-loaded-loras": args.max_loaded_loras,
-    }
-    given = [flag for flag, value in lora_flags.items() if value is not None]
-    if given and not args.enable_lora:
-        parser.error(f"{', '.join(given)} without --enable-lora: add --enable-lora, or drop them")
-    for flag in ("--max-lora-rank", "--max-loaded-loras"):
-        if lora_flags[flag] is not None and lora_flags[flag] < 1:
-            parser.error(f"{flag} {lora_flags[flag]}: must be >= 1")
-    for flag in ("--max-samples-per-request", "--max-request-bytes", "--max-running-requests"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and value < 1:
-            parser.error(f"{flag} {value}: must be >= 1")
-    check_remote_instance_args(parser, args)
-    check_kv_args(parser, args)
-    if args.enable_return_routed_experts and routing_shape(AutoConfig.from_pretrained(args.model_path)) is None:
-        parser.error(
-            f"--enable-return-routed-experts: {args.model_path} is a dense model (its config has no experts), "
-            "it routes no tokens: drop the flag, or serve a MoE model"
-        )
-    if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
-        parser.error(f"--mem-fraction-static {args.mem_fraction_static}: must be between 0 and 1")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_dtype(args: argparse.Namespace) -> torch.dtype:
-    if args.dtype != "auto":
-        return DTYPES[args.dtype]
-    if args.device == "cpu":
-        return torch.float32
-    config_dtype = getattr(AutoConfig.from_pretrained(args.model_path), "dtype", None)
-    return config_dtype if isinstance(config_dtype, torch.dtype) else torch.bfloat16
 
 
 def _init_distributed(args, rank: int, store) -> tuple[str, object]:
@@ -195,14 +59,6 @@ def _cap_memory(args, device: str) -> None:
     engine beside another on one GPU (a warm standby) cannot take the other's memory."""
     if args.mem_fraction_static is not None and device.startswith("cuda"):
         torch.cuda.set_per_process_memory_fraction(args.mem_fraction_static, torch.device(device))
-
-
-def lora_limits(args: argparse.Namespace) -> LoraLimits | None:
-    if not args.enable_lora:
-        return None
-    modules = args.lora_target_modules
-    targets = None if modules is None or "all" in modules else frozenset(modules)
-    return LoraLimits(max_rank=args.max_lora_rank, target_modules=targets, max_loaded=args.max_loaded_loras)
 
 
 def _make_runner(args, device: str, group, mark=None) -> ModelRunner:
@@ -326,74 +182,6 @@ def _start_follower(method: str, args, rank: int, store_port: int):
     proc = context.Process(target=_follower_main, args=follower_args, daemon=True)
     proc.start()
     return proc
-
-
-def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: StartTimer) -> None:
-    from rollfleet.engine.http.app import create_app
-    from rollfleet.engine.http.remote_pull import load_at_start
-    from rollfleet.engine.http.service import EngineService
-    from rollfleet.engine.kv.capacity import max_running_requests
-    from rollfleet.engine.runtime.scheduler import Scheduler
-
-    # The HTTP thread waits this long for the GIL after each socket call (5 ms let a busy engine delay /health
-    # by a second); the collector scanned the model's objects every few hundred steps (CPU steps 28 vs 39 ms).
-    sys.setswitchinterval(0.001)
-    gc.collect(), gc.freeze(), gc.set_threshold(20_000, 20, 20)
-    batches = start_paged(args, runner, lockstep, _context_length(runner))  # None: transformers' own cache
-    args.max_running_requests = max_running_requests(args, runner, _context_length(runner))
-    scheduler = Scheduler(
-        lockstep,
-        tokenizer,
-        eos_token_ids=_eos_token_ids(args.model_path, tokenizer),
-        context_length=_context_length(runner),
-        max_running_requests=args.max_running_requests,
-        weight_version=args.weight_version,
-        vocab_size=runner.model.config.get_text_config().vocab_size,
-        max_samples_per_request=args.max_samples_per_request,
-        thread_setup=lambda: _bind_thread(runner),
-        read_routes=lambda: runner.last_routes if runner.paged is None else runner.paged.last_routes,
-        batches=batches,
-    )
-    scheduler.start()
-    service = EngineService(args, runner, lockstep, scheduler, tokenizer)
-    if args.load_format == "remote_instance":
-        load_at_start(service)  # before /health answers: the engine is up either ready or with the reason
-    app = RequestBodyLimit(create_app(service), args.max_request_bytes)
-    timer.mark("server_setup")
-
-    def listening() -> None:
-        timer.mark("listening")
-        service.start_breakdown.update(timer.breakdown())
-        log.warning("%s", timer.line())
-
-    try:
-        run_server(app, args, on_listening=listening)
-    finally:
-        scheduler.stop()
-        lockstep(Action.SHUTDOWN)
-
-
-def _bind_thread(runner: ModelRunner) -> None:
-    """The current CUDA device is per thread: NCCL work issued from the engine thread (weight-update
-    groups) must see this rank's GPU, not GPU 0."""
-    if runner.device.type == "cuda":
-        torch.cuda.set_device(runner.device)
-
-
-def _context_length(runner: ModelRunner) -> int:
-    return int(getattr(runner.model.config, "max_position_embeddings", 2048))
-
-
-def _eos_token_ids(model_path: str, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except OSError:  # no generation_config.json: the tokenizer's eos is the only stop token
-        pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 if __name__ == "__main__":

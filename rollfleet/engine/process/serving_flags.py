@@ -1,5 +1,5 @@
 """Server flags of SGLang's serving surface (OpenAI routes, auth, memory saver), kept apart from the
-engine's core flags in server.py."""
+engine's core flags in server_args.py."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def preload(model_path: str | None) -> None:
     import rollfleet.engine.runtime.scheduler  # noqa: F401
 
     if model_path:
-        from rollfleet.engine.model.model import model_class
+        from rollfleet.engine.model.build import model_class
 
         model_class(model_path)  # the model's code (transformers' modeling module, torch._dynamo)
 

@@ -14,7 +14,7 @@ from rollfleet.engine.runtime.memory_tags import ReleasedTags
 from rollfleet.engine.runtime.scheduler import EngineStopped
 from rollfleet.engine.tp.lockstep import Action
 from rollfleet.wire.buckets import dtype_name
-from rollfleet.wire.protocol import AbortRequest, MemoryRequest, PauseGenerationRequest
+from rollfleet.wire.control_requests import AbortRequest, MemoryRequest, PauseGenerationRequest
 
 router = APIRouter()
 

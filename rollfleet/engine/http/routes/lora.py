@@ -15,7 +15,11 @@ from fastapi.responses import JSONResponse
 from rollfleet.engine.http.service import BadRequest, Engine, EngineService
 from rollfleet.engine.lora.lora_merge import LORA_OFF
 from rollfleet.engine.tp.lockstep import Action
-from rollfleet.wire.protocol import LoadLoraAdapterFromTensorsRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from rollfleet.wire.control_requests import (
+    LoadLoraAdapterFromTensorsRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 
 router = APIRouter()
 

@@ -19,7 +19,7 @@ from rollfleet.engine.http.remote_pull import SeedSource, load_from_seed
 from rollfleet.engine.http.service import BadRequest, Engine, EngineService
 from rollfleet.engine.tp.lockstep import Action
 from rollfleet.wire.buckets import dtype_name
-from rollfleet.wire.protocol import (
+from rollfleet.wire.control_requests import (
     InitWeightsSendGroupForRemoteInstanceRequest,
     LoadFromRemoteInstanceRequest,
     SendWeightsToRemoteInstanceRequest,

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from rollfleet.engine.http.service import Answer, BadRequest, Engine, EngineService
 from rollfleet.engine.tp.lockstep import Action
 from rollfleet.engine.weights.call_order import CallOrderError
-from rollfleet.wire.protocol import (
+from rollfleet.wire.control_requests import (
     DestroyWeightsUpdateGroupRequest,
     GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
