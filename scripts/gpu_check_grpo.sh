@@ -24,7 +24,7 @@ phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end o
 model=/tmp/rollfleet-2b
 common="rollout.model_path=$model grpo.steps=3 ray.num_cpus=16"
 case " $runs " in *" full "*|*" lora "*)
-    test -f $model/config.json || python3 -c "from rollfleet.bench.shapes import write_model; write_model('$model')";;
+    test -f $model/config.json || python3 -c "import torch; from pathlib import Path; from rollfleet.bench.shapes import write_model; write_model(Path('$model'), 2048, 24, torch.bfloat16)";;
 esac
 case " $runs " in *" full "*)
     phase full 260 python3 -m rollfleet train examples/gpu-1x.yaml $common grpo.output_dir=/tmp/run-full;;

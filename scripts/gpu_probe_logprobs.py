@@ -12,7 +12,8 @@ import torch
 sys.path.insert(0, ".")
 from rollfleet.bench.shapes import write_model  # noqa: E402
 from rollfleet.config.models import TrainConfig  # noqa: E402
-from rollfleet.train.fsdp import PolicyTrainer, init_distributed  # noqa: E402
+from rollfleet.train.fsdp import PolicyTrainer  # noqa: E402
+from rollfleet.train.sharding import init_distributed  # noqa: E402
 
 init_distributed(0, 1, master_port=29517)
 hidden, layers, length = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else (256, 2, 20)

@@ -10,9 +10,10 @@ import torch
 
 sys.path.insert(0, ".")
 from rollfleet.config import load_config  # noqa: E402
-from rollfleet.train.fsdp import PolicyTrainer, init_distributed  # noqa: E402
+from rollfleet.train.fsdp import PolicyTrainer  # noqa: E402
 from rollfleet.train.grpo import group_advantages  # noqa: E402
 from rollfleet.train.loop import _train_item, train  # noqa: E402
+from rollfleet.train.sharding import init_distributed  # noqa: E402
 
 model, out = sys.argv[1], tempfile.mkdtemp()
 cfg = load_config("examples/gpu-1x.yaml", [f"rollout.model_path={model}", "grpo.steps=1", "grpo.prompts_per_step=16",
