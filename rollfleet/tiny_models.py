@@ -96,11 +96,14 @@ def make_tiny_model(
     dtype: torch.dtype = torch.float32,
     tokenizer: PreTrainedTokenizerFast | None = None,
     chat_template: str | None = None,
+    pad_row: str = "zero",
     **overrides,
 ) -> Path:
     """Write a tiny HF model directory (weights in `dtype`) and return its path; the vocabulary is the
     tokenizer's (default: the tiny BPE tokenizer, 320 entries); `chat_template` (e.g. CHATML_TEMPLATE)
-    is saved with the tokenizer."""
+    is saved with the tokenizer. `pad_row`: "zero" keeps transformers' init of the pad token's
+    embedding (all zeros); "random" draws it like every other row, as in a trained checkpoint (see
+    rollfleet.bench.shapes: a zero row is a deep model's NaN)."""
     directory = Path(directory)
     tokenizer = tokenizer or make_tokenizer()
     if chat_template is not None:
@@ -108,6 +111,9 @@ def make_tiny_model(
     torch.manual_seed(seed)
     config = tiny_config(kind, vocab_size=len(tokenizer), **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if pad_row == "random" and config.pad_token_id is not None:
+        with torch.no_grad():
+            model.get_input_embeddings().weight[config.pad_token_id].normal_(0.0, config.initializer_range)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(

@@ -44,11 +44,22 @@ def bench_tokenizer(vocab: int):
 def write_model(
     directory: Path, hidden: int, layers: int, dtype: torch.dtype, vocab: int = REAL_VOCAB, seed: int = 0
 ) -> Path:
-    """The benchmark model in `dtype` with random weights from `seed`, written once (kept if there)."""
+    """The benchmark model in `dtype` with random weights from `seed`, written once (kept if there).
+
+    The pad token's embedding is drawn like every other row (`pad_row="random"`), not left at
+    transformers' zeros: the copy task's prompts are that token here (eos = pad = unknown word), and a
+    position whose embedding is exactly zero stays zero through every layer, where each RMSNorm's
+    backward scales its gradient by 1/sqrt(eps): at 24 layers the first step's gradient is NaN (seen on
+    1 x H200, reproduced on the CPU). A trained checkpoint has no zero row."""
     if (directory / "config.json").exists():
         return directory
     return make_tiny_model(
-        directory, dtype=dtype, seed=seed, tokenizer=bench_tokenizer(vocab), **qwen3_shape(hidden, layers)
+        directory,
+        dtype=dtype,
+        seed=seed,
+        tokenizer=bench_tokenizer(vocab),
+        pad_row="random",
+        **qwen3_shape(hidden, layers),
     )
 
 
