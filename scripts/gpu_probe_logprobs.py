@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, ".")
 from rollfleet.bench.shapes import write_model  # noqa: E402
-from rollfleet.config.models import TrainConfig  # noqa: E402
+from rollfleet.config import TrainConfig  # noqa: E402
 from rollfleet.train.fsdp import PolicyTrainer  # noqa: E402
 from rollfleet.train.sharding import init_distributed  # noqa: E402
 

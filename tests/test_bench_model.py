@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rollfleet.bench.shapes import TEST_VOCAB, qwen3_shape, write_model
-from rollfleet.config.models import TrainConfig
+from rollfleet.config import TrainConfig
 from rollfleet.tiny_models import make_tiny_model, make_tokenizer
 from rollfleet.train.fsdp import PolicyTrainer
 
