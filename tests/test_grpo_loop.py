@@ -167,8 +167,8 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     part-way, and the engines that may hold part of it wait, out of rotation, until the repeated push
     verifies them); (c) at step 7, with both engines serving again, one dies (SIGKILL) and its
     replacement hangs as soon as it answers, during its restore (caught, killed and restarted again);
-    (d) at step 12, with both serving again, one dies while the loop waits, so no push can come: the
-    survivor is the only source (restored from the peer). Every step finishes, no prompt is lost or
+    (d) at step 12, with both serving again, the engine started last dies while the loop waits, so no
+    push can come: the survivor is the only source (restored from the peer). Every step finishes, no prompt is lost or
     duplicated, every sample comes from its step's weight version (checked here on what the test
     recorded, and inside the loop), and the metrics record each failure and recovery.
 
@@ -252,7 +252,10 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
                 kill_then_hang_the_replacement()
             if step == kill_held_at:  # (d) a death while no push can come: restored from the peer
                 settled(str(step))
-                victim = rng.choice(sorted(engines()))
+                # the engine started last: the other has served longest, so it is ACTIVE and no
+                # restore of its own is under way (an engine's version answers before the fleet
+                # verified it, and killing the seed of that restore would leave both unverified)
+                victim = max(engines(), key=_started)
                 os.killpg(victim, signal.SIGKILL)
                 faults.append("kill between pushes")
                 wait_until(lambda: not _running(victim), what="the killed engine gone", state=state)
@@ -324,6 +327,11 @@ def _live_engines(log_dir: Path) -> dict[int, int]:
         for found in re.finditer(r"\[launcher\] engine pid (\d+) .*?--port (\d+)", log.read_text(errors="replace")):
             launched[int(found[1])] = int(found[2])
     return {pid: port for pid, port in launched.items() if _running(pid)}
+
+
+def _started(pid: int) -> int:
+    """When the process started (clock ticks since boot, /proc/PID/stat field 22)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
 
 
 def _running(pid: int) -> bool:
