@@ -282,7 +282,8 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
     back = _next_active(events, died)
     assert back and back["why"].endswith("(peer)"), history
     assert sum(r["engine_failures"] for r in rows) >= 4, history  # one per fault at least
-    assert sum(r["engine_recoveries"] for r in rows) >= 3, history  # every one came back, verified
+    # (b)'s engine came back verified, and so did (d)'s, whose restart may be the one (c) still needed
+    assert sum(r["engine_recoveries"] for r in rows) >= 2, history
     assert sum(r["recovery_errors"] for r in rows) == 0, history
     last = {e["engine_id"]: e["to"] for e in events}
     assert set(last.values()) == {"ACTIVE"}, history
