@@ -15,7 +15,12 @@ from ray.cluster_utils import Cluster
 
 from rollfleet.config import load_config
 from rollfleet.fleet.fleet import Fleet
-from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, worker_options
+from rollfleet.fleet.placement import (
+    LOCAL_RAY_SYSTEM_CONFIG,
+    check_engines_on_one_node,
+    create_placement_group,
+    worker_options,
+)
 from rollfleet.fleet.workers import RemoteRolloutWorker
 from rollfleet.layout import Layout
 
@@ -28,7 +33,10 @@ def cluster():
     os.environ["RAY_TMPDIR"] = temp  # the Cluster helper writes its address file under Ray's temp dir
     os.makedirs(os.path.join(temp, "ray"))
     # node A (the head): 2 GPUs; nodes B and C: 1 GPU each
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2, "temp_dir": temp})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "num_gpus": 2, "temp_dir": temp, "_system_config": LOCAL_RAY_SYSTEM_CONFIG},
+    )
     for _ in range(2):
         cluster.add_node(num_cpus=2, num_gpus=1)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)

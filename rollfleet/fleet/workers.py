@@ -24,6 +24,7 @@ import ray
 from rollfleet.config import RolloutConfig
 from rollfleet.engine.process.launch import EngineLaunch, EngineProcess, PortInUse, RemoteSeed, engine_argv, engine_env
 from rollfleet.engine.process.zygote_client import Zygote
+from rollfleet.fleet.placement import warn_if_deprioritized
 from rollfleet.layout import RankInfo
 from rollfleet.wire.net import free_port
 
@@ -32,6 +33,7 @@ PORT_ATTEMPTS = 3
 
 class RolloutWorker:
     def __init__(self, rank: RankInfo, rollout: RolloutConfig, log_dir: str):
+        warn_if_deprioritized(f"rollout worker of engine {rank.engine_id} (its engine inherits the priority)")
         self.rank, self.rollout, self.log_dir = rank, rollout, Path(log_dir)
         self.engine: EngineProcess | None = None
         self.zygote = self._new_zygote()

@@ -14,6 +14,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from rollfleet.fleet.placement import warn_if_deprioritized
 from rollfleet.layout import colocated_feeders
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
 from rollfleet.weights.transports.base import transport_class
@@ -39,6 +40,7 @@ class TrainWorker:
         from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
         from rollfleet.train.sharding import init_distributed
 
+        warn_if_deprioritized(f"trainer rank {rank}")
         init_distributed(rank, world_size, "127.0.0.1", master_port)
         self.rank = rank
         self.trainer = PolicyTrainer(model_path, TrainConfig(**train_config), sampling_temperature=sampling_temperature)
