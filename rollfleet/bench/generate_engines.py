@@ -57,7 +57,8 @@ def run_embedded(args, prompts: list[list[int]], batched: bool = False) -> list[
 
     port, log = free_port(), Path(args.out).with_suffix(".engine.log")
     flags = ["--device", args.device, "--dtype", args.dtype]
-    flags += ["--max-running-requests", str(len(prompts) * args.n), "--max-samples-per-request", str(max(1, args.n))]
+    samples = len(prompts) * args.n  # one batch; a batched request asks for all of them at once
+    flags += ["--max-running-requests", str(samples), "--max-samples-per-request", str(samples if batched else args.n)]
     engine = EngineProcess(
         embedded_argv(args.model, port, extra=flags), port=port, log_path=log, zygote=Zygote.shared(log)
     )
