@@ -32,7 +32,16 @@ def generate_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     record = tmp_path_factory.mktemp("generate") / "generate-cpu.json"
     shared_zygote()  # the embedded engine forks from it (ROLLFLEET_ZYGOTE_SOCKET): no imports to pay
     args = ["--device", "cpu", "--hidden", "64", "--layers", "2", "--vocab", "2000", "--cases", "2x2x8"]
-    args += ["--engines", "embedded,generate", "--repeats", "2", "--timeout-s", "120", "--json", str(record)]
+    args += [
+        "--engines",
+        "embedded,embedded_batch,generate",
+        "--repeats",
+        "2",
+        "--timeout-s",
+        "120",
+        "--json",
+        str(record),
+    ]
     command = [sys.executable, "-m", "rollfleet", "bench", "generate", *args]
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert record.exists(), out.stdout[-3000:] + out.stderr[-3000:]
@@ -44,27 +53,34 @@ def test_generate_benchmark_writes_a_complete_record(generate_run):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert RECORD_KEYS <= set(record) and record["ok"] is True and record["benchmark"] == "generate"
     assert record["command"].startswith("rollfleet bench generate --device cpu")
-    assert record["config"]["vocab"] == 2000 and record["config"]["engines"] == "embedded,generate"
+    assert record["config"]["vocab"] == 2000 and record["config"]["engines"] == "embedded,embedded_batch,generate"
     # every pass of every engine produced prompts x n x new tokens (a baseline that stopped early fails)
     assert sorted((r["engine"], r["pass"]) for r in record["repeats"]) == [
         ("embedded", 1),
         ("embedded", 2),
+        ("embedded_batch", 1),
+        ("embedded_batch", 2),
         ("generate", 1),
         ("generate", 2),
     ]
     assert all(r["tokens"] == 2 * 2 * 8 and r["rows"] == 4 and r["seconds"] > 0 for r in record["repeats"])
-    embedded = [r for r in record["repeats"] if r["engine"] == "embedded"]
+    embedded = [r for r in record["repeats"] if r["engine"].startswith("embedded")]
     assert all(r["logprobs"] == r["tokens"] for r in embedded)  # return_logprob: one per output token
     case = record["summary"]["cases"]["2x2x8"]
-    assert case["expected_tokens"] == 32 and set(case["engines"]) == {"embedded", "generate"}
+    assert case["expected_tokens"] == 32 and set(case["engines"]) == {"embedded", "embedded_batch", "generate"}
     assert case["roofline"]["steps"] == 8 and case["roofline"]["tok_s"] > 0
     assert case["ratios"]["embedded/generate"] > 0 and "embedded/generate_batch" not in case["ratios"]
+    assert case["ratios"]["embedded/embedded_batch"] > 0  # the per-request path against one request
     assert record["summary"]["copy_gb_per_s"]["median"] > 0 and not record["summary"]["failed_runs"]
     assert "| 2x2x8 | embedded |" in out.stdout and "rf-bench-generate" not in json.dumps(record)
     # the 2 prompts' 2 samples share one prefill each (the bench's prompts: 64 tokens); 8 new tokens
     # are the first one sampled by the prefill step and 7 decode steps at least
     steps = case["engines"]["embedded"]
     assert steps["prefill_of_prompts"] == 1.0 and steps["decode_steps"] >= 7 and steps["prefill_steps"] >= 1
+    # the pass's time outside the steps: what is left of it beside the steps' own seconds
+    pass_s = case["engines"]["embedded"]["seconds"]["median"]
+    assert 0 < steps["outside_steps_s"] < pass_s and 0 < steps["outside_steps_share"] < 1
+    assert "of the pass)" in out.stdout
     assert "| 2x2x8 | embedded steps | prefill 1.00 x the prompts' tokens;" in out.stdout
 
 

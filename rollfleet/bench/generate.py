@@ -1,6 +1,6 @@
 """Output tokens/s of the embedded engine over HTTP, beside transformers, against the HBM roofline.
 
-    rollfleet bench generate [--cases 64x8x256,16x8x32,1x1x256] [--engines embedded,generate,generate_batch]
+    rollfleet bench generate [--cases 64x8x256,16x8x32,1x1x256] [--engines embedded,embedded_batch,generate,...]
                              [--device cuda] [--hidden 2048 --layers 24 --vocab 151936] [--repeats 2] [--json F]
 
 A case is prompts x n x new tokens: that many prompts of `--prompt-tokens` (64) random token ids, n
@@ -10,6 +10,8 @@ weights, written once to a temp dir with a word-level tokenizer of the vocabular
 runs each case in a process of its own (rollfleet/bench/generate_engines.py says how each is driven):
 - embedded: the engine server driven as a GRPO step drives it (one /generate per prompt with n,
   return_logprob, all at once), `--max-running-requests` = prompts x n so the case runs as one batch;
+- embedded_batch: the same, as ONE /generate of every prompt: embedded / embedded_batch is what the
+  per-request path (parsing, admission, answers of each request) costs;
 - generate: transformers `model.generate` on one left-padded batch, num_return_sequences n;
 - generate_batch: transformers continuous batching (`model.generate_batch`, TRL's GRPO path).
 Every engine first runs the case's batch for a few tokens (untimed warm-up), then `--repeats` timed passes.
@@ -22,8 +24,14 @@ steps, over the bandwidth of a device-to-device copy measured in the same run (a
 case costs when only memory traffic counts (the prefill's compute and the attention's arithmetic are
 left out, so the bound is optimistic). Printed per case: output tokens/s (median of the passes), ms
 per decode step (wall time / new tokens, the prefill included), each engine over the roofline and
-embedded over each transformers path. A pass whose output token count is not prompts x n x new
-tokens makes the run fail (the record says which).
+embedded over each transformers path and over embedded_batch; for the embedded engine, its own split
+(prefill and decode steps, a decode step's mean time over the roofline's mean step, and the time
+outside any step). A pass whose output token count is not prompts x n x new tokens makes the run fail
+(the record says which).
+
+Long outputs (RL's reasoning traces): `--cases 32x8x2048,16x8x8192 --engines embedded`; the bench
+model's context is Qwen3's (40,960 tokens). A case whose KV does not fit the pool at once is preempted
+and recomputed (the record's `preempted`), which its time then includes.
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ from pathlib import Path
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.bench.shapes import add_vocab_flag, write_model
 
-ENGINES = ("embedded", "generate", "generate_batch")
+ENGINES = ("embedded", "embedded_batch", "generate", "generate_batch")
+DEFAULT_ENGINES = ",".join(ENGINES)
 DEFAULT_CASES = "64x8x256,16x8x32,1x1x256"
 FIRST_ID = 3  # after the tokenizer's special tokens (rollfleet.tiny_models.SPECIAL_TOKENS)
 
@@ -146,7 +155,8 @@ def _stop(proc: subprocess.Popen) -> int:
 def engine_steps(passes: list[dict], prompt_tokens: int, prompts: int) -> dict:
     """The embedded engine's own split of a pass (medians over passes): prefill tokens over the
     prompts' tokens (1.0: a prompt's n samples share one prefill), its prefill and decode steps and
-    their seconds, and the graph captures so far. Empty for engines that report none."""
+    their seconds, the pass's time outside any step (parsing, admission, answers, the client's reading
+    of them) and its share of the pass, and the graph captures so far. Empty for engines that report none."""
     stats = [p["scheduler"] for p in passes if "prefill_tokens" in (p.get("scheduler") or {})]
     if not stats:
         return {}
@@ -154,6 +164,11 @@ def engine_steps(passes: list[dict], prompt_tokens: int, prompts: int) -> dict:
     for key in ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds", "graph_captures"):
         if all(key in s for s in stats):
             split[key] = statistics.median(s[key] for s in stats)
+    timed = [p for p in passes if "decode_seconds" in (p.get("scheduler") or {})]
+    if timed:
+        outside = [p["seconds"] - p["scheduler"]["prefill_seconds"] - p["scheduler"]["decode_seconds"] for p in timed]
+        split["outside_steps_s"] = statistics.median(outside)
+        split["outside_steps_share"] = statistics.median(o / p["seconds"] for o, p in zip(outside, timed))
     return split
 
 
@@ -180,8 +195,12 @@ def case_summary(case, answers: dict[str, dict], limit: dict, prompt_tokens: int
             "tokens_ok": not short,
             **engine_steps(passes, prompt_tokens, prompts),
         }
+        split = engines[engine]
+        if split.get("decode_steps"):  # the decode steps alone against the roofline's mean step
+            split["decode_ms_per_step"] = split["decode_seconds"] / split["decode_steps"] * 1e3
+            split["decode_over_roofline"] = split["decode_ms_per_step"] / (limit["seconds"] / limit["steps"] * 1e3)
     ratios = {}
-    for other in ("generate", "generate_batch"):
+    for other in ("embedded_batch", "generate", "generate_batch"):
         if "embedded" in engines and other in engines:
             ratios[f"embedded/{other}"] = engines["embedded"]["tok_s"]["median"] / engines[other]["tok_s"]["median"]
     summary = {"expected_tokens": expected, "roofline": limit, "engines": engines, "ratios": ratios}
@@ -214,6 +233,10 @@ def _steps_row(name: str, engine: str, f: dict) -> str:
             f"; {f['prefill_steps']:.0f} prefill steps ({f['prefill_seconds']:.2f} s), "
             f"{f['decode_steps']:.0f} decode steps ({f['decode_seconds']:.2f} s)"
         )
+    if "decode_over_roofline" in f:
+        split += f"; {f['decode_ms_per_step']:.2f} ms a decode step, {f['decode_over_roofline']:.1f} x the roofline's"
+    if "outside_steps_s" in f:
+        split += f"; outside steps {f['outside_steps_s']:.2f} s ({f['outside_steps_share']:.0%} of the pass)"
     return f"| {name} | {engine} steps | {split} | | | |"
 
 
@@ -222,7 +245,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog="rollfleet bench generate", description=__doc__.split("\n")[0])
     p.add_argument("--cases", default=DEFAULT_CASES, help="prompts x n x new tokens, comma-separated")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"any of {', '.join(ENGINES)}")
+    p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"any of {', '.join(ENGINES)}")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bfloat16 on cuda")
     p.add_argument("--hidden", type=int, default=2048)

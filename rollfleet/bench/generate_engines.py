@@ -9,6 +9,8 @@ ENGINE is one of:
   the environment names one, else spawned), driven over HTTP as a GRPO step drives it: one /generate
   per prompt with `input_ids`, sampling_params n, max_new_tokens, temperature 1, ignore_eos, and
   return_logprob, all sent at once so the engine batches them;
+- embedded_batch: the same server and sampling, ONE /generate of every prompt (`input_ids` a list):
+  what the per-request path costs beyond the same tokens asked for at once;
 - generate: transformers `model.generate` on one left-padded batch of every prompt, do_sample at
   temperature 1 with no top-k / top-p, num_return_sequences n, min_new_tokens = max_new_tokens (EOS
   never ends a row, as ignore_eos); no logprobs (keeping the scores would keep every step's logits);
@@ -45,51 +47,62 @@ def _sync(device: str) -> None:
 
 
 # ---- embedded engine over HTTP ----------------------------------------------------------------------
-def run_embedded(args, prompts: list[list[int]]) -> list[dict]:
+def run_embedded(args, prompts: list[list[int]], batched: bool = False) -> list[dict]:
+    """The engine server driven as a GRPO step drives it: one /generate per prompt with n, all at
+    once; `batched`: ONE /generate of every prompt (the per-request path's reference: the same
+    tokens without 64 requests' parsing, admission and answers)."""
     from rollfleet.engine.process.launch import EngineProcess, embedded_argv
     from rollfleet.engine.process.zygote_client import Zygote
     from rollfleet.wire.net import free_port
 
     port, log = free_port(), Path(args.out).with_suffix(".engine.log")
     flags = ["--device", args.device, "--dtype", args.dtype]
-    flags += ["--max-running-requests", str(len(prompts) * args.n), "--max-samples-per-request", str(max(1, args.n))]
+    samples = len(prompts) * args.n  # one batch; a batched request asks for all of them at once
+    flags += ["--max-running-requests", str(samples), "--max-samples-per-request", str(samples if batched else args.n)]
     engine = EngineProcess(
         embedded_argv(args.model, port, extra=flags), port=port, log_path=log, zygote=Zygote.shared(log)
     )
     try:
         engine.wait_until_up(timeout=args.start_timeout_s)
-        return asyncio.run(_embedded_passes(engine.url, prompts, args))
+        return asyncio.run(_embedded_passes(engine.url, prompts, args, batched))
     finally:
         engine.stop()
 
 
-async def _embedded_passes(url: str, prompts: list[list[int]], args) -> list[dict]:
+def run_embedded_batch(args, prompts: list[list[int]]) -> list[dict]:
+    return run_embedded(args, prompts, batched=True)
+
+
+async def _embedded_passes(url: str, prompts: list[list[int]], args, batched: bool) -> list[dict]:
     from rollfleet.wire.client import EngineClient
 
     def params(n: int, new_tokens: int) -> dict:
         # SGLang's defaults are top_k -1 and top_p 1 (no filter)
         return {"n": n, "max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
 
-    async with EngineClient(url, timeout=args.timeout_s) as client:
-        await asyncio.gather(  # warm-up: the case's batch, a few tokens (first-use costs of its shapes)
+    async def outputs(client, new_tokens: int) -> list[dict]:
+        if batched:
+            answer = await client.generate(
+                input_ids=prompts, sampling_params=params(args.n, new_tokens), return_logprob=True
+            )
+            return answer if isinstance(answer, list) else [answer]
+        answers = await asyncio.gather(
             *(
-                client.generate(input_ids=p, sampling_params=params(args.n, WARM_UP_TOKENS), return_logprob=True)
+                client.generate(input_ids=p, sampling_params=params(args.n, new_tokens), return_logprob=True)
                 for p in prompts
             )
         )
+        return [o for a in answers for o in (a if isinstance(a, list) else [a])]
+
+    async with EngineClient(url, timeout=args.timeout_s) as client:
+        await outputs(client, WARM_UP_TOKENS)  # warm-up: the case's batch, a few tokens (first-use costs of its shapes)
         passes = []
         for _ in range(args.repeats):
             await client.flush_cache()  # each pass prefills its prompts (no pages cached by the last one)
             before = (await client.get_server_info())["scheduler_stats"]
             begin = time.perf_counter()
-            answers = await asyncio.gather(
-                *(
-                    client.generate(input_ids=p, sampling_params=params(args.n, args.new_tokens), return_logprob=True)
-                    for p in prompts
-                )
-            )
+            outs = await outputs(client, args.new_tokens)
             seconds = time.perf_counter() - begin
-            outs = [o for a in answers for o in (a if isinstance(a, list) else [a])]
             logprobs = sum(len(o["meta_info"].get("output_token_logprobs") or []) for o in outs)
             tokens = sum(len(o["output_ids"]) for o in outs)
             after = (await client.get_server_info())["scheduler_stats"]
@@ -226,7 +239,13 @@ def run_copy(args, prompts: list[list[int]]) -> list[dict]:
     return passes
 
 
-ENGINES = {"embedded": run_embedded, "generate": run_generate, "generate_batch": run_generate_batch, "copy": run_copy}
+ENGINES = {
+    "embedded": run_embedded,
+    "embedded_batch": run_embedded_batch,
+    "generate": run_generate,
+    "generate_batch": run_generate_batch,
+    "copy": run_copy,
+}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -33,6 +33,9 @@ def qwen3_shape(hidden: int, layers: int) -> dict[str, int]:
         "num_attention_heads": hidden // 128 if big else 4,
         "num_key_value_heads": max(2, hidden // 512),
         "head_dim": 128 if big else hidden // 4,
+        # Qwen3's own context: RL's long outputs (the generate bench's 16 x 8 x 8192, a GRPO step's 512
+        # new tokens after its prompt) fit; the tiny test models' 512 would end them early
+        "max_position_embeddings": 40960,
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import orjson
 
 from rollfleet.wire.auth import key_for
 from rollfleet.wire.errors import EngineError, EngineTimeout, message_of
@@ -28,6 +29,21 @@ from rollfleet.wire.weight_routes import WeightRoutes
 
 __all__ = ["EngineClient", "EngineError", "EngineTimeout", "uses_weight_update_sessions"]
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def parse_answer(response: httpx.Response) -> Any:
+    """An answer's JSON (orjson: 512 answers of 256 logprobs in half json's time), or its text when
+    it is not JSON; None when it is empty. JSON's non-standard NaN, which only Python's parser reads,
+    goes to it."""
+    if not response.content:
+        return None
+    try:
+        return orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
 
 
 class EngineClient(GenerationRoutes, WeightRoutes):
@@ -69,12 +85,7 @@ class EngineClient(GenerationRoutes, WeightRoutes):
             raise EngineTimeout(route, 0, f"no answer from {self.base_url} in time ({exc!r})") from exc
         if response.status_code >= 400:
             raise EngineError(route, response.status_code, message_of(response))
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError:
-            return response.text
+        return parse_answer(response)
 
     def auth_headers(self, route: str) -> dict[str, str]:
         key = key_for(route, *self._keys)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import orjson
 
 from rollfleet.wire.errors import EngineError, EngineTimeout, message_of
 
@@ -76,6 +77,15 @@ class GenerationRoutes:
                     data = line[len("data:") :].strip()
                     if data == "[DONE]":
                         return
-                    yield json.loads(data)
+                    yield _event(data)
         except httpx.TimeoutException as exc:
             raise EngineTimeout("/generate", 0, f"no answer from {self.base_url} in time ({exc!r})") from exc
+
+
+def _event(data: str):
+    """One event's answer: orjson (SGLang's events are cumulative, each carries every token so far),
+    Python's parser for what only it reads (a non-standard NaN)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
