@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -42,17 +42,32 @@ def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     )
 
 
+# The synthetic copy task's pieces ("copy:381=" -> copy, :, 3, 8, 1, =), first after the special tokens,
+# so that a benchmark model with a real vocabulary can learn the task (a prompt of unknown words cannot)
+COPY_TASK_PIECES = ["\u2581copy", ":", "="] + [str(digit) for digit in range(10)]
+
+
 def make_word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A word-level tokenizer of exactly `vocab_size` entries: the tiny tokenizer's special tokens first
-    (ids 0-2, so eos = pad = 0 as in `tiny_config`), then the words `w3`, `w4`, ... (whitespace-split;
-    an unknown word maps to eos). Built from a dict, no training: well under a second for 151,936."""
-    if vocab_size <= len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size={vocab_size}: must exceed the {len(SPECIAL_TOKENS)} special tokens")
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    vocab.update((f"w{i}", i) for i in range(len(SPECIAL_TOKENS), vocab_size))
+    (ids 0-2, so eos = pad = 0 as in `tiny_config`), then the copy task's pieces (COPY_TASK_PIECES: its
+    prompts are known tokens, and digits decode without spaces between them, as its reward reads
+    them), then the words `w16`, `w17`, ... up to `vocab_size - 1` (word `wN` is token N; an unknown
+    piece maps to eos). Spaces are kept as SentencePiece keeps them (a word's leading U+2581), so
+    words decode with spaces between them. Built from a dict, no training: well under a second for 151,936."""
+    first_word = len(SPECIAL_TOKENS) + len(COPY_TASK_PIECES)
+    if vocab_size <= first_word:
+        raise ValueError(f"vocab_size={vocab_size}: must exceed the {first_word} special tokens and copy-task pieces")
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + COPY_TASK_PIECES)}
+    vocab.update((f"\u2581w{i}", i) for i in range(first_word, vocab_size))
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS[0]))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    space = {"replacement": "\u2581", "prepend_scheme": "always", "split": False}
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [  # a word (with its space), one digit, or one other character
+            pre_tokenizers.Metaspace(**space),
+            pre_tokenizers.Split(Regex(r"\u2581?[A-Za-z]\w*|\d|[^\w\u2581]"), behavior="isolated"),
+        ]
+    )
+    tokenizer.decoder = decoders.Metaspace(**space)
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token=None

@@ -126,4 +126,9 @@ def test_word_tokenizer_has_exactly_the_asked_size(tmp_path):
     make_word_tokenizer(151_936).save_pretrained(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert len(tokenizer) == 151_936 and tokenizer.eos_token_id == tokenizer.pad_token_id == 0
-    assert tokenizer.encode("w3 w151935") == [3, 151_935] and tokenizer.decode([3, 4]) == "w3 w4"
+    assert tokenizer.encode("w16 w151935") == [16, 151_935] and tokenizer.decode([16, 17]) == "w16 w17"
+    # the copy task's prompt is known tokens, and an answer's digits decode as the reward reads them
+    prompt = tokenizer.encode("copy:381=")
+    assert len(prompt) == 6 and tokenizer.unk_token_id not in prompt[1:] and 0 not in prompt
+    assert tokenizer.decode(prompt) == "copy:381=" and tokenizer.decode(prompt[2:5]) == "381"
+    assert tokenizer.decode([*prompt[2:5], 0], skip_special_tokens=True) == "381"

@@ -1,5 +1,6 @@
 """The benchmarks' model (rollfleet.bench.shapes): deep enough that an all-zero embedding row matters.
-The copy task's prompt is the pad token under the bench's word-level tokenizer; a zero row stays zero
+The copy task's prompt was the pad token under the bench's first word-level tokenizer (any prompt of
+unknown words still is: they map to it); a zero row stays zero
 through every layer and each RMSNorm's backward scales its gradient by 1/sqrt(eps), so a deep model's
 first step went NaN on the GPU. The bench model draws that row like the others; transformers' zero
 init is kept for the tiny test models (pad_row="zero"), and is what this test shows failing."""
@@ -23,7 +24,7 @@ def first_step_grad_norm(path) -> float:
     generator = torch.Generator().manual_seed(0)
     batch = [
         {
-            "prompt_ids": [0],  # the pad token: what the copy prompt tokenizes to under the bench tokenizer
+            "prompt_ids": [0],  # the pad token: what an unknown word tokenizes to under the bench tokenizer
             "output_ids": torch.randint(3, TEST_VOCAB, (16,), generator=generator).tolist(),
             "logprobs": [-5.0] * 16,
             "advantage": (-1) ** i * 0.7,
