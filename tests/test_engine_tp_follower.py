@@ -1,7 +1,9 @@
 """A tp=2 engine whose batch fails on every rank (rank 0 and its follower, two real processes over
 gloo): the batch's requests finish as aborted with the reason, the follower goes on, and the next
-batch runs on both ranks. The HTTP door refuses the failing input, so rank 0 submits straight to
-its scheduler, as rollfleet.engine.process.server does after the door."""
+batch runs on both ranks; on the dense cache and on the paged pool (whose failed step once left the
+follower waiting for an end of batch that never came: it died at rank 0's next step). The HTTP door
+refuses the failing input, so rank 0 submits straight to its scheduler, as
+rollfleet.engine.process.server does after the door."""
 
 from __future__ import annotations
 
@@ -19,22 +21,28 @@ VOCAB = 320  # rollfleet.tiny_models' qwen3
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 
 
-def _rank(rank: int, model_path: str, port: int, results) -> None:
+def _rank(rank: int, model_path: str, port: int, results, kv: str) -> None:
     from transformers import AutoTokenizer
 
+    from rollfleet.engine.kv.setup import paged_options, start_paged
     from rollfleet.engine.model.model import ModelRunner
+    from rollfleet.engine.process.server_args import build_parser
     from rollfleet.engine.runtime.scheduler import Scheduler
     from rollfleet.engine.tp.lockstep import Action, Lockstep, follow
     from rollfleet.wire.protocol import SamplingParams
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        runner = ModelRunner(model_path, tp_size=2, group=dist.group.WORLD)
+        flags = ["--model-path", model_path, "--device", "cpu", "--tp-size", "2", "--max-running-requests", "8"]
+        args = build_parser().parse_args([*flags, "--rollfleet-kv-cache", kv])
+        runner = ModelRunner(model_path, tp_size=2, group=dist.group.WORLD, paged=paged_options(args))
         if rank == 1:
             follow(runner, dist.group.WORLD)
             results.put(("follower", "returned"))
             return
         lockstep = Lockstep(runner, dist.group.WORLD)
+        batches = start_paged(args, runner, lockstep, 512)  # None on the dense cache
+        assert (batches is None) == (kv == "dense")
         scheduler = Scheduler(
             lockstep,
             AutoTokenizer.from_pretrained(model_path),
@@ -43,6 +51,7 @@ def _rank(rank: int, model_path: str, port: int, results) -> None:
             max_running_requests=8,
             weight_version="default",
             vocab_size=VOCAB,
+            batches=batches,
         )
         scheduler.start()
         answers = []
@@ -59,10 +68,11 @@ def _rank(rank: int, model_path: str, port: int, results) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_a_batch_failing_on_every_rank_aborts_its_requests_and_both_ranks_go_on(qwen3_dir):
+@pytest.mark.parametrize("kv", ["dense", "paged"])
+def test_a_batch_failing_on_every_rank_aborts_its_requests_and_both_ranks_go_on(qwen3_dir, kv):
     context = helper_processes.context()
     results, port = context.Queue(), free_port()
-    procs = [context.Process(target=_rank, args=(rank, qwen3_dir, port, results), daemon=True) for rank in (0, 1)]
+    procs = [context.Process(target=_rank, args=(rank, qwen3_dir, port, results, kv), daemon=True) for rank in (0, 1)]
     for proc in procs:
         proc.start()
     try:
@@ -78,10 +88,9 @@ def test_a_batch_failing_on_every_rank_aborts_its_requests_and_both_ranks_go_on(
     assert set(reports) == {"rank 0", "follower"}, reports
     (failed, good), dead_reason = reports["rank 0"]
     reason = failed["meta_info"]["finish_reason"]
-    assert (
-        reason["type"] == "abort"
-        and "the engine failed this batch: RuntimeError: Could not infer dtype" in reason["message"]
-    ), reason
+    # the dense cache builds the prompt's tensor, the paged pool its rows: each fails in its own words
+    why = "RuntimeError: Could not infer dtype" if kv == "dense" else "TypeError: 'NoneType' object cannot be"
+    assert reason["type"] == "abort" and f"the engine failed this batch: {why}" in reason["message"], reason
     assert good["output_ids"] == reference_greedy(qwen3_dir, [1, 2], 4)[0]
     assert dead_reason is None
     assert [proc.exitcode for proc in procs] == [0, 0]

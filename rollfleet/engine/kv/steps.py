@@ -332,9 +332,12 @@ class PagedBatches:
                 self._release(seq)
 
     def drop(self, seqs: list[Sequence]) -> None:
-        """These sequences' KV goes (a retract, a failed step, a weight change): recomputed when they run."""
+        """These sequences' KV goes (a retract, a failed step, a weight change): recomputed when they run.
+        The other tp ranks are told the batch ended: a follower whose part of a failed step failed
+        waits for exactly that before it follows the next step (lockstep.follow)."""
         for seq in seqs:
             self._release(seq)
+        self.lockstep(Action.END_BATCH)
 
     def flush(self) -> None:
         """Forget every cached prefix (frees their pages; the roots keep stale ones from matching anyway)."""
