@@ -17,7 +17,7 @@ import torch
 
 from rollfleet.config import load_config
 from rollfleet.fleet.fleet import Fleet
-from rollfleet.fleet.placement import LOCAL_RAY_SYSTEM_CONFIG
+from rollfleet.fleet.placement import init_local_ray
 from rollfleet.tiny_models import make_tiny_model
 
 
@@ -59,12 +59,7 @@ def run_fleet(model_dir: str, log_dir: str, *overrides: str) -> dict:
 
 
 def main() -> None:
-    ray.init(
-        num_gpus=torch.cuda.device_count(),
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-    )
+    init_local_ray(num_gpus=torch.cuda.device_count())
     report = {}
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = str(

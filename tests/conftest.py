@@ -24,7 +24,7 @@ from waits import WaitTimedOut, fleet_state, wait_until
 
 from rollfleet.engine.process.launch import EngineProcess, PortInUse, embedded_argv
 from rollfleet.engine.process.zygote_client import SHARED_ZYGOTE_ENV, Zygote
-from rollfleet.fleet.placement import LOCAL_RAY_SYSTEM_CONFIG
+from rollfleet.fleet.placement import init_local_ray
 from rollfleet.tiny_models import make_tiny_model, tiny_config
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.client import EngineClient
@@ -167,14 +167,7 @@ def ray_lender():
         shared_zygote()  # listening before Ray's workers start engines (see SHARED_ZYGOTE_ENV)
         temp = tempfile.mkdtemp(prefix="rf-ray-")
         stack.callback(shutil.rmtree, temp, ignore_errors=True)
-        ray.init(
-            num_cpus=8,
-            num_gpus=4,
-            _temp_dir=temp,
-            include_dashboard=False,
-            log_to_driver=False,
-            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-        )
+        init_local_ray(num_cpus=8, num_gpus=4, _temp_dir=temp)
         stack.callback(ray.shutdown)
 
     yield from lend("ray_lender", start)

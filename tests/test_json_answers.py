@@ -41,9 +41,10 @@ def test_what_orjson_refuses_is_written_the_slow_way():
     big = 2**70  # past 64 bits: orjson refuses it, JSON has it
     assert json.loads(dumps({"n": big, "x": float("nan")})) == {"n": big, "x": None}
     assert json.loads(dumps({1: "a"})) == {"1": "a"}  # a non-string key, as json.dumps writes it
+    assert json.loads(dumps({"t": "a\ud800b", "n": big})) == {"t": "a\ud800b", "n": big}  # a lone surrogate
 
 
 def test_the_client_reads_non_standard_nan_and_plain_text():
-    assert parse_answer(httpx.Response(200, content=b'{"x": NaN}'))["x"] != 0  # Python's parser: nan
+    assert math.isnan(parse_answer(httpx.Response(200, content=b'{"x": NaN}'))["x"])  # Python's parser
     assert parse_answer(httpx.Response(200, content=b"not json")) == "not json"
     assert parse_answer(httpx.Response(200, content=b"")) is None

@@ -51,7 +51,6 @@ from rollfleet.bench.record import command_line, make_record, spread, start, wri
 from rollfleet.bench.shapes import add_vocab_flag, write_model
 
 ENGINES = ("embedded", "embedded_batch", "generate", "generate_batch")
-DEFAULT_ENGINES = ",".join(ENGINES)
 DEFAULT_CASES = "64x8x256,16x8x32,1x1x256"
 FIRST_ID = 3  # after the tokenizer's special tokens (rollfleet.tiny_models.SPECIAL_TOKENS)
 
@@ -245,7 +244,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog="rollfleet bench generate", description=__doc__.split("\n")[0])
     p.add_argument("--cases", default=DEFAULT_CASES, help="prompts x n x new tokens, comma-separated")
-    p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"any of {', '.join(ENGINES)}")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"any of {', '.join(ENGINES)}")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bfloat16 on cuda")
     p.add_argument("--hidden", type=int, default=2048)

@@ -49,7 +49,7 @@ from rollfleet.bench.record import command_line, make_record, spread, start, wri
 from rollfleet.bench.shapes import add_vocab_flag, write_model
 from rollfleet.config import TensorSync, load_config
 from rollfleet.fleet.fleet import Fleet
-from rollfleet.fleet.placement import LOCAL_RAY_SYSTEM_CONFIG
+from rollfleet.fleet.placement import init_local_ray
 from rollfleet.weights.checkpoint import CheckpointSource
 from rollfleet.weights.source import ModuleSource
 from rollfleet.weights.transports import make_transport
@@ -233,14 +233,7 @@ def _run(args, paths: tuple[str, ...]) -> tuple[list[dict], float, bool]:
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as scratch:
         scratch = Path(scratch)
         model_dir, gpus = _model(args, scratch), torch.cuda.device_count()
-        ray.init(
-            num_cpus=8,
-            num_gpus=gpus or 3,
-            _temp_dir=str(scratch / "ray"),
-            include_dashboard=False,
-            log_to_driver=False,
-            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-        )
+        init_local_ray(num_cpus=8, num_gpus=gpus or 3, _temp_dir=str(scratch / "ray"))
         try:
             engines = 1 if gpus == 1 else 2
             fleet = _fleet(model_dir, scratch / "a", args.launcher, engines=engines)

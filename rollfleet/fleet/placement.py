@@ -79,16 +79,17 @@ def ensure_ray(cfg) -> None:
     cluster's is set where it starts (`RAY_worker_niceness=0 ray start ...`)."""
     if ray.is_initialized():
         return
-    local = {"_system_config": LOCAL_RAY_SYSTEM_CONFIG} if cfg.ray.address is None else {}
-    ray.init(
-        address=cfg.ray.address,
-        num_cpus=cfg.ray.num_cpus,
-        num_gpus=cfg.ray.num_gpus,
-        _temp_dir=cfg.ray.temp_dir,
-        include_dashboard=False,
-        log_to_driver=False,
-        **local,
-    )
+    options = {"num_cpus": cfg.ray.num_cpus, "num_gpus": cfg.ray.num_gpus, "_temp_dir": cfg.ray.temp_dir}
+    if cfg.ray.address is None:
+        init_local_ray(**options)
+    else:
+        ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=False, **options)
+
+
+def init_local_ray(**options) -> None:
+    """A local Ray for rollfleet's workers (the runs', the tests', the benchmarks'): its workers at the
+    driver's priority (LOCAL_RAY_SYSTEM_CONFIG), no dashboard, workers' output left in their logs."""
+    ray.init(include_dashboard=False, log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG, **options)
 
 
 def warn_if_deprioritized(role: str) -> None:

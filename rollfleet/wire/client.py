@@ -11,11 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import orjson
 
 from rollfleet.wire.auth import key_for
 from rollfleet.wire.errors import EngineError, EngineTimeout, message_of
-from rollfleet.wire.generation import GenerationRoutes
+from rollfleet.wire.generation import GenerationRoutes, json_value
 from rollfleet.wire.protocol_versions import (  # noqa: F401  (EngineClient's callers import them here)
     SESSIONS_SINCE_SGLANG,
     SUPPORTED_SGLANG,
@@ -32,18 +31,13 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 def parse_answer(response: httpx.Response) -> Any:
-    """An answer's JSON (orjson: 512 answers of 256 logprobs in half json's time), or its text when
-    it is not JSON; None when it is empty. JSON's non-standard NaN, which only Python's parser reads,
-    goes to it."""
+    """An answer's JSON (`json_value`), or its text when it is not JSON; None when it is empty."""
     if not response.content:
         return None
     try:
-        return orjson.loads(response.content)
-    except orjson.JSONDecodeError:
-        try:
-            return response.json()
-        except ValueError:
-            return response.text
+        return json_value(response.content)
+    except ValueError:
+        return response.text
 
 
 class EngineClient(GenerationRoutes, WeightRoutes):

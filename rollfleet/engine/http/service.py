@@ -56,14 +56,12 @@ def dumps(content: Any) -> bytes:
     """JSON of an answer, as SGLang's server writes it (orjson): NaN and infinities (logprobs or
     weights of a model pushed NaN weights) as null, since JSON has no such numbers. orjson writes
     512 answers of 256 logprobs in 10 ms, json.dumps in 180 ms (on the event loop: every other
-    request waits). What orjson refuses (an integer past 64 bits, a lone surrogate) goes the slow way."""
+    request waits). What orjson refuses (an integer past 64 bits, a lone surrogate) goes the slow way,
+    written as ASCII (a lone surrogate as its escape: no UTF-8 has it)."""
     try:
         return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
     except orjson.JSONEncodeError:
-        try:
-            return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-        except ValueError:
-            return dumps(finite(content))
+        return json.dumps(finite(content), allow_nan=False, separators=(",", ":")).encode()
 
 
 class Answer(JSONResponse):
