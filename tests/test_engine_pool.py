@@ -3,12 +3,11 @@ decision whether a sender opens weight-update sessions (the SGLang-version-aware
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from rollfleet.config import TensorSync
 from rollfleet.weights.transports import EngineTarget, make_transport
-from rollfleet.wire.client import EngineError, uses_weight_update_sessions
+from rollfleet.wire.client import EngineError, EngineUnreachable, uses_weight_update_sessions
 from rollfleet.wire.net import free_port
 from rollfleet.wire.pool import EnginePool
 
@@ -50,7 +49,7 @@ def test_one_client_per_engine_calls_each_and_replaced_urls(server):
         assert pool.client(0) is client
         pool.set_url(1, f"http://127.0.0.1:{free_port()}")  # a restart on another port: a new client
         assert pool.on_all("health", [1], 1.0) == [False]  # nothing answers there: a failed probe, no error
-        with pytest.raises(httpx.TransportError):  # the first error fails the future after every call ended
+        with pytest.raises(EngineUnreachable):  # the first error fails the future after every call ended
             pool.each("get_model_info", {0: ((), {}), 1: ((), {})}).result()
         with pytest.raises(EngineError, match="top_k"):
             pool.call(0, "generate", input_ids=[1, 2], sampling_params={"top_k": 0})
@@ -73,7 +72,7 @@ def test_a_begin_that_fails_on_one_engine_closes_the_sessions_it_opened(server):
     transport = make_transport(TensorSync(), targets, timeout_s=10)
     try:
         transport.session_engines = {0, 1}  # as if both had answered /get_server_info
-        with pytest.raises(httpx.TransportError):
+        with pytest.raises(EngineUnreachable):
             transport._begin()
         transport.pool.call(0, "begin_weight_update")  # refused if the failed begin had left one open
         with pytest.raises(EngineError, match="did not arrive"):

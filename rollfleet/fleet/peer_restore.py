@@ -21,7 +21,6 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-import httpx
 import ray
 
 from rollfleet.config import RunConfig
@@ -30,7 +29,7 @@ from rollfleet.fleet.lifecycle import EngineSlot, EngineState
 from rollfleet.weights.transports import SyncReport
 from rollfleet.weights.transports.base import transport_class
 from rollfleet.wire.client import EngineClient
-from rollfleet.wire.errors import EngineError
+from rollfleet.wire.errors import EngineError, EngineUnreachable
 from rollfleet.wire.pool import EnginePool
 
 
@@ -73,7 +72,7 @@ class PeerRestore:
 
             try:
                 info = self.pool.run(ask())
-            except (httpx.HTTPError, EngineError):
+            except (EngineUnreachable, EngineError):
                 return True  # not known yet: assume NCCL
             self._devices[slot.engine_id] = info.get("device", "cuda")  # SGLang serves on GPUs
         return self._devices[slot.engine_id] == "cuda"

@@ -19,10 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
-
 from rollfleet.fleet.lifecycle import FAILED, EngineSlot, EngineState
-from rollfleet.wire.client import EngineError
+from rollfleet.wire.client import EngineError, EngineUnreachable
 from rollfleet.wire.pool import EnginePool
 
 log = logging.getLogger("rollfleet.router")
@@ -103,7 +101,7 @@ class Router:
             try:
                 out = await self.pool.client(slot.engine_id).generate(**payload)
                 return (out if isinstance(out, list) else [out]), slot.engine_id
-            except (httpx.TransportError, EngineError) as exc:
+            except (EngineUnreachable, EngineError) as exc:
                 if isinstance(exc, EngineError) and 400 <= exc.status_code < 500:
                     raise  # the request is bad, not the engine: another engine would refuse it too
                 alive = await self._on_engine_failure(slot, exc)

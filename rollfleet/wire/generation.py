@@ -7,10 +7,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
-from rollfleet.wire.errors import EngineError, EngineTimeout, message_of
+from rollfleet.wire.errors import EngineError, EngineTimeout, EngineUnreachable, message_of
 
 
 def generate_payload(**fields: Any) -> dict:
@@ -19,7 +19,7 @@ def generate_payload(**fields: Any) -> dict:
 
 
 class GenerationRoutes:
-    """Mixed into EngineClient, which provides `_call`, `_http`, `base_url` and the errors."""
+    """Mixed into EngineClient, which provides `_call`, `_session`, `_timeouts`, `auth_headers` and `base_url`."""
 
     async def generate(
         self,
@@ -64,22 +64,46 @@ class GenerationRoutes:
         cumulative: `text` and `output_ids` so far; a batch's events carry `index`), until `[DONE]`.
         `fields` are `generate`'s. A refusal raises EngineError before the first event."""
         payload = {**generate_payload(**{"sampling_params": {}, **fields}), "stream": True}
+        headers = {**self.auth_headers("/generate"), "Content-Type": "application/json"}
         try:
-            async with self._http.stream(
-                "POST", "/generate", json=payload, timeout=timeout, headers=self.auth_headers("/generate")
+            async with self._session().post(
+                self.base_url + "/generate", data=json_body(payload), headers=headers, timeout=self._timeouts(timeout)
             ) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise EngineError("/generate", response.status_code, message_of(response))
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
+                if response.status >= 400:
+                    raise EngineError("/generate", response.status, message_of(await response.read()))
+                async for line in _lines(response.content):
+                    if not line.startswith(b"data:"):
                         continue  # the blank line between events
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
+                    data = line[len(b"data:") :].strip()
+                    if data == b"[DONE]":
                         return
                     yield json_value(data)  # cumulative: each event carries every token so far
-        except httpx.TimeoutException as exc:
+        except TimeoutError as exc:
             raise EngineTimeout("/generate", 0, f"no answer from {self.base_url} in time ({exc!r})") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineUnreachable("/generate", self.base_url, exc) from exc
+
+
+async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The lines of a server-sent-event stream, however long (aiohttp's own line reader stops at 64 KiB,
+    and an event of a long answer with logprobs is larger)."""
+    pending = bytearray()
+    async for chunk in stream.iter_any():
+        pending += chunk
+        while (end := pending.find(b"\n")) >= 0:
+            yield bytes(pending[:end]).rstrip(b"\r")
+            del pending[: end + 1]
+    if pending:
+        yield bytes(pending)
+
+
+def json_body(payload: Any) -> bytes:
+    """A request body as JSON: orjson, or Python's encoder for what orjson refuses (an integer past
+    64 bits, a non-string key)."""
+    try:
+        return orjson.dumps(payload)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        return json.dumps(payload).encode()
 
 
 def json_value(data: bytes | str) -> Any:

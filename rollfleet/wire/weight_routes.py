@@ -9,7 +9,7 @@ from rollfleet.wire.remote_instance import INIT_ROUTE, LAYOUT_ROUTE, LOAD_ROUTE,
 
 
 class WeightRoutes:
-    """Mixed into EngineClient, which provides `_call` and `_http`."""
+    """Mixed into EngineClient, which provides `_call` and `timeout`."""
 
     # ---- weights -----------------------------------------------------------------------------------
     async def update_weights_from_disk(
@@ -74,7 +74,7 @@ class WeightRoutes:
             "POST",
             "/init_weights_update_group",
             {**payload, "timeout_s": timeout_s},
-            timeout=max(self._http.timeout.read or 0, timeout_s + 30),
+            timeout=max(self.timeout, timeout_s + 30),
         )
 
     async def update_weights_from_distributed(
@@ -189,9 +189,7 @@ class WeightRoutes:
             "backend": backend,
             "timeout_s": timeout_s,
         }
-        return await self._call(
-            "POST", LOAD_ROUTE, payload, timeout=max(self._http.timeout.read or 0, 2 * timeout_s + 60)
-        )
+        return await self._call("POST", LOAD_ROUTE, payload, timeout=max(self.timeout, 2 * timeout_s + 60))
 
     async def weight_layout(self) -> dict:
         """rollfleet extension (embedded engine): tp/ep size, dtype, version and [name, shape, dtype] per parameter."""

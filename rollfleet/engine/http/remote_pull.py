@@ -19,13 +19,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-import httpx
-
 from rollfleet.engine.http.service import BadRequest, EngineService
 from rollfleet.engine.tp.lockstep import Action
 from rollfleet.engine.weights.weight_groups import WeightUpdateError
 from rollfleet.wire.buckets import dtype_name
-from rollfleet.wire.client import EngineClient, EngineError
+from rollfleet.wire.client import EngineClient, EngineError, EngineUnreachable
 from rollfleet.wire.remote_instance import LAYOUT_ROUTE, destination_group_name, format_ports
 
 log = logging.getLogger("rollfleet.engine")
@@ -103,7 +101,7 @@ async def load_from_seed(engine: EngineService, source: SeedSource, timeout_s: f
     start, load["phases"] = time.perf_counter(), {}
     try:
         version = await _pull(engine, source, timeout_s, load["phases"])
-    except (RemoteLoadError, BadRequest, EngineError, httpx.HTTPError) as exc:
+    except (RemoteLoadError, BadRequest, EngineError, EngineUnreachable) as exc:
         load.update(status="failed", reason=getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}")
         log.error("R-Fork: loading weights from %s failed: %s", source.url, load["reason"])
         state = "weights not loaded" if not engine.runner.weights_ready else "weights unchanged"
@@ -189,7 +187,7 @@ async def _alongside(local, remote, local_step: str, remote_step: str, timeout_s
         raise RemoteLoadError("; ".join(reasons)) from exc
     try:
         return await asyncio.wait_for(call, timeout_s)
-    except (TimeoutError, EngineError, httpx.HTTPError) as exc:
+    except (TimeoutError, EngineError, EngineUnreachable) as exc:
         return exc
 
 
