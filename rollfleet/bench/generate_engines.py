@@ -110,6 +110,7 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args, batched: bo
                 key: after[key] - before[key]
                 for key in ("batches", "joined", "recomputed_prefixes", "host_bytes", "prefill_tokens", "preempted")
                 + ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds")
+                + ("arrival_holds", "arrival_hold_seconds")
                 if key in after
             }
             graphs = ((await client.get_server_info()).get("rollfleet_kv_cache") or {}).get("cuda_graphs")

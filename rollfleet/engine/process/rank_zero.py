@@ -14,6 +14,7 @@ from rollfleet.engine.http.http_server import RequestBodyLimit, run_server
 from rollfleet.engine.kv.setup import start_paged
 from rollfleet.engine.model.model import ModelRunner
 from rollfleet.engine.process.start_timing import StartTimer
+from rollfleet.engine.runtime.arrivals import CountArrivals
 from rollfleet.engine.tp.lockstep import Action, Lockstep
 
 log = logging.getLogger("rollfleet.engine")
@@ -44,12 +45,13 @@ def serve(args, runner: ModelRunner, lockstep: Lockstep, *, tokenizer, timer: St
         thread_setup=lambda: _bind_thread(runner),
         read_routes=lambda: runner.last_routes if runner.paged is None else runner.paged.last_routes,
         batches=batches,
+        arrival_wait_s=args.rollfleet_arrival_wait_ms / 1000,
     )
     scheduler.start()
     service = EngineService(args, runner, lockstep, scheduler, tokenizer)
     if args.load_format == "remote_instance":
         load_at_start(service)  # before /health answers: the engine is up either ready or with the reason
-    app = RequestBodyLimit(create_app(service), args.max_request_bytes)
+    app = CountArrivals(RequestBodyLimit(create_app(service), args.max_request_bytes), scheduler.arrivals)
     timer.mark("server_setup")
 
     def listening() -> None:

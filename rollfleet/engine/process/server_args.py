@@ -88,6 +88,13 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         help="most samples one /generate request may ask for (prompts x n); more is refused with 400",
     )
     p.add_argument(
+        "--rollfleet-arrival-wait-ms",
+        type=float,
+        default=50.0,
+        help="an idle engine waits up to this long, while generation requests are still being read, to "
+        "start them as one batch (a GRPO step's wave of requests; a lone request never waits); 0: never",
+    )
+    p.add_argument(
         "--max-request-bytes",
         type=int,
         default=8 * 2**20,

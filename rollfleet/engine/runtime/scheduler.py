@@ -7,11 +7,13 @@ One engine thread owns the model. It runs, in this order of priority:
      matches it;
   2. one step of the running batch (every request in it advances one token), which waiting
      requests of its adapter may join first (admission_batch.py says when);
-  3. a new batch of waiting requests of one adapter (admission_batch.py).
+  3. a new batch of waiting requests of one adapter (admission_batch.py), once the requests the
+     HTTP side is still reading are queued too, or the wait for them is over (arrivals.py).
 Every model call goes through `lockstep` (lockstep.py), which broadcasts it to the other tp
 ranks first, so all ranks execute the same actions in the same order.
 
-Pausing, holding and refusing are pausing.py's (a mixin); stepping a paused engine is stepping.py's.
+Pausing, holding and refusing are pausing.py's (a mixin); stepping a paused engine is stepping.py's;
+how requests end (finished, or their batch failed) finishing.py's.
 
 The loop outlives any one request: requests are checked before they are queued
 (`check_request`), and an exception while a batch runs finishes that batch's requests with
@@ -36,7 +38,9 @@ import torch
 
 from rollfleet.engine.runtime.aborts import Aborts
 from rollfleet.engine.runtime.admission import check_request
+from rollfleet.engine.runtime.arrivals import Arrivals
 from rollfleet.engine.runtime.batch_step import DenseBatches
+from rollfleet.engine.runtime.finishing import Finishing
 from rollfleet.engine.runtime.pausing import Pausing
 from rollfleet.engine.runtime.stepping import Stepping
 from rollfleet.engine.sequences.admission_batch import without
@@ -48,7 +52,6 @@ from rollfleet.engine.sequences.sequence import (
     Sequence,
     mark_version_change,
     sample_group,
-    wire_result,
 )
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
@@ -57,13 +60,14 @@ log = logging.getLogger("rollfleet.engine")
 STATS = ("batches", "joined", "largest_batch", "generated_tokens", "recomputed_prefixes", "host_bytes")
 STATS += ("preempted", "prefill_tokens")  # the paged pool's: pages run out; tokens fed by prefill steps
 STATS += ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds")  # steps, and their wall time
+IDLE_WAKE_S = 0.5  # an idle engine thread looks again this often (a notify wakes it first)
 
 
 class EngineStopped(RuntimeError):
     """The engine loop has stopped: nothing more can run on this engine."""
 
 
-class Scheduler(Aborts, Pausing, Stepping):
+class Scheduler(Aborts, Finishing, Pausing, Stepping):
     def __init__(
         self,
         lockstep: Callable[..., Any],
@@ -78,6 +82,7 @@ class Scheduler(Aborts, Pausing, Stepping):
         thread_setup: Callable[[], None] = lambda: None,
         read_routes: Callable[[], torch.Tensor | None] = lambda: None,  # the last forward's routes (rank 0)
         batches: Callable[..., Any] | None = None,  # PagedBatches(**parts) (kv/steps.py); None: DenseBatches
+        arrival_wait_s: float = 0.0,  # how long an idle engine waits for requests still being read
     ):
         self.lockstep = lockstep
         self.tokenizer = tokenizer
@@ -106,6 +111,7 @@ class Scheduler(Aborts, Pausing, Stepping):
         self.batches = (batches or DenseBatches)(**parts)  # how a step runs, who joins, how KV is kept
         self.stats = dict.fromkeys(STATS, 0)
         self._wakeup = threading.Condition()
+        self.arrivals = Arrivals(self._wakeup, arrival_wait_s)
         self._thread = threading.Thread(target=self._loop, name="rollfleet-engine", daemon=True)
 
     # ---- called from the HTTP side (any thread) ------------------------------------------
@@ -193,7 +199,10 @@ class Scheduler(Aborts, Pausing, Stepping):
         with self._wakeup:
             now = {"running_requests": len(self.running), "waiting_requests": len(self.waiting)}
             halts = {"paused": self.paused, "held": self.held, "steps_left": self.steps_left}
-            return {**self.stats, **now, "queued_controls": len(self.controls), **halts}
+            # waves an idle engine held back for requests still being read, and for how long (arrivals.py)
+            arrivals = {"arrival_holds": self.arrivals.holds, "arrival_hold_seconds": self.arrivals.held_s}
+            arrivals["arriving_requests"] = self.arrivals.reading  # being read by the HTTP side now
+            return {**self.stats, **arrivals, **now, "queued_controls": len(self.controls), **halts}
 
     @property
     def dead_reason(self) -> str | None:
@@ -226,7 +235,7 @@ class Scheduler(Aborts, Pausing, Stepping):
                 with self._wakeup:
                     work = self._next_work()
                     while work is None and not self.stopped:
-                        self._wakeup.wait(timeout=0.5)
+                        self._wakeup.wait(timeout=self.arrivals.wait_timeout(IDLE_WAKE_S))
                         work = self._next_work()
                     if self.stopped:
                         break
@@ -254,7 +263,10 @@ class Scheduler(Aborts, Pausing, Stepping):
                 self.needs_prefill |= self.batches.joins_recompute  # dense: a prefill of all with them
                 self.stats["joined"] += len(joining)
             return self._step
+        if self.waiting and not self.halted and self.arrivals.hold_back():
+            return None  # an arrival wave: its other requests are still being read
         if self.waiting and self._take_step():
+            self.arrivals.over()
             batch = self.batches.new_batch(self.waiting, self.max_running_requests)
             self.batch_lora, self.running, self.waiting = batch
             self.needs_prefill = self.batches.joins_recompute
@@ -303,34 +315,6 @@ class Scheduler(Aborts, Pausing, Stepping):
                 self.waiting.extendleft(reversed(outcome.preempted))
                 self.stats["preempted"] += len(outcome.preempted)
             self._retire_finished()
-
-    def _retire_finished(self) -> None:
-        keep = [row for row, seq in enumerate(self.running) if seq.finish is None]
-        for seq in self.running:
-            if seq.finish is not None:
-                self._finish(seq, seq.finish)
-        if len(keep) < len(self.running):
-            self.batches.retire(self.running, keep)
-            self.running = [self.running[row] for row in keep]
-
-    def _fail_batch(self, exc: Exception) -> None:
-        log.exception("a batch of %d requests failed; they finish as aborted, the engine goes on", len(self.running))
-        text = str(exc).strip()
-        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
-        with self._wakeup:
-            for seq in self.running:
-                if seq.finish is None:  # a request that finished before the failure keeps its own reason
-                    seq.finish = FinishReason(type="abort", message=f"the engine failed this batch: {reason}")
-                self._finish(seq, seq.finish)
-            failed, self.running = self.running, []
-        self.batches.drop(failed)  # a failure here is the loop's own: it stops and says why
-
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        seq.finish = reason
-        if not (reason.type == "stop" and isinstance(reason.matched, str)):
-            seq.text = seq.finished_text(self.tokenizer)
-        if not seq.future.done():
-            seq.future.set_result(wire_result(seq, self.weight_version, self.tokenizer))
 
     def _raise_if_dead(self) -> None:
         if self.failure is not None:

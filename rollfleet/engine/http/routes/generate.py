@@ -13,6 +13,7 @@ from rollfleet.engine.http.service import Answer, BadRequest, Engine, EngineServ
 from rollfleet.engine.http.streaming import answers, stream_response
 from rollfleet.engine.lora.lora_merge import LORA_OFF
 from rollfleet.engine.runtime.admission import unserved
+from rollfleet.engine.runtime.arrivals import mark_queued
 from rollfleet.engine.sequences.logprobs import LogprobAsk
 from rollfleet.wire.protocol import GenerateRequest, SamplingParams
 
@@ -109,7 +110,15 @@ async def generate(req: GenerateRequest, engine: Engine, request: Request):
 
 async def submit_generate(engine: EngineService, req: GenerateRequest) -> tuple[list, bool]:
     """Check a /generate request (400 naming field, value and fix) and queue its samples, grouped by
-    prompt; also whether it was a batch. The OpenAI routes submit through here too."""
+    prompt; also whether it was a batch. The OpenAI routes submit through here too. Queued or
+    refused, the request no longer holds an idle engine back (runtime/arrivals.py)."""
+    try:
+        return await _check_and_submit(engine, req)
+    finally:
+        mark_queued()
+
+
+async def _check_and_submit(engine: EngineService, req: GenerateRequest) -> tuple[list, bool]:
     refusal = engine.refusal()
     if refusal is not None:
         raise refusal

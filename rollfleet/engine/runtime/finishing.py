@@ -1,0 +1,48 @@
+"""How requests end in the embedded engine's scheduler: a mixin of `Scheduler`, which owns the queues.
+
+A finished sequence leaves the running set after its step (`_retire_finished`: its pages go back or
+stay cached, kv/steps.py); its answer is built once, on the engine thread, and resolves its future
+(`_finish`). A batch whose step raised ends every request in it as aborted with the reason, and the
+engine goes on (`_fail_batch`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rollfleet.engine.sequences.sequence import Sequence, wire_result
+from rollfleet.wire.protocol import FinishReason
+
+log = logging.getLogger("rollfleet.engine")
+
+
+class Finishing:
+    """Needs from the scheduler: `_wakeup` (its condition), `running`, `batches`, `tokenizer`, `weight_version`."""
+
+    def _retire_finished(self) -> None:
+        keep = [row for row, seq in enumerate(self.running) if seq.finish is None]
+        for seq in self.running:
+            if seq.finish is not None:
+                self._finish(seq, seq.finish)
+        if len(keep) < len(self.running):
+            self.batches.retire(self.running, keep)
+            self.running = [self.running[row] for row in keep]
+
+    def _fail_batch(self, exc: Exception) -> None:
+        log.exception("a batch of %d requests failed; they finish as aborted, the engine goes on", len(self.running))
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+        with self._wakeup:
+            for seq in self.running:
+                if seq.finish is None:  # a request that finished before the failure keeps its own reason
+                    seq.finish = FinishReason(type="abort", message=f"the engine failed this batch: {reason}")
+                self._finish(seq, seq.finish)
+            failed, self.running = self.running, []
+        self.batches.drop(failed)  # a failure here is the loop's own: it stops and says why
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish = reason
+        if not (reason.type == "stop" and isinstance(reason.matched, str)):
+            seq.text = seq.finished_text(self.tokenizer)
+        if not seq.future.done():
+            seq.future.set_result(wire_result(seq, self.weight_version, self.tokenizer))
