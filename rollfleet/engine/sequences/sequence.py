@@ -158,7 +158,7 @@ def wire_result(
         meta["weight_versions"] = weight_version_spans(seq.version_events, weight_version, len(output_ids))
         meta["weight_version"] = meta["weight_versions"][-1]["version"]
     if seq.return_logprob:
-        meta.update(meta_fields(seq.record, seq.ask, list(zip(seq.logprobs, seq.output_ids)), tokenizer, upto))
+        meta.update(meta_fields(seq.record, seq.ask, seq.logprobs[:upto], output_ids, tokenizer, upto))
     if seq.routes_start is not None and upto is None:  # SGLang collects them once the request finished
         meta["routed_experts"] = encode_routed_experts(routed_rows(seq)[seq.routes_start :])
     if upto is not None:
