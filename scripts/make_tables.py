@@ -207,7 +207,7 @@ def _demo_records(records):
 def _seeding(record: dict) -> str:
     """Whether the demo's engine drew its samples from grpo.seed (records before grpo.seed_sampling: not)."""
     if record["config"].get("sampling_seeded"):
-        return "the engine's sampling seeded from it"
+        return "the engine's sampling seeded from grpo.seed"
     return "the engine's sampling not seeded"
 
 
@@ -215,7 +215,9 @@ def demo(records: list[tuple[str, dict]]) -> str:
     out = []
     for name, r in _demo_records(records):
         window = r["summary"]["window_steps"]
-        out.append(f"Record {_source(name, r)}; {_seeding(r)}:\n\n")
+        overrides = " ".join(r["config"].get("overrides") or [])
+        given = f"; `{r['config']['config_file']}` with `{overrides}`" if overrides else ""
+        out.append(f"Record {_source(name, r)}; {_seeding(r)}{given}:\n\n")
         out.append(
             f"| grpo.seed | steps | reward, first {window} steps | reward, last {window} steps "
             "| seconds of steps | end to end |\n|---|---|---|---|---|---|\n"
