@@ -90,8 +90,9 @@ def test_same_seed_same_tokens_other_seed_other_tokens(server):
 def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch(server):
     """The same seeded request (n=4) alone, inside one batch request among other prompts of other
     lengths and seeds, and among concurrent requests: the same tokens. Its logprobs agree to float
-    rounding only: the model's sums are not batch-invariant (about 5e-7 apart here), which can flip
-    a draw only where two tokens' noisy scores are that close."""
+    rounding only: this server runs two threads, with which CPU attention and products of 5-7 or 9-11
+    rows round with the batch (about 5e-7 apart here; a fleet's engines run one, kv/paged.py), which
+    can flip a draw only where two tokens' noisy scores are that close."""
     params = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 12345, "n": 4}
     mine, others = [5, 17, 42, 99, 7], [[i + 1] * (3 + 5 * i) for i in range(10)]
     theirs = [{**params, "sampling_seed": 1000 + i} for i in range(10)]

@@ -134,9 +134,10 @@ def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, t
 
 def test_a_seeded_run_repeats_its_samples_and_another_seed_does_not(qwen3_dir, tmp_path):
     """The engine's sampling is seeded from grpo.seed (grpo.seed_sampling: auto, on for the embedded
-    engine): two runs of one config and seed draw the same tokens at every step, so they reward,
-    train and push the same; grpo.seed=1 draws other prompts and other samples. Logprobs agree to
-    float rounding (the engine's sums vary with how requests batch)."""
+    engine on CPU): two runs of one config and seed draw the same tokens with the same logprobs at
+    every step, bit for bit (a CPU engine of one thread, its steps of fewer than 4 rows padded: the
+    logits do not depend on how requests batch), so they reward, train and push the same;
+    grpo.seed=1 draws other prompts and other samples."""
 
     def seeded_run(name: str, *overrides: str) -> tuple[list[dict], Recorder]:
         out = tmp_path / name
@@ -152,11 +153,10 @@ def test_a_seeded_run_repeats_its_samples_and_another_seed_does_not(qwen3_dir, t
         assert [i.prompt for i in items_a] == [i.prompt for i in items_b]
         assert [s.output_ids for s in samples_a] == [s.output_ids for s in samples_b], step
         assert [s.reward for s in samples_a] == [s.reward for s in samples_b]
-        for x, y in zip(samples_a, samples_b):
-            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+        assert [s.logprobs for s in samples_a] == [s.logprobs for s in samples_b], step
         assert len({tuple(s.output_ids) for s in samples_a}) > 1  # sampled, not one answer for all
     assert [r["reward_mean"] for r in rows_a] == [r["reward_mean"] for r in rows_b]
-    assert [r["train/loss"] for r in rows_a] == pytest.approx([r["train/loss"] for r in rows_b], abs=1e-5)
+    assert [r["train/loss"] for r in rows_a] == [r["train/loss"] for r in rows_b]
     _, c = seeded_run("c", "grpo.steps=1", "grpo.seed=1")
     assert [s.output_ids for s in c.steps[0][1]] != [s.output_ids for s in a.steps[0][1]]
 
