@@ -136,7 +136,6 @@ async def _check_and_submit(engine: EngineService, req: GenerateRequest) -> tupl
     try:  # no await between the adapter check above and this submission: an unload cannot slip in
         with engine.scheduler.submitting():
             seqs = _submit_all(engine, req, prompts, params, rids, lora_names, ask, routes_start)
-            mark_queued()  # before the engine thread can look: it never waits on a request it holds
     except RuntimeError as exc:
         raise BadRequest(str(exc), 503) from exc
     return seqs, is_batch
