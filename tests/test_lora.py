@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from waits import fleet_state, wait_until
 
 from rollfleet.config import LoraSync, TensorSync, load_config
+from rollfleet.engine.lora.host_copies import host_copies
 from rollfleet.engine.lora.lora import LoraError, LoraLimits, linear_targets, parse_adapter
 from rollfleet.engine.process.launch import EngineProcess
 from rollfleet.engine.process.server_args import build_parser, check_args
@@ -33,6 +34,7 @@ from rollfleet.weights.adapter import _PLANS, LoraSource, SavedAdapter, save_ada
 from rollfleet.weights.transports import EngineTarget, make_transport
 from rollfleet.weights.transports.base import transport_class
 from rollfleet.weights.transports.lora import LoraTransport
+from rollfleet.weights.transports.staging import PackPlan, call_bytes
 from rollfleet.weights.verify import find_unverified
 from rollfleet.wire.client import EngineClient, EngineError
 from rollfleet.wire.fingerprint import fingerprints
@@ -657,6 +659,21 @@ def test_the_adapter_plan_gives_peft_state_dict_until_the_model_changes(qwen3_di
     peft_model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj"]))
     assert same(list(LoraSource(peft_model).named_tensors()), peft_state())
     assert _PLANS[peft_model]["default"].adapters == ("default", "other")
+
+
+def test_host_copies_of_an_adapter_share_nothing_with_the_bucket():
+    tensors = [(f"w{i}", torch.randn(8, 4).to(torch.bfloat16 if i % 2 else torch.float32)) for i in range(6)]
+    bucket = PackPlan(tensors).pack(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8))
+    views = {**bucket.unpack(), "strided": torch.arange(12.0)[::3], "empty": torch.zeros(0, 3)}
+    for per_storage in (True, False):  # one copy of the bucket's bytes (a GPU's adapter), or a clone each (CPU)
+        owned = host_copies(views, per_storage=per_storage)
+        assert all(torch.equal(owned[k], v) for k, v in views.items())
+        assert bucket.flattened_tensor.untyped_storage().data_ptr() not in {
+            t.untyped_storage().data_ptr() for t in owned.values()
+        }
+        assert len({owned[k].untyped_storage().data_ptr() for k, _ in tensors}) == (1 if per_storage else 6)
+    bucket.flattened_tensor.fill_(0)  # the sender reuses its buffer: the copies keep their values
+    assert all(torch.equal(owned[k], t) for k, t in tensors)
 
 
 def test_lora_flags_and_config(tmp_path):
