@@ -25,7 +25,7 @@ from rollfleet.wire.buckets import (
     dtype_name,
     iter_buckets,
 )
-from rollfleet.wire.serialize import safe_loads, serialize
+from rollfleet.wire.serialize import LocalSerializedTensor, safe_loads, serialize, use_file_system_sharing
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 
@@ -171,6 +171,91 @@ def test_safe_loads_refuses_setting_attributes_on_allowed_classes():
     with pytest.raises(pickle.UnpicklingError, match="refused to set state"):
         safe_loads(b"ctorch.storage\nTypedStorage\n(N(dS'pwned'\nI1\nstb.")
     assert not hasattr(torch.TypedStorage, "pwned")
+
+
+class GivenState:
+    """Pickles as `rebuild(*args)` followed by BUILD with `state` (a 3-tuple __reduce__)."""
+
+    def __init__(self, rebuild, args, state):
+        self.rebuild, self.args, self.state = rebuild, args, state
+
+    def __reduce__(self):
+        return self.rebuild, self.args, self.state
+
+
+def _shared_tensor_reduce(numel: int = 4):
+    from torch.multiprocessing import reductions
+
+    use_file_system_sharing()  # as the reader: its allowlist names only the file-system rebuild
+    return reductions.reduce_tensor(torch.zeros(numel).share_memory_())
+
+
+@pytest.mark.parametrize(
+    "stream, needle",
+    [
+        # Tensor.__setstate__ of a legacy 4-tuple is `set_(storage, offset, size, stride)`, which grows
+        # the tensor past its storage: BUILD must never reach a rebuilt tensor
+        (lambda: raw_pickle(GivenState(*_shared_tensor_reduce(), (None, 0, (1 << 20,), (1,)))), "refused to set state"),
+        (lambda: raw_pickle(GivenState(*_shared_tensor_reduce(), {"requires_grad": True})), "refused to set state"),
+        # ... nor a rebuilt storage, nor a named function
+        (lambda: b"\x80\x04ctorch.multiprocessing.reductions\nrebuild_tensor\n}S'x'\nI1\nsb.", "refused to set state"),
+        # calling a rebuilt tensor, a class by INST (protocol 0), a class made by NEWOBJ
+        (lambda: raw_pickle([GivenState(*_shared_tensor_reduce(), None)])[:-2] + b"K\x01\x85R.", "calling"),
+        (lambda: b"(I256\nitorch\nUntypedStorage\n.", "calling"),
+        (lambda: b"\x80\x04ctorch\nTensor\nM\x00\x01\x85\x81.", "NEWOBJ class argument"),
+        (lambda: b"\x80\x04ctorch\nSize\n)\x81.", "NEWOBJ class argument"),
+        (lambda: b"\x80\x02\x82\x01.", "unregistered extension code"),  # EXT1: copyreg's registry is empty
+        (lambda: b"\x80\x04P0\n.", "persistent"),  # PERSID: no persistent_load
+    ],
+    ids=[
+        "tensor-set_",
+        "tensor-attributes",
+        "function-state",
+        "call-tensor",
+        "inst-storage",
+        "newobj-tensor",
+        "newobj-size",
+        "ext",
+        "persid",
+    ],
+)
+def test_what_the_c_unpickler_reaches_is_inert(stream, needle):
+    """pickle's C unpickler checks only `find_class`: every other object an opcode can reach while a
+    payload is read must refuse being called, given state or made (rollfleet/wire/unpickled.py)."""
+    with pytest.raises(Exception, match=needle) as refused:
+        safe_loads(stream())
+    assert isinstance(refused.value, (pickle.UnpicklingError, ValueError)), refused.value
+
+
+def test_allowed_classes_take_no_state_and_keep_their_attributes():
+    module = "sglang.srt.model_executor.model_runner"
+    for cls, stream in [
+        (types.SimpleNamespace, b"ctypes\nSimpleNamespace\n(N}S'pwned'\nI1\nstb."),
+        (LocalSerializedTensor, b"c" + module.encode() + b"\nLocalSerializedTensor\n(N}S'pwned'\nI1\nstb."),
+        (LocalSerializedTensor, b"c" + module.encode() + b"\nLocalSerializedTensor\n}S'values'\n]sb."),
+    ]:
+        with pytest.raises((pickle.UnpicklingError, TypeError)):
+            safe_loads(stream)
+        assert not hasattr(cls, "pwned") and LocalSerializedTensor.values == ()
+    with pytest.raises(pickle.UnpicklingError, match="calling LocalSerializedTensor"):  # REDUCE on the record class
+        safe_loads(b"\x80\x04c" + module.encode() + b"\nLocalSerializedTensor\n)R.")
+
+
+def test_rebuilt_tensors_are_in_place_wherever_the_payload_put_them():
+    t, u = torch.arange(4.0), torch.ones(2)
+    shared = ("s", t)
+    payload = {"k": [t, (u, [t]), shared, shared], ("key", 1): {"inner": types.SimpleNamespace(x=u, y=(t,))}}
+    out = safe_loads(serialize(payload))
+    k = out["k"]
+    assert torch.equal(k[0], t) and torch.equal(k[1][0], u) and torch.equal(k[1][1][0], t)
+    assert k[2] is k[3] and torch.equal(k[2][1], t)  # a shared tuple stays one object
+    record = out[("key", 1)]["inner"]
+    assert torch.equal(record.x, u) and torch.equal(record.y[0], t)
+    assert torch.equal(safe_loads(serialize(t)), t) and safe_loads(serialize({t.shape: 1})) == {t.shape: 1}
+    tensor_key = safe_loads(serialize({u: "value", frozenset({("a", u)}): 2}))
+    assert [type(key) for key in tensor_key] == [torch.Tensor, frozenset]
+    ((name, tensor),) = list(tensor_key)[1]
+    assert name == "a" and torch.equal(tensor, u)
 
 
 def test_sglang_pickled_metadata_records_are_read(monkeypatch):

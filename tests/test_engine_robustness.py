@@ -506,6 +506,26 @@ def test_a_failing_batch_fails_only_its_own_requests(engine_parts):
         scheduler.stop()
 
 
+def test_an_answered_request_is_no_longer_unfinished(engine_parts):
+    """A client that has its answer may flush the cache or release memory at once: when a sample's
+    answer resolves, the engine counts nothing of its request as unfinished (it used to answer first
+    and leave the running set just after: a client fast enough got 400 "requests are running")."""
+    scheduler = _scheduler(engine_parts)
+    seen = []
+    scheduler.start()
+    try:
+        for params, abort in ((SamplingParams(**SHORT, n=3), False), (SamplingParams(max_new_tokens=64), True)):
+            seqs = scheduler.submit([1, 2, 3], params, rid="r", return_logprob=False)
+            for seq in seqs:  # called on the engine thread, as the answer resolves
+                seq.future.add_done_callback(lambda _f, s=seq: seen.append(s.rid in scheduler.unfinished_rids()))
+            if abort:
+                scheduler.abort("r")
+            assert all(_result(seq)["meta_info"]["finish_reason"] for seq in seqs)
+        assert seen == [False] * 4 and scheduler.num_unfinished == 0
+    finally:
+        scheduler.stop()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop re-raises, on purpose
 def test_health_is_503_with_the_reason_when_the_engine_loop_has_died(engine_parts, qwen3_dir):
     def no_device():

@@ -24,15 +24,17 @@ from transformers import AutoModelForCausalLM
 from waits import fleet_state, wait_until
 
 from rollfleet.config import LoraSync, TensorSync, load_config
+from rollfleet.engine.lora.host_copies import host_copies
 from rollfleet.engine.lora.lora import LoraError, LoraLimits, linear_targets, parse_adapter
 from rollfleet.engine.process.launch import EngineProcess
 from rollfleet.engine.process.server_args import build_parser, check_args
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.tiny_models import tiny_config
-from rollfleet.weights.adapter import LoraSource, SavedAdapter, save_adapter
+from rollfleet.weights.adapter import _PLANS, LoraSource, SavedAdapter, save_adapter
 from rollfleet.weights.transports import EngineTarget, make_transport
 from rollfleet.weights.transports.base import transport_class
 from rollfleet.weights.transports.lora import LoraTransport
+from rollfleet.weights.transports.staging import PackPlan, call_bytes
 from rollfleet.weights.verify import find_unverified
 from rollfleet.wire.client import EngineClient, EngineError
 from rollfleet.wire.fingerprint import fingerprints
@@ -625,6 +627,53 @@ def test_scale_follows_rslora_and_patterns(qwen3_dir):
     )
     tied_params = dict(tied.named_parameters(remove_duplicate=False))
     assert "lm_head" not in linear_targets(tied, tied_params) and "lm_head" in linear_targets(model, params)
+
+
+def test_the_adapter_plan_gives_peft_state_dict_until_the_model_changes(qwen3_dir):
+    """LoraSource reads the adapter's parameters by a plan made from peft's first answer: the same keys,
+    order and tensors as `get_peft_model_state_dict` every time, and made again once the model changed."""
+    peft_model = make_adapter(qwen3_dir, ATTENTION)
+
+    def peft_state() -> list[tuple[str, torch.Tensor]]:
+        return list(get_peft_model_state_dict(peft_model, adapter_name="default", save_embedding_layers=False).items())
+
+    def same(got: list, want: list) -> bool:
+        return [k for k, _ in got] == [k for k, _ in want] and all(
+            torch.equal(a, b) and a.data_ptr() == b.data_ptr() for (_, a), (_, b) in zip(got, want)
+        )
+
+    assert same(list(LoraSource(peft_model).named_tensors()), peft_state())
+    plan = _PLANS[peft_model]["default"]
+    assert plan is not None and plan.holds(peft_model)
+    with torch.no_grad():  # training changes values in place: read again through the plan
+        next(p for n, p in peft_model.named_parameters() if "lora_B" in n).add_(1.0)
+    assert same(list(LoraSource(peft_model).named_tensors()), peft_state()) and _PLANS[peft_model]["default"] is plan
+    layer = peft_model.base_model.model.model.layers[1].self_attn.k_proj
+    layer.lora_A["default"].weight = torch.nn.Parameter(torch.ones_like(layer.lora_A["default"].weight))  # replaced
+    assert not plan.holds(peft_model)
+    assert same(list(LoraSource(peft_model).named_tensors()), peft_state())
+    lora_b = layer.lora_B
+    layer.lora_B = torch.nn.ModuleDict({"moved": lora_b["default"]})  # the same parameter under another name
+    assert not _PLANS[peft_model]["default"].holds(peft_model)
+    layer.lora_B = lora_b
+    peft_model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj"]))
+    assert same(list(LoraSource(peft_model).named_tensors()), peft_state())
+    assert _PLANS[peft_model]["default"].adapters == ("default", "other")
+
+
+def test_host_copies_of_an_adapter_share_nothing_with_the_bucket():
+    tensors = [(f"w{i}", torch.randn(8, 4).to(torch.bfloat16 if i % 2 else torch.float32)) for i in range(6)]
+    bucket = PackPlan(tensors).pack(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8))
+    views = {**bucket.unpack(), "strided": torch.arange(12.0)[::3], "empty": torch.zeros(0, 3)}
+    for per_storage in (True, False):  # one copy of the bucket's bytes (a GPU's adapter), or a clone each (CPU)
+        owned = host_copies(views, per_storage=per_storage)
+        assert all(torch.equal(owned[k], v) for k, v in views.items())
+        assert bucket.flattened_tensor.untyped_storage().data_ptr() not in {
+            t.untyped_storage().data_ptr() for t in owned.values()
+        }
+        assert len({owned[k].untyped_storage().data_ptr() for k, _ in tensors}) == (1 if per_storage else 6)
+    bucket.flattened_tensor.fill_(0)  # the sender reuses its buffer: the copies keep their values
+    assert all(torch.equal(owned[k], t) for k, t in tensors)
 
 
 def test_lora_flags_and_config(tmp_path):

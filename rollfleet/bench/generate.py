@@ -11,7 +11,9 @@ runs each case in a process of its own (rollfleet/bench/generate_engines.py says
 - embedded: the engine server driven as a GRPO step drives it (one /generate per prompt with n,
   return_logprob, all at once), `--max-running-requests` = prompts x n so the case runs as one batch;
 - embedded_batch: the same, as ONE /generate of every prompt: embedded / embedded_batch is what the
-  per-request path (parsing, admission, answers of each request) costs;
+  per-request path (parsing, admission, answers of each request) costs. Asked for together, the two
+  run on one server, a pass of each in turn (their order swapped each pass), so a drift of the
+  machine's load falls on both;
 - generate: transformers `model.generate` on one left-padded batch, num_return_sequences n;
 - generate_batch: transformers continuous batching (`model.generate_batch`, TRL's GRPO path).
 Every engine first runs the case's batch for a few tokens (untimed warm-up), then `--repeats` timed passes.
@@ -136,7 +138,8 @@ def run_worker(engine: str, args, scratch: Path, case: tuple[int, int, int] | No
         print(f"  {name}: FAILED, exit code {code}\n{tail[-1500:]}", flush=True)
         return {"engine": engine, "failure": f"exit code {code}", "exit_code": code, "log_tail": tail}
     answer = json.loads(out.read_text())
-    passes = ", ".join(f"{p['seconds']:.3f} s {p.get('scheduler', '')}" for p in answer.get("passes", []))
+    flat = [p for item in answer.get("passes", []) for p in (item if isinstance(item, list) else [item])]
+    passes = ", ".join(f"{p['seconds']:.3f} s {p.get('scheduler', '')}" for p in flat)
     print(f"  {name}: {passes}", flush=True)  # as it comes: a run cut short still says what it measured
     return answer
 
@@ -149,6 +152,25 @@ def _stop(proc: subprocess.Popen) -> int:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         return proc.wait()
+
+
+def run_engines(engines: list[str], args, scratch: Path, case, prompts) -> dict[str, dict]:
+    """Engine -> its answer on `case`; embedded and embedded_batch, when both are asked for, run as
+    one worker (`embedded_pair`: their passes take turns on one server) and are split back."""
+    paired = "embedded" in engines and "embedded_batch" in engines
+    answers = {}
+    for engine in engines:
+        if paired and engine == "embedded_batch":
+            continue
+        if paired and engine == "embedded":
+            pair = run_worker("embedded_pair", args, scratch, case, prompts)
+            for index, name in enumerate(("embedded", "embedded_batch")):
+                answers[name] = {**pair, "engine": name}
+                if "passes" in pair:
+                    answers[name]["passes"] = [both[index] for both in pair["passes"]]
+            continue
+        answers[engine] = run_worker(engine, args, scratch, case, prompts)
+    return answers
 
 
 def engine_steps(passes: list[dict], prompt_tokens: int, prompts: int) -> dict:
@@ -280,7 +302,7 @@ def measure(args, scratch: Path) -> tuple[dict, dict, list[dict], dict]:
         prompts = write_prompts(
             scratch / f"prompts-{case_name(case)}.json", case[0], args.prompt_tokens, args.vocab, args.seed + case[0]
         )
-        mine = {engine: run_worker(engine, args, scratch, case, prompts) for engine in args.engines.split(",")}
+        mine = run_engines(args.engines.split(","), args, scratch, case, prompts)
         answers += [{"case": case_name(case), **answer} for answer in mine.values()]
         limit = roofline(case, args.prompt_tokens, figures, bandwidth["median"])
         cases[case_name(case)] = case_summary(case, mine, limit, args.prompt_tokens)

@@ -11,6 +11,8 @@ ENGINE is one of:
   return_logprob, all sent at once so the engine batches them;
 - embedded_batch: the same server and sampling, ONE /generate of every prompt (`input_ids` a list):
   what the per-request path costs beyond the same tokens asked for at once;
+- embedded_pair: both of the above on one server, a pass of each in turn (their order swapped from
+  pass to pass), each pass's answer a pair: the ratio of the two is not at the mercy of the load's drift;
 - generate: transformers `model.generate` on one left-padded batch of every prompt, do_sample at
   temperature 1 with no top-k / top-p, num_return_sequences n, min_new_tokens = max_new_tokens (EOS
   never ends a row, as ignore_eos); no logprobs (keeping the scores would keep every step's logits);
@@ -47,10 +49,12 @@ def _sync(device: str) -> None:
 
 
 # ---- embedded engine over HTTP ----------------------------------------------------------------------
-def run_embedded(args, prompts: list[list[int]], batched: bool = False) -> list[dict]:
+def run_embedded(args, prompts: list[list[int]], shapes: tuple[bool, ...] = (False,)) -> list[dict]:
     """The engine server driven as a GRPO step drives it: one /generate per prompt with n, all at
-    once; `batched`: ONE /generate of every prompt (the per-request path's reference: the same
-    tokens without 64 requests' parsing, admission and answers)."""
+    once; `shapes` (False: per request, True: ONE /generate of every prompt, the per-request path's
+    reference: the same tokens without 64 requests' parsing, admission and answers). With both, each
+    pass runs both shapes on the one server, their order swapped from pass to pass, so that the
+    machine's drift (other load, clocks) falls on both alike; a pass's answer is a list per shape."""
     from rollfleet.engine.process.launch import EngineProcess, embedded_argv
     from rollfleet.engine.process.zygote_client import Zygote
     from rollfleet.wire.net import free_port
@@ -58,29 +62,35 @@ def run_embedded(args, prompts: list[list[int]], batched: bool = False) -> list[
     port, log = free_port(), Path(args.out).with_suffix(".engine.log")
     flags = ["--device", args.device, "--dtype", args.dtype]
     samples = len(prompts) * args.n  # one batch; a batched request asks for all of them at once
-    flags += ["--max-running-requests", str(samples), "--max-samples-per-request", str(samples if batched else args.n)]
+    flags += ["--max-running-requests", str(samples), "--max-samples-per-request", str(samples)]
     engine = EngineProcess(
         embedded_argv(args.model, port, extra=flags), port=port, log_path=log, zygote=Zygote.shared(log)
     )
     try:
         engine.wait_until_up(timeout=args.start_timeout_s)
-        return asyncio.run(_embedded_passes(engine.url, prompts, args, batched))
+        return asyncio.run(_embedded_passes(engine.url, prompts, args, shapes))
     finally:
         engine.stop()
 
 
 def run_embedded_batch(args, prompts: list[list[int]]) -> list[dict]:
-    return run_embedded(args, prompts, batched=True)
+    return run_embedded(args, prompts, (True,))
 
 
-async def _embedded_passes(url: str, prompts: list[list[int]], args, batched: bool) -> list[dict]:
+def run_embedded_pair(args, prompts: list[list[int]]) -> list[dict]:
+    """embedded and embedded_batch on one server, pass by pass (what `rollfleet bench generate` runs
+    when both are asked for)."""
+    return run_embedded(args, prompts, (False, True))
+
+
+async def _embedded_passes(url: str, prompts: list[list[int]], args, shapes: tuple[bool, ...]) -> list:
     from rollfleet.wire.client import EngineClient
 
     def params(n: int, new_tokens: int) -> dict:
         # SGLang's defaults are top_k -1 and top_p 1 (no filter)
         return {"n": n, "max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
 
-    async def outputs(client, new_tokens: int) -> list[dict]:
+    async def outputs(client, new_tokens: int, batched: bool) -> list[dict]:
         if batched:
             answer = await client.generate(
                 input_ids=prompts, sampling_params=params(args.n, new_tokens), return_logprob=True
@@ -94,31 +104,36 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args, batched: bo
         )
         return [o for a in answers for o in (a if isinstance(a, list) else [a])]
 
+    async def one_pass(client, batched: bool) -> dict:
+        await client.flush_cache()  # each pass prefills its prompts (no pages cached by the last one)
+        before = (await client.get_server_info())["scheduler_stats"]
+        begin = time.perf_counter()
+        outs = await outputs(client, args.new_tokens, batched)
+        seconds = time.perf_counter() - begin
+        logprobs = sum(len(o["meta_info"].get("output_token_logprobs") or []) for o in outs)
+        tokens = sum(len(o["output_ids"]) for o in outs)
+        info = await client.get_server_info()
+        after = info["scheduler_stats"]
+        engine = {
+            key: after[key] - before[key]
+            for key in ("batches", "joined", "recomputed_prefixes", "host_bytes", "prefill_tokens", "preempted")
+            + ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds")
+            + ("arrival_holds", "arrival_hold_seconds")
+            if key in after
+        }
+        graphs = (info.get("rollfleet_kv_cache") or {}).get("cuda_graphs")
+        if graphs:  # captured so far (a capture inside a pass is part of its time)
+            engine["graph_captures"], engine["graph_capture_s"] = graphs["captures"], graphs["capture_s"]
+        return {"seconds": seconds, "tokens": tokens, "rows": len(outs), "logprobs": logprobs, "scheduler": engine}
+
     async with EngineClient(url, timeout=args.timeout_s) as client:
-        await outputs(client, WARM_UP_TOKENS)  # warm-up: the case's batch, a few tokens (first-use costs of its shapes)
+        for batched in shapes:  # warm-up: the case's batch, a few tokens (first-use costs of its shapes)
+            await outputs(client, WARM_UP_TOKENS, batched)
         passes = []
-        for _ in range(args.repeats):
-            await client.flush_cache()  # each pass prefills its prompts (no pages cached by the last one)
-            before = (await client.get_server_info())["scheduler_stats"]
-            begin = time.perf_counter()
-            outs = await outputs(client, args.new_tokens)
-            seconds = time.perf_counter() - begin
-            logprobs = sum(len(o["meta_info"].get("output_token_logprobs") or []) for o in outs)
-            tokens = sum(len(o["output_ids"]) for o in outs)
-            after = (await client.get_server_info())["scheduler_stats"]
-            engine = {
-                key: after[key] - before[key]
-                for key in ("batches", "joined", "recomputed_prefixes", "host_bytes", "prefill_tokens", "preempted")
-                + ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds")
-                + ("arrival_holds", "arrival_hold_seconds")
-                if key in after
-            }
-            graphs = ((await client.get_server_info()).get("rollfleet_kv_cache") or {}).get("cuda_graphs")
-            if graphs:  # captured so far (a capture inside a pass is part of its time)
-                engine["graph_captures"], engine["graph_capture_s"] = graphs["captures"], graphs["capture_s"]
-            passes.append(
-                {"seconds": seconds, "tokens": tokens, "rows": len(outs), "logprobs": logprobs, "scheduler": engine}
-            )
+        for index in range(args.repeats):
+            order = shapes if index % 2 == 0 else shapes[::-1]
+            done = {batched: await one_pass(client, batched) for batched in order}
+            passes.append([done[batched] for batched in shapes] if len(shapes) > 1 else done[shapes[0]])
         return passes
 
 
@@ -243,6 +258,7 @@ def run_copy(args, prompts: list[list[int]]) -> list[dict]:
 ENGINES = {
     "embedded": run_embedded,
     "embedded_batch": run_embedded_batch,
+    "embedded_pair": run_embedded_pair,
     "generate": run_generate,
     "generate_batch": run_generate_batch,
     "copy": run_copy,

@@ -31,11 +31,12 @@ RAW_PATHS = {
 }
 
 
-def model_for(size_gb: float, dtype: torch.dtype, device: str, vocab: int = REAL_VOCAB):
+def model_for(size_gb: float, dtype: torch.dtype, device: str, vocab: int = REAL_VOCAB, hidden: int | None = None):
     """A model of the benchmarks' shape (rollfleet.bench.shapes) of about size_gb with its embedding and
-    lm_head of `vocab` entries, built directly on `device`."""
+    lm_head of `vocab` entries, built directly on `device`; `hidden` chosen by size unless given."""
     bytes_per = torch.finfo(dtype).bits // 8
-    hidden = 4096 if size_gb >= 12 else 2048 if size_gb >= 1 else 256  # 8B-class models have hidden 4096
+    if hidden is None:  # 8B-class models have hidden 4096
+        hidden = 4096 if size_gb >= 12 else 2048 if size_gb >= 1 else 256
     per_layer = 12 * hidden * hidden * bytes_per  # attention 4h^2 (GQA ~3h^2) + MLP 3*h*4h
     embeddings = 2 * vocab * hidden * bytes_per  # embed_tokens and an untied lm_head
     layers = max(1, round((size_gb * 1e9 - embeddings) / per_layer))

@@ -56,6 +56,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size-gb", type=float, default=0.05)
     parser.add_argument("--bucket-mb", type=float, default=512)
     add_vocab_flag(parser)
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=None,
+        help="hidden size (default by size: 256 under 1 GB); a small one with --vocab 320 keeps a real model's "
+        "tensor count (24 layers: --hidden 64 --size-gb 0.0049) at a size where the fixed costs show",
+    )
     parser.add_argument("--lora-rank", type=int, default=32, help="lora: the adapter's rank")
     parser.add_argument(
         "--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"], help="lora: target modules"
@@ -85,7 +92,7 @@ def _say(what: str) -> None:
 def _prepare(args, scratch: Path, dtype: torch.dtype, device: str):
     """The sender's model (saved first, as the engine's starting weights, then perturbed; lora: wrapped
     with a peft adapter, the base kept) and the buckets of what a sync moves."""
-    model = model_for(args.size_gb, dtype, device, args.vocab)
+    model = model_for(args.size_gb, dtype, device, args.vocab, args.hidden)
     save_checkpoint(ModuleSource(model).named_tensors(), scratch / "model", None)
     bench_tokenizer(args.vocab).save_pretrained(scratch / "model")
     model.config.save_pretrained(scratch / "model")

@@ -108,7 +108,8 @@ class Fingerprints:
         for records, values in self._gathered:
             by_device.setdefault(values.device, []).append((records, values))
         for batches in by_device.values():
-            host = torch.cat([values for _, values in batches]).cpu()  # the one device-to-host copy
+            values = batches[0][1] if len(batches) == 1 else torch.cat([values for _, values in batches])
+            host = values.cpu()  # the one device-to-host copy
             data, start = memoryview(host.numpy()).cast("B"), 0  # float32: 4 bytes per value
             for records, _ in batches:
                 for name, shape, count in records:

@@ -166,4 +166,20 @@ MUTANTS: list[Mutant] = [
         new="return dict.fromkeys(engine_ids)",
         tests=("tests/test_recovery.py::test_a_restore_that_delivers_other_weights_than_it_claims_is_not_served",),
     ),
+    Mutant(
+        id="payload-reader-reaches-live-tensors",
+        claim="no opcode of a weight payload reaches a rebuilt tensor while it is read (BUILD would grow it)",
+        file="rollfleet/wire/unpickled.py",
+        old="return Rebuilt(self.value(*(a.value if isinstance(a, Named) else a for a in args)))",
+        new="return self.value(*(a.value if isinstance(a, Named) else a for a in args))",
+        tests=("tests/test_buckets.py::test_what_the_c_unpickler_reaches_is_inert",),
+    ),
+    Mutant(
+        id="adapter-plan-never-dropped",
+        claim="the LoRA sender reads peft's state dict again once the model changed under its plan",
+        file="rollfleet/weights/adapter.py",
+        old="if plan is None or not plan.holds(self.model):",
+        new="if plan is None:",
+        tests=("tests/test_lora.py::test_the_adapter_plan_gives_peft_state_dict_until_the_model_changes",),
+    ),
 ]

@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from rollfleet.engine.lora.host_copies import host_copies
 from rollfleet.wire.fingerprint import fingerprints
 from rollfleet.wire.hf_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
 from rollfleet.wire.hf_files import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
@@ -188,7 +189,7 @@ def parse_adapter(
     if problems:
         shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
         raise LoraError(f"adapter {name!r} refused, nothing changed: {shown}")
-    owned = {key: tensor.detach().to("cpu").clone() for key, tensor in tensors.items()}  # no sender memory kept
+    owned = host_copies(tensors)  # no sender memory kept, on the CPU
     for target in targets:
         prefix = f"base_model.model.{target.module}"
         target.lora_a, target.lora_b = owned[f"{prefix}.lora_A.weight"], owned[f"{prefix}.lora_B.weight"]

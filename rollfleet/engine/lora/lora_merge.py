@@ -14,6 +14,9 @@ next forward that asks for it.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -32,6 +35,8 @@ from rollfleet.engine.tp.payloads import PayloadError, decode_entry, named_tenso
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of, shard_of
 
+log = logging.getLogger("rollfleet.engine")
+SYNC_TIMING = os.environ.get("ROLLFLEET_SYNC_TIMING") == "1"  # as weights/weight_update.py: log each load's phases
 LORA_OFF = (
     "LoRA is off on this engine: start it with --enable-lora (and --max-lora-rank, --lora-target-modules as needed)"
 )
@@ -103,12 +108,16 @@ class LoraMerge:
     ) -> None:
         """Store an adapter read from a directory (`lora_path`) or from this rank's entry of
         `serialized_named_tensors`; on every rank or, after any rank's refusal, on none."""
-        adapter, refusal = None, None
+        adapter, refusal, start = None, None, time.perf_counter()
         try:
             adapter = self._read(lora_name, lora_path, config_dict, serialized_named_tensors, load_format)
         except LoraError as exc:
             refusal = str(exc)
+        read = time.perf_counter()
         self._ranks.agree(refusal, LoraError)
+        if SYNC_TIMING:
+            agree = time.perf_counter() - read
+            log.warning("lora load of %s: read=%.2fms agree=%.2fms", lora_name, (read - start) * 1e3, agree * 1e3)
         self.adapters[lora_name] = adapter
         self._loads += 1
         self._load_of[lora_name] = self._loads

@@ -9,12 +9,15 @@ apart (152-214 decode steps instead of 127 for the same tokens).
 So the HTTP side counts the generation requests it has begun to read and not yet queued or refused
 (`CountArrivals`, an ASGI middleware, counts; `submit_generate` marks its request queued), and an
 idle engine (nothing running) waits to start a new batch while that count is above zero, at most
-`--rollfleet-arrival-wait-ms` from the first request it held back. A lone request holds nothing back:
-it is counted only until it is queued. A running batch is never held: requests join it as before.
+`--rollfleet-arrival-wait-ms` from the first request it held back. A request counts until three
+turns of the server's event loop after it is queued (`mark_queued` says why), so a lone request on
+an idle engine waits those turns (well under a millisecond on a quiet host). A running batch is
+never held: requests join it as before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 import time
@@ -84,10 +87,16 @@ class Arrival:
 
 
 def mark_queued() -> None:
-    """The request this task serves is queued or refused: it no longer holds an idle engine back."""
+    """The request this task serves is queued or refused: it stops holding an idle engine back three
+    turns of the event loop from now (on the loop's thread). The requests of a wave already sent
+    count by then: a turn reads their bytes (the server's protocol schedules each one's handling),
+    the next starts that handling, which counts it first thing (`CountArrivals`). Counted off at
+    once, a wave whose requests come one after another never held the engine: each one was queued
+    before the next began."""
     arrival = CURRENT.get()
     if arrival is not None:
-        arrival.queued()
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, loop.call_soon, arrival.queued)
 
 
 class CountArrivals:

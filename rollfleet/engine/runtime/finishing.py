@@ -20,24 +20,29 @@ class Finishing:
     """Needs from the scheduler: `_wakeup` (its condition), `running`, `batches`, `tokenizer`, `weight_version`."""
 
     def _retire_finished(self) -> None:
+        """Finished sequences leave the running set, then are answered: a client that has its answer
+        finds nothing of it left on the engine (its next /flush_cache or memory release is not
+        refused for "requests running")."""
         keep = [row for row, seq in enumerate(self.running) if seq.finish is None]
-        for seq in self.running:
-            if seq.finish is not None:
+        done = [seq for seq in self.running if seq.finish is not None]
+        try:
+            if done:
+                self.batches.retire(self.running, keep)
+                self.running = [self.running[row] for row in keep]
+        finally:  # a retire that failed still answers them (the batch then fails as a whole: _fail_batch)
+            for seq in done:
                 self._finish(seq, seq.finish)
-        if len(keep) < len(self.running):
-            self.batches.retire(self.running, keep)
-            self.running = [self.running[row] for row in keep]
 
     def _fail_batch(self, exc: Exception) -> None:
         log.exception("a batch of %d requests failed; they finish as aborted, the engine goes on", len(self.running))
         text = str(exc).strip()
         reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
         with self._wakeup:
-            for seq in self.running:
+            failed, self.running = self.running, []
+            for seq in failed:
                 if seq.finish is None:  # a request that finished before the failure keeps its own reason
                     seq.finish = FinishReason(type="abort", message=f"the engine failed this batch: {reason}")
                 self._finish(seq, seq.finish)
-            failed, self.running = self.running, []
         self.batches.drop(failed)  # a failure here is the loop's own: it stops and says why
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -219,7 +219,8 @@ class Scheduler(Aborts, Finishing, Pausing, Stepping):
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        with self._wakeup:  # not while the engine thread moves requests between its lists
+            return len(self.waiting) + len(self.running)
 
     def stop(self) -> None:
         with self._wakeup:

@@ -158,6 +158,16 @@ class Transport(ABC):
                     collector.add(name, tensor)
             yield name, tensor
 
+    def _fingerprint_meanwhile(self, report: SyncReport, collectors: dict, source_done: bool) -> None:
+        """Hash samples while the engines load a call: those gathered already (a collector gathers
+        every HOLD_BYTES: what is read stays read when it was), and once the source is done (every
+        tensor went out) its last ones, read now. Waits for the sender's device."""
+        with timed(report, "fingerprint"):
+            for collector in collectors.values():
+                if source_done:
+                    collector.flush()
+                collector.hash_gathered()
+
     def _finish_fingerprints(self, report: SyncReport, collectors: dict) -> None:
         """Fill report.fingerprints from what `_recorded` collected. Call it after the last call went
         out: it waits for the sender's device (the host copies of the samples), which must not stall

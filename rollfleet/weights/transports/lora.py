@@ -17,16 +17,19 @@ Fingerprints cover the adapter's tensors by peft key, as sent (no cast: engines 
 the dtype they arrive in); verification asks the engines for the adapter's fingerprints by name.
 With tensors they are sampled from the packed bucket (one gather per dtype, `staging.PackPlan`).
 
-Fixed costs, kept small: the bucket's layout is planned once per run (`PackPlans`) and packed in one
-multi-tensor copy (a fresh buffer each sync: an engine reads a loaded adapter in place, so the old
-version's buffer must not change while it is loaded); the adapter directory is written in a
-thread while the engines load (removed again if the sync fails, so a failed version leaves no
-directory; a version resent over its own directory replaces it only after the engines took it);
-the version call and the listing of loaded adapters go together, and every old version is
-unloaded at once. `SyncReport.phases` has source, pack,
-fingerprint, serialize, unload_retried (a copy of this version left by a failed sync; the listing is
-asked for before the pack and answered meanwhile), load, versions (version, listing, unloads), save
-(the wait for the directory after the engines were done) and prune.
+Fixed costs, kept small: the adapter's tensors are read by a plan made once per model and adapter
+(weights/adapter.py: peft's state dict walks every module, 12 ms per sync on the CPU); the bucket's
+layout is planned once per run (`PackPlans`) and packed in one multi-tensor copy (a fresh buffer
+each sync: an engine reads a loaded adapter in place, so the old version's buffer must not change
+while it is loaded); the fingerprint samples are gathered from the bucket before the load and
+hashed while the engines load; the adapter directory is written in a thread while the engines load
+(removed again if the sync fails, so a failed version leaves no directory; a version resent over
+its own directory replaces it only after the engines took it); the listing of loaded adapters is
+asked for first and waited for after the pack and serialization; it names, besides a copy of this
+version left by a failed sync, the old versions, unloaded at once with the version call (one round
+trip). `SyncReport.phases` has source, pack, fingerprint, serialize, unload_retried (the wait for
+the listing, and the unload of a retried copy), load, versions (version, unloads), save (the wait
+for the directory after the engines were done) and prune.
 """
 
 from __future__ import annotations
@@ -109,12 +112,14 @@ class LoraTransport(Transport):
                         directory = save_adapter(tensors, config, version_dir(self.spec.path, version))
                     self._load_directory(name, directory, report)
                 else:
-                    payload = self._packed(report, tensors)
+                    payload, prints = self._packed(report, tensors)
                     saving = self._save_meanwhile(tensors, config, version)  # what a restarted engine restores from
+                    with timed(report, "serialize"):  # one dict per entry, serialized once per engine rank
+                        entries = {t.engine_id: [serialize(payload) for _ in range(t.num_ranks)] for t in self.targets}
                     self._unload_retried(listing, name, report)
-                    self._load_tensors(name, payload, config, report)
+                    self._load_tensors(name, entries, config, prints, report)
                 with timed(report, "versions"):
-                    self._set_version_and_unload_old(name, version)
+                    self._set_version_and_unload_old(name, version, listing.result())
                 with timed(report, "save"):
                     if saving is not None:
                         saving.result()
@@ -135,19 +140,20 @@ class LoraTransport(Transport):
             prints = fingerprints(tensors)
         report.fingerprints = {t.engine_id: dict(prints) for t in self.targets}
 
-    def _packed(self, report: SyncReport, tensors) -> dict:
+    def _packed(self, report: SyncReport, tensors) -> tuple[dict, Fingerprints]:
         """The adapter as one flattened bucket in a fresh buffer (the trainer's own parameter storages
-        never become shared memory), fingerprinted from the bucket."""
+        never become shared memory), and its fingerprint samples, gathered from the bucket (hashed
+        while the engines load it: `_load_tensors`)."""
         device = tensors[0][1].device if tensors else torch.device("cpu")
         with timed(report, "pack"):
             plan = self.plans.plan(tensors)
             bucket = plan.pack(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8, device=device))
         with timed(report, "fingerprint"):
-            collector = Fingerprints()
-            plan.fingerprint(bucket, collector)
-            prints = collector.digests()  # waits for the pack: the engines may read the bucket after this
-        report.fingerprints = {t.engine_id: dict(prints) for t in self.targets}
-        return bucket.to_payload()
+            prints = Fingerprints()
+            plan.fingerprint(bucket, prints)
+            if device.type == "cuda":  # the pack is finished before an engine reads the bucket
+                torch.cuda.current_stream(device).synchronize()
+        return bucket.to_payload(), prints
 
     def _save_meanwhile(self, tensors, config: dict, version: str) -> Future | None:
         """Write this version's adapter directory in a thread, unless a sync of this version left one
@@ -163,24 +169,31 @@ class LoraTransport(Transport):
         with timed(report, "load"):
             self._each("load_lora_adapter", lambda t: ((name, str(Path(directory).resolve())), {})).result()
 
-    def _load_tensors(self, name: str, payload: dict, config: dict, report: SyncReport) -> None:
-        """One dict per entry as SGLang's tp worker indexes it (`data["flattened_tensor"]`), serialized
-        once per engine rank."""
-        with timed(report, "serialize"):
-            entries = {t.engine_id: [serialize(payload) for _ in range(t.num_ranks)] for t in self.targets}
+    def _load_tensors(self, name: str, entries: dict, config: dict, prints: Fingerprints, report: SyncReport) -> None:
+        """`entries`: engine id -> one serialized dict per rank, as SGLang's tp worker indexes it
+        (`data["flattened_tensor"]`); the fingerprints are hashed while the engines load."""
+        loading = self._each(
+            "load_lora_adapter_from_tensors",
+            lambda t: ((name, config, entries[t.engine_id]), {"load_format": "flattened_bucket"}),
+        )
+        with timed(report, "fingerprint"):
+            try:
+                digests = prints.digests()
+            except BaseException:
+                wait_all(loading)  # no call left in flight behind the error
+                raise
+        report.fingerprints = {t.engine_id: dict(digests) for t in self.targets}
         with timed(report, "load"):
-            self._each(
-                "load_lora_adapter_from_tensors",
-                lambda t: ((name, config, entries[t.engine_id]), {"load_format": "flattened_bucket"}),
-            ).result()
+            loading.result()
 
-    def _set_version_and_unload_old(self, name: str, version: str) -> None:
-        """The version on every engine, and (listed meanwhile) the run's other versions unloaded, all at once."""
+    def _set_version_and_unload_old(self, name: str, version: str, listed: list[dict]) -> None:
+        """The version on every engine, and the run's other versions unloaded, all at once. `listed`:
+        each engine's adapters when the sync began (the only version loaded since is `name`; a copy
+        of `name` listed then was unloaded before the load: `_unload_retried`)."""
         setting = self._each("update_weight_version", lambda t: ((version,), {}))
-        adapters = self._each("loaded_lora_adapters", lambda t: ((), {})).result()
         unloading = [
             self._each("unload_lora_adapter", lambda t, n=old: ((n,), {}), engine_ids=[target.engine_id])
-            for target, names in zip(self.targets, adapters)
+            for target, names in zip(self.targets, listed)
             for old in names
             if old != name and is_version_of(old, self.spec.adapter_name)
         ]

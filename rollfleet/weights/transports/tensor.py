@@ -28,10 +28,12 @@ is set after the last call landed (engines with sessions: at the session's end).
 
 Fixed costs per call: a call's layout is planned once per run (`staging.PackPlan`: offsets, the
 wire metadata records, the buffer's split), so packing is one multi-tensor copy and serializing
-pickles records made once. The fingerprints stay those of the source's tensors, gathered late (at
-`_finish_fingerprints`, or every HOLD_BYTES): they are what the trainer holds after the push, so a
+pickles records made once. The fingerprints stay those of the source's tensors, read late (once
+the source is done, or every HOLD_BYTES): they are what the trainer holds after the push, so a
 trainer that changed a tensor under the push fails verification (tests/test_fleet_sync.py); read
-from the packed buffers they would only say the engines hold what was sent."""
+from the packed buffers they would only say the engines hold what was sent. Rank 0 hashes them
+while the engines load a call (`_fingerprint_meanwhile`, before it waits for call k-1), so the last
+ones are hashed beside the last call's load instead of after it."""
 
 from __future__ import annotations
 
@@ -126,6 +128,8 @@ class TensorTransport(Transport):
             contribution, keep = self._pack_mine(call, index, buffers, report) if call is not None else ({}, [])
             if "error" in contribution:
                 state = ("error", contribution["error"])
+            if caller and failure is None and state[0] != "error":  # hashed while the engines load call k-1
+                failure = self._attempt(lambda: self._fingerprint_meanwhile(report, collectors, call is None))
             if caller and failure is None:
                 with timed(report, "wait_engines"):
                     failure = self._attempt(in_flight.make_room)  # call k-1 answered: slot (k+1) % 2 is free

@@ -1,0 +1,49 @@
+"""Host copies of an adapter's tensors as it arrived (a LoRA engine keeps adapters on the CPU and
+none of the sender's memory).
+
+An adapter sent from a GPU arrives as views of one bucket there: copied one tensor at a time, each
+`.to("cpu")` is its own device-to-host transfer and wait (192 for a rank-32 adapter on q, k, v, o of
+24 layers), so the bucket's bytes are copied once and the tensors viewed in the copy. On the CPU
+a clone per tensor is cheaper than the views (0.5 against 0.9 ms for those 192 tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def host_copies(tensors: dict[str, torch.Tensor], *, per_storage: bool | None = None) -> dict[str, torch.Tensor]:
+    """Copies on the host sharing no memory with what arrived. `per_storage` (default: unless every
+    tensor is on the CPU): one copy of the bytes a source storage spans for these tensors, each tensor
+    a view of it with its own offset, shape and stride (tensors of a storage they fill less than half
+    of are copied one by one); else one clone each."""
+    if not (per_storage if per_storage is not None else any(t.device.type != "cpu" for t in tensors.values())):
+        return {key: tensor.detach().clone() for key, tensor in tensors.items()}
+    groups: dict[tuple[int, str], list[str]] = {}
+    for key, tensor in tensors.items():
+        pointer = tensor.untyped_storage().data_ptr() if tensor.numel() else 0
+        groups.setdefault((pointer, str(tensor.device)), []).append(key)
+    owned = {}
+    for (pointer, _), keys in groups.items():
+        spans = {key: _byte_span(tensors[key]) for key in keys} if pointer else {}
+        start = min((first for first, _ in spans.values()), default=0) // 64 * 64  # offsets stay aligned
+        end = max((last for _, last in spans.values()), default=0)
+        if not pointer or end - start > 2 * sum(last - first for first, last in spans.values()):
+            owned.update({key: tensors[key].detach().to("cpu").clone() for key in keys})
+            continue
+        first = tensors[keys[0]]
+        storage = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage())
+        copy = storage[start:end].to("cpu", copy=True).untyped_storage()
+        for key in keys:
+            tensor, (offset, _) = tensors[key], spans[key]
+            element = tensor.element_size()
+            owned[key] = torch.empty(0, dtype=tensor.dtype).set_(
+                copy, (offset - start) // element, tensor.shape, tensor.stride()
+            )
+    return owned
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a non-empty tensor reads: [first, end)."""
+    last = tensor.storage_offset() + sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride()))
+    return tensor.storage_offset() * tensor.element_size(), (last + 1) * tensor.element_size()
