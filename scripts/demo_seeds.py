@@ -9,8 +9,10 @@ of each run: the mean over its first 10 and last 10 steps (README's demo figure)
 
 An override's `{scratch}` is the run's temporary directory.
 
-`grpo.seed` sets the prompt order; the engine's sampling is not seeded, so runs with the same seed
-differ too. Each run writes into its own temporary directory (model, metrics, checkpoints).
+`grpo.seed` sets the prompt order and, on the CPU (`grpo.seed_sampling: auto`), the seed of every
+sample the engine draws, so a run of one seed repeats its samples; `grpo.seed_sampling=false` gives
+the engine's own random draws. The record says which (`config.sampling_seeded`). Each run writes
+into its own temporary directory (model, metrics, checkpoints).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
+from rollfleet.config import load_config
 
 WINDOW = 10  # steps averaged at each end
 
@@ -97,7 +100,13 @@ def main(argv: list[str] | None = None) -> None:
         "seconds_of_steps": spread([r["seconds_of_steps"] for r in runs]),
         "seconds_end_to_end": spread([r["seconds_end_to_end"] for r in runs]),
     }
-    config = {"config_file": args.config, "seeds": args.seeds, "overrides": args.overrides}
+    run_config = load_config(args.config, [o.replace("{scratch}", "scratch") for o in args.overrides])
+    config = {
+        "config_file": args.config,
+        "seeds": args.seeds,
+        "overrides": args.overrides,
+        "sampling_seeded": run_config.sampling_seed is not None,  # grpo.seed_sampling, auto resolved
+    }
     record = make_record(
         "demo", command_line(["python", "scripts/demo_seeds.py"], argv), config, runs, summary, True, started=started
     )

@@ -204,11 +204,20 @@ def _demo_records(records):
     return [(n, r) for n, r in records if r["benchmark"] == "demo"]
 
 
+def _seeding(record: dict) -> str:
+    """Whether the demo's engine drew its samples from grpo.seed (records before grpo.seed_sampling: not)."""
+    if record["config"].get("sampling_seeded"):
+        return "the engine's sampling seeded from grpo.seed"
+    return "the engine's sampling not seeded"
+
+
 def demo(records: list[tuple[str, dict]]) -> str:
     out = []
     for name, r in _demo_records(records):
         window = r["summary"]["window_steps"]
-        out.append(f"Record {_source(name, r)}:\n\n")
+        overrides = " ".join(r["config"].get("overrides") or [])
+        given = f"; `{r['config']['config_file']}` with `{overrides}`" if overrides else ""
+        out.append(f"Record {_source(name, r)}; {_seeding(r)}{given}:\n\n")
         out.append(
             f"| grpo.seed | steps | reward, first {window} steps | reward, last {window} steps "
             "| seconds of steps | end to end |\n|---|---|---|---|---|---|\n"
@@ -233,8 +242,8 @@ def demo_summary(records: list[tuple[str, dict]]) -> str:
     return (
         f"Mean reward goes from {first['min']:.3f}-{first['max']:.3f} (first {s['window_steps']} steps) to "
         f"{last['min']:.2f}-{last['max']:.2f} (last {s['window_steps']}; median {last['median']:.2f}) over "
-        f"{r['repeats'][0]['steps']} steps in {last['n']} runs (grpo.seed {seeds}"
-        f"; the engine's sampling is not seeded), {steps['min']:.0f}-{steps['max']:.0f} s of steps each on "
+        f"{r['repeats'][0]['steps']} steps in {last['n']} runs (grpo.seed {seeds}; {_seeding(r)}), "
+        f"{steps['min']:.0f}-{steps['max']:.0f} s of steps each on "
         f'a {_machine(r)} shared with other work. "other" (framework overhead outside generate, reward, '
         f"train, sync, sleep/wake and the recovery checkpoint) is {min(other):.2f}-{max(other):.2f}% of step time. "
         f"Record: `docs/results/{name}`, made by `python scripts/demo_seeds.py`.\n"

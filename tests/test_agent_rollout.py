@@ -26,6 +26,7 @@ from rollfleet.fleet.fleet import Fleet
 from rollfleet.tiny_models import CHATML_TEMPLATE, make_tiny_model
 from rollfleet.train.invariants import check_complete
 from rollfleet.train.loop import train
+from rollfleet.train.sample_stream import prompt_seeds
 from rollfleet.wire.client import EngineClient
 
 pytestmark = pytest.mark.usefixtures("local_ray")
@@ -201,12 +202,16 @@ def test_a_call_whose_every_episode_is_refused_raises_the_engines_message(servin
 
 
 def test_engine_killed_under_a_turn_loses_and_doubles_nothing(serving, chat_dir):
+    """Seeded: a turn sent again to the other engine carries its seed, so every episode is the one its
+    seeds drew in a call before the kill."""
     tokenizer = AutoTokenizer.from_pretrained(chat_dir)
     record, gate, result = [], threading.Event(), {}
     script = [("text", " ok")]
+    items, seeds = [PromptItem(f"q{i}", "", i) for i in range(4)], prompt_seeds(0, range(4))
+    unheld = AgentRollout(serving, Scripted, {"record": [], "script": script}, AgentConfig())
+    before = unheld.run(items, n=1, seeds=seeds)
     rollout = AgentRollout(serving, Scripted, {"record": record, "script": script, "gate": gate}, AgentConfig())
-    items = [PromptItem(f"q{i}", "", i) for i in range(4)]
-    worker = threading.Thread(target=lambda: result.update(samples=rollout.run(items, n=1)))
+    worker = threading.Thread(target=lambda: result.update(samples=rollout.run(items, n=1, seeds=seeds)))
     worker.start()
     try:
         wait_until(lambda: len(record) == 4 and all(e.held for e in record), what="first turns", alive=worker.is_alive)
@@ -228,6 +233,7 @@ def test_engine_killed_under_a_turn_loses_and_doubles_nothing(serving, chat_dir)
         assert len(s.output_ids) == 4 + len(tokenizer.encode(" ok")) + 4
         moved = env in victims  # the turn killed on engine 1 was sent again, from the same ids, to engine 0
         assert s.episode["engine_ids"] == ([1, 0] if moved else [0, 0])
+    assert [s.output_ids for s in samples] == [s.output_ids for s in before]
     # the router marks it dead when its process is gone at the failed call; when the socket closed a
     # moment before the process was reaped, the fleet's death watch does, just after
     wait_until(lambda: serving.slots[1].state.value == "INACTIVE", what="engine 1 marked dead")

@@ -281,6 +281,29 @@ def test_verification_mode_follows_the_backend_and_fingerprints_are_refused_on_s
     assert "weight_sync.verify" in message and "'fingerprint'" in message and "verify=version" in message
 
 
+def test_sampling_is_seeded_where_the_engines_honour_the_seed():
+    """auto: seeded on the embedded engine on CPU (not on a GPU, where seeds cost a decode step's time);
+    on SGLang only with its deterministic inference (it ignores sampling_seed without it); an explicit
+    choice the backend cannot keep is refused with the fix."""
+    sglang, deterministic = "rollout.backend=sglang", "rollout.server_extras=[--enable-deterministic-inference]"
+    assert load_config(None, [MODEL, "grpo.seed=7"]).sampling_seed == 7
+    assert load_config(None, [MODEL, "rollout.use_gpu=true"]).sampling_seed is None
+    assert load_config(None, [MODEL, "rollout.use_gpu=true", "grpo.seed_sampling=true"]).sampling_seed == 0
+    assert load_config(None, [MODEL, "grpo.seed_sampling=false"]).sampling_seed is None
+    assert load_config(None, [MODEL, sglang]).sampling_seed is None
+    assert load_config(None, [MODEL, sglang, deterministic, "grpo.seed=3"]).sampling_seed == 3
+    on_policy = "rollout.sglang_command=[python, -m, sglang.launch_server, --rl-on-policy-target=fsdp]"
+    assert load_config(None, [MODEL, sglang, on_policy]).sampling_seed == 0
+    assert load_config(None, [MODEL, sglang, deterministic, "grpo.seed_sampling=true"]).sampling_seed == 0
+    message = error_of(MODEL, sglang, "grpo.seed_sampling=true")
+    assert "grpo.seed_sampling=True" in message and "--enable-deterministic-inference" in message
+    message = error_of(MODEL, sglang, deterministic, "grpo.seed_sampling=false", "rollout.sampling.n=8")
+    assert "grpo.seed_sampling=False" in message and "seed 42" in message and "seed_sampling=auto" in message
+    assert load_config(None, [MODEL, sglang, deterministic, "grpo.seed_sampling=false"]).sampling_seed is None  # n=1
+    assert load_config(None, [MODEL]).rollout.seeds_each_sample is False
+    assert load_config(None, [MODEL, sglang]).rollout.seeds_each_sample is True
+
+
 @pytest.mark.parametrize(
     "overrides, names",
     [

@@ -87,6 +87,39 @@ def test_same_seed_same_tokens_other_seed_other_tokens(server):
     assert first["output_ids"] != other["output_ids"]
 
 
+def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch(server):
+    """The same seeded request (n=4) alone, inside one batch request among other prompts of other
+    lengths and seeds, and among concurrent requests: the same tokens. Its logprobs agree to float
+    rounding only: this server runs two threads, with which CPU attention and products of 5-7 or 9-11
+    rows round with the batch (about 5e-7 apart here; a fleet's engines run one, kv/paged.py), which
+    can flip a draw only where two tokens' noisy scores are that close."""
+    params = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 12345, "n": 4}
+    mine, others = [5, 17, 42, 99, 7], [[i + 1] * (3 + 5 * i) for i in range(10)]
+    theirs = [{**params, "sampling_seed": 1000 + i} for i in range(10)]
+
+    async def go():
+        async with client_for(server) as client:
+            alone = await client.generate(input_ids=mine, sampling_params=params, return_logprob=True)
+            batch = await client.generate(
+                input_ids=others[:5] + [mine] + others[5:],
+                sampling_params=theirs[:5] + [params] + theirs[5:],
+                return_logprob=True,
+            )
+            calls = [
+                client.generate(input_ids=o, sampling_params=p, return_logprob=True) for o, p in zip(others, theirs)
+            ]
+            calls.insert(3, client.generate(input_ids=mine, sampling_params=params, return_logprob=True))
+            return alone, batch[20:24], (await asyncio.gather(*calls))[3]
+
+    alone, in_batch, concurrent = run(go())
+    for answers in (in_batch, concurrent):
+        assert [a["output_ids"] for a in answers] == [a["output_ids"] for a in alone]
+        for a, b in zip(answers, alone):
+            got, want = ([e[0] for e in x["meta_info"]["output_token_logprobs"]] for x in (a, b))
+            assert max(abs(g - w) for g, w in zip(got, want)) < 1e-5
+    assert len({tuple(a["output_ids"]) for a in alone}) == 4  # the n samples differ
+
+
 def test_top_k_one_equals_greedy(server):
     greedy = call(server, "generate", input_ids=[9, 9, 9], sampling_params=GREEDY)
     top1 = call(server, "generate", input_ids=[9, 9, 9], sampling_params={**GREEDY, "temperature": 1.0, "top_k": 1})

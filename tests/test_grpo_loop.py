@@ -132,6 +132,35 @@ def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, t
     assert (tmp_path / "checkpoints" / "state-step-2").is_dir()
 
 
+def test_a_seeded_run_repeats_its_samples_and_another_seed_does_not(qwen3_dir, tmp_path):
+    """The engine's sampling is seeded from grpo.seed (grpo.seed_sampling: auto, on for the embedded
+    engine on CPU): two runs of one config and seed draw the same tokens with the same logprobs at
+    every step, bit for bit (a CPU engine of one thread, its steps of fewer than 4 rows padded: the
+    logits do not depend on how requests batch), so they reward, train and push the same;
+    grpo.seed=1 draws other prompts and other samples."""
+
+    def seeded_run(name: str, *overrides: str) -> tuple[list[dict], Recorder]:
+        out = tmp_path / name
+        options = ("rollout.placement=colocated", "weight_sync.transport=tensor", "rollout.sampling.max_new_tokens=6")
+        cfg, temp = run_config(qwen3_dir, out, *options, *overrides)
+        recorder = Recorder(qwen3_dir)
+        return train_rows(cfg, temp, out, observe=recorder), recorder
+
+    rows_a, a = seeded_run("a", "grpo.steps=3")
+    rows_b, b = seeded_run("b", "grpo.steps=3")
+    for step in range(3):
+        (items_a, samples_a), (items_b, samples_b) = a.steps[step], b.steps[step]
+        assert [i.prompt for i in items_a] == [i.prompt for i in items_b]
+        assert [s.output_ids for s in samples_a] == [s.output_ids for s in samples_b], step
+        assert [s.reward for s in samples_a] == [s.reward for s in samples_b]
+        assert [s.logprobs for s in samples_a] == [s.logprobs for s in samples_b], step
+        assert len({tuple(s.output_ids) for s in samples_a}) > 1  # sampled, not one answer for all
+    assert [r["reward_mean"] for r in rows_a] == [r["reward_mean"] for r in rows_b]
+    assert [r["train/loss"] for r in rows_a] == [r["train/loss"] for r in rows_b]
+    _, c = seeded_run("c", "grpo.steps=1", "grpo.seed=1")
+    assert [s.output_ids for s in c.steps[0][1]] != [s.output_ids for s in a.steps[0][1]]
+
+
 def test_resume_over_disk_sync_continues_from_the_saved_weights(qwen3_dir, tmp_path):
     """The disk transport drives the loop (each push a HF directory the engines load), and a resumed
     run pushes the weights of the state it resumed from, not the model it was started with."""

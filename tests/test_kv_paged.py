@@ -62,6 +62,35 @@ def test_chunked_prefill_fork_and_decode_match_a_full_forward(kind, pool_holds):
             assert torch.allclose(logits[row], want, atol=1e-5), (kind, row, (logits[row] - want).abs().max())
 
 
+def test_a_rows_logits_on_cpu_do_not_depend_on_how_many_rows_share_its_step():
+    """One thread (a fleet engine's): a prompt prefilled alone or among others, and one decode row
+    alone or among others, get bit-equal logits. Without the padding to CPU_MIN_ROWS, MKL's
+    products over 1-3 rows round otherwise, and a seeded run's logprobs, then its weights, drift
+    with how arrival waves split."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3")).eval()
+        paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=torch.device("cpu"), page_size=4, graphs=False)
+        paged.allocate(num_pages=60, max_graph_batch=0)
+        blocks = BlockPool(60, 4)
+        mine, others = [3, 4, 5], [[40 + i, 41 + i, 42 + i] for i in range(5)]
+
+        def prefill(prompts):  # each prompt's last-token logits
+            rows = [(0, p, blocks.allocate(2)) for p in prompts]
+            ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+            return paged.step(rows, logits_at=ends.tolist()), rows
+
+        alone, (row,) = prefill([mine])
+        shared, rows = prefill([mine, *others])
+        assert torch.equal(alone[0], shared[0])
+        decode = [(3, [7], pages) for _, _, pages in [row, *rows[1:]]]
+        assert torch.equal(paged.step(decode[:1], logits_at=[0])[0], paged.step(decode, logits_at=[0, 1, 2])[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def small_pool_server(qwen3_dir, tmp_path_factory):
     """Pages of 4 tokens, a pool of 96 (24 pages) and prefills of at most 8 tokens a step: every

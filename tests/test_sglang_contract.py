@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import torch
 
 from rollfleet.config import DiskSync, LoraSync, NcclSync, TensorSync
 from rollfleet.fleet.colocation import RESUME_AFTER_PUSH, release_tags
+from rollfleet.fleet.sampling_seeds import derive_seed, seeded_payload
 from rollfleet.weights.adapter import LoraSource
 from rollfleet.weights.transports.base import EngineTarget, make_transport
 from rollfleet.wire.client import SUPPORTED_SGLANG, EngineClient, UnsupportedEngine, check_supported
@@ -34,13 +36,18 @@ SITE = Path(os.environ.get("ROLLFLEET_SGLANG_SITE") or ROOT / ".sglang-site").re
 START_TIMEOUT_S = 300  # importing SGLang's modules on a loaded 2-core machine
 
 
-@pytest.fixture(scope="module")
-def sglang_url(tmp_path_factory):
+def sglang_env() -> dict[str, str]:
+    """The environment of a process that runs SGLang's code (skips the test without the wheel)."""
     if not (SITE / "sglang" / "version.py").exists():
         if os.environ.get("ROLLFLEET_SGLANG_SITE"):
             raise FileNotFoundError(f"ROLLFLEET_SGLANG_SITE={SITE} holds no sglang package (install one there)")
         pytest.skip(f"the sglang wheel is not installed in {SITE}: run `make sglang-site` (needs the package registry)")
-    env = {**os.environ, "PYTHONPATH": f"{SITE}{os.pathsep}{ROOT}", "PYTHONWARNINGS": "ignore"}
+    return {**os.environ, "PYTHONPATH": f"{SITE}{os.pathsep}{ROOT}", "PYTHONWARNINGS": "ignore"}
+
+
+@pytest.fixture(scope="module")
+def sglang_url(tmp_path_factory):
+    env = sglang_env()
     log = tmp_path_factory.mktemp("sglang") / "harness.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -200,6 +207,49 @@ def test_an_sglang_release_outside_the_proven_range_is_refused_naming_the_range(
     for version in ("0.5.20", "0.6.0", "", None):
         with pytest.raises(UnsupportedEngine, match=f"{low} to {high}"):
             check_supported({"version": version}, "http://e")
+
+
+SEEDED_REQUESTS = """
+import json, sys
+sys.path.insert(0, "tests")
+import sglang_stubs  # noqa: F401  (before any sglang module)
+from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.sampling.sampling_params import SamplingParams
+out = []
+for body in json.loads(sys.stdin.read()):
+    request = GenerateReqInput(**body)
+    request.normalize_batch_and_arguments()
+    params = [request.sampling_params] if isinstance(request.sampling_params, dict) else request.sampling_params
+    for p in params:
+        SamplingParams(**p).verify(100)  # raises on a seed SGLang refuses
+    ids = [request.input_ids] if request.is_single else request.input_ids
+    out.append({"input_ids": ids, "seeds": [p.get("sampling_seed") for p in params]})
+print(json.dumps(out))
+"""
+
+
+def test_a_seeded_request_gives_each_sample_its_own_seed_in_sglangs_normalisation():
+    """Why SGLang's seeded requests are sent one sample a copy (rollfleet.fleet.sampling_seeds): its
+    own request normalisation hands a request's n copies one seed (so they would draw the same tokens),
+    and our per-sample form reaches it as n requests of the prompt with our n seeds, in order, each a
+    seed its SamplingParams accept."""
+    request = {"input_ids": [5, 6, 7], "sampling_params": {"n": 4, "max_new_tokens": 3}, "return_logprob": True}
+    plain = seeded_payload(request, 2**63 - 1, each_sample=False)
+    each = seeded_payload(request, derive_seed(0, 17), each_sample=True)
+    done = subprocess.run(
+        [sys.executable, "-c", SEEDED_REQUESTS],
+        input=json.dumps([plain, each]),
+        capture_output=True,
+        text=True,
+        env=sglang_env(),
+        cwd=ROOT,
+        timeout=START_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared, own = json.loads(done.stdout.strip().splitlines()[-1])
+    assert shared == {"input_ids": [[5, 6, 7]] * 4, "seeds": [2**63 - 1] * 4}
+    assert own["input_ids"] == [[5, 6, 7]] * 4
+    assert own["seeds"] == [p["sampling_seed"] for p in each["sampling_params"]] and len(set(own["seeds"])) == 4
 
 
 # (call, tags, refused by SGLang 0.5.23's bookkeeping): each refusal fails on its first tag, so that

@@ -9,6 +9,9 @@ Ordering, stated once:
   engine. A turn whose engine dies under it is sent again, from the same ids, to another engine, and
   only the answer that completed is kept: no turn is lost or doubled, and every token's version is
   the one its engine reported.
+- With seeds (one per record: rollfleet.fleet.sampling_seeds) each turn carries `sampling_seed` =
+  derive_seed(record's seed, episode, turn), built once per turn: a turn sent again carries it too,
+  so a seeded episode draws the same tokens whichever engine serves its turns.
 - An environment step (a tool call) slower than `tool_timeout_s`, or one that raises, ends only its
   episode (finish reason `tool_timeout` / `tool_error`, reward `failed_reward`); so do the limits on
   turns (`max_turns`) and tokens (`max_total_tokens`: a turn asks for at most what is left, and an
@@ -32,6 +35,7 @@ from typing import Any
 from rollfleet.agents.markup import TurnMarkup
 from rollfleet.config.agent import AgentConfig
 from rollfleet.envs.base import Done, Observation, Turn
+from rollfleet.fleet.sampling_seeds import derive_seed
 from rollfleet.sample import Sample
 from rollfleet.wire.errors import EngineError
 
@@ -99,16 +103,26 @@ class AgentRollout:
         self.limits: AgentConfig = limits or AgentConfig()
         self.markup = TurnMarkup(fleet.tokenizer)
 
-    def run(self, items: list, n: int, on_episode: Callable[[Sample], None] | None = None) -> list[Sample]:
-        """`on_episode(sample)` runs on the engine pool's thread as each episode ends (must not block)."""
-        return self.fleet.pool.run(self._run(items, n, self.fleet.version, on_episode))
+    def run(
+        self,
+        items: list,
+        n: int,
+        on_episode: Callable[[Sample], None] | None = None,
+        seeds: list[int] | None = None,
+    ) -> list[Sample]:
+        """`on_episode(sample)` runs on the engine pool's thread as each episode ends (must not block);
+        `seeds` (one per record): every turn's sampling is seeded from its record's."""
+        if seeds is not None and len(seeds) != len(items):
+            raise ValueError(f"{len(seeds)} seeds for {len(items)} records: give one seed per record, or None")
+        return self.fleet.pool.run(self._run(items, n, self.fleet.version, on_episode, seeds))
 
-    async def _run(self, items, n, version, on_episode) -> list[Sample]:
+    async def _run(self, items, n, version, on_episode, seeds) -> list[Sample]:
         room = asyncio.Semaphore(self.limits.max_in_flight)
 
         async def one(prompt_index: int, sample_index: int) -> Sample:
+            seed = None if seeds is None else seeds[prompt_index]
             async with room:
-                sample = await self._episode(prompt_index, sample_index, items[prompt_index], version)
+                sample = await self._episode(prompt_index, sample_index, items[prompt_index], version, seed)
             if on_episode is not None:
                 on_episode(sample)
             return sample
@@ -123,15 +137,17 @@ class AgentRollout:
             )
         return samples
 
-    def _request(self, env, ids: list[int], room: int) -> dict[str, Any]:
+    def _request(self, env, ids: list[int], room: int, seed: int | None) -> dict[str, Any]:
         params = {**self.fleet.rollout.sampling.model_dump(), **getattr(env, "sampling", {}), "n": 1}
         params["max_new_tokens"] = min(params["max_new_tokens"], room)
+        if seed is not None:
+            params["sampling_seed"] = seed
         request = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
         if self.fleet.lora_name is not None:  # a LoRA run: the adapter the last verified sync loaded
             request["lora_path"] = self.fleet.lora_name
         return request
 
-    async def _episode(self, prompt_index: int, sample_index: int, item, version: str) -> Sample:
+    async def _episode(self, prompt_index: int, sample_index: int, item, version: str, seed: int | None) -> Sample:
         limits, tokenizer = self.limits, self.fleet.tokenizer
         env = self.environment(**self.environment_args)
         episode = Episode(prompt_index, sample_index, self.markup.prompt(env.start(item)))
@@ -141,7 +157,8 @@ class AgentRollout:
                 room = limits.max_total_tokens - episode.length
                 if room < 1:
                     raise _Ends("max_tokens")
-                out, engine_id = await self._generate(episode, env, room, version, engine_id)
+                turn_seed = None if seed is None else derive_seed(seed, sample_index, index)
+                out, engine_id = await self._generate(episode, env, room, version, engine_id, turn_seed)
                 turn_ids = episode.add_turn(out, engine_id)
                 turn = Turn(index, tokenizer.decode(turn_ids), turn_ids, out["meta_info"]["finish_reason"], engine_id)
                 answer = await self._answer(episode, env, turn)
@@ -156,12 +173,13 @@ class AgentRollout:
             return episode.finish(end.reason, limits.failed_reward, tokenizer, **end.detail)
         return episode.finish("max_turns", limits.failed_reward, tokenizer)
 
-    async def _generate(self, episode: Episode, env, room: int, version: str, prefer: int | None):
+    async def _generate(self, episode: Episode, env, room: int, version: str, prefer: int | None, seed: int | None):
         """One turn's answer and its engine; an engine's 4xx ends the episode (`engine_rejected`)."""
         ids = episode.sample.prompt_ids + episode.sample.output_ids
+        request = self._request(env, ids, room, seed)  # once: a retry sends this very request again
         began = time.perf_counter()
         try:
-            outs, engine_id = await self.fleet.router.generate(self._request(env, ids, room), version, prefer)
+            outs, engine_id = await self.fleet.router.generate(request, version, prefer)
         except EngineError as exc:
             if not 400 <= exc.status_code < 500:
                 raise  # an engine that failed while alive, on every live engine: the router's call

@@ -43,7 +43,19 @@ class GrpoConfig(Section):
     checkpoint_every: int = Field(
         0, ge=0, description="Save an HF checkpoint and trainer state every K steps; 0: at the end only."
     )
-    seed: int = Field(0, description="Seed of the prompt order.")
+    seed: int = Field(0, description="Seed of the prompt order and (seed_sampling) of the engines' sampling.")
+    seed_sampling: Literal["auto"] | bool = Field(
+        "auto",
+        description="Every generate request carries sampling_params.sampling_seed, derived from seed and the "
+        "request's place in the run (the prompt's position in the prompt stream, the sample, an episode's turn), "
+        "so the same config and seed draw the same samples, whichever engine serves a request, whatever shares "
+        "its batch, and when it is sent again. auto: on with the embedded engine on CPU; off with it on a GPU "
+        "(seeded rows leave its one-pass sampling kernel: about a decode step's time more at 512 rows); with "
+        "sglang on only when its servers run deterministic inference (--enable-deterministic-inference or "
+        "--rl-on-policy-target in rollout.server_extras or sglang_command): SGLang ignores the seed without it, "
+        "and there each sample of a prompt goes as a copy with a seed of its own (SGLang gives a request's n "
+        "copies one seed). false: the engines' own random draws.",
+    )
     max_staleness: int = Field(
         0,
         ge=0,

@@ -20,6 +20,7 @@ from rollfleet.config.errors import FieldProblem
 from rollfleet.config.grpo import GrpoConfig
 from rollfleet.config.lora import check_lora_run
 from rollfleet.config.section import Section as _Section
+from rollfleet.config.seeding import check_seeding, sampling_seeded
 from rollfleet.config.standby import check_standby_beside
 from rollfleet.config.train import TrainConfig, TrainerConfig
 from rollfleet.config.weight_sync import DiskSync, WeightSyncConfig
@@ -154,6 +155,12 @@ class RolloutConfig(_Section):
         return {"api_key": self.api_key, "admin_api_key": self.admin_api_key}
 
     @property
+    def seeds_each_sample(self) -> bool:
+        """Whether each of a seeded request's n samples needs a seed of its own (SGLang: a request's n
+        copies share its seed, and would draw the same tokens; rollfleet.fleet.sampling_seeds)."""
+        return self.backend == "sglang"
+
+    @property
     def gpus_per_engine(self) -> int:
         return self.layout.gpus_per_engine
 
@@ -273,6 +280,20 @@ class RunConfig(_Section):
         if self.weight_sync.verify != "auto":
             return self.weight_sync.verify
         return "version" if self.rollout.backend == "sglang" else "fingerprint"
+
+    @model_validator(mode="after")
+    def _check_seeding(self) -> RunConfig:
+        """grpo.seed_sampling=true with backend=sglang needs its deterministic inference (SGLang ignores
+        the seeds without it); grpo.seed_sampling=false with SGLang's deterministic inference and
+        rollout.sampling.n > 1 is refused (a prompt's samples would all be the same)."""
+        check_seeding(self)
+        return self
+
+    @property
+    def sampling_seed(self) -> int | None:
+        """grpo.seed when the engines' sampling is seeded from it (grpo.seed_sampling, 'auto' resolved
+        for the backend), else None."""
+        return self.grpo.seed if sampling_seeded(self) else None
 
     @property
     def recovery_snapshot_every(self) -> int:

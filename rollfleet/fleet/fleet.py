@@ -35,6 +35,7 @@ from rollfleet.fleet.engine_protocols import check_engine_protocols
 from rollfleet.fleet.lifecycle import EngineSlot, EngineState
 from rollfleet.fleet.recovery import Recovery
 from rollfleet.fleet.router import Router
+from rollfleet.fleet.sampling_seeds import seeded_payload
 from rollfleet.fleet.seams import Trainers
 from rollfleet.fleet.weight_sends import WeightSends
 from rollfleet.sample import Sample
@@ -117,28 +118,36 @@ class Fleet:
         progress: bool = False,
         on_group: Callable[[list[Sample]], None] | None = None,
         routed_experts: bool = False,
+        seeds: Sequence[int] | None = None,
     ) -> list[Sample]:
         """n samples per prompt, in input order (prompt 0's samples, then prompt 1's, ...); with
         `routed_experts` each carries the experts its engine chose (the fleet started with routing replay).
         `on_group(samples)` runs as each prompt's samples arrive (e.g. to start its rewards), on the
-        engine pool's thread: it must not block."""
+        engine pool's thread: it must not block. `seeds` (one per prompt): each prompt's samples are
+        drawn from its seed (rollfleet.fleet.sampling_seeds), whichever engine serves them."""
         params = {**self.rollout.sampling.model_dump(), **(sampling or {})}
         if n is not None:
             params["n"] = n
         prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if seeds is not None and len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts: give one seed per prompt, or None")
         request = {"sampling_params": params, "return_logprob": True}
         if routed_experts:
             request["return_routed_experts"] = True
         if self.lora_name is not None:  # a LoRA run: the adapter the last verified sync loaded
             request["lora_path"] = self.lora_name
-        return self.pool.run(self._generate(prompt_ids, request, self.version, progress, on_group))
+        payloads = [{"input_ids": ids, **request} for ids in prompt_ids]
+        if seeds is not None:
+            each = self.rollout.seeds_each_sample
+            payloads = [seeded_payload(p, seed, each_sample=each) for p, seed in zip(payloads, seeds)]
+        return self.pool.run(self._generate(prompt_ids, payloads, self.version, progress, on_group))
 
-    async def _generate(self, prompt_ids, request, version, progress, on_group) -> list[Sample]:
+    async def _generate(self, prompt_ids, payloads, version, progress, on_group) -> list[Sample]:
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("generate", total=len(prompt_ids))
 
             async def one(index: int) -> list[Sample]:
-                outs, engine_id = await self.router.generate({"input_ids": prompt_ids[index], **request}, version)
+                outs, engine_id = await self.router.generate(payloads[index], version)
                 bar.advance(task)
                 group = [Sample.from_answer(index, k, prompt_ids[index], out, engine_id) for k, out in enumerate(outs)]
                 if on_group is not None:

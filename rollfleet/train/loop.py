@@ -45,7 +45,7 @@ from rollfleet.train.prompt_cursor import PromptCursor
 from rollfleet.train.recovery import RecoverySnapshots
 from rollfleet.train.routing_replay import check_replayable
 from rollfleet.train.run_inputs import check_run_inputs
-from rollfleet.train.sample_stream import SampleStream, generate_and_reward
+from rollfleet.train.sample_stream import SampleStream, generate_and_reward, prompt_seeds
 from rollfleet.train.worker import TrainerGroup
 from rollfleet.weights.checkpoint import atomic_directory
 
@@ -203,10 +203,12 @@ def _step(run: Run, step: int, version: str) -> dict:
     cfg, fleet, clock = run.cfg, run.fleet, StepClock()
     with clock.phase("recovery"):
         recovery_errors = _restart_inactive(fleet)
-    items = run.dataset.batch(step, cfg.grpo.prompts_per_step, seed=cfg.grpo.seed)
+    per_step = cfg.grpo.prompts_per_step
+    items = run.dataset.batch(step, per_step, seed=cfg.grpo.seed)  # positions step*P .. of the prompt stream
+    seeds = prompt_seeds(cfg.sampling_seed, range(step * per_step, (step + 1) * per_step))
     retries = fleet.router.retries
     samples = generate_and_reward(
-        fleet, run.reward_fn, items, cfg.grpo.reward_threads, clock.phase, cfg.train.routing_replay, run.agent
+        fleet, run.reward_fn, items, cfg.grpo.reward_threads, clock.phase, cfg.train.routing_replay, run.agent, seeds
     )
     check_samples(samples, len(items), cfg.rollout.sampling.n, version)
     if run.observe is not None:

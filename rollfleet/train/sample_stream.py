@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -33,11 +33,19 @@ from rollfleet.agents.rollout import AgentRollout
 from rollfleet.config import RunConfig
 from rollfleet.data.prompts import PromptDataset, PromptItem
 from rollfleet.fleet.fleet import Fleet
+from rollfleet.fleet.sampling_seeds import derive_seed
 from rollfleet.sample import Sample
 from rollfleet.train.invariants import producer_room, sample_version
 from rollfleet.train.prompt_cursor import PromptCursor
 
 log = logging.getLogger("rollfleet.stream")
+
+
+def prompt_seeds(run_seed: int | None, positions: Iterable[int]) -> list[int] | None:
+    """The sampling seed of each prompt at these positions of the prompt stream (None: unseeded; run_seed
+    is RunConfig.sampling_seed). A prompt's seed depends on its position only, so a group generated
+    again, or by another engine, or after a resume, draws from the same seed."""
+    return None if run_seed is None else [derive_seed(run_seed, p) for p in positions]
 
 
 def generate_and_reward(
@@ -48,14 +56,16 @@ def generate_and_reward(
     timed: Callable = lambda _: nullcontext(),
     routed_experts: bool = False,
     agent: AgentRollout | None = None,
+    seeds: list[int] | None = None,
 ) -> list[Sample]:
     """Samples with their rewards; rewards start as each prompt's samples arrive, while the rest still
     generate (`timed(phase)`: the generate and the reward phases, e.g. StepClock.phase; `routed_experts`:
-    each sample carries its engine's expert choices, for routing replay). With `agent` the samples are
-    its episodes (rollout.sampling.n per prompt), rewarded by their environment."""
+    each sample carries its engine's expert choices, for routing replay; `seeds`: one per item,
+    `prompt_seeds`). With `agent` the samples are its episodes (rollout.sampling.n per prompt),
+    rewarded by their environment."""
     if agent is not None:
         with timed("generate"):  # the environment's steps (tools) included
-            return agent.run(items, fleet.rollout.sampling.n)
+            return agent.run(items, fleet.rollout.sampling.n, seeds=seeds)
     with ThreadPoolExecutor(threads) as pool:
         pending = {}
 
@@ -64,7 +74,8 @@ def generate_and_reward(
                 pending[s.prompt_index, s.sample_index] = pool.submit(reward_fn, s.text, items[s.prompt_index].answer)
 
         with timed("generate"):
-            samples = fleet.generate([item.prompt for item in items], on_group=score, routed_experts=routed_experts)
+            prompts = [item.prompt for item in items]
+            samples = fleet.generate(prompts, on_group=score, routed_experts=routed_experts, seeds=seeds)
         with timed("reward"):  # only what generation did not already hide
             for sample in samples:
                 sample.reward = pending[sample.prompt_index, sample.sample_index].result()
@@ -198,6 +209,7 @@ class SampleStream:
             grpo.reward_threads,
         )
         self.n = cfg.rollout.sampling.n
+        self.sampling_seed = cfg.sampling_seed
         self.extra_budget = grpo.dynamic_sampling_max_extra if grpo.dynamic_sampling else 0
         self.dynamic = grpo.dynamic_sampling
         self.gate = GenerationGate()
@@ -314,6 +326,7 @@ class SampleStream:
                     self.threads,
                     routed_experts=self.routed_experts,
                     agent=self.agent,
+                    seeds=prompt_seeds(self.sampling_seed, positions),
                 )
             finally:
                 with self._cond:

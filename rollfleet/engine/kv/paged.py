@@ -5,6 +5,16 @@ A step names its rows: `(start, tokens, pages)` each, the tokens fed at position
 sequence whose KV lives in `pages`, and which packed positions' logits to return. Decode steps (one
 token a row) replay a CUDA graph of their batch-size bucket when graphs are on (kv/graphs.py);
 every other step runs eagerly.
+
+On CPU a step's rows are at least CPU_MIN_ROWS: with one thread, torch's CPU BLAS (MKL) rounds a
+product over 1-3 rows otherwise than the same rows in a larger one, and alike at every size from 4
+rows up (every row checked at 1-69, 100, 128, 129, 255-257 and 512 rows, hidden 64 to 2048). A step
+of fewer tokens gets padded rows (a token at position 0 writing to the trash page, as a graph's
+padded rows do) and the output head at least that many rows, so a row's logits do not depend on how
+many rows share its step (how requests' arrival waves split into steps), and a seeded run repeats
+to the bit on an engine of one thread (Ray gives its workers one). With two threads it does not:
+the last rows of 5-7 and 9-11 differ too, and so does scaled_dot_product_attention with the batch.
+Not on GPUs: their kernels are chosen otherwise, and a decode step there replays a graph.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import torch
 
 from rollfleet.engine.kv import decode_kernel
 from rollfleet.engine.kv.attention import ATTENTION_NAME, PagedInputs
+from rollfleet.engine.kv.blocks import TRASH_PAGE
 from rollfleet.engine.kv.graphs import DecodeGraphs
 from rollfleet.engine.kv.norm_kernel import fuse_rms_norms
 from rollfleet.engine.kv.pool import KVPool, KVShape
@@ -25,6 +36,7 @@ log = logging.getLogger("rollfleet.engine")
 PAGED_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "mistral"})
 
 Row = tuple[int, list[int], list[int]]  # (start position, tokens fed, the sequence's pages)
+CPU_MIN_ROWS = 4  # see the module's docstring
 
 
 def paged_support(config) -> str | None:
@@ -100,9 +112,12 @@ class PagedModel:
                 return logits if identity else logits[torch.tensor(logits_at, device=logits.device)]
         if capture_routes:
             self.route_capture.start()
+        wanted = len(logits_at)
+        if self.device.type == "cpu":
+            rows, logits_at = cpu_padded(rows, logits_at)
         ids, positions, inputs = self.inputs(rows, decode)
         keep = torch.tensor(logits_at, dtype=torch.long).to(self.device)
-        logits = self._forward(ids, positions, inputs, keep)
+        logits = self._forward(ids, positions, inputs, keep)[:wanted]
         if capture_routes:
             self.last_routes = self.route_capture.stop(1, ids.shape[1])[0]
         return logits
@@ -174,3 +189,13 @@ class PagedModel:
         """The weights moved (a release or resume): graphs captured on the old addresses go."""
         if self.graphs is not None:
             self.graphs.drop()
+
+
+def cpu_padded(rows: list[Row], logits_at: list[int]) -> tuple[list[Row], list[int]]:
+    """`rows` with padded rows after them up to CPU_MIN_ROWS tokens, and `logits_at` up to that many
+    positions (its last repeated); the real rows' positions and logits come first, unchanged."""
+    tokens = sum(len(fed) for _, fed, _ in rows)
+    rows = rows + [(0, [0], [TRASH_PAGE])] * max(0, CPU_MIN_ROWS - tokens)
+    if logits_at:
+        logits_at = logits_at + [logits_at[-1]] * max(0, CPU_MIN_ROWS - len(logits_at))
+    return rows, logits_at
