@@ -90,8 +90,8 @@ MUTANTS: list[Mutant] = [
         id="router-one-answer-for-all",
         claim="each prompt gets its own answer",
         file="rollfleet/fleet/fleet.py",
-        old='{"input_ids": prompt_ids[index], **request}',
-        new='{"input_ids": prompt_ids[0], **request}',
+        old='[{"input_ids": ids, **request} for ids in prompt_ids]',
+        new='[{"input_ids": prompt_ids[0], **request} for ids in prompt_ids]',
         tests=("tests/test_fleet.py::test_generate_spreads_over_engines_in_input_order",),
     ),
     Mutant(
