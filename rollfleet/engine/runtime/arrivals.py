@@ -11,8 +11,8 @@ So the HTTP side counts the generation requests it has begun to read and not yet
 idle engine (nothing running) waits to start a new batch while that count is above zero, at most
 `--rollfleet-arrival-wait-ms` from the first request it held back. A request counts until three
 turns of the server's event loop after it is queued (`mark_queued` says why), so a lone request on
-an idle engine waits those turns (well under a millisecond on a quiet host). A running batch is
-never held: requests join it as before.
+an idle engine waits those turns (1-2 ms on a loaded 2-core CPU; not measured on a quiet host). A
+running batch is never held: requests join it as before.
 """
 
 from __future__ import annotations
