@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import tempfile
 import time
@@ -204,6 +205,7 @@ def _sync_phase(args, scratch: Path, model, dtype, engine_gpu: int, gpu: bool) -
         options = {"config_dir": str(scratch / "model")} if args.transport == "disk" else {}
         transport = make_transport(spec, [target], **options)
         transport.connect()
+        gc.collect(), gc.freeze()  # the sender's model out of the collector's scans, as the trainer's actor does
         try:
             _say("sending (cold, then timed)")
             cold, rows, problems = _timed_syncs(args, transport, model, engine.url, scratch / "model")

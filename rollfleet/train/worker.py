@@ -5,6 +5,7 @@ rank 0's answer is returned."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -44,6 +45,9 @@ class TrainWorker:
         init_distributed(rank, world_size, "127.0.0.1", master_port)
         self.rank = rank
         self.trainer = PolicyTrainer(model_path, TrainConfig(**train_config), sampling_temperature=sampling_temperature)
+        # The model's and optimizer's objects live as long as the actor: out of the collector's scans, whose
+        # full passes over them paused a weight push by 170-230 ms (the sync bench's sender, before this).
+        gc.collect(), gc.freeze()
         self.transport, self.transport_key = None, None  # kept connected across steps (NCCL groups are costly)
         self.snapshots, self.snapshot_buffers = None, None
         self.copying: threading.Thread | None = None  # a snapshot's host copy under way (start_snapshot)
