@@ -6,11 +6,11 @@
 # episodes on the GPU, 3 steps each. Each run's output lands in $OUT as it runs (a call cut by its
 # limit still returns what finished); printed: each run's exit code, memory plan and step lines.
 #   bash scripts/gpu_check_grpo.sh [full] [lora] [agent]     (all three when none is named)
-# Ray, FastAPI, ... carried as wheels: docs/benchmarks.md ("GPU checks").
+# Ray, FastAPI, ... carried as wheels in .gpuw (scripts/gpu_wheels.sh), installed by scripts/gpu_site.sh.
 set -u
 OUT=${OUT:-/tmp/rollfleet-gpu-check}
 mkdir -p "$OUT"
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+. scripts/gpu_site.sh
 runs=${*:-full lora agent}
 phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end on stdout
     local name=$1 limit=$2

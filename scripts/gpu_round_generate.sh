@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # One device call of the generation checks and benchmarks on 1 x H200, each phase's output written to
 # $OUT as it runs (a call cut by its time limit still returns what finished):
-#   bash scripts/gpu_round_generate.sh            (wheels for the GPU image under .whl/, see the device notes)
+#   bash scripts/gpu_round_generate.sh            (wheels in .gpuw: scripts/gpu_wheels.sh)
 # Set ROLLFLEET_GIT_REVISION / ROLLFLEET_GIT_DIRTY=0 for records of a clean commit.
 set -u
 OUT=${OUT:-/tmp/rollfleet-gpu-round}
 mkdir -p "$OUT"
-test -d /tmp/site || pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/install.log" 2>&1
-export PYTHONPATH=/tmp/site:.
+. scripts/gpu_site.sh > "$OUT/install.log" 2>&1
 phase() {  # phase NAME SECONDS COMMAND...: its output into $OUT/NAME.log, a line of its end on stdout
     local name=$1 limit=$2
     shift 2

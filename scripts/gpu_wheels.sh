@@ -4,11 +4,8 @@
 #   bash scripts/gpu_wheels.sh [DIR]          (default .gpuw; add it to .git/info/exclude)
 # Ray's wheel (79 MB) is cut down to what rollfleet uses (ray core: no Java jar, no dashboard web
 # build, no rllib/data/serve/train/tune/llm; its three binaries stripped of symbols): ray-lite.zip,
-# 35 MB. Versions are requirements.txt's. On the GPU machine, in the checkout:
-#   pip install -q --no-index --no-deps --target /tmp/site .gpuw/*.whl
-#   python3 -c "import zipfile; zipfile.ZipFile('.gpuw/ray-lite.zip').extractall('/tmp/site')"
-#   chmod +x /tmp/site/ray/core/src/ray/gcs/gcs_server /tmp/site/ray/core/src/ray/raylet/raylet
-#   export PYTHONPATH=/tmp/site:.
+# 35 MB. Versions are requirements.txt's. On the GPU machine, in the checkout, `. scripts/gpu_site.sh`
+# installs them (once per machine) and sets PYTHONPATH; the GPU scripts source it themselves.
 set -eu
 dir=$(mkdir -p "${1:-.gpuw}" && cd "${1:-.gpuw}" && pwd)
 here=$(cd "$(dirname "$0")/.." && pwd)
