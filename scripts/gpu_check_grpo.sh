@@ -4,7 +4,8 @@
 # memory plan picks the engine's share and what moves at a turn) on the benches' 2.08B Qwen3 shape
 # (vocab 151,936), the same as a LoRA run (rank 32, every linear layer), and the calculator agent's
 # episodes on the GPU, 3 steps each. Each run's output lands in $OUT as it runs (a call cut by its
-# limit still returns what finished); printed: each run's exit code, memory plan and step lines.
+# limit still returns what finished), its memory plan and metrics appended; printed: each run's exit
+# code, memory plan and step lines.
 #   bash scripts/gpu_check_grpo.sh [full] [lora] [agent]     (all three when none is named)
 # Ray, FastAPI, ... carried as wheels in .gpuw (scripts/gpu_wheels.sh), installed by scripts/gpu_site.sh.
 set -u
@@ -18,8 +19,9 @@ phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end o
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $? at $SECONDS s"
     grep -h "memory plan\|^step \|Error\|error:" "$OUT/$name.log" | cut -c1-400 | tail -12
-    cp /tmp/run-$name/metrics.jsonl "$OUT/$name-metrics.jsonl" 2>/dev/null
-    cp /tmp/run-$name/memory-plan.json "$OUT/$name-memory-plan.json" 2>/dev/null
+    for f in memory-plan.json metrics.jsonl; do  # one file a run comes back ($OUT brings back 8 at most)
+        test -f /tmp/run-$name/$f && { echo "=== $f"; cat /tmp/run-$name/$f; } >> "$OUT/$name.log"
+    done
 }
 model=/tmp/rollfleet-2b
 common="rollout.model_path=$model grpo.steps=3 ray.num_cpus=16"

@@ -7,6 +7,10 @@ The benchmark model (shapes.py: Qwen3-shaped 2.08B, vocabulary 151,936, bf16) on
 replayed from its CUDA graph, the logits of the two compared, and the roofline: the bytes the step
 must read (the weights without the embedding table, plus the live KV) over a device copy's
 bandwidth measured in the same run. Prints one line per batch size as it goes.
+
+`--profile DIR`: the largest batch's replayed steps again under torch.profiler: DIR/decode-profile.txt
+(the GPU's busy share of the wall time, the host's time per step, the kernels by GPU time) and a
+Chrome trace, DIR/decode-trace.json.
 """
 
 from __future__ import annotations
@@ -46,6 +50,37 @@ def _timed(fn, repeats: int, device) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def profile_steps(step, repeats: int, device, out: Path, label: str) -> dict:
+    """`repeats` calls of `step` under torch.profiler: GPU busy share, host ms per step, kernel table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        issued = time.perf_counter()
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels_s = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+    figures = {
+        "label": label,
+        "wall_ms_per_step": wall / repeats * 1e3,
+        "gpu_ms_per_step": kernels_s / repeats * 1e3,
+        "gpu_busy_share": kernels_s / wall,
+        "host_issue_ms_per_step": (issued - start) / repeats * 1e3,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "decode-profile.txt", "a") as f:
+        f.write(json.dumps(figures) + "\n")
+        f.write(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70) + "\n")
+    prof.export_chrome_trace(str(out / "decode-trace.json"))
+    return figures
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rollfleet bench decode-step")
     p.add_argument("--batches", default="1,64,256,512")
@@ -55,6 +90,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, help="folder: the largest batch's steps under torch.profiler")
     p.add_argument(
         "--attention-backend",
         choices=["triton", "torch_native"],
@@ -122,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         }
         results.append(line)
         print(json.dumps(line), flush=True)
+        if args.profile and batch == max(batches):
+            step = lambda rows=rows, at=logits_at: paged.step(rows, at)  # noqa: E731
+            print(json.dumps(profile_steps(step, args.repeats, device, Path(args.profile), f"graph {batch}")))
     if args.json:
         Path(args.json).write_text(json.dumps({"bandwidth_gb_s": bandwidth, "steps": results}, indent=1))
 
