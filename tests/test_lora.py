@@ -194,11 +194,14 @@ def test_transport_sends_an_adapter_that_serves_like_peft_merge(
     assert want != base_expected  # the adapter changes what the model says
     engines = {0: servers["tp1"], 1: servers["tp2"]}
     spec = LoraSync(source=source, path=str(tmp_path / "adapters"))
-    # synced twice: each version is a new name, and the second sync unloads the first one's
-    for version in (f"{source}-1", f"{source}-2"):
+    # synced three times: each version is a new name, and each sync unloads the one before; of the
+    # directories the syncs left, the newest KEEP_LAST stay (pruned after each sync, off its path)
+    for version in (f"{source}-1", f"{source}-2", f"{source}-3"):
         report = sync(spec, LoraSource(peft_model), version, engines, ranks={0: 1, 1: 2})
+    kept = sorted(p.name for p in (tmp_path / "adapters").iterdir())
+    assert kept == [f"version-{source}-2", f"version-{source}-3"] and "prune" not in report.phases
     name = report.lora_name
-    assert name == f"policy-v{source}-2" and report.tensors == len(get_peft_model_state_dict(peft_model)) == 16
+    assert name == f"policy-v{source}-3" and report.tensors == len(get_peft_model_state_dict(peft_model)) == 16
     assert unverified(report, engines) == {}
     bad = copy.deepcopy(report)
     key = sorted(bad.fingerprints[1])[3]
@@ -207,14 +210,14 @@ def test_transport_sends_an_adapter_that_serves_like_peft_merge(
     assert list(problems) == [1] and key in problems[1]
     for proc in engines.values():
         assert list(loaded(proc)) == [name]
-        assert call(proc, "get_model_info")["weight_version"] == f"{source}-2"
+        assert call(proc, "get_model_info")["weight_version"] == f"{source}-3"
         assert_matches(generate(proc, name), want)
         assert_matches(generate(proc), base_expected)
         mixed, batches = generate_together(proc, [name, None])  # two adapters (one is none): two batches
         assert batches == 2
         assert_matches(mixed, [want[0], base_expected[1]])
     if source == "directory":  # what the transport wrote is a peft adapter directory
-        directory = tmp_path / "adapters" / "version-directory-2"
+        directory = tmp_path / "adapters" / "version-directory-3"
         assert loaded(servers["tp1"])[name] == str(directory.resolve())
         reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(qwen3_dir), directory)
         sent = get_peft_model_state_dict(peft_model)

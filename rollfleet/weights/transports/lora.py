@@ -29,11 +29,13 @@ asked for first and waited for after the pack and serialization; it names, besid
 version left by a failed sync, the old versions, unloaded at once with the version call (one round
 trip). `SyncReport.phases` has source, pack, fingerprint, serialize, unload_retried (the wait for
 the listing, and the unload of a retried copy), load, versions (version, unloads), save (the wait
-for the directory after the engines were done) and prune.
+for the directory after the engines were done). The old versions' directories are pruned after the
+sync returns, in the writing thread (47-120 ms of the sync on an H200's disk when it was inline).
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -49,6 +51,7 @@ from rollfleet.wire.fingerprint import Fingerprints, fingerprints
 from rollfleet.wire.serialize import serialize
 
 KEEP_LAST = 2
+log = logging.getLogger("rollfleet.weights")
 
 
 @register
@@ -130,9 +133,8 @@ class LoraTransport(Transport):
                     wait([saving])  # (its own error, if any, is not the one raised here)
                     shutil.rmtree(version_dir(self.spec.path, version), ignore_errors=True)
                 raise
-        if source.directory is None:
-            with timed(report, "prune"):
-                prune_versions(Path(self.spec.path), KEEP_LAST)
+        if source.directory is None:  # off the sync's path: after this version's directory, in the same thread
+            self._writing().submit(_prune, Path(self.spec.path))
         return report
 
     def _fingerprint(self, report: SyncReport, tensors) -> None:
@@ -161,9 +163,13 @@ class LoraTransport(Transport):
         directory = version_dir(self.spec.path, version)
         if directory.exists():
             return None
+        return self._writing().submit(save_adapter, tensors, config, directory)
+
+    def _writing(self) -> ThreadPoolExecutor:
+        """The one thread that writes adapter directories and prunes old ones, in the order asked."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollfleet-adapter-save")
-        return self._writer.submit(save_adapter, tensors, config, directory)
+        return self._writer
 
     def _load_directory(self, name: str, directory, report: SyncReport) -> None:
         with timed(report, "load"):
@@ -222,3 +228,11 @@ def served_name(adapter_name: str, version: str) -> str:
 
 def is_version_of(name: str, adapter_name: str) -> bool:
     return name.startswith(f"{adapter_name}-v")
+
+
+def _prune(root: Path) -> None:
+    """The writing thread's prune: a failure is logged (the sync it follows has succeeded)."""
+    try:
+        prune_versions(root, KEEP_LAST)
+    except OSError as exc:
+        log.warning("pruning old adapter versions under %s failed: %s", root, exc)
