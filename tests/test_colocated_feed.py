@@ -91,31 +91,41 @@ def test_a_tp2_engine_takes_each_rank_from_the_trainer_rank_on_its_gpu(local_ray
         fleet.shutdown()
 
 
-@pytest.mark.parametrize("release_weights", [True, False])
-def test_a_trainer_turn_releases_what_the_config_says_and_the_engines_serve_after(two_engines, release_weights):
+@pytest.mark.parametrize("release_weights, release_kv_cache", [(True, True), (False, True), (False, False)])
+def test_a_trainer_turn_releases_what_the_config_says_and_the_engines_serve_after(
+    two_engines, release_weights, release_kv_cache
+):
     """rollout.release_weights=false: the engines keep their weights through the trainer's turn (they
     keep their version, release no weight bytes) and the push writes into them; either way every tag
-    released is resumed, so the engines generate after the turn."""
+    released is resumed, so the engines generate after the turn. rollout.release_kv_cache=false: the
+    engines release nothing and stay active through the turn; the trainer neither offloads nor gives
+    its cache back (no memory figures)."""
     fleet, trainers = two_engines
     fleet.sync_from(trainers, "before")
     rollout, moves = fleet.rollout, {}
-    fleet.rollout = rollout.model_copy(update={"release_weights": release_weights})
+    update = {"release_weights": release_weights, "release_kv_cache": release_kv_cache}
+    fleet.rollout = rollout.model_copy(update=update)
     try:
         with fleet.trainer_turn(trainers, moves=moves):
             held = [s.version for s in fleet.slots]
-            report = fleet.sync_from(trainers, f"turn-{release_weights}")
+            states = [s.lifecycle.state for s in fleet.slots]
+            report = fleet.sync_from(trainers, f"turn-{release_weights}-{release_kv_cache}")
     finally:
         fleet.rollout = rollout
     weight_bytes = sum(rank["weight_bytes"] for rank in fleet.pool.call(0, "memory"))  # one engine's
     if release_weights:
         assert held == ["", ""] and moves["engine_released_bytes"] == 2 * weight_bytes > 0
     else:
-        assert held == ["before", "before"] and moves["engine_released_bytes"] == 0
-    assert report.verified == [0, 1] and fleet.version == f"turn-{release_weights}"
+        assert held == ["before", "before"]
+    if release_kv_cache:
+        assert states == [EngineState.SLEEPING] * 2 and moves["engine_released_bytes"] >= 0
+        assert moves["trainer_memory"] == dict.fromkeys(TRAINER_MEMORY)  # the offload ended the turn (CPU: None)
+    else:
+        assert states == [EngineState.ACTIVE] * 2 and "engine_released_bytes" not in moves
+        assert "trainer_memory" not in moves and "engine_resume_seconds" not in moves
+    assert report.verified == [0, 1] and fleet.version == f"turn-{release_weights}-{release_kv_cache}"
     assert [s.lifecycle.state for s in fleet.slots] == [EngineState.ACTIVE] * 2
     # read from both engines before the release; the CPU engines capture no decode graphs
     assert (moves["engine_graph_captures_total"], moves["engine_graph_capture_seconds_total"]) == (0, 0.0)
-    # the trainer's offload ended the turn and reported its memory (CPU ranks: no device figures)
-    assert moves["trainer_memory"] == dict.fromkeys(TRAINER_MEMORY)
     samples = fleet.generate([[1], [2]], n=2, sampling={"max_new_tokens": 2, "ignore_eos": True})
     assert {s.engine_id for s in samples} == {0, 1} and all(len(s.output_ids) == 2 for s in samples)

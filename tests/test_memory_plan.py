@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2MoeConfig
 from rollfleet.bench.shapes import REAL_VOCAB, qwen3_shape
 from rollfleet.config import ConfigError, load_config
 from rollfleet.fleet.memory_figures import ModelShape
-from rollfleet.fleet.memory_plan import plan_memory, unplanned
+from rollfleet.fleet.memory_plan import TRAINER_HEADROOM, plan_memory, unplanned
 from rollfleet.tiny_models import tiny_config
 from rollfleet.train.memory_setup import PLAN_FILE, plan_run, prompt_bound
 
@@ -162,7 +162,10 @@ def test_unplanned_runs_keep_what_runs_did_before_the_plan(qwen3_dir, tmp_path):
     auto = [f"rollout.model_path={qwen3_dir}", "rollout.release_weights=auto"]
     lora = load_config("examples/cpu-demo-lora.yaml", auto)  # a LoRA run's auto keeps them at config time
     assert lora.rollout.release_weights is False and unplanned(lora).rollout.release_weights is False
-    set_by_user = load_config(None, ["rollout.model_path=x", "rollout.release_weights=false", "train.offload=false"])
+    set_by_user = load_config(
+        None,
+        ["rollout.model_path=x", "rollout.release_weights=false", "train.offload=false", "rollout.release_kv_cache=1"],
+    )
     assert unplanned(set_by_user) is set_by_user
 
 
@@ -180,6 +183,51 @@ def test_the_plan_is_written_as_json_figures(tmp_path):
     figures = json.loads(json.dumps(plan.as_dict()))
     assert figures["gpu_gb"] == 141.0 and figures["parts_gb"]["engine_weights"] == pytest.approx(4.16, abs=0.01)
     assert figures["trainer_turn_gb"] <= 141.0 and figures["engine_turn_gb"] <= 141.0
+
+
+def _trainer_figures(plan) -> int:
+    return plan.parts["trainer_state"] + plan.parts["trainer_gradients"] + plan.parts["trainer_peak"]
+
+
+def test_engines_keep_their_memory_through_the_turn_where_both_turns_fit_at_once():
+    """The one-GPU example's step (64 x 8 x 512, micro batch 16) on an H200: the engine's share holds
+    the step's samples at once beside the trainer's figures with their headroom, the trainer is capped
+    at what the engine leaves, and nothing is released at a turn."""
+    shape, cfg = ModelShape.from_config(BENCH), load_config("examples/gpu-1x.yaml")
+    plan = plan_memory(cfg, shape, H200, prompt_tokens=16)
+    assert not plan.release_kv_cache and not plan.release_weights and not plan.offload
+    assert plan.kv_pool_tokens >= plan.step_tokens == 64 * 8 * 528
+    assert plan.trainer_cap * H200 >= TRAINER_HEADROOM * _trainer_figures(plan)
+    assert plan.mem_fraction_static + plan.trainer_cap <= 1 and plan.engine_turn_bytes <= H200
+    applied = plan.apply(cfg)
+    assert applied.rollout.release_kv_cache is False and applied.train.gpu_memory_cap == plan.trainer_cap
+    assert plan.as_dict()["release_kv_cache"] is False and plan.as_dict()["trainer_cap"] == plan.trainer_cap
+
+
+def test_engines_release_as_before_where_the_trainers_turn_needs_their_memory():
+    """A micro batch of 32 x 576 peaks at 65 GB: with its headroom beside an engine, the trainer would not
+    fit; `auto` releases the KV pool for its turn and leaves the trainer uncapped. Asked for anyway, the
+    run is refused with the figures."""
+    shape = ModelShape.from_config(BENCH)
+    plan = plan_memory(colocated(*LARGE_STEP), shape, H200, prompt_tokens=64)
+    assert plan.release_kv_cache and plan.trainer_cap is None and not plan.offload
+    assert plan.apply(colocated(*LARGE_STEP)).train.gpu_memory_cap is None
+    with pytest.raises(ConfigError) as refused:
+        plan_memory(colocated(*LARGE_STEP, "rollout.release_kv_cache=false"), shape, H200, prompt_tokens=64)
+    text = str(refused.value)
+    for expected in ("rollout.release_kv_cache=false keeps the engine's", f"x {TRAINER_HEADROOM} headroom",
+                     "release_kv_cache=true", "train.micro_batch_size lower", "nothing was started"):  # fmt: skip
+        assert expected in text
+    forced = plan_memory(colocated(*SMALL_STEP, "rollout.release_kv_cache=true"), shape, H200, prompt_tokens=64)
+    assert forced.release_kv_cache and forced.trainer_cap is None
+
+
+def test_a_kept_kv_cache_keeps_the_weights_and_cpu_runs_release():
+    kept = load_config(None, ["rollout.model_path=x", "rollout.release_kv_cache=false"])
+    assert kept.rollout.release_weights is False
+    with pytest.raises(ConfigError, match="rollout.release_weights.*release_kv_cache=false keeps all"):
+        load_config(None, ["rollout.model_path=x", "rollout.release_kv_cache=false", "rollout.release_weights=true"])
+    assert unplanned(load_config(None, ["rollout.model_path=x"])).rollout.release_kv_cache is True
 
 
 def test_the_one_gpu_example_loads_with_the_plans_defaults_and_fits_an_h200():

@@ -81,6 +81,19 @@ def profile_steps(step, repeats: int, device, out: Path, label: str) -> dict:
     return figures
 
 
+def _line(batch: int, eager: float, graph: float, roof: float, eager_logits, graph_logits) -> dict:
+    return {
+        "batch": batch,
+        "eager_ms": eager * 1e3,
+        "graph_ms": graph * 1e3,
+        "roofline_ms": roof * 1e3,
+        "graph_over_roofline": graph / roof,
+        "tok_s_graph": batch / graph,
+        "argmax_equal": (eager_logits.argmax(-1) == graph_logits.argmax(-1)).float().mean().item(),
+        "max_abs_logit_diff": (eager_logits - graph_logits).abs().max().item(),
+    }
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rollfleet bench decode-step")
     p.add_argument("--batches", default="1,64,256,512")
@@ -142,20 +155,8 @@ def main(argv: list[str] | None = None) -> None:
         graphs.disabled = None
         graph_logits = paged.step(rows, logits_at).float()  # captures
         graph = _timed(lambda rows=rows, at=logits_at: paged.step(rows, at), args.repeats, device)
-        kv = batch * (args.context + 1) * paged.shape.bytes_per_token
-        roof = (weights + kv) / (bandwidth * 1e9)
-        same = (eager_logits.argmax(-1) == graph_logits.argmax(-1)).float().mean().item()
-        diff = (eager_logits - graph_logits).abs().max().item()
-        line = {
-            "batch": batch,
-            "eager_ms": eager * 1e3,
-            "graph_ms": graph * 1e3,
-            "roofline_ms": roof * 1e3,
-            "graph_over_roofline": graph / roof,
-            "tok_s_graph": batch / graph,
-            "argmax_equal": same,
-            "max_abs_logit_diff": diff,
-        }
+        roof = (weights + batch * (args.context + 1) * paged.shape.bytes_per_token) / (bandwidth * 1e9)
+        line = _line(batch, eager, graph, roof, eager_logits, graph_logits)
         results.append(line)
         print(json.dumps(line), flush=True)
         if args.profile and batch == max(batches):

@@ -95,6 +95,16 @@ class RolloutConfig(_Section):
         "auto: the memory plan keeps them when the trainer's turn fits beside them (rollfleet.fleet.memory_plan; "
         "on CPU: release, a LoRA run: keep). Ignored when disaggregated.",
     )
+    release_kv_cache: bool | Literal["auto"] = Field(
+        "auto",
+        description="Colocated: the engines release their KV cache and CUDA graphs for the trainer's turn and "
+        "resume them after the push (true), or keep all their memory through it (false: a turn is the push "
+        "alone, nothing is released, resumed or re-captured; the engine's share is sized so the trainer's whole "
+        "turn fits beside it, and the trainer's allocator is capped at what is left, train.gpu_memory_cap). "
+        "auto: the memory plan keeps them when the KV pool still holds the step's samples at once beside the "
+        "trainer's turn with its margin (rollfleet.fleet.memory_plan; on CPU: release). false needs "
+        "release_weights false. Ignored when disaggregated.",
+    )
     gpus_per_worker: float = Field(
         1.0, gt=0.0, le=1.0, description="GPU fraction one rollout worker reserves in Ray (below 1 when colocated)."
     )
@@ -243,6 +253,22 @@ class RunConfig(_Section):
         within weight_sync.lora_target_modules, rollout.release_weights=false when colocated (nothing pushes
         base weights back) and no full-weight grpo.recovery_checkpoint_every."""
         check_lora_run(self)
+        return self
+
+    @model_validator(mode="after")
+    def _kept_kv_keeps_weights(self) -> RunConfig:
+        """Engines that keep their KV cache through the trainer's turn keep their weights too."""
+        rollout = self.rollout
+        if rollout.release_kv_cache is False and rollout.release_weights is True:
+            raise FieldProblem(
+                "rollout.release_kv_cache=false keeps all the engines' memory through the trainer's turn, "
+                "their weights included",
+                "set rollout.release_weights=false (or auto), or rollout.release_kv_cache=true",
+                field="rollout.release_weights",
+                value=True,
+            )
+        if rollout.release_kv_cache is False and rollout.release_weights == "auto":
+            rollout.release_weights = False
         return self
 
     @model_validator(mode="after")

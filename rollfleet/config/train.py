@@ -76,6 +76,15 @@ class TrainConfig(_Section):
         "the trainer's turn. auto: the memory plan keeps them when the engines' KV pool still holds the step's "
         "samples at once beside them (rollfleet.fleet.memory_plan). Ignored when disaggregated and on CPU.",
     )
+    gpu_memory_cap: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="Colocated on GPU: the trainer's CUDA allocator never holds more than this fraction of the "
+        "GPU (torch.cuda.set_per_process_memory_fraction: past it, it frees its cache and retries before it "
+        "fails). The memory plan sets it when the engines keep their memory through the trainer's turn "
+        "(rollout.release_kv_cache); None: uncapped.",
+    )
     logprob_chunk: int = Field(
         1024,
         ge=1,

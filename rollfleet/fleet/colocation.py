@@ -12,6 +12,10 @@ called after the offload returned (`_offload_and_resume`).
 This is SGLang's order (slime's too): resume weights, push, resume CUDA graphs and KV cache. Every
 tag released is resumed: SGLang keeps a released tag's memory unmapped until it is resumed, and its
 next CUDA graph replay would read unmapped memory.
+
+With `rollout.release_kv_cache` false (the memory plan sized the engines' share so that the trainer's
+whole turn fits beside it, and capped the trainer's allocator there) none of this happens: the turn is
+the training and the push, nothing is released, offloaded, given back or resumed.
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ def trainer_turn(
     moves = {} if moves is None else moves
     with fleet.recovery.paused():
         moves["engine_graph_captures_total"], moves["engine_graph_capture_seconds_total"] = graph_totals(fleet)
+        if fleet.rollout.release_kv_cache is False:  # the plan fits both turns at once: nothing moves
+            yield
+            return
         with timed("sleep_wake"):
             start = time.perf_counter()
             moves["engine_released_bytes"] = freed_bytes(fleet.sleep(release_tags(fleet.rollout.release_weights)))

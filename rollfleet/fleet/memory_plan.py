@@ -11,7 +11,14 @@ A GPU holds one trainer rank and one engine rank, in two turns:
   keeps its parameters and optimizer state unless train.offload moves them to host.
 Beside both: a CUDA context per process and a margin of the GPU.
 
-The engines get what the trainer leaves (at most 0.85, the engines' own default), or the user's
+Cheapest of all is a turn that releases nothing (`rollout.release_kv_cache` false): the engines
+keep their weights, KV pool and CUDA graphs through the trainer's turn, so the GPU holds both turns at
+once; a turn is the push alone (no release, resume, re-zeroing or graph capture; the trainer keeps its
+allocator's cache). `auto` picks it when the trainer's turn, with TRAINER_HEADROOM over its figures,
+fits beside an engine whose KV pool still holds the step's samples at once; the trainer's allocator is
+then capped at what the engine leaves (train.gpu_memory_cap: past it, it frees its cache and retries).
+
+Otherwise the engines get what the trainer leaves (at most 0.85, the engines' own default), or the user's
 fraction is checked. `auto` moves nothing when both fit; else, cheapest first: the engines' weights
 are released for the trainer's turn (the push rewrites them anyway; the re-allocation costs ~15 ms),
 then the trainer's state goes to host while the engines generate (a copy each way: 0.75 s for
@@ -23,7 +30,7 @@ A run that cannot fit is refused with the figures and the settings to change.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from rollfleet.config import ConfigError, RunConfig
 from rollfleet.engine.kv.capacity import DEFAULT_GPU_FRACTION, GPU_MAX_RUNNING_REQUESTS, activation_reserve_bytes
@@ -34,6 +41,9 @@ CONTEXT_BYTES = 2**30  # one process's CUDA context, cuBLAS workspace and NCCL b
 MARGIN = 0.04  # of the GPU: allocator fragmentation and what the figures leave out
 MIN_KV_TOKENS = 1024  # the embedded engine's pool refuses fewer (rollfleet.engine.kv.pool)
 DEFAULT_LOGPROB_CHUNK = 1024  # positions per log-prob chunk until train.logprob_chunk exists
+# the trainer's share when the engines keep their memory through its turn, over its figures: on the H200
+# its allocator reserved up to 1.12 x them (72 GB at the peak of a turn planned at 64.6, 2026-12-05)
+TRAINER_HEADROOM = 1.25
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,8 @@ class MemoryPlan:
     width: int  # prompt bound + new tokens (an episode's budget)
     micro_batch_rows: int
     logprob_chunk: int
+    release_kv_cache: bool = True  # False: the engines keep all their memory through the trainer's turn
+    trainer_cap: float | None = None  # the trainer's allocator cap, a fraction of the GPU (release_kv_cache False)
 
     @property
     def trainer_turn_bytes(self) -> int:
@@ -62,6 +74,8 @@ class MemoryPlan:
     def engine_turn_bytes(self) -> int:
         p = self.parts
         trainer = 0 if self.offload else p["trainer_state"]
+        if not self.release_kv_cache:  # one turn: the trainer's whole cap beside the engine's share
+            trainer = round(self.trainer_cap * self.gpu_bytes)
         return round(self.mem_fraction_static * self.gpu_bytes) + p["engine_outside"] + trainer + _overheads(p)
 
     def as_dict(self) -> dict:
@@ -76,9 +90,13 @@ class MemoryPlan:
     def apply(self, cfg: RunConfig) -> RunConfig:
         """`cfg` with the plan's booleans and fraction (what the fleet and the trainers read)."""
         rollout = cfg.rollout.model_copy(
-            update={"release_weights": self.release_weights, "mem_fraction_static": self.mem_fraction_static}
+            update={
+                "release_weights": self.release_weights,
+                "release_kv_cache": self.release_kv_cache,
+                "mem_fraction_static": self.mem_fraction_static,
+            }
         )
-        train = cfg.train.model_copy(update={"offload": self.offload})
+        train = cfg.train.model_copy(update={"offload": self.offload, "gpu_memory_cap": self.trainer_cap})
         return cfg.model_copy(update={"rollout": rollout, "train": train})
 
 
@@ -86,13 +104,14 @@ def unplanned(cfg: RunConfig) -> RunConfig:
     """`auto` where no plan runs (CPU, disaggregated, a fleet built as a library): what runs did before
     the plan, release and offload (a LoRA run keeps its base weights: nothing pushes them)."""
     rollout, train = cfg.rollout, cfg.train
-    if rollout.release_weights != "auto" and train.offload != "auto":
+    if rollout.release_weights != "auto" and train.offload != "auto" and rollout.release_kv_cache != "auto":
         return cfg
     release = train.lora is None if rollout.release_weights == "auto" else rollout.release_weights
     offload = True if train.offload == "auto" else train.offload
+    kv = True if rollout.release_kv_cache == "auto" else rollout.release_kv_cache
     return cfg.model_copy(
         update={
-            "rollout": rollout.model_copy(update={"release_weights": release}),
+            "rollout": rollout.model_copy(update={"release_weights": release, "release_kv_cache": kv}),
             "train": train.model_copy(update={"offload": offload}),
         }
     )
@@ -116,6 +135,11 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
         )
 
     user = cfg.rollout.mem_fraction_static
+    if cfg.rollout.release_kv_cache is not True:  # the engines keep everything, where that fits
+        stay = _staying_plan(plan(False, False, user), cfg, kv_token)
+        if stay is not None or cfg.rollout.release_kv_cache is False:
+            refuse_unless_fits(stay or _staying_plan(plan(False, False, user), cfg, kv_token, force=True), cfg)
+            return stay
     release = cfg.rollout.release_weights
     if release == "auto":  # keep the weights when the trainer's turn fits beside them (a LoRA run must)
         release = cfg.train.lora is None and plan(False, True).trainer_turn_bytes > gpu_bytes
@@ -127,6 +151,26 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
     chosen = plan(release, offload, user)
     refuse_unless_fits(chosen, cfg)
     return chosen
+
+
+def _staying_plan(base: MemoryPlan, cfg: RunConfig, kv_token: int, force: bool = False) -> MemoryPlan | None:
+    """`base` (weights kept, no offload) as a plan whose engines keep their memory through the trainer's
+    turn: the engine's fraction leaves the trainer its figures x TRAINER_HEADROOM, and the trainer is
+    capped at the rest. None when the KV pool would not hold the step's samples at once (`force`: the
+    plan anyway, for refuse_unless_fits to name the figures)."""
+    p, gpu = base.parts, base.gpu_bytes
+    trainer = round(TRAINER_HEADROOM * (p["trainer_state"] + p["trainer_gradients"] + p["trainer_peak"]))
+    room = gpu - _overheads(p) - p["engine_outside"] - trainer
+    fraction = base.mem_fraction_static
+    if base.fraction_from == "plan":
+        fraction = max(min(math.floor(100 * room / gpu) / 100, DEFAULT_GPU_FRACTION), 0.01)
+    pool = max(int((fraction * gpu - p["engine_weights"] - p["engine_inside"]) // kv_token), 0)
+    rest = gpu - _overheads(p) - p["engine_outside"] - fraction * gpu  # the trainer's, the engine's share floored
+    cap = max(math.floor(10_000 * rest / gpu) / 10_000, 0.0)
+    fits = rest >= trainer and pool >= max(base.step_tokens, MIN_KV_TOKENS, base.width)
+    if not (fits or force):
+        return None
+    return replace(base, mem_fraction_static=fraction, kv_pool_tokens=pool, release_kv_cache=False, trainer_cap=cap)
 
 
 def refuse_unless_fits(plan: MemoryPlan, cfg: RunConfig) -> None:
@@ -163,8 +207,29 @@ def refuse_unless_fits(plan: MemoryPlan, cfg: RunConfig) -> None:
             f"{'; '.join([*fixes, 'train.lora', 'rollout.tp_size higher', 'rollout.placement=disaggregated'])}); "
             "nothing was started"
         )
+    if not plan.release_kv_cache:
+        problems += _staying_problems(plan, head)
     if problems:
         raise ConfigError(problems)
+
+
+def _staying_problems(plan: MemoryPlan, head: str) -> list[str]:
+    """What keeps engines that hold their memory through the trainer's turn from fitting."""
+    p, gpu = plan.parts, plan.gpu_bytes
+    trainer = p["trainer_state"] + p["trainer_gradients"] + p["trainer_peak"]
+    need = max(plan.step_tokens, MIN_KV_TOKENS, plan.width)
+    rest = gpu - _overheads(p) - p["engine_outside"] - plan.mem_fraction_static * gpu
+    if rest >= TRAINER_HEADROOM * trainer and plan.kv_pool_tokens >= need:
+        return []
+    fixes = ["rollout.release_kv_cache=true (or auto: released where it does not fit)", "train.micro_batch_size lower"]
+    if plan.fraction_from != "plan":
+        fixes.append("rollout.mem_fraction_static unset (planned)")
+    return [
+        f"{head}: rollout.release_kv_cache=false keeps the engine's {plan.mem_fraction_static} of it (a KV pool "
+        f"of {plan.kv_pool_tokens} tokens; the step's samples need {need}) beside the trainer's whole turn, "
+        f"{trainer / GB:.1f} GB x {TRAINER_HEADROOM} headroom = {TRAINER_HEADROOM * trainer / GB:.1f} GB, in "
+        f"the {max(rest, 0) / GB:.1f} GB left (fix: {'; '.join(fixes)}); nothing was started"
+    ]
 
 
 def _parts(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, rows: int, width: int, chunk: int) -> dict[str, int]:

@@ -70,6 +70,8 @@ class PolicyTrainer:
                 "(fix: call rollfleet.train.sharding.init_distributed(rank, world_size, ...) on every rank)"
             )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.config.gpu_memory_cap is not None and self.device.type == "cuda":  # the engines stay beside it
+            torch.cuda.set_per_process_memory_fraction(self.config.gpu_memory_cap, self.device)
         torch.manual_seed(self.config.seed)
         self.lora = self.config.lora is not None
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("fsdp",))
