@@ -111,7 +111,8 @@ class PolicyTrainer:
         (an episode's: 1 for the policy's output tokens, the only ones trained); with routing replay also
         `routed_experts` (SGLang's base64, every position but the last). Returns metrics reduced over
         ranks: loss, grad_norm, clip_frac, ratio_mean, kl, logprob_mismatch_mean/max, tis_ratio_mean/max,
-        tis_truncated_share, tokens, samples, step; with replay replay_routes, replay_changed_share.
+        tis_truncated_share, tokens, samples, step; with replay replay_routes, replay_changed_share; on a
+        GPU peak_reserved_gb (this rank's allocator, the step's peak).
         """
         check_batch(batch)
         replay = self.replays.get(id(self.model))
@@ -142,7 +143,16 @@ class PolicyTrainer:
             "samples": len(batch),
             "step": self.step,
             **(replay.figures(self.device) if replay is not None else {}),
+            **self._peak_reserved(),
         }
+
+    def _peak_reserved(self) -> dict[str, float]:
+        """GB the allocator reserved at most since the last step's (what train.gpu_memory_cap must hold)."""
+        if self.device.type != "cuda":
+            return {}
+        peak = torch.cuda.max_memory_reserved(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return {"peak_reserved_gb": peak / 1e9}
 
     def _micro_step(self, items: Sequence[Mapping[str, Any] | None], normalizer: float) -> tuple[tuple, float]:
         """Forward and backward of one micro-batch; its token-weighted figures and worst mismatch and

@@ -202,6 +202,8 @@ def _moves_text(m: dict) -> str:
     if m.get("trainer_reserved_before_bytes") is not None:
         before, after = m["trainer_reserved_before_bytes"], m["trainer_reserved_after_bytes"]
         text += f"  trainer reserved {before / 2**30:.1f} -> {after / 2**30:.1f} GiB"
+    if m.get("train/peak_reserved_gb") is not None:
+        text += f"  trainer peak {m['train/peak_reserved_gb']:.1f} GB"
     if m.get("engine_graph_captures"):
         text += f"  graphs recaptured {m['engine_graph_captures']} in {m['engine_graph_capture_seconds']:.2f}s"
     if m.get("snapshot_write_seconds") is not None:
