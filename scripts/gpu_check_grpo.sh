@@ -22,6 +22,8 @@ phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end o
     for f in memory-plan.json metrics.jsonl; do  # one file a run comes back ($OUT brings back 8 at most)
         test -f /tmp/run-$name/$f && { echo "=== $f"; cat /tmp/run-$name/$f; } >> "$OUT/$name.log"
     done
+    # its checkpoints and trainer state (tens of GB): left, they filled the device's disk (2026-12-05)
+    rm -rf /tmp/run-$name
 }
 model=/tmp/rollfleet-2b
 common="rollout.model_path=$model grpo.steps=3 ray.num_cpus=16"
