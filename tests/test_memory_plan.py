@@ -212,6 +212,12 @@ def test_engines_release_as_before_where_the_trainers_turn_needs_their_memory():
     plan = plan_memory(colocated(*LARGE_STEP), shape, H200, prompt_tokens=64)
     assert plan.release_kv_cache and plan.trainer_cap is None and not plan.offload
     assert plan.apply(colocated(*LARGE_STEP)).train.gpu_memory_cap is None
+    # a fraction the user set is kept, and the trainer's turn does not fit in the 62.7 GB it leaves
+    try:
+        users = plan_memory(colocated(*LARGE_STEP, "rollout.mem_fraction_static=0.5"), shape, H200, prompt_tokens=64)
+    except ConfigError as refused:  # auto must fall back to releasing, not refuse
+        pytest.fail(f"auto refused a run that fits by releasing: {refused}")
+    assert users.release_kv_cache and users.mem_fraction_static == 0.5
     with pytest.raises(ConfigError) as refused:
         plan_memory(colocated(*LARGE_STEP, "rollout.release_kv_cache=false"), shape, H200, prompt_tokens=64)
     text = str(refused.value)

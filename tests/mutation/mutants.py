@@ -182,4 +182,31 @@ MUTANTS: list[Mutant] = [
         new="if plan is None:",
         tests=("tests/test_lora.py::test_the_adapter_plan_gives_peft_state_dict_until_the_model_changes",),
     ),
+    Mutant(
+        id="kept-turn-releases-anyway",
+        claim="with rollout.release_kv_cache false a colocated turn releases, offloads and resumes nothing",
+        file="rollfleet/fleet/colocation.py",
+        old="if fleet.rollout.release_kv_cache is False:  # the plan fits both turns at once: nothing moves",
+        new="if False:",
+        tests=(
+            "tests/test_colocated_feed.py::"
+            "test_a_trainer_turn_releases_what_the_config_says_and_the_engines_serve_after[False-False]",
+        ),
+    ),
+    Mutant(
+        id="kept-memory-without-the-trainers-room",
+        claim="the plan keeps the engines' memory through the turn only where the trainer's turn fits beside it",
+        file="rollfleet/fleet/memory_plan.py",
+        old="fits = rest >= trainer and pool",
+        new="fits = pool",
+        tests=("tests/test_memory_plan.py::test_engines_release_as_before_where_the_trainers_turn_needs_their_memory",),
+    ),
+    Mutant(
+        id="lora-versions-never-pruned",
+        claim="a LoRA sync leaves only the newest KEEP_LAST adapter directories",
+        file="rollfleet/weights/transports/lora.py",
+        old="self._writing().submit(_prune, Path(self.spec.path))",
+        new="pass",
+        tests=("tests/test_lora.py::test_transport_sends_an_adapter_that_serves_like_peft_merge[tensors]",),
+    ),
 ]
