@@ -42,7 +42,7 @@ MARGIN = 0.04  # of the GPU: allocator fragmentation and what the figures leave 
 MIN_KV_TOKENS = 1024  # the embedded engine's pool refuses fewer (rollfleet.engine.kv.pool)
 DEFAULT_LOGPROB_CHUNK = 1024  # positions per log-prob chunk until train.logprob_chunk exists
 # the trainer's share when the engines keep their memory through its turn, over its figures: on the H200
-# its allocator reserved up to 1.12 x them (72 GB at the peak of a turn planned at 64.6, 2026-12-05)
+# its allocator reserved up to 1.11 x them (71.7 GB at the end of a turn planned at 64.6, 2026-12-05)
 TRAINER_HEADROOM = 1.25
 
 
