@@ -234,6 +234,17 @@ def test_a_kept_kv_cache_keeps_the_weights_and_cpu_runs_release():
     with pytest.raises(ConfigError, match="rollout.release_weights.*release_kv_cache=false keeps all"):
         load_config(None, ["rollout.model_path=x", "rollout.release_kv_cache=false", "rollout.release_weights=true"])
     assert unplanned(load_config(None, ["rollout.model_path=x"])).rollout.release_kv_cache is True
+    with pytest.raises(ConfigError, match="train.offload.*release_kv_cache=false keeps"):
+        load_config(None, ["rollout.model_path=x", "rollout.release_kv_cache=false", "train.offload=true"])
+
+
+def test_moves_the_user_asked_for_are_kept_over_a_kept_turn():
+    shape = ModelShape.from_config(BENCH)
+    for setting in ("train.offload=true", "rollout.release_weights=true"):
+        plan = plan_memory(colocated(*SMALL_STEP, setting), shape, H200, prompt_tokens=64)
+        assert plan.release_kv_cache and plan.trainer_cap is None
+    assert plan_memory(colocated(*SMALL_STEP, "train.offload=true"), shape, H200, 64).offload
+    assert plan_memory(colocated(*SMALL_STEP, "rollout.release_weights=true"), shape, H200, 64).release_weights
 
 
 def test_the_one_gpu_example_loads_with_the_plans_defaults_and_fits_an_h200():

@@ -257,7 +257,8 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _kept_kv_keeps_weights(self) -> RunConfig:
-        """Engines that keep their KV cache through the trainer's turn keep their weights too."""
+        """Engines that keep their KV cache through the trainer's turn keep their weights too, and the
+        trainer keeps its state on the GPU (both turns' memory is there at once)."""
         rollout = self.rollout
         if rollout.release_kv_cache is False and rollout.release_weights is True:
             raise FieldProblem(
@@ -265,6 +266,14 @@ class RunConfig(_Section):
                 "their weights included",
                 "set rollout.release_weights=false (or auto), or rollout.release_kv_cache=true",
                 field="rollout.release_weights",
+                value=True,
+            )
+        if rollout.release_kv_cache is False and self.train.offload is True:
+            raise FieldProblem(
+                "rollout.release_kv_cache=false keeps the engines' and the trainer's memory on the GPU at once; "
+                "train.offload=true moves the trainer's state to the host for the engines' turn",
+                "set train.offload=false (or auto), or rollout.release_kv_cache=true",
+                field="train.offload",
                 value=True,
             )
         if rollout.release_kv_cache is False and rollout.release_weights == "auto":

@@ -135,7 +135,8 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
         )
 
     user = cfg.rollout.mem_fraction_static
-    if cfg.rollout.release_kv_cache is not True:  # the engines keep everything, where that fits
+    moves_set = cfg.rollout.release_weights is True or cfg.train.offload is True  # the user's moves stand
+    if cfg.rollout.release_kv_cache is not True and not moves_set:  # the engines keep everything, where it fits
         stay = _staying_plan(plan(False, False, user), cfg, kv_token)
         if stay is not None or cfg.rollout.release_kv_cache is False:
             refuse_unless_fits(stay or _staying_plan(plan(False, False, user), cfg, kv_token, force=True), cfg)
