@@ -25,7 +25,7 @@ Every engine first runs the case's batch for WARM_UP_TOKENS tokens (warm-up, unt
 engine's first shape runs the case's whole length once more, untimed: its decode graphs are captured
 per block-table width, and a batch that grows past a width captures the next one in the pass that
 gets there first (on the H200, 1.4 s of a 3.9 s pass of 64 x 8 x 256, and the per-request / batched
-ratio read 0.85 where the warm passes gave 0.96). The answer (JSON at --out): each timed pass's
+ratio read 0.85 where the warm passes gave 0.95-0.99). The answer (JSON at --out): each timed pass's
 seconds, output tokens and rows.
 """
 

@@ -137,9 +137,10 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
     user = cfg.rollout.mem_fraction_static
     moves_set = cfg.rollout.release_weights is True or cfg.train.offload is True  # the user's moves stand
     if cfg.rollout.release_kv_cache is not True and not moves_set:  # the engines keep everything, where it fits
-        stay = _staying_plan(plan(False, False, user), cfg, kv_token)
-        if stay is not None or cfg.rollout.release_kv_cache is False:
-            refuse_unless_fits(stay or _staying_plan(plan(False, False, user), cfg, kv_token, force=True), cfg)
+        forced = cfg.rollout.release_kv_cache is False  # not auto: a plan that does not fit is refused
+        stay = _staying_plan(plan(False, False, user), kv_token, force=forced)
+        if stay is not None:
+            refuse_unless_fits(stay, cfg)
             return stay
     release = cfg.rollout.release_weights
     if release == "auto":  # keep the weights when the trainer's turn fits beside them (a LoRA run must)
@@ -154,7 +155,7 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
     return chosen
 
 
-def _staying_plan(base: MemoryPlan, cfg: RunConfig, kv_token: int, force: bool = False) -> MemoryPlan | None:
+def _staying_plan(base: MemoryPlan, kv_token: int, force: bool = False) -> MemoryPlan | None:
     """`base` (weights kept, no offload) as a plan whose engines keep their memory through the trainer's
     turn: the engine's fraction leaves the trainer its figures x TRAINER_HEADROOM, and the trainer is
     capped at the rest. None when the KV pool would not hold the step's samples at once (`force`: the

@@ -30,7 +30,7 @@ version left by a failed sync, the old versions, unloaded at once with the versi
 trip). `SyncReport.phases` has source, pack, fingerprint, serialize, unload_retried (the wait for
 the listing, and the unload of a retried copy), load, versions (version, unloads), save (the wait
 for the directory after the engines were done). The old versions' directories are pruned after the
-sync returns, in the writing thread (47-120 ms of the sync on an H200's disk when it was inline).
+sync returns, in the writing thread (46-120 ms of the sync on an H200's disk when it was inline).
 """
 
 from __future__ import annotations
