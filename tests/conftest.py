@@ -204,7 +204,8 @@ _SERVER_NUMBERS = itertools.count()
 
 
 _ZYGOTE: Zygote | None = None
-_ZYGOTE_SOCKET = Path(tempfile.gettempdir()) / f"rf-test-zygote-{os.getpid()}.sock"
+_ZYGOTE_DIR = Path(tempfile.mkdtemp(prefix="rf-test-zygote-"))  # its socket and log; gone after a green run
+_ZYGOTE_SOCKET = _ZYGOTE_DIR / "zygote.sock"
 # set before any Ray or subprocess starts, so that they inherit it: the engine workers of every
 # fleet (and bench) of the run take a sub-zygote of the shared one where it listens by then
 os.environ[SHARED_ZYGOTE_ENV] = str(_ZYGOTE_SOCKET)
@@ -464,3 +465,11 @@ class FailsAfter:
             if index == self.count:
                 raise RuntimeError("source failed part-way")
             yield item
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The shared zygote's folder goes with a green run; a red one keeps its log, and says where."""
+    if exitstatus == 0:
+        shutil.rmtree(_ZYGOTE_DIR, ignore_errors=True)
+    else:
+        print(f"\nthe shared zygote's log: {_ZYGOTE_SOCKET.with_suffix('.log')}")
