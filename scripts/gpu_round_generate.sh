@@ -14,8 +14,11 @@ phase() {  # phase NAME SECONDS COMMAND...: its output into $OUT/NAME.log, a lin
     echo "$name: exit $? after $SECONDS s of the round"
 }
 phase kernels 150 python -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_decode_kernel.py \
-    tests/test_sample_kernel.py tests/test_norm_kernel.py
-phase decode-step 150 python -m rollfleet bench decode-step --batches 1,64,256,512 --repeats 10 --json "$OUT/decode-step.json"
+    tests/test_sample_kernel.py tests/test_norm_kernel.py tests/test_qkv_kernel.py
+# the step with transformers' attention inputs first, then fused (kv/qkv_kernel.py): both in one log
+phase decode-step 240 bash -c 'python -m rollfleet bench decode-step --batches 64,512 --repeats 10 \
+    --attention-inputs transformers && python -m rollfleet bench decode-step --batches 1,64,256,512 --repeats 10 \
+    --json "$0/decode-step.json"' "$OUT"
 phase paged-check 120 env OUT="$OUT" python scripts/gpu_check_paged.py
 phase generate-embedded 200 python -m rollfleet bench generate --cases 64x8x256,16x8x32,1x1x256 --engines embedded \
     --repeats 2 --json "$OUT/generate-embedded.json"

@@ -110,6 +110,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="triton",
         help="triton: decode reads the pages in place (kv/decode_kernel.py); torch_native: gather + SDPA",
     )
+    p.add_argument(
+        "--attention-inputs",
+        choices=["fused", "transformers"],
+        default="fused",
+        help="with triton: fused, q/k norms, rotary and K/V writes in one kernel (kv/qkv_kernel.py); "
+        "transformers: its own norms and rotary, then the pool writes (run both for the difference)",
+    )
     add_vocab_flag(p)
     return p.parse_args(argv)
 
@@ -132,13 +139,15 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     size, pages_per_row = args.page_size, -(-(args.context + 1) // args.page_size)
     kernel = args.attention_backend == "triton"
-    paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=device, page_size=size, graphs=True, kernel=kernel)
+    options = {"kernel": kernel, "fuse_inputs": args.attention_inputs == "fused"}
+    paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=device, page_size=size, graphs=True, **options)
     paged.allocate(num_pages=max(batches) * pages_per_row + 1, max_graph_batch=max(batches))
     weights = sum(t.nbytes for n, t in model.named_parameters() if "embed_tokens" not in n)
     bandwidth = copy_bandwidth(device)
     print(
         f"copy bandwidth {bandwidth:.0f} GB/s; weights read per step {weights / 1e9:.2f} GB; "
-        f"decode attention {'triton (pages in place)' if paged.kernel else 'gather + SDPA'}",
+        f"decode attention {'triton (pages in place)' if paged.kernel else 'gather + SDPA'}; "
+        f"attention inputs {args.attention_inputs if paged.kernel else 'transformers'}",
         flush=True,
     )
     results = []

@@ -214,7 +214,7 @@ MUTANTS: list[Mutant] = [
         claim="on the CPU a row's logits do not depend on how many rows share its step (steps padded to CPU_MIN_ROWS)",
         file="rollfleet/engine/kv/paged.py",
         old='if self.device.type == "cpu":\n            rows, logits_at = cpu_padded(rows, logits_at)',
-        new='if False:\n            rows, logits_at = cpu_padded(rows, logits_at)',
+        new="if False:\n            rows, logits_at = cpu_padded(rows, logits_at)",
         tests=("tests/test_kv_paged.py::test_a_rows_logits_on_cpu_do_not_depend_on_how_many_rows_share_its_step",),
     ),
 ]

@@ -85,29 +85,36 @@ def paged_attention(
     pool_k, pool_v = paged.keys[layer], paged.values[layer]
     pool_k.index_copy_(0, paged.slots, key[0].transpose(0, 1).to(pool_k.dtype))
     pool_v.index_copy_(0, paged.slots, value[0].transpose(0, 1).to(pool_v.dtype))
+    return attend(query[0].transpose(0, 1), paged, layer, scaling)[None], None
+
+
+def attend(q: torch.Tensor, paged: PagedInputs, layer: int, scaling: float | None) -> torch.Tensor:
+    """Attention of `q` [T, heads, head_dim] (the step's packed queries, rotary applied) over layer
+    `layer`'s pool, whose slots hold this step's keys and values already: [T, heads, head_dim] in q's dtype."""
+    pool_k, pool_v = paged.keys[layer], paged.values[layer]
     rows, kv_heads, head_dim = paged.table.shape[0], pool_k.shape[1], pool_k.shape[2]
-    heads, tokens = query.shape[1], query.shape[2]
+    tokens, heads = q.shape[0], q.shape[1]
     group = heads // kv_heads
     if paged.decode and paged.kernel:
-        q = query[0].transpose(0, 1).to(pool_k.dtype)  # [rows, heads, dim]
         scale = head_dim**-0.5 if scaling is None else scaling
-        out = decode_kernel.decode_attention(q, pool_k, pool_v, paged.table, paged.lens, paged.page_size, scale)
-        return out[None].to(query.dtype), None
+        out = decode_kernel.decode_attention(
+            q.to(pool_k.dtype), pool_k, pool_v, paged.table, paged.lens, paged.page_size, scale
+        )
+        return out.to(q.dtype)
     k = _gather(pool_k, paged)
     v = _gather(pool_v, paged)
-    q = query[0].transpose(0, 1).reshape(tokens, kv_heads, group, head_dim)
+    grouped = q.reshape(tokens, kv_heads, group, head_dim)
     if paged.decode:
-        out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=paged.mask(group), scale=scaling)
-        return out.reshape(1, tokens, heads, head_dim).to(query.dtype), None
+        out = F.scaled_dot_product_attention(grouped.to(k.dtype), k, v, attn_mask=paged.mask(group), scale=scaling)
+        return out.reshape(tokens, heads, head_dim).to(q.dtype)
     longest = paged.q_pos.shape[1]
-    padded = q.new_zeros(rows * longest, kv_heads, group, head_dim)
-    padded[paged.q_index] = q
+    padded = grouped.new_zeros(rows * longest, kv_heads, group, head_dim)
+    padded[paged.q_index] = grouped
     padded = padded.view(rows, longest, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     padded = padded.reshape(rows, kv_heads, longest * group, head_dim)
     out = F.scaled_dot_product_attention(padded.to(k.dtype), k, v, attn_mask=paged.mask(group), scale=scaling)
     out = out.view(rows, kv_heads, longest, group, head_dim).permute(0, 2, 1, 3, 4)
-    out = out.reshape(rows * longest, heads, head_dim)[paged.q_index]
-    return out[None].to(query.dtype), None
+    return out.reshape(rows * longest, heads, head_dim)[paged.q_index].to(q.dtype)
 
 
 def _gather(pool: torch.Tensor, paged: PagedInputs) -> torch.Tensor:

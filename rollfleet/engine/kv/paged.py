@@ -29,6 +29,7 @@ from rollfleet.engine.kv.blocks import TRASH_PAGE
 from rollfleet.engine.kv.graphs import DecodeGraphs
 from rollfleet.engine.kv.norm_kernel import fuse_rms_norms
 from rollfleet.engine.kv.pool import KVPool, KVShape
+from rollfleet.engine.kv.qkv_kernel import fuse_attention_inputs
 from rollfleet.engine.kv.saver import CUDA_GRAPH_TAG, KV_CACHE_TAG, PausableMemory
 
 log = logging.getLogger("rollfleet.engine")
@@ -63,6 +64,7 @@ class PagedModel:
         page_size: int,
         graphs: bool,
         kernel=True,
+        fuse_inputs: bool = True,
         memory_saver: bool = False,
     ):
         self.model, self.lora, self.route_capture = model, lora, route_capture
@@ -70,6 +72,8 @@ class PagedModel:
         self.kernel = kernel and decode_kernel.available(device)  # decode reads the pages in place
         if self.kernel:  # and the RMSNorms run as one kernel each (the Triton fast path, kv/norm_kernel.py)
             fuse_rms_norms(model)
+            if fuse_inputs and tp_size == 1:  # q/k norms, rotary and the K/V writes too (kv/qkv_kernel.py)
+                fuse_attention_inputs(model)
         self.shape = KVShape.of(model.config, next(model.parameters()).dtype, tp_size)
         model.set_attn_implementation(ATTENTION_NAME)
         self.pool: KVPool | None = None
