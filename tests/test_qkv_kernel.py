@@ -125,4 +125,20 @@ def test_a_models_paged_steps_keep_their_logits_with_the_fused_inputs(config):
     got = run(fuse=True)
     for step, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=f"step {step}")
-    assert sum(type(m).forward is not m.forward for m in model.modules()) >= config.num_hidden_layers
+    assert sum("forward" in vars(m) for m in model.modules() if type(m).__name__.endswith("Attention")) == len(
+        model.model.layers
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_start_check_passes_here_and_catches_a_wrong_rotation(dtype, monkeypatch):
+    """fuse_attention_inputs runs the kernel once before giving it to the layers: a kernel that does
+    not give torch's figures on this device leaves transformers' forward in place."""
+    from rollfleet.engine.kv import qkv_kernel
+
+    assert qkv_kernel.self_check(DEVICE, dtype) is None
+    monkeypatch.setattr(qkv_kernel, "attention_inputs", lambda q, k, v, *a: torch.zeros_like(q))
+    assert "q differs" in qkv_kernel.self_check(DEVICE, dtype)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3")).to(DEVICE, dtype)
+    assert qkv_kernel.fuse_attention_inputs(model) == 0
+    assert not any("forward" in vars(m) for m in model.modules() if type(m).__name__ == "Qwen3Attention")
