@@ -20,9 +20,10 @@ from transformers.models.qwen3.modeling_qwen3 import (  # noqa: E402
 )
 
 from rollfleet.engine.kv.blocks import BlockPool  # noqa: E402
+from rollfleet.engine.kv.fused_projections import fuse_projections, silu_mul  # noqa: E402
 from rollfleet.engine.kv.norm_kernel import rms_norm  # noqa: E402
 from rollfleet.engine.kv.paged import PagedModel  # noqa: E402
-from rollfleet.engine.kv.qkv_kernel import attention_inputs, fuse_attention_inputs  # noqa: E402
+from rollfleet.engine.kv.qkv_kernel import FUSABLE, attention_inputs, fuse_attention_inputs  # noqa: E402
 from rollfleet.tiny_models import tiny_config  # noqa: E402
 
 # Triton's CPU interpreter truncates a cast to bfloat16 where a GPU rounds to nearest even (as torch):
@@ -99,7 +100,8 @@ def _llama_config():
 )
 def test_a_models_paged_steps_keep_their_logits_with_the_fused_inputs(config):
     """Prefills (one and several rows, chunked) and decode steps of a tiny model on the paged pool:
-    the same logits with the fused forward as with transformers' forward and our attention function."""
+    the same logits with fused projections and the fused forward as with transformers' forward and
+    our attention function."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(DEVICE).eval()
 
@@ -110,7 +112,8 @@ def test_a_models_paged_steps_keep_their_logits_with_the_fused_inputs(config):
     def run(fuse: bool) -> list[torch.Tensor]:
         paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=DEVICE, page_size=4, graphs=False, kernel=False)
         paged.allocate(num_pages=40, max_graph_batch=0)
-        if fuse:
+        if fuse:  # as the engine's fast path: projections first (kv/paged.py fuse_fast_path), then the forward
+            assert fuse_projections(model, FUSABLE)[0] == config.num_hidden_layers
             assert fuse_attention_inputs(model) == config.num_hidden_layers
         blocks = BlockPool(40, 4)
         a, b = blocks.allocate(4), blocks.allocate(4)
@@ -142,3 +145,14 @@ def test_the_start_check_passes_here_and_catches_a_wrong_rotation(dtype, monkeyp
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3")).to(DEVICE, dtype)
     assert qkv_kernel.fuse_attention_inputs(model) == 0
     assert not any("forward" in vars(m) for m in model.modules() if type(m).__name__ == "Qwen3Attention")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_mlps_silu_and_product_are_torchs(dtype):
+    torch.manual_seed(2)
+    gate_up = (torch.randn(3, 5, 2 * 1500) * 3).to(DEVICE, dtype)  # a width past one block, odd rows
+    gate, up = gate_up.split(1500, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    # Triton's exp is not torch's: an ulp apart at times, on a GPU too
+    tolerance = {"atol": 0.06, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(silu_mul(gate_up), want, **tolerance)

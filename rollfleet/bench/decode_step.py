@@ -114,8 +114,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--attention-inputs",
         choices=["fused", "transformers"],
         default="fused",
-        help="with triton: fused, q/k norms, rotary and K/V writes in one kernel (kv/qkv_kernel.py); "
-        "transformers: its own norms and rotary, then the pool writes (run both for the difference)",
+        help="with triton: fused, q/k/v and gate/up each one product (kv/fused_projections.py), q/k norms, "
+        "rotary and K/V writes one kernel (kv/qkv_kernel.py); transformers: its own projections, norms and "
+        "rotary, then the pool writes (run both for the difference)",
     )
     add_vocab_flag(p)
     return p.parse_args(argv)
@@ -125,12 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     from transformers import AutoModelForCausalLM
 
-    from rollfleet.engine.kv.paged import PagedModel
+    from rollfleet.engine.kv.paged import PagedModel, fuse_fast_path
 
     device = torch.device("cuda")
     scratch = Path(tempfile.mkdtemp(prefix="rf-decode-"))
     model_dir = write_model(scratch / "model", args.hidden, args.layers, torch.bfloat16, args.vocab)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map={"": device}).eval()
+    if args.attention_inputs == "fused" and args.attention_backend == "triton":  # as the engine does (model.py)
+        fuse_fast_path(model, {"kernel": True}, device, tp_size=1, ep_size=1)
 
     class _NoAdapter:
         def use(self, name):

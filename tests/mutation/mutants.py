@@ -217,4 +217,15 @@ MUTANTS: list[Mutant] = [
         new="if False:\n            rows, logits_at = cpu_padded(rows, logits_at)",
         tests=("tests/test_kv_paged.py::test_a_rows_logits_on_cpu_do_not_depend_on_how_many_rows_share_its_step",),
     ),
+    Mutant(
+        id="fused-projections-copied",
+        claim="fused projections read the parameters the engine updates (views of one buffer, not copies)",
+        file="rollfleet/engine/kv/fused_projections.py",
+        old="weight.data = fused[start : start + rows]",
+        new="weight.data = fused[start : start + rows].clone()",
+        tests=(
+            "tests/test_fused_projections.py::"
+            "test_a_fused_runner_serves_updates_and_release_and_resume_like_an_unfused_one",
+        ),
+    ),
 ]

@@ -26,10 +26,11 @@ import torch
 from rollfleet.engine.kv import decode_kernel
 from rollfleet.engine.kv.attention import ATTENTION_NAME, PagedInputs
 from rollfleet.engine.kv.blocks import TRASH_PAGE
+from rollfleet.engine.kv.fused_projections import fuse_projections
 from rollfleet.engine.kv.graphs import DecodeGraphs
 from rollfleet.engine.kv.norm_kernel import fuse_rms_norms
 from rollfleet.engine.kv.pool import KVPool, KVShape
-from rollfleet.engine.kv.qkv_kernel import fuse_attention_inputs
+from rollfleet.engine.kv.qkv_kernel import FUSABLE, fuse_attention_inputs
 from rollfleet.engine.kv.saver import CUDA_GRAPH_TAG, KV_CACHE_TAG, PausableMemory
 
 log = logging.getLogger("rollfleet.engine")
@@ -38,6 +39,14 @@ PAGED_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llam
 
 Row = tuple[int, list[int], list[int]]  # (start position, tokens fed, the sequence's pages)
 CPU_MIN_ROWS = 4  # see the module's docstring
+
+
+def fuse_fast_path(model, options: dict | None, device: torch.device, tp_size: int, ep_size: int) -> None:
+    """Before the engine lists the parameters' storages: on the Triton path at tp 1, the projections
+    that read one input become one product each (kv/fused_projections.py)."""
+    kernel = options is not None and options.get("kernel", True) and decode_kernel.available(device)
+    if kernel and tp_size == 1 and ep_size == 1 and paged_support(model.config) is None:
+        fuse_projections(model, FUSABLE)
 
 
 def paged_support(config) -> str | None:

@@ -24,6 +24,7 @@ import logging
 import types
 
 import torch
+import torch.nn.functional as F
 
 from rollfleet.engine.kv.attention import attend
 
@@ -78,9 +79,12 @@ def _forward(self, hidden_states: torch.Tensor, position_embeddings=None, attent
     if paged is None or cos is None or cos.shape[-1] != self.head_dim or cos.dtype != hidden_states.dtype:
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
     tokens = hidden_states.shape[1]
-    q = self.q_proj(hidden_states).view(tokens, -1, self.head_dim)
-    k = self.k_proj(hidden_states).view(tokens, -1, self.head_dim)
-    v = self.v_proj(hidden_states).view(tokens, -1, self.head_dim)
+    fused = getattr(self, "fused_qkv", None)  # one product, column slices (kv/fused_projections.py)
+    if fused is not None:
+        q, k, v = F.linear(hidden_states[0], fused).split(self.fused_qkv_sizes, dim=-1)
+    else:
+        q, k, v = self.q_proj(hidden_states[0]), self.k_proj(hidden_states[0]), self.v_proj(hidden_states[0])
+    q, k, v = (t.view(tokens, -1, self.head_dim) for t in (q, k, v))
     norms = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
     layer = self.layer_idx
     query = attention_inputs(q, k, v, cos[0], sin[0], norms, paged.keys[layer], paged.values[layer], paged.slots)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
-from rollfleet.engine.kv.paged import PagedModel, paged_support
+from rollfleet.engine.kv.paged import PagedModel, fuse_fast_path, paged_support
 from rollfleet.engine.lora.lora import LoraLimits
 from rollfleet.engine.lora.lora_merge import LoraMerge
 from rollfleet.engine.model.build import build_model
@@ -60,6 +60,7 @@ class ModelRunner:
         self.ranks = Ranks(group)  # gloo group of this engine's ranks (None when tp_size == 1)
         built = build_model(model_path, dtype, dummy, device=self.device, tp_size=tp_size, ep_size=ep_size)
         self.model = built.eval().requires_grad_(False)
+        fuse_fast_path(self.model, paged, self.device, tp_size, ep_size)  # before its storages are listed
         mark("model_build")
         params = dict(self.model.named_parameters(remove_duplicate=False))
         self.dtype = next(iter(params.values())).dtype
