@@ -290,3 +290,39 @@ def test_a_next_turn_starts_from_the_cached_pages_of_the_previous_turn_output(sm
     again = call(small_pool_server, "generate", input_ids=history, sampling_params=_greedy(3))
     assert again["meta_info"]["cached_tokens"] == 12  # 15 tokens of KV (the last output is never fed): 3 pages
     assert again["output_ids"] == reference_greedy(qwen3_dir, history, 3)[0]
+
+
+class _SaverRecord:
+    """Stands for torch_memory_saver's pause and resume (CUDA only), recording them by tag."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+    def pause(self, tag, device=None):
+        self.calls.append(("pause", tag))
+
+    def resume(self, tag):
+        self.calls.append(("resume", tag))
+
+
+def test_a_kv_cache_resume_brings_paused_graphs_back_once():
+    """XTuner's cycle (release all tags; resume weights, then kv_cache; never cuda_graph, which its
+    SGLang predates): the graphs come back with the KV, so decode replays them; a later resume of
+    cuda_graph, or of the KV again, maps nothing twice."""
+    from rollfleet.engine.kv.graphs import DecodeGraphs
+
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3")).eval()
+    paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=torch.device("cpu"), page_size=4, graphs=False)
+    paged.allocate(num_pages=8, max_graph_batch=0)
+    saver = _SaverRecord()
+    paged.graphs = DecodeGraphs(paged._forward, torch.device("cpu"), saver=saver)
+    paged.release(["kv_cache", "weights", "cuda_graph"])
+    assert paged.graphs.paused and saver.calls == [("pause", "cuda_graph")]
+    paged.resume(["kv_cache"])
+    assert not paged.graphs.paused and saver.calls[-1] == ("resume", "cuda_graph")
+    paged.resume(["cuda_graph"])
+    paged.resume(["kv_cache"])
+    assert saver.calls == [("pause", "cuda_graph"), ("resume", "cuda_graph")]
+    paged.release(["cuda_graph"])  # the graphs alone (the KV kept): they stay paused until named
+    paged.resume(["weights"])
+    assert paged.graphs.paused

@@ -193,10 +193,14 @@ class PagedModel:
             self.pool.release()
 
     def resume(self, tags: list[str]) -> None:
+        """Resume `kv_cache` and `cuda_graph` among `tags`. A resume of kv_cache brings paused graphs
+        back too: clients written before SGLang had the cuda_graph tag (XTuner) release all tags and
+        resume only weights and kv_cache, and every decode step would then run eagerly. The record of
+        released tags (runtime/memory_tags.py) keeps cuda_graph until a resume names it, as SGLang's."""
         if KV_CACHE_TAG in tags:
             self.pool.resume()
-        if CUDA_GRAPH_TAG in tags and self.graphs is not None:
-            self.graphs.resume()
+        if (CUDA_GRAPH_TAG in tags or KV_CACHE_TAG in tags) and self.graphs is not None:
+            self.graphs.resume()  # a second resume does nothing
 
     def drop_graphs(self) -> None:
         """The weights moved (a release or resume): graphs captured on the old addresses go."""

@@ -9,8 +9,9 @@ removes its tags one by one; a tag not released makes SGLang's `set.remove` rais
 scheduler, which ends the server. This engine refuses that resume instead, with a 400 naming the tag
 and the state, before anything changes. Tags None or [] mean all of SGLang's tags, `cuda_graph`
 included (the paged path's decode graphs: under torch_memory_saver their memory is paused and
-they stay captured, decoding eagerly until resumed; without it they are dropped and captured again
-on demand). A disk
+they stay captured, and come back with the next resume of cuda_graph or of kv_cache: XTuner's
+cycle never names cuda_graph, which its SGLang predates, and would otherwise decode eagerly from then
+on; without the saver they are dropped and captured again on demand). A disk
 update while weights are released loads them (model.py) and leaves this record as it is, as on SGLang.
 """
 
