@@ -204,7 +204,10 @@ _SERVER_NUMBERS = itertools.count()
 
 
 _ZYGOTE: Zygote | None = None
-_ZYGOTE_DIR = Path(tempfile.mkdtemp(prefix="rf-test-zygote-"))  # its socket and log; gone after a green run
+# its socket and log; gone after a green run. Named by the process, not random: test modules that
+# `from conftest import ...` run this file a second time, and both copies must name one socket
+_ZYGOTE_DIR = Path(tempfile.gettempdir()) / f"rf-test-zygote-{os.getpid()}"
+_ZYGOTE_DIR.mkdir(mode=0o700, exist_ok=True)
 _ZYGOTE_SOCKET = _ZYGOTE_DIR / "zygote.sock"
 # set before any Ray or subprocess starts, so that they inherit it: the engine workers of every
 # fleet (and bench) of the run take a sub-zygote of the shared one where it listens by then
