@@ -11,6 +11,11 @@ bandwidth measured in the same run. Prints one line per batch size as it goes.
 `--profile DIR`: the largest batch's replayed steps again under torch.profiler: DIR/decode-profile.txt
 (the GPU's busy share of the wall time, the host's time per step, the kernels by GPU time) and a
 Chrome trace, DIR/decode-trace.json.
+
+`--host-only` (any machine): the host's work of a decode step alone, the scheduler's
+(kv/steps.py: feeds, rows, sampling rows, token records, stop checks) over GRPO-shaped rows (8
+samples a prompt of 64 tokens, temperature 1, output logprobs), the forward replaced by fixed logits
+of a 32-token vocabulary: what a GPU step pays on its host besides the replay.
 """
 
 from __future__ import annotations
@@ -94,6 +99,40 @@ def _line(batch: int, eager: float, graph: float, roof: float, eager_logits, gra
     }
 
 
+def host_step_ms(batch: int, steps: int = 48) -> tuple[float, float]:
+    """(median, min) ms of the host's work of one decode step of `batch` rows (`--host-only`)."""
+    from rollfleet.engine.kv.blocks import BlockPool
+    from rollfleet.engine.kv.steps import PagedBatches
+    from rollfleet.engine.sequences.logprobs import LogprobAsk
+    from rollfleet.engine.sequences.next_token import StopRules
+    from rollfleet.engine.sequences.sampling import Sampler
+    from rollfleet.engine.sequences.sequence import sample_group
+    from rollfleet.wire.protocol import SamplingParams
+
+    logits = torch.randn(batch, 32)
+    blocks = BlockPool(num_pages=batch * (64 + steps) // 16 + 2 * batch, page_size=16, prefix_cache=True)
+    batches = PagedBatches(
+        blocks, lockstep=lambda action, rows, logits_at, **_: logits[: len(logits_at)], sampler=Sampler(),
+        stops=StopRules(frozenset(), 4096, None), read_routes=lambda: None, kv_epoch=lambda: 0,
+        weights_generation=lambda: 0, adapter_identity=lambda name: "base", chunk_tokens=None,
+    )  # fmt: skip
+    params = SamplingParams(temperature=1.0, max_new_tokens=steps + 2, ignore_eos=True, n=8)
+    running = []
+    for prompt in range(-(-batch // 8)):
+        running += sample_group(
+            [1 + (prompt * 7 + i) % 900 for i in range(64)], params, f"r{prompt}", True, None, LogprobAsk()
+        )
+    running = running[:batch]
+    batches.advance(running, recompute=False, lora_name=None)  # the prefill
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        batches.advance(running, recompute=False, lora_name=None)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2] * 1e3, times[0] * 1e3
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rollfleet bench decode-step")
     p.add_argument("--batches", default="1,64,256,512")
@@ -104,6 +143,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", default=None, help="folder: the largest batch's steps under torch.profiler")
+    p.add_argument("--host-only", action="store_true", help="the scheduler's host work of a step alone (any machine)")
     p.add_argument(
         "--attention-backend",
         choices=["triton", "torch_native"],
@@ -124,6 +164,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.host_only:
+        torch.set_num_threads(1)  # as an engine's host thread works
+        for batch in [int(b) for b in args.batches.split(",")]:
+            median, least = host_step_ms(batch)
+            print(json.dumps({"batch": batch, "host_ms_median": round(median, 3), "host_ms_min": round(least, 3)}))
+        return
     from transformers import AutoModelForCausalLM
 
     from rollfleet.engine.kv.paged import PagedModel, fuse_fast_path

@@ -17,8 +17,8 @@ sequence starts from the longest run of cached full pages its tokens begin with 
 identity (name and load) when its prefill starts, which its pages are recorded under too. A running
 sequence whose root is no longer the current one (the weights changed under a paused batch, by any
 route) recomputes its KV before its next token. When a decode step finds no free page, the
-sequences admitted last give theirs back and wait again at the head of the queue (preemption by recompute: nothing lost,
-nothing doubled).
+sequences admitted last give theirs back and wait again at the head of the queue (preemption by
+recompute: nothing lost, nothing doubled). A steady decode step skips the prefill's bookkeeping.
 
 One job: PagedBatches, one step of the running set over the pool. Its feeds, page growth, preemption,
 forks and sampling all change the same state (each sequence's pages and `kv_len`, the pool's free
@@ -135,11 +135,14 @@ class PagedBatches:
             self.drop(stale)
             self.copies = []  # the forks of the last step: their pages were made with the old weights too
         outcome = StepOutcome()
-        self._siblings = self._pair_siblings(running)
-        feeds = self._prefill_feeds(running, outcome)
-        outcome.prefill = bool(feeds)
-        if not feeds:
-            feeds = self._decode_feeds(running, outcome)
+        if all(map(_decodable, running)):  # the steady state: no prefill, no sample waits on one
+            self._siblings, feeds = {}, self._decode_feeds(running, outcome, every_row=True)
+        else:
+            self._siblings = self._pair_siblings(running)
+            feeds = self._prefill_feeds(running, outcome)
+            outcome.prefill = bool(feeds)
+            if not feeds:
+                feeds = self._decode_feeds(running, outcome)
         if feeds:
             self._run(feeds, lora_name, outcome)
         return outcome
@@ -194,9 +197,10 @@ class PagedBatches:
                     break
         return feeds
 
-    def _decode_feeds(self, running: list[Sequence], outcome: StepOutcome) -> list[_Feed]:
+    def _decode_feeds(self, running: list[Sequence], outcome: StepOutcome, every_row: bool = False) -> list[_Feed]:
+        """One token for every decodable row (`every_row`: each of `running` is)."""
         feeds, page = [], self.blocks.page_size
-        for seq in [s for s in running if _decodable(s)]:
+        for seq in running if every_row else [s for s in running if _decodable(s)]:
             if seq.kv_len < len(seq.pages) * page:  # the common case: room in its last page
                 feeds.append(_Feed(seq, 1))
             elif seq.pages and self._make_room(seq, seq.kv_len + 1, running, outcome):  # no pages: preempted
@@ -241,6 +245,22 @@ class PagedBatches:
         )
 
     def _run(self, feeds: list[_Feed], lora_name: str | None, outcome: StepOutcome) -> None:
+        if outcome.prefill:
+            rows, logits_at = self._prefill_rows(feeds, outcome)
+        else:  # decode: each row feeds its newest token and wants the logits after it
+            rows = [(f.seq.kv_len, [f.seq.output_ids[-1]], f.seq.pages) for f in feeds]
+            logits_at = list(range(len(feeds)))  # in feed order (_sample reads them so)
+        capture = any(f.seq.routes_start is not None for f in feeds)
+        copies, self.copies = self.copies, []
+        logits = self.lockstep(
+            Action.STEP, rows=rows, logits_at=logits_at, copies=copies, lora_name=lora_name, capture_routes=capture
+        )
+        if capture:
+            self._record_routes(feeds, self.read_routes())
+        self._sample(feeds, logits, outcome)
+
+    def _prefill_rows(self, feeds: list[_Feed], outcome: StepOutcome) -> tuple[list, list[int]]:
+        """A prefill step's rows and the packed positions whose logits it wants."""
         rows, logits_at, packed = [], [], 0
         for feed in feeds:
             seq = feed.seq
@@ -255,18 +275,15 @@ class PagedBatches:
                 feed.logits_from = len(logits_at)
                 logits_at += range(first, last + 1)
             packed += feed.count
-        capture = any(f.seq.routes_start is not None for f in feeds)
-        copies, self.copies = self.copies, []
-        logits = self.lockstep(
-            Action.STEP, rows=rows, logits_at=logits_at, copies=copies, lora_name=lora_name, capture_routes=capture
-        )
-        if capture:
-            self._record_routes(feeds, self.read_routes())
         if any(feed.count > 1 or not feed.seq.output_ids for feed in feeds):
             outcome.prefill_tokens += packed
-        self._sample(feeds, logits, outcome)
+        return rows, logits_at
 
     def _sample(self, feeds: list[_Feed], logits: torch.Tensor, outcome: StepOutcome) -> None:
+        if not outcome.prefill:  # decode: every row samples, from its own row of logits
+            for feed in feeds:
+                feed.seq.kv_len += 1
+            return self._draw([feed.seq for feed in feeds], logits, outcome)
         samplers, index = [], []
         for feed in feeds:
             seq = feed.seq
@@ -283,9 +300,11 @@ class PagedBatches:
                 index.append(feed.logits_from + count)
             if not seq.output_ids:
                 self.blocks.register(seq.prefill_ids, seq.pages, seq.kv_root)
-        if not samplers:
-            return
-        rows = logits[torch.tensor(index, device=logits.device)] if len(index) != logits.shape[0] else logits
+        if samplers:
+            rows = logits[torch.tensor(index, device=logits.device)] if len(index) != logits.shape[0] else logits
+            self._draw(samplers, rows, outcome)
+
+    def _draw(self, samplers: list[Sequence], rows: torch.Tensor, outcome: StepOutcome) -> None:
         sampled = self.sampler.sample(rows, [seq.sampling_row(self.stops.stop_ids) for seq in samplers])
         for i, seq in enumerate(samplers):
             record_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i], sampled.chosen[i], self.stops)
