@@ -15,8 +15,10 @@ phase() {  # phase NAME SECONDS COMMAND...: its output into $OUT/NAME.log, a lin
 }
 phase kernels 150 python -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_decode_kernel.py \
     tests/test_sample_kernel.py tests/test_norm_kernel.py tests/test_qkv_kernel.py
-# the step with transformers' attention inputs first, then fused (kv/qkv_kernel.py): both in one log
-phase decode-step 240 bash -c 'python -m rollfleet bench decode-step --batches 64,512 --repeats 10 \
+# the host's work of a step on this machine's CPU, the step with transformers' attention inputs, then
+# fused (kv/qkv_kernel.py, kv/fused_projections.py): all in one log
+phase decode-step 240 bash -c 'python -m rollfleet bench decode-step --host-only --batches 64,512 && \
+    python -m rollfleet bench decode-step --batches 64,512 --repeats 10 \
     --attention-inputs transformers && python -m rollfleet bench decode-step --batches 1,64,256,512 --repeats 10 \
     --json "$0/decode-step.json"' "$OUT"
 phase paged-check 120 env OUT="$OUT" python scripts/gpu_check_paged.py
