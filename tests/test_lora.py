@@ -224,6 +224,33 @@ def test_transport_sends_an_adapter_that_serves_like_peft_merge(
         assert all(torch.equal(t, sent[k]) for k, t in get_peft_model_state_dict(reloaded).items())
 
 
+def test_one_transport_packs_every_version_into_one_buffer_and_each_arrives(servers, adapter, tmp_path):
+    """Engines that copy adapters at load (/get_server_info says so) let the sender pack each sync
+    into the last one's buffer (its shared memory, or CUDA IPC handle, stays open there): a second
+    version, of other values, arrives whole on a tp=1 and a tp=2 engine."""
+    peft_model = copy.deepcopy(adapter[0])
+    engines = {0: servers["tp1"], 1: servers["tp2"]}
+    targets = [
+        EngineTarget(engine_id=e, url=p.url, num_ranks=r, rank_offset=0) for (e, p), r in zip(engines.items(), (1, 2))
+    ]
+    transport = make_transport(LoraSync(source="tensors", path=str(tmp_path / "adapters")), targets, timeout_s=60)
+    try:
+        first = transport.send(LoraSource(peft_model), "reuse-1")
+        buffer = transport._buffer
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.add_(0.25)
+        second = transport.send(LoraSource(peft_model), "reuse-2")
+        assert transport._reuse and buffer is not None and transport._buffer is buffer
+        assert first.fingerprints != second.fingerprints
+        assert unverified(second, engines) == {}
+        for proc in engines.values():
+            assert list(loaded(proc)) == [second.lora_name]
+    finally:
+        transport.disconnect()
+
+
 def test_base_update_while_an_adapter_is_loaded(servers, adapter, qwen3_dir, qwen3_dir_b, tmp_path):
     peft_model, want = adapter
     proc = servers["tp2"]

@@ -60,6 +60,10 @@ class LoraMerge:
         self.active: str | None = None  # the adapter merged into the weights now
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (local weight, its saved base values)
         self._on_merge = on_merge  # weights changed other than by an update (forgets load fingerprints)
+        # the last adapter payload decoded from tensors, kept referenced: a sender that reuses its
+        # buffer (it may: adapters are copied at load) then finds it mapped still, and the next load
+        # opens no CUDA IPC handle (weight_update.py keeps its payloads for the same reason)
+        self._held_payload = None
 
     @torch.no_grad()
     def base_params(self) -> dict[str, torch.Tensor]:
@@ -163,6 +167,7 @@ class LoraMerge:
                 tensors = named_tensors(payload, load_format, self._ranks.rank)
             except PayloadError as exc:
                 raise LoraError(f"adapter {lora_name!r} refused, nothing changed: {exc}") from exc
+            self._held_payload = payload
             config = config_dict
         return parse_adapter(
             lora_name, lora_path or TENSORS_PATH, config, tensors, self._model, self.targetable, limits

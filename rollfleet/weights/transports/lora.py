@@ -19,18 +19,21 @@ With tensors they are sampled from the packed bucket (one gather per dtype, `sta
 
 Fixed costs, kept small: the adapter's tensors are read by a plan made once per model and adapter
 (weights/adapter.py: peft's state dict walks every module, 12 ms per sync on the CPU); the bucket's
-layout is planned once per run (`PackPlans`) and packed in one multi-tensor copy (a fresh buffer
-each sync: an engine reads a loaded adapter in place, so the old version's buffer must not change
-while it is loaded); the fingerprint samples are gathered from the bucket before the load and
-hashed while the engines load; the adapter directory is written in a thread while the engines load
-(removed again if the sync fails, so a failed version leaves no directory; a version resent over
-its own directory replaces it only after the engines took it); the listing of loaded adapters is
-asked for first and waited for after the pack and serialization; it names, besides a copy of this
-version left by a failed sync, the old versions, unloaded at once with the version call (one round
-trip). `SyncReport.phases` has source, pack, fingerprint, serialize, unload_retried (the wait for
-the listing, and the unload of a retried copy), load, versions (version, unloads), save (the wait
-for the directory after the engines were done). The old versions' directories are pruned after the
-sync returns, in the writing thread (46-120 ms of the sync on an H200's disk when it was inline).
+layout is planned once per run (`PackPlans`) and packed in one multi-tensor copy, into the last
+sync's buffer where every engine says it copies adapters at load (`rollfleet_lora_copied_at_load`
+in /get_server_info: the embedded engine, which keeps the last payload referenced, so the buffer's
+CUDA IPC handle stays open there), else into a fresh one (an engine that reads a loaded adapter in
+place needs the old version's buffer unchanged while it is loaded); the fingerprint samples are
+gathered from the bucket before the load and hashed while the engines load; the adapter directory
+is written in a thread while the engines load (removed again if the sync fails, so a failed version
+leaves no directory; a version resent over its own directory replaces it only after the engines
+took it); the listing of loaded adapters is asked for first and waited for after the pack and
+serialization; it names, besides a copy of this version left by a failed sync, the old versions,
+unloaded at once with the version call (one round trip). `SyncReport.phases` has source, pack,
+fingerprint, serialize, unload_retried (the wait for the listing, and the unload of a retried
+copy), load, versions (version, unloads), save (the wait for the directory after the engines were
+done). The old versions' directories are pruned after the sync returns, in the writing thread
+(46-120 ms of the sync on an H200's disk when it was inline).
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class LoraTransport(Transport):
     def __init__(self, spec, targets, **kwargs):
         super().__init__(spec, targets, **kwargs)
         self.plans = PackPlans()  # the adapter's layout, the same every sync
+        self._buffer: torch.Tensor | None = None  # reused while every engine copies adapters at load
+        self._reuse = False
         self._writer: ThreadPoolExecutor | None = None  # writes the adapter directory while engines load
 
     def disconnect(self) -> None:
@@ -84,6 +89,11 @@ class LoraTransport(Transport):
             self._writer.shutdown(wait=True)
             self._writer = None
         super().disconnect()
+
+    def _server_infos(self) -> list[dict]:
+        infos = super()._server_infos()
+        self._reuse = all(info.get("rollfleet_lora_copied_at_load") is True for info in infos)
+        return infos
 
     def send(self, source: AdapterSource, version: str) -> SyncReport:
         if not isinstance(source, AdapterSource):
@@ -149,13 +159,24 @@ class LoraTransport(Transport):
         device = tensors[0][1].device if tensors else torch.device("cpu")
         with timed(report, "pack"):
             plan = self.plans.plan(tensors)
-            bucket = plan.pack(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8, device=device))
+            bucket = plan.pack(tensors, self._take_buffer(call_bytes(tensors), device))
         with timed(report, "fingerprint"):
             prints = Fingerprints()
             plan.fingerprint(bucket, prints)
             if device.type == "cuda":  # the pack is finished before an engine reads the bucket
                 torch.cuda.current_stream(device).synchronize()
         return bucket.to_payload(), prints
+
+    def _take_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The bucket's memory: the last sync's again where every engine copies adapters at load
+        (its IPC handle, or shared memory on the CPU, is already open there), else a fresh one."""
+        if self.session_engines is None:
+            self._server_infos()
+        buffer = self._buffer
+        if not self._reuse or buffer is None or buffer.device != device or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._buffer = buffer if self._reuse else None
+        return buffer[:nbytes]
 
     def _save_meanwhile(self, tensors, config: dict, version: str) -> Future | None:
         """Write this version's adapter directory in a thread, unless a sync of this version left one

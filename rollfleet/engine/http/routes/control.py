@@ -67,6 +67,8 @@ async def server_info(engine: Engine):
         "rollfleet_ordered_weight_calls": True,
         "rollfleet_weight_calls_waiting": engine.call_order.waiting,
         "rollfleet_weight_update_sessions": True,
+        # an adapter loaded from tensors is copied at load: its sender may reuse the buffer next sync
+        "rollfleet_lora_copied_at_load": True,
         "rollfleet_remote_instance": engine.remote.report(),
         "rollfleet_released_memory": sorted(engine.memory_tags.released),  # tags released and not resumed
         "start_breakdown": engine.start_breakdown,  # seconds per phase of this engine's start
