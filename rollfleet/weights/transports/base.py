@@ -191,6 +191,17 @@ class Transport(ABC):
             self._abandon()
             raise
 
+    def _begin_meanwhile(self) -> Future | BaseException:
+        """`_begin` without waiting for the answers: their future, to wait for before the first call
+        goes out (its round trip overlaps the first call's gathering and packing), or what failed
+        before any was sent. After a failure the caller must `_abandon`."""
+        try:
+            if self.session_engines is None:
+                self._server_infos()
+            return self._each("begin_weight_update", lambda t: ((), {}), self.session_engines)
+        except Exception as exc:  # noqa: BLE001  (reported where the first call would go)
+            return exc
+
     def _version_argument(self, target: EngineTarget, version: str) -> dict[str, str]:
         """Inside a session a call carries the version (applied only when the session ends well)."""
         return {"weight_version": version} if target.engine_id in self.session_engines else {}

@@ -11,8 +11,9 @@ every trainer rank for the engine ranks on its own GPU (`RankFeed`): each rank g
 tensors anyway (FSDP), packs them into its own device's buffer and sends its handles to rank 0,
 which makes one HTTP call per engine with the entry of each engine rank from the rank on its GPU.
 
-Ordering, stated once: every rank runs the same steps per call, in lockstep over the feed, with ONE
-exchange per call:
+Ordering, stated once: rank 0 asks the engines that take sessions to open one and, without waiting,
+every rank starts; rank 0 has the answers before call 0's exchange (a failure to open is its state
+there). Every rank runs the same steps per call, in lockstep over the feed, with ONE exchange per call:
   1. every rank takes the next call's tensors from the source (the FSDP gathers) and packs them into
      buffer slot k % 2, serializing its handles;
   2. rank 0 waits until the engines answered call k-1; then every rank gives every rank its state (a
@@ -75,9 +76,9 @@ class TensorTransport(Transport):
         report, collectors = self._new_report(version), self._collectors()
         held: dict[int, list] = {}  # this rank's buffers the engines may still read, by call index
         with timed(report):
-            self._agree(self._attempt(self._begin) if self.feed.is_caller else None)
+            begun = self._begin_meanwhile() if self.feed.is_caller else None  # waited for before call 0
             try:
-                failure = self._send_calls(source, version, report, collectors, held)
+                failure = self._send_calls(source, version, report, collectors, held, begun)
                 if self.feed.is_caller:
                     failure = self._end(failure, version, report, collectors)
             except BaseException:  # unexpected, here: the other ranks fail at the group's timeout
@@ -114,9 +115,10 @@ class TensorTransport(Transport):
         with timed(report, "set_version"):
             return wait_all(*committing)
 
-    def _send_calls(self, source, version: str, report: SyncReport, collectors: dict, held: dict):
+    def _send_calls(self, source, version: str, report: SyncReport, collectors: dict, held: dict, begun):
         """The calls in lockstep (module docstring); returns the failure that stopped them, if any
-        (rank 0: every call it posted was answered before this returns)."""
+        (rank 0: every call it posted was answered before this returns). `begun` (rank 0): the
+        sessions' opening, answered before call 0 goes out."""
         caller = self.feed.is_caller
         tensors = self._recorded(source, report, collectors) if caller else source.named_tensors()
         calls = iter_calls(tensors, self.spec.bucket_bytes)
@@ -130,6 +132,9 @@ class TensorTransport(Transport):
                 state = ("error", contribution["error"])
             if caller and failure is None and state[0] != "error":  # hashed while the engines load call k-1
                 failure = self._attempt(lambda: self._fingerprint_meanwhile(report, collectors, call is None))
+            if caller and failure is None and index == 0:
+                with timed(report, "begin"):  # the sessions opened while call 0 was gathered and packed
+                    failure = begun if isinstance(begun, BaseException) else self._attempt(begun.result)
             if caller and failure is None:
                 with timed(report, "wait_engines"):
                     failure = self._attempt(in_flight.make_room)  # call k-1 answered: slot (k+1) % 2 is free
