@@ -206,8 +206,8 @@ _SERVER_NUMBERS = itertools.count()
 _ZYGOTE: Zygote | None = None
 # its socket and log; gone after a green run. Named by the process, not random: test modules that
 # `from conftest import ...` run this file a second time, and both copies must name one socket
+# (made when the zygote starts: Ray workers that import a test module run this file too)
 _ZYGOTE_DIR = Path(tempfile.gettempdir()) / f"rf-test-zygote-{os.getpid()}"
-_ZYGOTE_DIR.mkdir(mode=0o700, exist_ok=True)
 _ZYGOTE_SOCKET = _ZYGOTE_DIR / "zygote.sock"
 # set before any Ray or subprocess starts, so that they inherit it: the engine workers of every
 # fleet (and bench) of the run take a sub-zygote of the shared one where it listens by then
@@ -225,6 +225,7 @@ def shared_zygote() -> Zygote:
     replaced; EngineProcess spawns when a fork fails, saying so in the engine's log."""
     global _ZYGOTE
     if _ZYGOTE is None or not _ZYGOTE.is_alive():
+        _ZYGOTE_DIR.mkdir(mode=0o700, exist_ok=True)
         _ZYGOTE = Zygote(_ZYGOTE_SOCKET.with_suffix(".log"), listen=_ZYGOTE_SOCKET, preload_model=_model_config_dir())
     return _ZYGOTE
 
