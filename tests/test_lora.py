@@ -691,6 +691,21 @@ def test_the_adapter_plan_gives_peft_state_dict_until_the_model_changes(qwen3_di
     assert _PLANS[peft_model]["default"].adapters == ("default", "other")
 
 
+def test_the_engine_reserves_room_for_a_merged_adapters_saved_weights(qwen3_dir):
+    """A merge keeps a copy of each target weight beside the weights: the engine's pool leaves room
+    for every weight its adapters may target (kv/setup.py), none with LoRA off."""
+    from rollfleet.engine.model.model import ModelRunner
+
+    assert ModelRunner(qwen3_dir).lora.merge_bytes() == 0
+    runner = ModelRunner(qwen3_dir, lora=LoraLimits(target_modules=frozenset({"q_proj", "v_proj"})))
+    covered = [m.weight for n, m in runner.model.named_modules() if n.endswith(("q_proj", "v_proj"))]
+    assert runner.lora.merge_bytes() == sum(w.nbytes for w in covered) > 0
+    every = ModelRunner(qwen3_dir, lora=LoraLimits())  # no --lora-target-modules: any targetable weight
+    assert every.lora.merge_bytes() == sum(
+        m.weight.nbytes for m in every.model.modules() if isinstance(m, torch.nn.Linear)
+    )
+
+
 def test_host_copies_of_an_adapter_share_nothing_with_the_bucket():
     tensors = [(f"w{i}", torch.randn(8, 4).to(torch.bfloat16 if i % 2 else torch.float32)) for i in range(6)]
     bucket = PackPlan(tensors).pack(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8))

@@ -73,6 +73,14 @@ def test_a_lora_adapters_count_is_peft_s():
     assert ModelShape.from_config(config.to_dict()).lora_parameters(8, targets) == trainable
 
 
+def test_the_weights_an_adapters_targets_cover_are_the_models():
+    config = tiny_config("qwen3")
+    model = AutoModelForCausalLM.from_config(config)
+    targets = ["q_proj", "v_proj", "down_proj", "lm_head"]
+    covered = sum(m.weight.numel() for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets)
+    assert ModelShape.from_config(config.to_dict()).lora_target_weights(targets) == covered
+
+
 def test_the_bench_shape_keeps_everything_on_an_h200_for_both_steps():
     """2.08B bf16 on 141 GB: nothing moves at a turn, and the engine gets what the trainer leaves
     (the run measured on main died with the engines' default 0.85 beside a trainer)."""
@@ -141,6 +149,10 @@ def test_a_lora_run_keeps_its_base_weights_and_counts_only_its_adapter_as_traine
     assert plan.parts["trainer_gradients"] == 4 * adapter
     assert plan.parts["trainer_state"] == 12 * adapter + 4 * shape.parameters()  # the frozen base: fp32
     assert plan.parts["trainer_state"] < full.parts["trainer_state"]
+    # the engine keeps a copy of each weight a merged adapter covers (bf16), inside its fraction
+    assert plan.parts["engine_inside"] - full.parts["engine_inside"] == 2 * shape.lora_target_weights(
+        ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
 
 
 def test_the_plan_is_applied_as_booleans_and_a_fraction():

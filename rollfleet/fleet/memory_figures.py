@@ -120,6 +120,17 @@ class ModelShape:
             total += count * rank * (fan_in + fan_out)
         return total
 
+    def lora_target_weights(self, targets: list[str]) -> int:
+        """Parameters of the base weights `targets` cover, lm_head included: an engine that merges an
+        adapter keeps a copy of each beside the weights, to restore the base (engine/lora/lora_merge.py)."""
+        total = self.vocab * self.hidden if "lm_head" in targets else 0
+        for name in targets:
+            if name in LORA_SHAPES:
+                fan_in, fan_out = LORA_SHAPES[name](self)
+                mlp = name in ("gate_proj", "up_proj", "down_proj")
+                total += (self.layers - self.moe_layers if mlp else self.layers) * fan_in * fan_out
+        return total
+
     def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1) -> int:
         """Keys and values of one token on one tp rank (KV heads split over tp, replicated when fewer)."""
         return self.layers * 2 * max(self.kv_heads // tp_size, 1) * self.head_dim * dtype_bytes

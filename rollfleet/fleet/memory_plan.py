@@ -250,6 +250,8 @@ def _parts(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, rows: int, width: 
     engine_bytes, tp = _engine_dtype_bytes(cfg, shape), cfg.rollout.tp_size
     reserve = activation_reserve_bytes(_max_running(cfg), shape.vocab)
     embedded = cfg.rollout.backend == "embedded"
+    if embedded and train.lora is not None:  # the merged adapter's saved base weights (engine/lora/lora_merge.py)
+        reserve += shape.lora_target_weights(train.lora.target_modules) * engine_bytes // tp
     return {
         "trainer_state": state,
         "trainer_gradients": 4 * trainable // world,

@@ -100,7 +100,7 @@ def start_paged(args: argparse.Namespace, runner, lockstep, context_length: int)
         mem_fraction=args.mem_fraction_static or DEFAULT_GPU_FRACTION,
         max_running=largest,
         context_length=context_length,
-        reserve_bytes=activation_reserve_bytes(largest, vocab),
+        reserve_bytes=activation_reserve_bytes(largest, vocab) + runner.lora.merge_bytes(),  # merges' saved base
     )
     if args.max_running_requests is None:  # SGLang 0.5.23's estimate from the pool (capacity.py)
         estimate = min(max(tokens * 512 // context_length, 2048), 4096) if on_gpu else CPU_MAX_RUNNING_REQUESTS

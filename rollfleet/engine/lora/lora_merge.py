@@ -93,6 +93,15 @@ class LoraMerge:
             local.copy_((local.float() + delta).to(local.dtype))
         self.active = lora_name
 
+    def merge_bytes(self) -> int:
+        """What a merged adapter holds on the weights' device beside them at most: a saved copy of each
+        weight it may target (--lora-target-modules, else every targetable one); 0 with LoRA off."""
+        if self.limits is None:
+            return 0
+        wanted = self.limits.target_modules
+        chosen = [path for path in self.targetable if wanted is None or path.rsplit(".", 1)[-1] in wanted]
+        return sum(local_of(self._params[f"{path}.weight"]).nbytes for path in chosen)
+
     def identity(self, lora_name: str | None) -> str:
         """What the weights of `lora_name` are, as the KV they make depends on it: the base, or the
         adapter's name and the number of its load (one unloaded and loaded again under the same name
