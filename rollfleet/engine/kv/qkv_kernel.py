@@ -58,7 +58,7 @@ def fusable(module: torch.nn.Module) -> bool:
 
 def fuse_attention_inputs(model: torch.nn.Module) -> int:
     """Give every fusable attention layer of `model` the one-kernel inputs; how many were given it.
-    None where the kernel, run once on this device first, does not give transformers' figures."""
+    0 where the kernel, run once on this device first, does not give torch's figures."""
     parameter = next(model.parameters())
     problem = self_check(parameter.device, parameter.dtype)
     if problem is not None:
