@@ -19,6 +19,9 @@ phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end o
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $? at $SECONDS s"
     grep -h "memory plan\|^step \|Error\|error:" "$OUT/$name.log" | cut -c1-400 | tail -12
+    # what the engines' fast path took (fused kernels, or why not), from their logs (rollout.log_dir)
+    grep -h "fused\|CUDA graphs off" logs/engines/*.log 2>/dev/null | sed 's/^.* rollfleet.engine //' | sort | uniq -c
+    rm -rf logs/engines
     for f in memory-plan.json metrics.jsonl; do  # one file a run comes back ($OUT brings back 8 at most)
         test -f /tmp/run-$name/$f && { echo "=== $f"; cat /tmp/run-$name/$f; } >> "$OUT/$name.log"
     done

@@ -45,7 +45,7 @@ def fuse_projections(model: torch.nn.Module, attention_classes: frozenset[str]) 
         elif kind in GATED_MLPS and _silu(module) and _fuse(module, ("gate_proj", "up_proj"), "fused_gate_up"):
             module.forward = types.MethodType(_mlp_forward, module)
             mlps += 1
-    log.info("projections fused into one product: q/k/v in %d layers, gate/up in %d MLPs", layers, mlps)
+    log.warning("projections fused into one product: q/k/v in %d layers, gate/up in %d MLPs", layers, mlps)
     return layers, mlps
 
 

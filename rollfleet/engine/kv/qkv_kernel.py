@@ -69,7 +69,7 @@ def fuse_attention_inputs(model: torch.nn.Module) -> int:
         if fusable(module):
             module.forward = types.MethodType(_forward, module)
             count += 1
-    log.info("attention inputs (q/k norms, rotary, K/V writes) fused into one kernel in %d layers", count)
+    log.warning("attention inputs (q/k norms, rotary, K/V writes) fused into one kernel in %d layers", count)
     return count
 
 
