@@ -15,10 +15,11 @@ DEVICE = triton_device()
 from rollfleet.engine.sequences import sample_kernel  # noqa: E402 - after triton_device()
 
 
-def _run(logits, temperature, greedy, seed=1, block=16):
+def _run(logits, temperature, greedy, seed=1, block=16, keys=None):
     inverse = torch.tensor([1.0 / t for t in temperature], dtype=torch.float32, device=DEVICE)
     flags = torch.tensor(greedy, dtype=torch.bool, device=DEVICE)
-    return sample_kernel.fused_sample(logits.to(DEVICE), inverse, flags, seed, block=block)
+    keys = keys.to(DEVICE) if keys is not None else None
+    return sample_kernel.fused_sample(logits.to(DEVICE), inverse, flags, seed, keys, block=block)
 
 
 def test_greedy_rows_take_the_first_argmax_and_the_raw_logprob():
@@ -56,3 +57,25 @@ def test_a_banned_block_and_mixed_rows():
     assert tokens[0] >= 16 and tokens[0] == torch.argmax(logits[0])
     assert torch.isfinite(logprobs).all()
     assert tokens[3] == torch.argmax(logits[3])
+
+
+def test_seeded_rows_draw_the_general_paths_token_whatever_shares_their_step():
+    """A row with a sampling_seed takes the general path's noise (hashed_uniform of its step key):
+    the same token as sampling.py draws, alone or beside other rows, under any step seed."""
+    from rollfleet.engine.sequences.sampling import hashed_uniform, step_key
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 50) * 2
+    keys = torch.tensor([step_key(1000 + row, 7) for row in range(6)])
+    keys[2] = -1  # a row without a seed beside them: the step's own noise
+    tokens, logprobs = _run(logits, [1.0] * 6, [False] * 6, seed=5, keys=keys)
+    noise = (-torch.log(hashed_uniform(keys.clamp(min=0), 50))).clamp(min=sample_kernel.TINY).log()
+    want = torch.argmax(logits - noise, dim=-1)  # sampling.py's Gumbel-max draw of seeded rows
+    seeded = [0, 1, 3, 4, 5]
+    assert tokens.cpu()[seeded].tolist() == want[seeded].tolist()
+    alone, _ = _run(logits[:2], [1.0] * 2, [False] * 2, seed=99, keys=keys[:2])
+    assert alone.tolist() == tokens[:2].tolist()
+    later = torch.tensor([step_key(1000 + row, 8) for row in range(6)])  # the next position: other noise
+    assert _run(logits, [1.0] * 6, [False] * 6, keys=later)[0].tolist() != tokens.tolist()
+    want_lp = torch.log_softmax(logits, dim=-1).gather(1, tokens.cpu()[:, None])[:, 0]
+    torch.testing.assert_close(logprobs.cpu(), want_lp, atol=1e-5, rtol=1e-5)

@@ -161,7 +161,11 @@ class Sampler:
         inverse = _column([1.0 if p.is_greedy else 1.0 / p.temperature for p in params], logits.device)[:, 0]
         greedy = torch.tensor([p.is_greedy for p in params], dtype=torch.bool).to(logits.device)
         seed = int(torch.randint(2**31 - 1, (1,), generator=self._generator(torch.device("cpu"))))
-        tokens, values = sample_kernel.fused_sample(_ban(logits, rows), inverse, greedy, seed)
+        keys = None  # seeded rows: their step keys (the general path's hashed noise, in the kernel)
+        if any(r.key is not None for r in rows):
+            keys = [-1 if r.key is None else step_key(r.key, r.position) for r in rows]
+            keys = torch.tensor(keys, dtype=torch.int64).to(logits.device)
+        tokens, values = sample_kernel.fused_sample(_ban(logits, rows), inverse, greedy, seed, keys)
         tokens_host = _to_host(tokens, moved)
         asked = [r.wants_logprob for r in rows]
         logprobs = (
@@ -199,9 +203,8 @@ def _ban(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
 
 
 def _plain(row: SampleRow, vocab: int) -> bool:
-    """A row the fused kernel samples: greedy or plain temperature, unseeded, no top-k / chosen ids."""
-    drawn_plainly = not filters(row.params, vocab) and row.key is None
-    return (row.params.is_greedy or drawn_plainly) and not row.top_n and row.token_ids is None
+    """A row the fused kernel samples: greedy or plain temperature (seeded or not), no top-k / chosen ids."""
+    return (row.params.is_greedy or not filters(row.params, vocab)) and not row.top_n and row.token_ids is None
 
 
 def filters(params: SamplingParams, vocab: int) -> bool:
