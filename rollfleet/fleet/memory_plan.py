@@ -65,10 +65,34 @@ class MemoryPlan:
     trainer_cap: float | None = None  # the trainer's allocator cap, a fraction of the GPU (release_kv_cache False)
 
     @property
-    def trainer_turn_bytes(self) -> int:
+    def trainer_figures(self) -> int:
+        """The trainer's own bytes in its turn: state, gradients and the peak of a step."""
         p = self.parts
-        engine = 0 if self.release_weights else p["engine_weights"]
-        return p["trainer_state"] + p["trainer_gradients"] + p["trainer_peak"] + engine + _overheads(p)
+        return p["trainer_state"] + p["trainer_gradients"] + p["trainer_peak"]
+
+    @property
+    def trainer_turn_bytes(self) -> int:
+        engine = 0 if self.release_weights else self.parts["engine_weights"]
+        return self.trainer_figures + engine + _overheads(self.parts)
+
+    @property
+    def kv_need(self) -> int:
+        """Tokens the KV pool holds for the step's samples at once (and one whole episode)."""
+        return max(self.step_tokens, MIN_KV_TOKENS, self.width)
+
+    @property
+    def room_beside_engine(self) -> float:
+        """What the engine's share leaves the trainer while both turns' memory is on the GPU."""
+        p = self.parts
+        return self.gpu_bytes - _overheads(p) - p["engine_outside"] - self.mem_fraction_static * self.gpu_bytes
+
+    @property
+    def stays_fit(self) -> bool:
+        """The engines may keep their memory through the trainer's turn: the trainer's figures x
+        TRAINER_HEADROOM fit beside the engine, whose KV pool holds the step's samples at once."""
+        return (
+            self.room_beside_engine >= TRAINER_HEADROOM * self.trainer_figures and self.kv_pool_tokens >= self.kv_need
+        )
 
     @property
     def engine_turn_bytes(self) -> int:
@@ -128,7 +152,7 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
 
     def plan(release: bool, offload: bool, fraction: float | None = None) -> MemoryPlan:
         chosen = fraction if fraction is not None else _largest_fraction(parts, gpu_bytes, offload)
-        pool = max(int((chosen * gpu_bytes - parts["engine_weights"] - parts["engine_inside"]) // kv_token), 0)
+        pool = _pool_tokens(parts, chosen, gpu_bytes, kv_token)
         source = "plan" if fraction is None else "rollout.mem_fraction_static"
         return MemoryPlan(
             gpu_bytes, parts, release, offload, chosen, source, pool, step_tokens, width, rows, min(chunk, rows * width)
@@ -158,21 +182,23 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
 def _staying_plan(base: MemoryPlan, kv_token: int, force: bool = False) -> MemoryPlan | None:
     """`base` (weights kept, no offload) as a plan whose engines keep their memory through the trainer's
     turn: the engine's fraction leaves the trainer its figures x TRAINER_HEADROOM, and the trainer is
-    capped at the rest. None when the KV pool would not hold the step's samples at once (`force`: the
-    plan anyway, for refuse_unless_fits to name the figures)."""
+    capped at the rest. None when that does not fit (`force`: the plan anyway, for refuse_unless_fits
+    to name the figures)."""
     p, gpu = base.parts, base.gpu_bytes
-    trainer = round(TRAINER_HEADROOM * (p["trainer_state"] + p["trainer_gradients"] + p["trainer_peak"]))
-    room = gpu - _overheads(p) - p["engine_outside"] - trainer
     fraction = base.mem_fraction_static
     if base.fraction_from == "plan":
+        room = gpu - _overheads(p) - p["engine_outside"] - TRAINER_HEADROOM * base.trainer_figures
         fraction = max(min(math.floor(100 * room / gpu) / 100, DEFAULT_GPU_FRACTION), 0.01)
-    pool = max(int((fraction * gpu - p["engine_weights"] - p["engine_inside"]) // kv_token), 0)
-    rest = gpu - _overheads(p) - p["engine_outside"] - fraction * gpu  # the trainer's, the engine's share floored
-    cap = max(math.floor(10_000 * rest / gpu) / 10_000, 0.0)
-    fits = rest >= trainer and pool >= max(base.step_tokens, MIN_KV_TOKENS, base.width)
-    if not (fits or force):
+    pool = _pool_tokens(p, fraction, gpu, kv_token)
+    stay = replace(base, mem_fraction_static=fraction, kv_pool_tokens=pool, release_kv_cache=False)
+    if not (stay.stays_fit or force):
         return None
-    return replace(base, mem_fraction_static=fraction, kv_pool_tokens=pool, release_kv_cache=False, trainer_cap=cap)
+    return replace(stay, trainer_cap=max(math.floor(10_000 * stay.room_beside_engine / gpu) / 10_000, 0.0))
+
+
+def _pool_tokens(parts: dict[str, int], fraction: float, gpu_bytes: int, kv_token: int) -> int:
+    """The KV pool an engine's share of `fraction` holds after its weights and activations."""
+    return max(int((fraction * gpu_bytes - parts["engine_weights"] - parts["engine_inside"]) // kv_token), 0)
 
 
 def refuse_unless_fits(plan: MemoryPlan, cfg: RunConfig) -> None:
@@ -217,20 +243,17 @@ def refuse_unless_fits(plan: MemoryPlan, cfg: RunConfig) -> None:
 
 def _staying_problems(plan: MemoryPlan, head: str) -> list[str]:
     """What keeps engines that hold their memory through the trainer's turn from fitting."""
-    p, gpu = plan.parts, plan.gpu_bytes
-    trainer = p["trainer_state"] + p["trainer_gradients"] + p["trainer_peak"]
-    need = max(plan.step_tokens, MIN_KV_TOKENS, plan.width)
-    rest = gpu - _overheads(p) - p["engine_outside"] - plan.mem_fraction_static * gpu
-    if rest >= TRAINER_HEADROOM * trainer and plan.kv_pool_tokens >= need:
+    if plan.stays_fit:
         return []
     fixes = ["rollout.release_kv_cache=true (or auto: released where it does not fit)", "train.micro_batch_size lower"]
     if plan.fraction_from != "plan":
         fixes.append("rollout.mem_fraction_static unset (planned)")
+    trainer, rest = plan.trainer_figures, max(plan.room_beside_engine, 0)
     return [
         f"{head}: rollout.release_kv_cache=false keeps the engine's {plan.mem_fraction_static} of it (a KV pool "
-        f"of {plan.kv_pool_tokens} tokens; the step's samples need {need}) beside the trainer's whole turn, "
+        f"of {plan.kv_pool_tokens} tokens; the step's samples need {plan.kv_need}) beside the trainer's whole turn, "
         f"{trainer / GB:.1f} GB x {TRAINER_HEADROOM} headroom = {TRAINER_HEADROOM * trainer / GB:.1f} GB, in "
-        f"the {max(rest, 0) / GB:.1f} GB left (fix: {'; '.join(fixes)}); nothing was started"
+        f"the {rest / GB:.1f} GB left (fix: {'; '.join(fixes)}); nothing was started"
     ]
 
 

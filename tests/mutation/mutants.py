@@ -197,8 +197,8 @@ MUTANTS: list[Mutant] = [
         id="kept-memory-without-the-trainers-room",
         claim="the plan keeps the engines' memory through the turn only where the trainer's turn fits beside it",
         file="rollfleet/fleet/memory_plan.py",
-        old="fits = rest >= trainer and pool",
-        new="fits = pool",
+        old="self.room_beside_engine >= TRAINER_HEADROOM * self.trainer_figures and self.kv_pool_tokens",
+        new="self.kv_pool_tokens",
         tests=("tests/test_memory_plan.py::test_engines_release_as_before_where_the_trainers_turn_needs_their_memory",),
     ),
     Mutant(

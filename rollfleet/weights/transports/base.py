@@ -183,10 +183,11 @@ class Transport(ABC):
     # ---- one update, all or nothing per engine (engines with sessions) ----------------------------
     def _begin(self) -> None:
         """Open a weight-update session on the engines that take them, before the first call."""
-        if self.session_engines is None:
-            self._server_infos()
+        begun = self._begin_meanwhile()
         try:
-            self._each("begin_weight_update", lambda t: ((), {}), self.session_engines).result()
+            if isinstance(begun, BaseException):
+                raise begun
+            begun.result()
         except BaseException:  # some engines may have opened theirs: a retry must find them closed
             self._abandon()
             raise
@@ -217,8 +218,10 @@ class Transport(ABC):
 
     def _abandon(self) -> None:
         """After a failed call: end the open sessions (an incomplete one is refused, and the engine
-        serves nothing until a complete update); their answers do not hide the error that ended the sync."""
-        wait_all(self._each("end_weight_update", lambda t: ((), {}), self.session_engines))
+        serves nothing until a complete update); their answers do not hide the error that ended the sync.
+        Nothing when the engines' protocol was never read (none was asked to open one)."""
+        if self.session_engines is not None:
+            wait_all(self._each("end_weight_update", lambda t: ((), {}), self.session_engines))
 
 
 def iter_calls(named_tensors, limit_bytes: int):
