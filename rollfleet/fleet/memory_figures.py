@@ -110,26 +110,21 @@ class ModelShape:
     def lora_parameters(self, rank: int, targets: list[str]) -> int:
         """A rank-`rank` adapter's parameters on `targets` (A: rank x in, B: out x rank) in every layer;
         the MLP targets only where the layer is dense (fused experts take no adapter)."""
-        total = 0
-        for name in targets:
-            if name not in LORA_SHAPES:
-                continue  # checked against the model when the run starts (rollfleet.train.lora)
-            fan_in, fan_out = LORA_SHAPES[name](self)
-            mlp = name in ("gate_proj", "up_proj", "down_proj")
-            count = self.layers - self.moe_layers if mlp else self.layers
-            total += count * rank * (fan_in + fan_out)
-        return total
+        return sum(count * rank * (fan_in + fan_out) for count, fan_in, fan_out in self._lora_targets(targets))
 
     def lora_target_weights(self, targets: list[str]) -> int:
         """Parameters of the base weights `targets` cover, lm_head included: an engine that merges an
         adapter keeps a copy of each beside the weights, to restore the base (engine/lora/lora_merge.py)."""
-        total = self.vocab * self.hidden if "lm_head" in targets else 0
+        head = self.vocab * self.hidden if "lm_head" in targets else 0
+        return head + sum(count * fan_in * fan_out for count, fan_in, fan_out in self._lora_targets(targets))
+
+    def _lora_targets(self, targets: list[str]):
+        """(layers, in, out) of each target a layer holds; others are checked against the model when the
+        run starts (rollfleet.train.lora)."""
         for name in targets:
             if name in LORA_SHAPES:
-                fan_in, fan_out = LORA_SHAPES[name](self)
                 mlp = name in ("gate_proj", "up_proj", "down_proj")
-                total += (self.layers - self.moe_layers if mlp else self.layers) * fan_in * fan_out
-        return total
+                yield (self.layers - self.moe_layers if mlp else self.layers), *LORA_SHAPES[name](self)
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1) -> int:
         """Keys and values of one token on one tp rank (KV heads split over tp, replicated when fewer)."""

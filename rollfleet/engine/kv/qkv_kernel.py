@@ -116,41 +116,38 @@ def attention_inputs(q, k, v, cos, sin, norms, pool_k, pool_v, slots) -> torch.T
 
 
 def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Run the kernel once on random heads against torch's arithmetic (norm, then rotate_half);
-    what went wrong, or None. A GPU it never ran on compiles it here, not inside a graph capture."""
+    """Run the kernel once on random heads against transformers' own RMSNorm and rotary; what went
+    wrong, or None. A GPU it never ran on compiles it here, not inside a graph capture."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
     gen = torch.Generator().manual_seed(0)
     tokens, heads, kv_heads, dim = 3, 4, 2, 64
     q, k, v = (torch.randn(tokens, h, dim, generator=gen).to(device, dtype) for h in (heads, kv_heads, kv_heads))
     angles = torch.rand(tokens, dim // 2, generator=gen).repeat(1, 2) * 6
     cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
-    norms = tuple(_Norm(torch.rand(dim, generator=gen).to(device, dtype) + 0.5) for _ in range(2))
+    norms = tuple(Qwen3RMSNorm(dim, eps=1e-6).to(device, dtype) for _ in range(2))
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(torch.rand(dim, generator=gen) + 0.5)
     pool_k, pool_v = (torch.zeros(tokens, kv_heads, dim, dtype=dtype, device=device) for _ in range(2))
     try:
         query = attention_inputs(q, k, v, cos, sin, norms, pool_k, pool_v, torch.arange(tokens, device=device))
     except Exception as exc:  # a Triton build that cannot compile it here
         return f"the kernel failed on {device}: {type(exc).__name__}: {exc}"
-
-    def reference(x, norm):
-        f = x.float()
-        x = norm.weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(dtype)
-        half = x.shape[-1] // 2
-        return x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None]
-
+    with torch.no_grad():
+        want_q, want_k = apply_rotary_pos_emb(
+            norms[0](q).transpose(0, 1)[None], norms[1](k).transpose(0, 1)[None], cos[None], sin[None]
+        )
     ulps = 2.0**-5 if dtype in (torch.bfloat16, torch.float16) else 1e-5  # relative: 4 of bf16's ulps
     for name, got, want in (
-        ("q", query, reference(q, norms[0])),
-        ("k", pool_k, reference(k, norms[1])),
+        ("q", query, want_q[0].transpose(0, 1)),
+        ("k", pool_k, want_k[0].transpose(0, 1)),
         ("v", pool_v, v),
     ):
         error = (got.float() - want.float()).abs().max().item()
         if not error <= ulps * want.float().abs().max().item():
-            return f"{name} differs from torch's by {error:.3g} on {device} ({dtype})"
+            return f"{name} differs from transformers' by {error:.3g} on {device} ({dtype})"
     return None
-
-
-class _Norm:
-    def __init__(self, weight: torch.Tensor):
-        self.weight, self.variance_epsilon = weight, 1e-6
 
 
 def _eps(norm) -> float:
