@@ -22,7 +22,8 @@ phase decode-step 240 bash -c 'python -m rollfleet bench decode-step --host-only
     --attention-inputs transformers && python -m rollfleet bench decode-step --batches 1,64,256,512 --repeats 10 \
     --json "$0/decode-step.json"' "$OUT"
 phase paged-check 120 env OUT="$OUT" python scripts/gpu_check_paged.py
-phase generate-embedded 200 python -m rollfleet bench generate --cases 64x8x256,16x8x32,1x1x256 --engines embedded \
-    --repeats 2 --json "$OUT/generate-embedded.json"
+# embedded / embedded_waits: what the overlapped decode step gains (kv/overlap.py)
+phase generate-embedded 260 python -m rollfleet bench generate --cases 64x8x256,16x8x32,1x1x256 \
+    --engines embedded,embedded_waits --repeats 2 --json "$OUT/generate-embedded.json"
 phase generate-baseline 300 python -m rollfleet bench generate --cases 64x8x256,16x8x32 --engines embedded,generate \
     --repeats 2 --json "$OUT/generate-64x8x256-16x8x32.json"

@@ -92,12 +92,19 @@ def test_a_rows_logits_on_cpu_do_not_depend_on_how_many_rows_share_its_step():
 
 
 @pytest.fixture(scope="module")
-def small_pool_server(qwen3_dir, tmp_path_factory):
+def small_pool_servers(qwen3_dir, tmp_path_factory):
     """Pages of 4 tokens, a pool of 96 (24 pages) and prefills of at most 8 tokens a step: every
     request is chunked, and a few long ones run the pool out."""
     extra = ["--page-size", "4", "--max-total-tokens", "96", "--chunked-prefill-size", "8"]
-    with engine_servers({"small": (qwen3_dir, {"extra": extra})}, tmp_path_factory.mktemp("paged")) as procs:
-        yield procs["small"]
+    waits = [*extra, "--disable-overlap-schedule"]  # the same engine, its decode steps waiting for their draws
+    plan = {"small": (qwen3_dir, {"extra": extra}), "waits": (qwen3_dir, {"extra": waits})}
+    with engine_servers(plan, tmp_path_factory.mktemp("paged")) as procs:
+        yield procs
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(small_pool_servers):
+    return small_pool_servers["small"]
 
 
 def _greedy(max_new_tokens: int, **more) -> dict:
@@ -326,3 +333,43 @@ def test_a_kv_cache_resume_brings_paused_graphs_back_once():
     paged.release(["cuda_graph"])  # the graphs alone (the KV kept): they stay paused until named
     paged.resume(["weights"])
     assert paged.graphs.paused
+
+
+def test_overlapped_decode_steps_answer_as_steps_that_wait(small_pool_servers):
+    """The default server overlaps a decode step with the host's work on the last one (kv/overlap.py);
+    `--disable-overlap-schedule` waits. Through a pool that preempts, chunked prompts, stop tokens and
+    strings seen one step late, min_new_tokens, seeded draws with top-k logprobs and n samples, both
+    answer the same tokens, finish reasons and logprobs."""
+    prompts = [[3 + i, *range(40 + 5 * i, 52 + 5 * i)] for i in range(3)]
+    probe = call(small_pool_servers["waits"], "generate", input_ids=prompts[1], sampling_params=_greedy(12))
+    text, tokens = probe["text"], probe["output_ids"]
+    asks = [
+        {"sampling_params": _greedy(14)},
+        {"sampling_params": _greedy(12, stop_token_ids=[tokens[5]])},
+        {"sampling_params": {**_greedy(12), "stop": [text[len(text) // 2 : len(text) // 2 + 2]]}},
+        {"sampling_params": {"temperature": 1.0, "max_new_tokens": 9, "min_new_tokens": 4, "sampling_seed": 5,
+                             "n": 2}, "return_logprob": True, "top_logprobs_num": 2},
+    ]  # fmt: skip
+    answers = {}
+    for key in ("small", "waits"):
+        answers[key] = [call(small_pool_servers[key], "generate", input_ids=prompts, **ask) for ask in asks]
+    for overlapped, waited in zip(answers["small"], answers["waits"]):
+        for one, other in zip(overlapped, waited):
+            assert one["output_ids"] == other["output_ids"]
+            assert one["text"] == other["text"]
+            assert one["meta_info"]["finish_reason"] == other["meta_info"]["finish_reason"]
+            for field in ("output_token_logprobs", "output_top_logprobs"):
+                mine, theirs = one["meta_info"].get(field), other["meta_info"].get(field)
+                assert (mine is None) == (theirs is None)
+                assert str(mine) == str(theirs) or _close(mine, theirs), field
+    reasons = {a["meta_info"]["finish_reason"]["type"] for group in answers["small"] for a in group}
+    assert reasons == {"length", "stop"}
+
+
+def _close(a, b) -> bool:
+    """Nested lists of logprobs and ids equal, the floats within float32 rounding of rows batched otherwise."""
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(a - b) <= 1e-4
+    return a == b

@@ -14,6 +14,8 @@ runs each case in a process of its own (rollfleet/bench/generate_engines.py says
   per-request path (parsing, admission, answers of each request) costs. Asked for together, the two
   run on one server, a pass of each in turn (their order swapped each pass), so a drift of the
   machine's load falls on both;
+- embedded_waits: embedded with `--disable-overlap-schedule` (a decode step waits for its draws to reach
+  the host before the next is launched): embedded / embedded_waits is what the overlap (kv/overlap.py) gains;
 - generate: transformers `model.generate` on one left-padded batch, num_return_sequences n;
 - generate_batch: transformers continuous batching (`model.generate_batch`, TRL's GRPO path).
 Every engine first runs the case's batch for a few tokens (untimed warm-up), then `--repeats` timed passes.
@@ -52,7 +54,8 @@ from pathlib import Path
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.bench.shapes import add_vocab_flag, write_model
 
-ENGINES = ("embedded", "embedded_batch", "generate", "generate_batch")
+ENGINES = ("embedded", "embedded_batch", "embedded_waits", "generate", "generate_batch")
+DEFAULT_ENGINES = "embedded,embedded_batch,generate,generate_batch"  # embedded_waits when asked for
 DEFAULT_CASES = "64x8x256,16x8x32,1x1x256"
 FIRST_ID = 3  # after the tokenizer's special tokens (rollfleet.tiny_models.SPECIAL_TOKENS)
 
@@ -221,7 +224,7 @@ def case_summary(case, answers: dict[str, dict], limit: dict, prompt_tokens: int
             split["decode_ms_per_step"] = split["decode_seconds"] / split["decode_steps"] * 1e3
             split["decode_over_roofline"] = split["decode_ms_per_step"] / (limit["seconds"] / limit["steps"] * 1e3)
     ratios = {}
-    for other in ("embedded_batch", "generate", "generate_batch"):
+    for other in ("embedded_batch", "embedded_waits", "generate", "generate_batch"):
         if "embedded" in engines and other in engines:
             ratios[f"embedded/{other}"] = engines["embedded"]["tok_s"]["median"] / engines[other]["tok_s"]["median"]
     summary = {"expected_tokens": expected, "roofline": limit, "engines": engines, "ratios": ratios}
@@ -266,7 +269,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog="rollfleet bench generate", description=__doc__.split("\n")[0])
     p.add_argument("--cases", default=DEFAULT_CASES, help="prompts x n x new tokens, comma-separated")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"any of {', '.join(ENGINES)}")
+    p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"any of {', '.join(ENGINES)}")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default: bfloat16 on cuda")
     p.add_argument("--hidden", type=int, default=2048)

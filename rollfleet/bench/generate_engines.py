@@ -11,7 +11,8 @@ ENGINE is one of:
   return_logprob, all sent at once so the engine batches them;
 - embedded_batch: the same server and sampling, ONE /generate of every prompt (`input_ids` a list):
   what the per-request path costs beyond the same tokens asked for at once;
-- embedded_pair: both of the above on one server, a pass of each in turn (their order swapped from
+- embedded_waits: embedded with `--disable-overlap-schedule`, each decode step waiting for its draws;
+- embedded_pair: embedded and embedded_batch on one server, a pass of each in turn (their order swapped from
   pass to pass), each pass's answer a pair: the ratio of the two is not at the mercy of the load's drift;
 - generate: transformers `model.generate` on one left-padded batch of every prompt, do_sample at
   temperature 1 with no top-k / top-p, num_return_sequences n, min_new_tokens = max_new_tokens (EOS
@@ -53,18 +54,19 @@ def _sync(device: str) -> None:
 
 
 # ---- embedded engine over HTTP ----------------------------------------------------------------------
-def run_embedded(args, prompts: list[list[int]], shapes: tuple[bool, ...] = (False,)) -> list[dict]:
+def run_embedded(args, prompts: list[list[int]], shapes: tuple[bool, ...] = (False,), more=()) -> list[dict]:
     """The engine server driven as a GRPO step drives it: one /generate per prompt with n, all at
     once; `shapes` (False: per request, True: ONE /generate of every prompt, the per-request path's
     reference: the same tokens without 64 requests' parsing, admission and answers). With both, each
     pass runs both shapes on the one server, their order swapped from pass to pass, so that the
-    machine's drift (other load, clocks) falls on both alike; a pass's answer is a list per shape."""
+    machine's drift (other load, clocks) falls on both alike; a pass's answer is a list per shape.
+    `more`: the server's further flags."""
     from rollfleet.engine.process.launch import EngineProcess, embedded_argv
     from rollfleet.engine.process.zygote_client import Zygote
     from rollfleet.wire.net import free_port
 
     port, log = free_port(), Path(args.out).with_suffix(".engine.log")
-    flags = ["--device", args.device, "--dtype", args.dtype]
+    flags = ["--device", args.device, "--dtype", args.dtype, *more]
     samples = len(prompts) * args.n  # one batch; a batched request asks for all of them at once
     flags += ["--max-running-requests", str(samples), "--max-samples-per-request", str(samples)]
     engine = EngineProcess(
@@ -75,6 +77,11 @@ def run_embedded(args, prompts: list[list[int]], shapes: tuple[bool, ...] = (Fal
         return asyncio.run(_embedded_passes(engine.url, prompts, args, shapes))
     finally:
         engine.stop()
+
+
+def run_embedded_waits(args, prompts: list[list[int]]) -> list[dict]:
+    """embedded with its decode steps waiting for their draws (no overlap: kv/overlap.py)."""
+    return run_embedded(args, prompts, more=("--disable-overlap-schedule",))
 
 
 def run_embedded_batch(args, prompts: list[list[int]]) -> list[dict]:
@@ -263,6 +270,7 @@ def run_copy(args, prompts: list[list[int]]) -> list[dict]:
 ENGINES = {
     "embedded": run_embedded,
     "embedded_batch": run_embedded_batch,
+    "embedded_waits": run_embedded_waits,
     "embedded_pair": run_embedded_pair,
     "generate": run_generate,
     "generate_batch": run_generate_batch,

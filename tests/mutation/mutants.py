@@ -228,4 +228,23 @@ MUTANTS: list[Mutant] = [
             "test_a_fused_runner_serves_updates_and_release_and_resume_like_an_unfused_one",
         ),
     ),
+    Mutant(
+        id="overlap-fed-at-the-wrong-position",
+        claim="a step launched before the last one's draws are read samples the token after them",
+        file="rollfleet/engine/kv/overlap.py",
+        old="seq.sampling_row(self.stops.stop_ids, ahead=1)",
+        new="seq.sampling_row(self.stops.stop_ids)",
+        tests=(
+            "tests/test_overlap.py::test_overlapped_steps_record_what_waiting_steps_record_and_give_every_page_back",
+            "tests/test_kv_paged.py::test_overlapped_decode_steps_answer_as_steps_that_wait",
+        ),
+    ),
+    Mutant(
+        id="overlap-thrown-away-step-kept",
+        claim="a step in flight thrown away unread leaves its rows to feed their newest token again",
+        file="rollfleet/engine/kv/overlap.py",
+        old="                seq.kv_len -= 1",
+        new="                pass",
+        tests=("tests/test_overlap.py::test_a_step_thrown_away_unread_leaves_its_rows_to_decode_again",),
+    ),
 ]

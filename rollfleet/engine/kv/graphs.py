@@ -97,8 +97,9 @@ class DecodeGraphs:
     def usable(self, batch: int) -> bool:
         return self.disabled is None and not self.paused and bool(self.buckets) and batch <= self.buckets[-1]
 
-    def run(self, rows) -> torch.Tensor | None:
-        """The logits of `rows` (a decode step), or None when this model cannot be captured: run it eagerly."""
+    def run(self, rows, ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The logits of `rows` (a decode step; `ids`: their fed tokens on the device, else the rows'),
+        or None when this model cannot be captured: run it eagerly."""
         batch = next(b for b in self.buckets if b >= len(rows))
         need = max(len(pages) for _, _, pages in rows)
         width = graph_width([w for b, w in self.graphs if b == batch], need, coarse=self.kernel)
@@ -111,20 +112,24 @@ class DecodeGraphs:
                 log.warning("CUDA graphs off for this engine, decode runs eagerly (%s)", self.disabled)
                 return None
             self.graphs[(batch, width)] = graph
-        self._fill(graph, rows)
+        self._fill(graph, rows, ids)
         graph.graph.replay()
         return graph.logits[: len(rows)]
 
-    def _fill(self, graph: Graph, rows) -> None:
+    def _fill(self, graph: Graph, rows, ids: torch.Tensor | None) -> None:
+        """The step's inputs into the graph's static buffers, queued behind the device's work (from
+        pinned memory: nothing here waits for the step before, which may still run, kv/overlap.py)."""
         size, batch = self.kv.page_size, graph.ids.shape[1]
         pad = batch - len(rows)
-        ids = [tokens[0] for _, tokens, _ in rows] + [0] * pad
+        fed = [0] * batch if ids is not None else [tokens[0] for _, tokens, _ in rows] + [0] * pad
         positions = [start for start, _, _ in rows] + [0] * pad
         slots = [pages[start // size] * size + start % size for start, _, pages in rows] + [0] * pad
         lens = [start + 1 for start, _, _ in rows] + [1] * pad
-        host = torch.tensor([ids, positions, slots, lens], dtype=torch.long)
-        graph.ids.copy_(host[0:1]), graph.positions.copy_(host[1:2])
-        graph.inputs.slots.copy_(host[2]), graph.inputs.lens.copy_(host[3])
+        host = torch.tensor([fed, positions, slots, lens], dtype=torch.long, pin_memory=True)
+        graph.ids.copy_(host[0:1], non_blocking=True), graph.positions.copy_(host[1:2], non_blocking=True)
+        graph.inputs.slots.copy_(host[2], non_blocking=True), graph.inputs.lens.copy_(host[3], non_blocking=True)
+        if ids is not None:
+            graph.ids[0, : len(rows)].copy_(ids)
         graph.copied.synchronize()  # the last step's copy has left the host table (normally long ago)
         graph.inputs.table.copy_(graph.table.update([pages for _, _, pages in rows]), non_blocking=True)
         graph.copied.record()

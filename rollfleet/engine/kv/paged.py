@@ -32,6 +32,7 @@ from rollfleet.engine.kv.norm_kernel import fuse_rms_norms
 from rollfleet.engine.kv.pool import KVPool, KVShape
 from rollfleet.engine.kv.qkv_kernel import FUSABLE, fuse_attention_inputs
 from rollfleet.engine.kv.saver import CUDA_GRAPH_TAG, KV_CACHE_TAG, PausableMemory
+from rollfleet.engine.sequences.device_copy import to_device
 
 log = logging.getLogger("rollfleet.engine")
 # model types whose attention goes through transformers' registry with full attention on every layer
@@ -110,8 +111,11 @@ class PagedModel:
         copies: list[tuple[int, int]] = (),
         lora_name: str | None = None,
         capture_routes: bool = False,
+        ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`[len(logits_at), vocab]` logits on this rank's device, of the packed positions `logits_at`."""
+        """`[len(logits_at), vocab]` logits on this rank's device, of the packed positions `logits_at`.
+        `ids`: a decode step's fed tokens already on the device (the last step's draws, not yet read by
+        the host: kv/overlap.py); the rows' own tokens are placeholders then."""
         if self.pool.released:
             raise RuntimeError("the KV cache is released: call /resume_memory_occupation with tags ['kv_cache']")
         self.lora.use(lora_name)
@@ -119,7 +123,7 @@ class PagedModel:
         self.last_routes = None
         decode = all(len(tokens) == 1 for _, tokens, _ in rows)
         if decode and not capture_routes and self.graphs is not None and self.graphs.usable(len(rows)):
-            logits = self.graphs.run(rows)
+            logits = self.graphs.run(rows, ids)
             if logits is not None:  # a decode step's logits_at is every row, in order (no copy)
                 identity = len(logits_at) == len(rows) and all(at == row for row, at in enumerate(logits_at))
                 return logits if identity else logits[torch.tensor(logits_at, device=logits.device)]
@@ -128,11 +132,13 @@ class PagedModel:
         wanted = len(logits_at)
         if self.device.type == "cpu":
             rows, logits_at = cpu_padded(rows, logits_at)
-        ids, positions, inputs = self.inputs(rows, decode)
-        keep = torch.tensor(logits_at, dtype=torch.long).to(self.device)
-        logits = self._forward(ids, positions, inputs, keep)[:wanted]
+        fed, positions, inputs = self.inputs(rows, decode)
+        if ids is not None:
+            fed[0, : len(ids)] = ids
+        keep = to_device(logits_at, torch.long, self.device)
+        logits = self._forward(fed, positions, inputs, keep)[:wanted]
         if capture_routes:
-            self.last_routes = self.route_capture.stop(1, ids.shape[1])[0]
+            self.last_routes = self.route_capture.stop(1, fed.shape[1])[0]
         return logits
 
     def _forward(self, ids, positions, inputs: PagedInputs, keep) -> torch.Tensor:
@@ -164,9 +170,9 @@ class PagedModel:
             self.pool.keys,
             self.pool.values,
             size,
-            slots=torch.tensor(slots, dtype=torch.long).to(dev),
-            table=torch.tensor(table, dtype=torch.long).to(dev),
-            lens=torch.tensor(lens, dtype=torch.long).to(dev),
+            slots=to_device(slots, torch.long, dev),
+            table=to_device(table, torch.long, dev),
+            lens=to_device(lens, torch.long, dev),
             decode=decode,
             kernel=decode and self.kernel,
         )
@@ -176,9 +182,9 @@ class PagedModel:
             for row, (start, tokens, _) in enumerate(rows):
                 q_index += range(row * longest, row * longest + len(tokens))
                 q_pos.append([*range(start, start + len(tokens)), *[0] * (longest - len(tokens))])
-            inputs.q_index = torch.tensor(q_index, dtype=torch.long).to(dev)
-            inputs.q_pos = torch.tensor(q_pos, dtype=torch.long).to(dev)
-        as_row = torch.tensor([ids, positions], dtype=torch.long).to(dev)
+            inputs.q_index = to_device(q_index, torch.long, dev)
+            inputs.q_pos = to_device(q_pos, torch.long, dev)
+        as_row = to_device([ids, positions], torch.long, dev)
         return as_row[0:1], as_row[1:2], inputs
 
     # ---- memory ----------------------------------------------------------------------------

@@ -47,6 +47,12 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
     for flag in ("--disable-decode-cuda-graph", "--disable-cuda-graph"):
         p.add_argument(flag, action="store_true", help="decode steps run eagerly")
     p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="a decode step waits for its tokens to reach the host before the next is launched (default: "
+        "the next step runs on the device while the host records the last one, at tp 1; kv/overlap.py)",
+    )
+    p.add_argument(
         "--rollfleet-memory-saver",
         choices=["auto", "on", "off"],
         default="auto",
@@ -125,4 +131,5 @@ def start_paged(args: argparse.Namespace, runner, lockstep, context_length: int)
         weights_generation=lambda: runner.weights.generation,
         adapter_identity=runner.lora.identity,
         chunk_tokens=chunk,
+        overlap=args.tp_size == 1 and not args.disable_overlap_schedule,  # followers would need the draws
     )

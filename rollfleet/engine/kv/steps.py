@@ -36,9 +36,10 @@ from typing import Any
 import torch
 
 from rollfleet.engine.kv.blocks import BlockPool, OutOfPages
+from rollfleet.engine.kv.overlap import Overlap
 from rollfleet.engine.sequences.admission_batch import without
 from rollfleet.engine.sequences.logprobs import fill_input, input_positions
-from rollfleet.engine.sequences.next_token import StopRules, record_token
+from rollfleet.engine.sequences.next_token import StopRules
 from rollfleet.engine.sequences.sampling import Sampler
 from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.engine.tp.lockstep import Action
@@ -52,6 +53,7 @@ class StepOutcome:
     recomputed: int = 0  # sequences whose output so far is fed again (after a retract, preemption, update)
     prefill_tokens: int = 0  # tokens fed by prefill steps (a prompt's n samples feed it once)
     prefill: bool = False  # a prefill step (eager), not a decode step (a CUDA graph where captured)
+    launched: bool = True  # a step ran on the device (not so when only the step in flight was recorded)
     preempted: list[Sequence] = field(default_factory=list)  # back to the head of the queue, in order
 
 
@@ -62,7 +64,7 @@ class _Feed:
     logits_from: int = 0  # packed index of the first logits row this feed returns
 
 
-class PagedBatches:
+class PagedBatches(Overlap):
     joins_recompute = False
 
     def __init__(
@@ -77,12 +79,15 @@ class PagedBatches:
         weights_generation: Callable[[], int],
         adapter_identity: Callable[[str | None], str],
         chunk_tokens: int | None,
+        overlap: bool = False,
     ):
         """`weights_generation()`: a number every change of the base weights bumps;
-        `adapter_identity(lora_name)`: the adapter's name and load (weight_update.py, lora_merge.py)."""
+        `adapter_identity(lora_name)`: the adapter's name and load (weight_update.py, lora_merge.py);
+        `overlap`: decode steps may overlap the host's work (kv/overlap.py)."""
         self.blocks, self.lockstep, self.sampler, self.stops = blocks, lockstep, sampler, stops
         self.read_routes, self.kv_epoch, self.chunk_tokens = read_routes, kv_epoch, chunk_tokens
         self.weights_generation, self.adapter_identity = weights_generation, adapter_identity
+        self.overlap = overlap
         self.epoch = None  # the pool's epoch the pages were handed out in
         self.generation = None  # the weights' generation the cache's records were made in
         self.copies: list[tuple[int, int]] = []  # forks' partial pages, copied before the next step
@@ -118,7 +123,12 @@ class PagedBatches:
         return self.blocks.pages_for(_total(seq) + 1)
 
     # ---- one step ---------------------------------------------------------------------------
-    def advance(self, running: list[Sequence], recompute: bool, lora_name: str | None) -> StepOutcome:
+    def advance(self, running: list[Sequence], recompute: bool, lora_name: str | None, overlap=False) -> StepOutcome:
+        """One step of `running`; `overlap`: its draws may stay in flight past it (kv/overlap.py)."""
+        outcome = StepOutcome()
+        if self.inflight is not None:
+            self._keep_flying(running, overlap and not recompute, lora_name, outcome)
+            return outcome
         if self.epoch != self.kv_epoch():  # the pool was released or resumed: no page holds KV
             self.blocks.reset()
             for seq in running:
@@ -134,7 +144,6 @@ class PagedBatches:
         if stale:
             self.drop(stale)
             self.copies = []  # the forks of the last step: their pages were made with the old weights too
-        outcome = StepOutcome()
         if all(map(_decodable, running)):  # the steady state: no prefill, no sample waits on one
             self._siblings, feeds = {}, self._decode_feeds(running, outcome, every_row=True)
         else:
@@ -144,7 +153,7 @@ class PagedBatches:
             if not feeds:
                 feeds = self._decode_feeds(running, outcome)
         if feeds:
-            self._run(feeds, lora_name, outcome)
+            self._run(feeds, lora_name, outcome, fly=overlap and self.overlap and not outcome.preempted)
         return outcome
 
     def _pair_siblings(self, running: list[Sequence]) -> dict[int, list[Sequence]]:
@@ -244,7 +253,7 @@ class PagedBatches:
             f"{tokens}: raise --mem-fraction-static or --max-total-tokens, or send a shorter prompt",
         )
 
-    def _run(self, feeds: list[_Feed], lora_name: str | None, outcome: StepOutcome) -> None:
+    def _run(self, feeds: list[_Feed], lora_name: str | None, outcome: StepOutcome, fly: bool) -> None:
         if outcome.prefill:
             rows, logits_at = self._prefill_rows(feeds, outcome)
         else:  # decode: each row feeds its newest token and wants the logits after it
@@ -257,7 +266,7 @@ class PagedBatches:
         )
         if capture:
             self._record_routes(feeds, self.read_routes())
-        self._sample(feeds, logits, outcome)
+        self._sample(feeds, logits, outcome, fly and not capture)
 
     def _prefill_rows(self, feeds: list[_Feed], outcome: StepOutcome) -> tuple[list, list[int]]:
         """A prefill step's rows and the packed positions whose logits it wants."""
@@ -267,7 +276,8 @@ class PagedBatches:
             if seq.kv_len == 0:
                 seq.routes.clear()  # a (re)prefill reads every position again: its routes replace any kept
             at_end = seq.output_ids and seq.kv_len + feed.count == _total(seq)
-            fed = [seq.output_ids[-1]] if at_end and feed.count == 1 else _tokens(seq, seq.kv_len, feed.count)
+            fed = seq.prefill_ids[seq.kv_len : seq.kv_len + feed.count]
+            fed = [seq.output_ids[-1]] if at_end and feed.count == 1 else fed
             rows.append((seq.kv_len, fed, seq.pages))
             last = packed + feed.count - 1
             if seq.kv_len + feed.count == _total(seq):
@@ -279,11 +289,11 @@ class PagedBatches:
             outcome.prefill_tokens += packed
         return rows, logits_at
 
-    def _sample(self, feeds: list[_Feed], logits: torch.Tensor, outcome: StepOutcome) -> None:
-        if not outcome.prefill:  # decode: every row samples, from its own row of logits
+    def _sample(self, feeds: list[_Feed], logits: torch.Tensor, outcome: StepOutcome, fly: bool) -> None:
+        if not outcome.prefill:  # decode: every row samples, from its own row of logits (or leaves them in flight)
             for feed in feeds:
                 feed.seq.kv_len += 1
-            return self._draw([feed.seq for feed in feeds], logits, outcome)
+            return self._draw([feed.seq for feed in feeds], logits, outcome, fly)
         samplers, index = [], []
         for feed in feeds:
             seq = feed.seq
@@ -303,13 +313,6 @@ class PagedBatches:
         if samplers:
             rows = logits[torch.tensor(index, device=logits.device)] if len(index) != logits.shape[0] else logits
             self._draw(samplers, rows, outcome)
-
-    def _draw(self, samplers: list[Sequence], rows: torch.Tensor, outcome: StepOutcome) -> None:
-        sampled = self.sampler.sample(rows, [seq.sampling_row(self.stops.stop_ids) for seq in samplers])
-        for i, seq in enumerate(samplers):
-            record_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i], sampled.chosen[i], self.stops)
-        outcome.host_bytes += sampled.host_bytes
-        outcome.sampled += len(samplers)
 
     def _fork(self, leader: Sequence) -> list[Sequence]:
         """The samples waiting on `leader`'s prefill share its full pages and get a copy of its last
@@ -354,6 +357,7 @@ class PagedBatches:
         """These sequences' KV goes (a retract, a failed step, a weight change): recomputed when they run.
         The other tp ranks are told the batch ended: a follower whose part of a failed step failed
         waits for exactly that before it follows the next step (lockstep.follow)."""
+        self._discard()
         for seq in seqs:
             self._release(seq)
         self.lockstep(Action.END_BATCH)
@@ -380,10 +384,6 @@ def _decodable(seq: Sequence) -> bool:
 def _total(seq: Sequence) -> int:
     """Tokens of prompt + output (without building the list: the hot path asks this of every row)."""
     return len(seq.prompt_ids) + len(seq.output_ids)
-
-
-def _tokens(seq: Sequence, start: int, count: int) -> list[int]:
-    return seq.prefill_ids[start : start + count]
 
 
 def _forget_kv(seq: Sequence) -> None:

@@ -55,6 +55,7 @@ class DenseBatches:
     and finished ones leave it by `keep_rows`. The same interface as kv/steps.py's PagedBatches."""
 
     joins_recompute = True
+    inflight = None  # no step stays in flight (kv/overlap.py is the paged pool's)
 
     def __init__(self, *, lockstep, sampler: Sampler, stops: StopRules, read_routes):
         self.lockstep, self.sampler, self.stops, self.read_routes = lockstep, sampler, stops, read_routes
@@ -65,7 +66,7 @@ class DenseBatches:
     def joiners(self, running, waiting, lora, max_running: int):
         return admission_batch.joiners(running, waiting, lora, max_running)
 
-    def advance(self, running: list[Sequence], recompute: bool, lora_name: str | None) -> StepOutcome:
+    def advance(self, running: list[Sequence], recompute: bool, lora_name: str | None, overlap=False) -> StepOutcome:
         recomputed = sum(1 for seq in running if seq.output_ids) if recompute else 0
         prefilled = sum(len(seq.prefill_ids) for seq in running) if recompute else 0
         moved = advance_batch(
@@ -89,6 +90,9 @@ class DenseBatches:
 
     def drop(self, seqs: list[Sequence]) -> None:
         self.lockstep(Action.END_BATCH)
+
+    def settle(self, outcome: StepOutcome) -> None:
+        pass
 
     def flush(self) -> None:
         pass

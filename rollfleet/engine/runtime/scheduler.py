@@ -13,7 +13,8 @@ Every model call goes through `lockstep` (lockstep.py), which broadcasts it to t
 ranks first, so all ranks execute the same actions in the same order.
 
 Pausing, holding and refusing are pausing.py's (a mixin); stepping a paused engine is stepping.py's;
-how requests end (finished, or their batch failed) finishing.py's.
+how requests end (finished, or their batch failed) finishing.py's; when a decode step's draws may
+stay on the device past it, overlapping.py's.
 
 The loop outlives any one request: requests are checked before they are queued
 (`check_request`), and an exception while a batch runs finishes that batch's requests with
@@ -41,6 +42,7 @@ from rollfleet.engine.runtime.admission import check_request
 from rollfleet.engine.runtime.arrivals import Arrivals
 from rollfleet.engine.runtime.batch_step import DenseBatches
 from rollfleet.engine.runtime.finishing import Finishing
+from rollfleet.engine.runtime.overlapping import Overlapping
 from rollfleet.engine.runtime.pausing import Pausing
 from rollfleet.engine.runtime.stepping import Stepping
 from rollfleet.engine.sequences.admission_batch import without
@@ -67,7 +69,7 @@ class EngineStopped(RuntimeError):
     """The engine loop has stopped: nothing more can run on this engine."""
 
 
-class Scheduler(Aborts, Finishing, Pausing, Stepping):
+class Scheduler(Aborts, Finishing, Overlapping, Pausing, Stepping):
     def __init__(
         self,
         lockstep: Callable[..., Any],
@@ -249,16 +251,18 @@ class Scheduler(Aborts, Finishing, Pausing, Stepping):
 
     def _next_work(self) -> Callable[[], None] | None:
         self._drop_aborted_waiting()
+        if self.batches.inflight is not None and not self._may_overlap():
+            return self._settle  # a decode step's draws are still on the device (kv/overlap.py)
         self._settle_steps()
         if self._pause_settled:
             return self._settle_pause
         if self.controls and self._can_run(self.controls[0]):
             action = self.controls.popleft()
             return lambda: self._run_control(action)
-        if any(seq.abort_message is not None for seq in self.running):
+        if self._aborted_running():
             return self._drop_aborted_running  # aborts take effect at once, paused or not
         if self.running and self._take_step():
-            joining = self.batches.joiners(self.running, self.waiting, self.batch_lora, self.max_running_requests)
+            joining = self._joiners()
             if joining and not self.controls and not self.halted:
                 self.running, self.waiting = [*self.running, *joining], without(self.waiting, joining)
                 self.needs_prefill |= self.batches.joins_recompute  # dense: a prefill of all with them
@@ -274,6 +278,12 @@ class Scheduler(Aborts, Finishing, Pausing, Stepping):
             self.stats["batches"] += 1
             return self._step
         return None
+
+    def _aborted_running(self) -> bool:
+        return any(seq.abort_message is not None for seq in self.running)
+
+    def _joiners(self) -> list[Sequence]:
+        return self.batches.joiners(self.running, self.waiting, self.batch_lora, self.max_running_requests)
 
     def _can_run(self, action: ControlAction) -> bool:
         if action.needs_idle and self.running and not self.halted:
@@ -300,11 +310,15 @@ class Scheduler(Aborts, Finishing, Pausing, Stepping):
     def _advance_batch(self) -> None:
         self.stats["largest_batch"] = max(self.stats["largest_batch"], len(self.running))
         began = time.perf_counter()
-        outcome = self.batches.advance(self.running, self.needs_prefill, self.batch_lora)
-        kind = "prefill" if outcome.prefill else "decode"
-        self.stats[f"{kind}_steps"] += 1
-        self.stats[f"{kind}_seconds"] += time.perf_counter() - began
+        outcome = self.batches.advance(self.running, self.needs_prefill, self.batch_lora, self._may_overlap())
         self.needs_prefill = False
+        self._account(outcome, began)
+
+    def _account(self, outcome, began: float) -> None:
+        """A step's (or a settle's) figures into the stats, then its finished requests retire."""
+        kind = "prefill" if outcome.prefill else "decode"
+        self.stats[f"{kind}_steps"] += outcome.launched
+        self.stats[f"{kind}_seconds"] += time.perf_counter() - began
         self.stats["host_bytes"] += outcome.host_bytes
         self.stats["generated_tokens"] += outcome.sampled
         self.stats["recomputed_prefixes"] += outcome.recomputed

@@ -36,11 +36,15 @@ class StopRules:
             # SGLang cuts the text at the stop string, or after it with no_stop_trim (one whole decode, at the end)
             seq.text = text[: text.index(stop) + (len(stop) if seq.params.no_stop_trim else 0)]
             return FinishReason(type="stop", matched=stop)
-        if seq.params.max_new_tokens is not None and len(seq.output_ids) >= seq.params.max_new_tokens:
-            return FinishReason(type="length", length=len(seq.output_ids))
-        if len(seq.prompt_ids) + len(seq.output_ids) >= self.context_length:
+        if self.ends_by_length(seq):
             return FinishReason(type="length", length=len(seq.output_ids))
         return None
+
+    def ends_by_length(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Whether `seq` reaches `max_new_tokens` or the context length once `ahead` more tokens are in."""
+        out = len(seq.output_ids) + ahead
+        limit = seq.params.max_new_tokens
+        return (limit is not None and out >= limit) or len(seq.prompt_ids) + out >= self.context_length
 
     def new_stop_string(self, seq: Sequence) -> str | None:
         """The first of `seq`'s stop strings (in the order given) that its text holds now that its newest

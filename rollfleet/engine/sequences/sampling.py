@@ -25,7 +25,9 @@ from one generator on the device.
 
 from __future__ import annotations
 
+import functools
 import secrets
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from rollfleet.engine.sequences import sample_kernel
+from rollfleet.engine.sequences.device_copy import to_device, to_host_soon
 from rollfleet.wire.protocol import SamplingParams
 
 MASK32 = 0xFFFFFFFF
@@ -100,6 +103,46 @@ class Sampled:
     host_bytes: int
 
 
+class Drawn:
+    """One step's draws, still on the device. `tokens` ([rows] int64) may feed the next step before
+    the host has read them (the overlapped decode step, kv/overlap.py). On a GPU the copies of what
+    the host needs start at once, into pinned memory, and `collect()` waits for them alone, with
+    the GIL released (`tolist` would hold it through the wait, and the HTTP thread, starved for a
+    whole step, would let requests join one a step)."""
+
+    def __init__(self, tokens: torch.Tensor, parts: dict[str, torch.Tensor], assemble: Callable[..., Sampled]):
+        self.tokens, self._assemble = tokens, assemble
+        self._host = {name: to_host_soon(tensor) for name, tensor in parts.items()}
+        self._nbytes = sum(tensor.nbytes for tensor in parts.values())
+        self._copied = None
+        if tokens.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(tokens.device))
+
+    def collect(self) -> Sampled:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._assemble({name: tensor.tolist() for name, tensor in self._host.items()}, self._nbytes)
+
+
+def _assemble(rows: Seq[SampleRow], asked: list[int], host: dict[str, list], nbytes: int, every=False) -> Sampled:
+    """The step's `Sampled` from the host's lists: `values` holds the logprobs of the rows `asked`
+    (of every row when `every`), `top_*` and `chosen` those of the rows that asked them."""
+    logprobs: list[float | None] = [None] * len(rows)
+    for j, i in enumerate(asked):
+        logprobs[i] = host["values"][i if every else j]
+    top: list[list[tuple[float, int]] | None] = [None] * len(rows)
+    for j, i in enumerate(i for i, r in enumerate(rows) if r.top_n > 0 and "top_values" in host):
+        values, ids = host["top_values"][j], host["top_ids"][j]
+        n = min(rows[i].top_n, len(values))
+        top[i] = list(zip(values[:n], ids[:n]))
+    chosen: list[list[tuple[float, int]] | None] = [None] * len(rows)
+    for j, i in enumerate(i for i, r in enumerate(rows) if r.token_ids is not None):
+        ids = rows[i].token_ids
+        chosen[i] = list(zip(host["chosen"][j][: len(ids)], ids)) if ids else []
+    return Sampled(host["tokens"], logprobs, top, chosen, nbytes)
+
+
 class Sampler:
     """Samples the steps of one engine (rank 0's scheduler); owns the unseeded rows' generator."""
 
@@ -113,13 +156,16 @@ class Sampler:
             self._generators[device] = torch.Generator(device).manual_seed(self._seed)
         return self._generators[device]
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> Sampled:
         """The next token of every row of `logits` ([rows, vocab], on the device)."""
+        return self.launch(logits, rows).collect()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> Drawn:
+        """The draws of every row of `logits`, queued on the device: nothing waits for the device here."""
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
-        moved: list[torch.Tensor] = []
         if sample_kernel.available(logits.device) and all(_plain(r, logits.shape[1]) for r in rows):
-            return self._fused(logits, rows, moved)
+            return self._fused(logits, rows)
         # each pass over [rows, vocab] float32 costs ~0.15 ms at 512 x 151,936 on an H200: none is made
         # that no row needs (no argmax without a greedy row, no division at temperature 1, no copy
         # of all rows, no full log_softmax unless a row asks top-k or chosen-id logprobs)
@@ -135,43 +181,36 @@ class Sampler:
             tokens = torch.argmax(logits, dim=-1)
             if drawn:
                 tokens[drawn] = self._draw(scaled, rows, drawn)
-        tokens_host = _to_host(tokens, moved)
-        if not any(r.wants_logprob or r.top_n or r.token_ids is not None for r in rows):
-            return Sampled(tokens_host, [None] * len(rows), [None] * len(rows), [None] * len(rows), _nbytes(moved))
+        parts = {"tokens": tokens}
         full = any(r.top_n or r.token_ids is not None for r in rows)
         logprobs = torch.log_softmax(scaled, dim=-1).clamp_(min=LOWEST) if full else None
         asked = [i for i, r in enumerate(rows) if r.wants_logprob]
-        token_logprobs: list[float | None] = [None] * len(rows)
         if asked:
-            index = torch.tensor(asked, device=logits.device)
+            index = to_device(asked, torch.long, logits.device)
             if full:
-                values = logprobs[index, tokens[index]]
+                parts["values"] = logprobs[index, tokens[index]]
             else:  # log_softmax at the chosen token only: one read of the rows, nothing written
                 picked = scaled[index] if len(asked) != len(rows) else scaled
-                values = (picked.gather(1, tokens[index][:, None])[:, 0] - picked.logsumexp(dim=-1)).clamp_(min=LOWEST)
-            for i, value in zip(asked, _to_host(values, moved)):
-                token_logprobs[i] = value
-        top = _top(logprobs, rows, moved) if full else [None] * len(rows)
-        chosen = _chosen(logprobs, rows, moved) if full else [None] * len(rows)
-        return Sampled(tokens_host, token_logprobs, top, chosen, _nbytes(moved))
+                values = picked.gather(1, tokens[index][:, None])[:, 0] - picked.logsumexp(dim=-1)
+                parts["values"] = values.clamp_(min=LOWEST)
+        if full:
+            parts.update(_top(logprobs, rows), **_chosen(logprobs, rows))
+        return Drawn(tokens, parts, functools.partial(_assemble, rows, asked))
 
-    def _fused(self, logits: torch.Tensor, rows: Seq[SampleRow], moved: list) -> Sampled:
+    def _fused(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> Drawn:
         """Every row plain (`_plain`): the token and its logprob in one pass (sample_kernel.py)."""
-        params = [r.params for r in rows]
-        inverse = _column([1.0 if p.is_greedy else 1.0 / p.temperature for p in params], logits.device)[:, 0]
-        greedy = torch.tensor([p.is_greedy for p in params], dtype=torch.bool).to(logits.device)
+        params, device = [r.params for r in rows], logits.device
+        inverse = to_device([1.0 if p.is_greedy else 1.0 / p.temperature for p in params], torch.float32, device)
+        greedy = to_device([p.is_greedy for p in params], torch.bool, device)
         seed = int(torch.randint(2**31 - 1, (1,), generator=self._generator(torch.device("cpu"))))
         keys = None  # seeded rows: their step keys (the general path's hashed noise, in the kernel)
         if any(r.key is not None for r in rows):
             keys = [-1 if r.key is None else step_key(r.key, r.position) for r in rows]
-            keys = torch.tensor(keys, dtype=torch.int64).to(logits.device)
+            keys = to_device(keys, torch.int64, device)
         tokens, values = sample_kernel.fused_sample(_ban(logits, rows), inverse, greedy, seed, keys)
-        tokens_host = _to_host(tokens, moved)
-        asked = [r.wants_logprob for r in rows]
-        logprobs = (
-            [v if a else None for v, a in zip(_to_host(values, moved), asked)] if any(asked) else [None] * len(rows)
-        )
-        return Sampled(tokens_host, logprobs, [None] * len(rows), [None] * len(rows), _nbytes(moved))
+        asked = [i for i, r in enumerate(rows) if r.wants_logprob]
+        parts = {"tokens": tokens, "values": values} if asked else {"tokens": tokens}
+        return Drawn(tokens, parts, functools.partial(_assemble, rows, asked, every=True))
 
     def _draw(self, scaled: torch.Tensor, rows: Seq[SampleRow], drawn: list[int]) -> torch.Tensor:
         """Gumbel-max draws for the non-greedy rows `drawn` of the temperature-scaled logits."""
@@ -187,7 +226,7 @@ class Sampler:
                 size = (len(unseeded), kept.shape[1])
                 noise[unseeded] = torch.empty(size, device=kept.device).exponential_(generator=generator)
             keys = [step_key(rows[drawn[j]].key, rows[drawn[j]].position) for j in seeded]
-            uniform = hashed_uniform(torch.tensor(keys, dtype=torch.int64).to(kept.device), kept.shape[1])
+            uniform = hashed_uniform(to_device(keys, torch.int64, kept.device), kept.shape[1])
             noise[seeded] = -torch.log(uniform)  # Exp(1)
         noise.clamp_(min=torch.finfo(torch.float32).tiny).log_()  # an exact 0 would make its token certain
         return torch.argmax(kept - noise, dim=-1)  # -log(Exp(1)) is Gumbel(0, 1)
@@ -196,7 +235,7 @@ class Sampler:
 def _ban(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
     pairs = [(i, token) for i, r in enumerate(rows) for token in r.banned if token < logits.shape[1]]
     if pairs:
-        index = torch.tensor(pairs, dtype=torch.long).to(logits.device)
+        index = to_device(pairs, torch.long, logits.device)
         logits = logits.clone()  # the model's own logits stay as they are
         logits[index[:, 0], index[:, 1]] = float("-inf")
     return logits
@@ -232,50 +271,26 @@ def _filter(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return scaled
 
 
-def _top(logprobs: torch.Tensor, rows: Seq[SampleRow], moved: list) -> list[list[tuple[float, int]] | None]:
-    out: list[list[tuple[float, int]] | None] = [None] * len(rows)
+def _top(logprobs: torch.Tensor, rows: Seq[SampleRow]) -> dict[str, torch.Tensor]:
+    """The top-k logprobs and ids of the rows that asked them, k the largest asked (`_assemble` cuts)."""
     asked = [i for i, r in enumerate(rows) if r.top_n > 0]
     if not asked:
-        return out
+        return {}
     k = min(max(rows[i].top_n for i in asked), logprobs.shape[1])
     values, ids = torch.topk(logprobs[asked], k, dim=-1)
-    values, ids = _to_host(values, moved), _to_host(ids, moved)
-    for j, i in enumerate(asked):
-        n = min(rows[i].top_n, k)
-        out[i] = list(zip(values[j][:n], ids[j][:n]))
-    return out
+    return {"top_values": values, "top_ids": ids}
 
 
-def _chosen(logprobs: torch.Tensor, rows: Seq[SampleRow], moved: list) -> list[list[tuple[float, int]] | None]:
-    out: list[list[tuple[float, int]] | None] = [None] * len(rows)
+def _chosen(logprobs: torch.Tensor, rows: Seq[SampleRow]) -> dict[str, torch.Tensor]:
+    """The logprobs of the chosen ids of the rows that asked them (padded to the longest ask)."""
     asked = [i for i, r in enumerate(rows) if r.token_ids is not None]
-    if not asked:
-        return out
-    width = max(len(rows[i].token_ids) for i in asked)
+    width = max((len(rows[i].token_ids) for i in asked), default=0)
     if width == 0:
-        return [[] if r.token_ids is not None else None for r in rows]
+        return {}
     padded = [list(rows[i].token_ids) + [0] * (width - len(rows[i].token_ids)) for i in asked]
-    index = torch.tensor(padded, dtype=torch.long).to(logprobs.device)
-    values = _to_host(logprobs[asked].gather(1, index), moved)
-    for j, i in enumerate(asked):
-        ids = rows[i].token_ids
-        out[i] = list(zip(values[j][: len(ids)], ids))
-    return out
+    return {"chosen": logprobs[asked].gather(1, to_device(padded, torch.long, logprobs.device))}
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     """One value per row, as a `[rows, 1]` float32 column on `device` (broadcasts over the vocabulary)."""
-    return torch.tensor(values, dtype=torch.float32).to(device)[:, None]
-
-
-def _nbytes(moved: list[torch.Tensor]) -> int:
-    return sum(t.nbytes for t in moved)
-
-
-def _to_host(tensor: torch.Tensor, moved: list) -> list:
-    moved.append(tensor)
-    if tensor.is_cuda:  # wait with the GIL released: `tolist` holds it through the wait, and the HTTP
-        done = torch.cuda.Event()  # thread, starved for a whole step, let requests join one a step
-        done.record(torch.cuda.current_stream(tensor.device))
-        done.synchronize()
-    return tensor.tolist()
+    return to_device(values, torch.float32, device)[:, None]

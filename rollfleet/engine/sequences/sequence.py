@@ -57,10 +57,11 @@ class Sequence:
         whose KV cache was dropped, retracted or stale after a weight update, recomputes it)."""
         return self.prompt_ids + self.output_ids
 
-    def sampling_row(self, stop_ids: Callable[[Sequence], set[int]]) -> SampleRow:
-        """What the sampler needs of this sample for its next token; its `stop_ids(self)` are banned
-        while fewer than `min_new_tokens` tokens are out (asked for only then)."""
-        position = len(self.output_ids)
+    def sampling_row(self, stop_ids: Callable[[Sequence], set[int]], ahead: int = 0) -> SampleRow:
+        """What the sampler needs of this sample for its next token (`ahead`: tokens drawn but not yet
+        recorded, kv/overlap.py); its `stop_ids(self)` are banned while fewer than `min_new_tokens`
+        tokens are out (asked for only then)."""
+        position = len(self.output_ids) + ahead
         return SampleRow(
             self.params,
             self.key,
