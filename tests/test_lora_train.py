@@ -15,11 +15,12 @@ from test_trainer import make_batch
 from transformers import AutoModelForCausalLM
 
 from rollfleet.config import ConfigError, TrainConfig, load_config
-from rollfleet.config.lora import LoraTrainConfig
+from rollfleet.config.lora import LoraTrainConfig, engine_sync_spec
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.train.fsdp import PolicyTrainer
 from rollfleet.train.loop import train
 from rollfleet.train.lora import check_targets
+from rollfleet.weights.transports.lora import LoraTransport
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 
@@ -175,3 +176,15 @@ def test_lora_run_config_accepted():
     )
     assert cfg.train.lora.peft_config().r == 4
     assert cfg.recovery_snapshot_every == 0  # the adapter its syncs leave on disk restores, not a full snapshot
+
+
+def test_engines_are_started_for_the_modules_the_trainer_trains():
+    """An unset weight_sync.lora_target_modules becomes train.lora.target_modules in the engines' flags
+    (SGLang needs them; the embedded engine reserves merge room for those weights only); a set one stays."""
+    base = ["rollout.model_path=m", "weight_sync.transport=lora", "train.lora.target_modules=[q_proj, up_proj]"]
+    flags = LoraTransport.server_args(engine_sync_spec(load_config(None, base)))
+    assert flags[flags.index("--lora-target-modules") + 1 :] == ["q_proj", "up_proj"]
+    wider = load_config(None, [*base, "weight_sync.lora_target_modules=[q_proj, v_proj, up_proj]"])
+    assert engine_sync_spec(wider).lora_target_modules == ["q_proj", "v_proj", "up_proj"]
+    full = load_config(None, ["rollout.model_path=m"])
+    assert engine_sync_spec(full) is full.weight_sync

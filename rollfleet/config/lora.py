@@ -97,3 +97,15 @@ def _check_memory_moves(cfg) -> None:
             field="grpo.recovery_checkpoint_every",
             value=every,
         )
+
+
+def engine_sync_spec(cfg):
+    """`weight_sync` as the engines are started with it (their flags: the transport's `server_args`):
+    a LoRA run's `train.lora.target_modules` stand for an unset `weight_sync.lora_target_modules`, so
+    an engine's `--lora-target-modules` names what the trainer trains. SGLang needs them listed, and
+    the embedded engine reserves room for saving the base of exactly those weights while an adapter
+    is merged (unset: of every targetable weight, more than the memory plan counts)."""
+    sync, lora = cfg.weight_sync, cfg.train.lora
+    if lora is None or sync.transport != "lora" or sync.lora_target_modules is not None:
+        return sync
+    return sync.model_copy(update={"lora_target_modules": list(lora.target_modules)})

@@ -13,6 +13,7 @@ import ray
 from transformers import AutoConfig
 
 from rollfleet.config import RunConfig
+from rollfleet.config.lora import engine_sync_spec
 from rollfleet.fleet import standby
 from rollfleet.fleet.lifecycle import EngineSlot
 from rollfleet.fleet.placement import check_engines_on_one_node, create_placement_group, ensure_ray, worker_options
@@ -37,7 +38,8 @@ def place_and_start(cfg: RunConfig, load_format: str, on_placement: Callable | N
         on_placement(group)
     log_dir = str(Path(rollout.log_dir).resolve())
     # engines serve what the transport sends (a LoRA run: --enable-lora ...)
-    extras = [*transport_class(cfg.weight_sync).server_args(cfg.weight_sync), *rollout.server_extras]
+    sync = engine_sync_spec(cfg)
+    extras = [*transport_class(sync).server_args(sync), *rollout.server_extras]
     if cfg.train.routing_replay:  # the trainer replays the engines' expert choices
         extras.append(ROUTED_EXPERTS_FLAG)
     rollout = rollout.model_copy(update={"server_extras": extras})
