@@ -180,13 +180,13 @@ class Sampler:
         else:
             tokens = torch.argmax(logits, dim=-1)
             if drawn:
-                tokens[drawn] = self._draw(scaled, rows, drawn)
+                tokens[_at(drawn, tokens.device)] = self._draw(scaled, rows, drawn)
         parts = {"tokens": tokens}
         full = any(r.top_n or r.token_ids is not None for r in rows)
         logprobs = torch.log_softmax(scaled, dim=-1).clamp_(min=LOWEST) if full else None
         asked = [i for i, r in enumerate(rows) if r.wants_logprob]
         if asked:
-            index = to_device(asked, torch.long, logits.device)
+            index = _at(asked, logits.device)
             if full:
                 parts["values"] = logprobs[index, tokens[index]]
             else:  # log_softmax at the chosen token only: one read of the rows, nothing written
@@ -214,7 +214,8 @@ class Sampler:
 
     def _draw(self, scaled: torch.Tensor, rows: Seq[SampleRow], drawn: list[int]) -> torch.Tensor:
         """Gumbel-max draws for the non-greedy rows `drawn` of the temperature-scaled logits."""
-        kept = _filter(scaled[drawn] if len(drawn) != scaled.shape[0] else scaled, [rows[i].params for i in drawn])
+        picked = scaled[_at(drawn, scaled.device)] if len(drawn) != scaled.shape[0] else scaled
+        kept = _filter(picked, [rows[i].params for i in drawn])
         seeded = [j for j, i in enumerate(drawn) if rows[i].key is not None]
         unseeded = [j for j, i in enumerate(drawn) if rows[i].key is None]
         generator = self._generator(kept.device)
@@ -223,11 +224,11 @@ class Sampler:
         else:
             noise = torch.empty_like(kept)
             if unseeded:
-                size = (len(unseeded), kept.shape[1])
-                noise[unseeded] = torch.empty(size, device=kept.device).exponential_(generator=generator)
+                own = torch.empty((len(unseeded), kept.shape[1]), device=kept.device).exponential_(generator=generator)
+                noise[_at(unseeded, kept.device)] = own
             keys = [step_key(rows[drawn[j]].key, rows[drawn[j]].position) for j in seeded]
             uniform = hashed_uniform(to_device(keys, torch.int64, kept.device), kept.shape[1])
-            noise[seeded] = -torch.log(uniform)  # Exp(1)
+            noise[_at(seeded, kept.device)] = -torch.log(uniform)  # Exp(1)
         noise.clamp_(min=torch.finfo(torch.float32).tiny).log_()  # an exact 0 would make its token certain
         return torch.argmax(kept - noise, dim=-1)  # -log(Exp(1)) is Gumbel(0, 1)
 
@@ -257,17 +258,18 @@ def _filter(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     rows = [i for i, p in enumerate(params) if filters(p, vocab)]
     if not rows:
         return scaled
+    at = _at(rows, scaled.device)
 
     top_k = _column([p.top_k if 0 < p.top_k < vocab else vocab for p in (params[i] for i in rows)], scaled.device)
     top_p = _column([params[i].top_p for i in rows], scaled.device)
     min_p = _column([params[i].min_p for i in rows], scaled.device)
-    probs, order = torch.softmax(scaled[rows], dim=-1).sort(dim=-1, descending=True)
+    probs, order = torch.softmax(scaled[at], dim=-1).sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=scaled.device, dtype=torch.float32)[None, :]
     drop = (rank >= top_k) | ((probs.cumsum(dim=-1) - probs) >= top_p) | (probs < min_p * probs[:, :1])
     drop[:, 0] = False  # the most likely token always stays
     dropped = torch.zeros_like(drop).scatter_(1, order, drop)
     scaled = scaled.clone()
-    scaled[rows] = scaled[rows].masked_fill(dropped, float("-inf"))
+    scaled[at] = scaled[at].masked_fill(dropped, float("-inf"))
     return scaled
 
 
@@ -277,7 +279,7 @@ def _top(logprobs: torch.Tensor, rows: Seq[SampleRow]) -> dict[str, torch.Tensor
     if not asked:
         return {}
     k = min(max(rows[i].top_n for i in asked), logprobs.shape[1])
-    values, ids = torch.topk(logprobs[asked], k, dim=-1)
+    values, ids = torch.topk(logprobs[_at(asked, logprobs.device)], k, dim=-1)
     return {"top_values": values, "top_ids": ids}
 
 
@@ -288,7 +290,13 @@ def _chosen(logprobs: torch.Tensor, rows: Seq[SampleRow]) -> dict[str, torch.Ten
     if width == 0:
         return {}
     padded = [list(rows[i].token_ids) + [0] * (width - len(rows[i].token_ids)) for i in asked]
-    return {"chosen": logprobs[asked].gather(1, to_device(padded, torch.long, logprobs.device))}
+    return {"chosen": logprobs[_at(asked, logprobs.device)].gather(1, _at(padded, logprobs.device))}
+
+
+def _at(indices: list, device: torch.device) -> torch.Tensor:
+    """An index on the device (a Python list as an index of a CUDA tensor is copied over synchronously,
+    which would make the host wait for the step it is sampling)."""
+    return to_device(indices, torch.long, device)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
