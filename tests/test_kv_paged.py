@@ -364,6 +364,9 @@ def test_overlapped_decode_steps_answer_as_steps_that_wait(small_pool_servers):
                 assert str(mine) == str(theirs) or _close(mine, theirs), field
     reasons = {a["meta_info"]["finish_reason"]["type"] for group in answers["small"] for a in group}
     assert reasons == {"length", "stop"}
+    overlapping = {key: not call(server, "get_server_info")["disable_overlap_schedule"] for key, server in
+                   small_pool_servers.items()}  # fmt: skip
+    assert overlapping == {"small": True, "waits": False}
 
 
 def _close(a, b) -> bool:

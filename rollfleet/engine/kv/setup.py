@@ -94,6 +94,9 @@ def start_paged(args: argparse.Namespace, runner, lockstep, context_length: int)
     """Size and allocate the pool (every rank), set `args.max_running_requests` when not given and
     `args.max_total_tokens` to the pool's size; the scheduler's batches (None: the dense cache)."""
     paged = runner.paged
+    # as SGLang resolves it, /get_server_info says whether decode steps overlap: only on the paged
+    # pool at tp 1 (the followers would need the draws, kv/overlap.py)
+    args.disable_overlap_schedule = args.disable_overlap_schedule or paged is None or args.tp_size > 1
     if paged is None:
         return None
     on_gpu = runner.device.type == "cuda"
@@ -131,5 +134,5 @@ def start_paged(args: argparse.Namespace, runner, lockstep, context_length: int)
         weights_generation=lambda: runner.weights.generation,
         adapter_identity=runner.lora.identity,
         chunk_tokens=chunk,
-        overlap=args.tp_size == 1 and not args.disable_overlap_schedule,  # followers would need the draws
+        overlap=not args.disable_overlap_schedule,
     )
