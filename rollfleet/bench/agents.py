@@ -1,6 +1,6 @@
 """Multi-turn episodes per second on CPU: the demo's calculator episodes, many in flight.
 
-    rollfleet bench agents [--episodes 64] [--tool-latency-ms 20] [--engines 1] [--repeats 3] [--json F]
+    rollfleet bench agents [--episodes 64] [--tool-latency-ms 20] [--engines 1] [--repeats 3] [--set K=V] [--json F]
 
 A tiny chat model (hidden 64, 2 layers, ChatML) built in a temp directory, a Ray fleet of embedded
 engines, and `--episodes` episodes of rollfleet.envs.calculator at once (all in flight), each tool
@@ -59,6 +59,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tool-latency-ms", type=float, default=20.0)
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override, e.g. 'rollout.server_extras=[--enable-mixed-chunk]' (repeatable)",
+    )
     parser.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
     args = parser.parse_args(argv)
     command, started = command_line(["rollfleet", "bench", "agents"], argv), start()
@@ -67,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         model = make_tiny_model(Path(scratch) / "model", chat_template=CHATML_TEMPLATE)
         overrides = [f"rollout.model_path={model}", f"rollout.num_engines={args.engines}"]
         overrides += [f"rollout.log_dir={scratch}/logs", "rollout.sampling.max_new_tokens=3", "ray.num_cpus=4"]
+        overrides += args.set
         fleet = Fleet.from_config(load_config(None, overrides))
         try:
             limits = AgentConfig(max_turns=3, max_total_tokens=128, max_in_flight=args.episodes)

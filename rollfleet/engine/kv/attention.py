@@ -40,6 +40,8 @@ class PagedInputs:
     kernel: bool = False  # decode reads the pages in place (kv/decode_kernel.py) instead of gathering them
     q_index: torch.Tensor | None = None  # [T]: packed token -> row * longest + index in row (not decode)
     q_pos: torch.Tensor | None = None  # [rows, longest]: each padded query's position (0 for padding)
+    riders: PagedInputs | None = None  # a prefill step's trailing one-token rows, in the decode layout
+    ride_from: int = 0  # the packed index of the riders' first token
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _unwritten: torch.Tensor | None = None
 
@@ -90,7 +92,15 @@ def paged_attention(
 
 def attend(q: torch.Tensor, paged: PagedInputs, layer: int, scaling: float | None) -> torch.Tensor:
     """Attention of `q` [T, heads, head_dim] (the step's packed queries, rotary applied) over layer
-    `layer`'s pool, whose slots hold this step's keys and values already: [T, heads, head_dim] in q's dtype."""
+    `layer`'s pool, whose slots hold this step's keys and values already: [T, heads, head_dim] in q's
+    dtype. A prefill step's riders (`PagedInputs.riders`) attend in the decode layout, apart."""
+    if paged.riders is None:
+        return _attend(q, paged, layer, scaling)
+    split = paged.ride_from
+    return torch.cat([_attend(q[:split], paged, layer, scaling), _attend(q[split:], paged.riders, layer, scaling)])
+
+
+def _attend(q: torch.Tensor, paged: PagedInputs, layer: int, scaling: float | None) -> torch.Tensor:
     pool_k, pool_v = paged.keys[layer], paged.values[layer]
     rows, kv_heads, head_dim = paged.table.shape[0], pool_k.shape[1], pool_k.shape[2]
     tokens, heads = q.shape[0], q.shape[1]

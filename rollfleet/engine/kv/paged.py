@@ -112,10 +112,12 @@ class PagedModel:
         lora_name: str | None = None,
         capture_routes: bool = False,
         ids: torch.Tensor | None = None,
+        riders: int = 0,
     ) -> torch.Tensor:
         """`[len(logits_at), vocab]` logits on this rank's device, of the packed positions `logits_at`.
         `ids`: a decode step's fed tokens already on the device (the last step's draws, not yet read by
-        the host: kv/overlap.py); the rows' own tokens are placeholders then."""
+        the host: kv/overlap.py); the rows' own tokens are placeholders then. `riders`: a prefill
+        step's last rows that are decode rows riding along it (--enable-mixed-chunk, kv/steps.py)."""
         if self.pool.released:
             raise RuntimeError("the KV cache is released: call /resume_memory_occupation with tags ['kv_cache']")
         self.lora.use(lora_name)
@@ -129,10 +131,10 @@ class PagedModel:
                 return logits if identity else logits[torch.tensor(logits_at, device=logits.device)]
         if capture_routes:
             self.route_capture.start()
-        wanted = len(logits_at)
+        wanted, split = len(logits_at), len(rows) - riders if riders else None
         if self.device.type == "cpu":
             rows, logits_at = cpu_padded(rows, logits_at)
-        fed, positions, inputs = self.inputs(rows, decode)
+        fed, positions, inputs = self.inputs(rows, decode, split=split)
         if ids is not None:
             fed[0, : len(ids)] = ids
         keep = to_device(logits_at, torch.long, self.device)
@@ -152,25 +154,35 @@ class PagedModel:
         )
         return out.logits[0]
 
-    def inputs(self, rows: list[Row], decode: bool, width: int | None = None) -> tuple:
+    def inputs(self, rows: list[Row], decode: bool, width: int | None = None, split: int | None = None) -> tuple:
         """(ids [1, T], positions [1, T], PagedInputs) of `rows` on the device; `width` pads the
-        block table (graphs use a fixed one)."""
-        size = self.page_size
-        ids, positions, slots = [], [], []
-        for start, tokens, pages in rows:
-            ids += tokens
-            for pos in range(start, start + len(tokens)):
-                positions.append(pos)
-                slots.append(pages[pos // size] * size + pos % size)
+        block table (graphs use a fixed one). `split`: where a prefill step's riders begin (one-token
+        rows, --enable-mixed-chunk): they attend in the decode layout (`PagedInputs.riders`), not
+        padded to the step's longest row; a one-token row attends to its own position and every one
+        before it, which that layout computes exactly."""
+        size, dev = self.page_size, self.device
+        ids = [token for _, tokens, _ in rows for token in tokens]
+        positions = [pos for start, tokens, _ in rows for pos in range(start, start + len(tokens))]
+        split = len(rows) if decode or split is None else split
+        inputs = self._layout(rows[:split], decode, width)
+        if split < len(rows):
+            inputs.riders = self._layout(rows[split:], True, None)
+            inputs.ride_from = sum(len(tokens) for _, tokens, _ in rows[:split])
+            inputs.slots = to_device(_slots(rows, size), torch.long, dev)  # every token's K and V, written at once
+        as_row = to_device([ids, positions], torch.long, dev)
+        return as_row[0:1], as_row[1:2], inputs
+
+    def _layout(self, rows: list[Row], decode: bool, width: int | None) -> PagedInputs:
+        """The PagedInputs of `rows`: their slots, block table, lengths and (not decode) query layout."""
+        size, dev = self.page_size, self.device
         width = width or max(len(pages) for _, _, pages in rows)
         table = [pages + [0] * (width - len(pages)) for _, _, pages in rows]
         lens = [start + len(tokens) for start, tokens, _ in rows]
-        dev = self.device
         inputs = PagedInputs(
             self.pool.keys,
             self.pool.values,
             size,
-            slots=to_device(slots, torch.long, dev),
+            slots=to_device(_slots(rows, size), torch.long, dev),
             table=to_device(table, torch.long, dev),
             lens=to_device(lens, torch.long, dev),
             decode=decode,
@@ -184,8 +196,7 @@ class PagedModel:
                 q_pos.append([*range(start, start + len(tokens)), *[0] * (longest - len(tokens))])
             inputs.q_index = to_device(q_index, torch.long, dev)
             inputs.q_pos = to_device(q_pos, torch.long, dev)
-        as_row = to_device([ids, positions], torch.long, dev)
-        return as_row[0:1], as_row[1:2], inputs
+        return inputs
 
     # ---- memory ----------------------------------------------------------------------------
     def release(self, tags: list[str]) -> None:
@@ -222,3 +233,12 @@ def cpu_padded(rows: list[Row], logits_at: list[int]) -> tuple[list[Row], list[i
     if logits_at:
         logits_at = logits_at + [logits_at[-1]] * max(0, CPU_MIN_ROWS - len(logits_at))
     return rows, logits_at
+
+
+def _slots(rows: list[Row], page_size: int) -> list[int]:
+    """Where each fed token's K and V go: its position's slot in its sequence's pages."""
+    return [
+        pages[pos // page_size] * page_size + pos % page_size
+        for start, tokens, pages in rows
+        for pos in range(start, start + len(tokens))
+    ]

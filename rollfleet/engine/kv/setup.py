@@ -53,6 +53,13 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
         "the next step runs on the device while the host records the last one, at tp 1; kv/overlap.py)",
     )
     p.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="decode rows ride along a prefill step (its chunks and new prompts) instead of waiting for it, in "
+        "one eager forward, their attention in the decode layout (default, as SGLang's: a prefill step feeds "
+        "prompts only, and decode steps replay CUDA graphs)",
+    )
+    p.add_argument(
         "--rollfleet-memory-saver",
         choices=["auto", "on", "off"],
         default="auto",
@@ -135,4 +142,5 @@ def start_paged(args: argparse.Namespace, runner, lockstep, context_length: int)
         adapter_identity=runner.lora.identity,
         chunk_tokens=chunk,
         overlap=not args.disable_overlap_schedule,
+        mixed=args.enable_mixed_chunk,
     )

@@ -7,8 +7,10 @@ A sequence's KV holds its first `kv_len` tokens of prompt + output. Each step is
 - a prefill step: sequences with more than one token to feed (new ones, chunks of long prompts,
   recomputes after a weight update or a preemption), at most `chunk_tokens` tokens in all; a
   sequence whose prompt is fully in samples its first token, the others go on next step; or
-- a decode step: every other running sequence feeds its last token and samples the next one.
-Requests join the running set at any step; nobody's KV is recomputed for it.
+- a decode step: every other running sequence feeds its last token and samples the next one
+  (with --enable-mixed-chunk the decode rows with room ride along a prefill step instead of waiting).
+Requests join the running set at any step (which ones fit the pool: kv/admission.py); nobody's KV is
+recomputed for it. A steady decode step may stay in flight past its step (kv/overlap.py).
 
 The n samples of a prompt prefill it once: the first is fed, the others wait, then share its full
 pages and get a copy of its last partial one (`fork`), and all sample from the same logits. A new
@@ -28,16 +30,15 @@ pages) within one step, in an order the step alone keeps.
 from __future__ import annotations
 
 import copy
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from rollfleet.engine.kv.admission import PagedAdmission
 from rollfleet.engine.kv.blocks import BlockPool, OutOfPages
 from rollfleet.engine.kv.overlap import Overlap
-from rollfleet.engine.sequences.admission_batch import without
 from rollfleet.engine.sequences.logprobs import fill_input, input_positions
 from rollfleet.engine.sequences.next_token import StopRules
 from rollfleet.engine.sequences.sampling import Sampler
@@ -62,9 +63,10 @@ class _Feed:
     seq: Sequence
     count: int  # tokens fed this step
     logits_from: int = 0  # packed index of the first logits row this feed returns
+    rides: bool = False  # a decode row riding along a prefill step (--enable-mixed-chunk)
 
 
-class PagedBatches(Overlap):
+class PagedBatches(PagedAdmission, Overlap):
     joins_recompute = False
 
     def __init__(
@@ -80,47 +82,19 @@ class PagedBatches(Overlap):
         adapter_identity: Callable[[str | None], str],
         chunk_tokens: int | None,
         overlap: bool = False,
+        mixed: bool = False,
     ):
         """`weights_generation()`: a number every change of the base weights bumps;
         `adapter_identity(lora_name)`: the adapter's name and load (weight_update.py, lora_merge.py);
-        `overlap`: decode steps may overlap the host's work (kv/overlap.py)."""
+        `overlap`: decode steps may overlap the host's work (kv/overlap.py); `mixed`: decode rows ride
+        along prefill steps (SGLang's --enable-mixed-chunk) instead of waiting for them."""
         self.blocks, self.lockstep, self.sampler, self.stops = blocks, lockstep, sampler, stops
         self.read_routes, self.kv_epoch, self.chunk_tokens = read_routes, kv_epoch, chunk_tokens
         self.weights_generation, self.adapter_identity = weights_generation, adapter_identity
-        self.overlap = overlap
+        self.overlap, self.mixed = overlap, mixed
         self.epoch = None  # the pool's epoch the pages were handed out in
         self.generation = None  # the weights' generation the cache's records were made in
         self.copies: list[tuple[int, int]] = []  # forks' partial pages, copied before the next step
-
-    # ---- admission -----------------------------------------------------------------------
-    def new_batch(self, waiting: deque[Sequence], max_running: int):
-        lora = waiting[0].lora_name
-        batch = self._fitting([s for s in waiting if s.lora_name == lora], max_running, reserve=0)
-        return lora, batch, without(waiting, batch)
-
-    def joiners(self, running: list[Sequence], waiting: deque[Sequence], lora, max_running: int) -> list[Sequence]:
-        room = max_running - len(running)
-        if room <= 0 or not waiting:
-            return []
-        pending = sum(self._pages_wanted(s) for s in running if not s.pages and s.fork_of is None)
-        return self._fitting([s for s in waiting if s.lora_name == lora], room, reserve=pending)
-
-    def _fitting(self, candidates: list[Sequence], room: int, reserve: int) -> list[Sequence]:
-        """The first `room` candidates whose prompts fit in the free pages (at least one, when the
-        pool holds nothing: a request the whole pool cannot hold fails at its step, with the reason)."""
-        taken, left, prompts = [], self.blocks.available - reserve, set()
-        for seq in candidates[:room]:
-            shared = id(seq.prompt_ids) in prompts and not seq.output_ids  # a sibling forks its pages
-            need = 1 if shared else self._pages_wanted(seq)
-            if need > left and (taken or self.blocks.available < self.blocks.usable):
-                break
-            taken.append(seq)
-            left -= need
-            prompts.add(id(seq.prompt_ids))
-        return taken
-
-    def _pages_wanted(self, seq: Sequence) -> int:
-        return self.blocks.pages_for(_total(seq) + 1)
 
     # ---- one step ---------------------------------------------------------------------------
     def advance(self, running: list[Sequence], recompute: bool, lora_name: str | None, overlap=False) -> StepOutcome:
@@ -152,6 +126,8 @@ class PagedBatches(Overlap):
             outcome.prefill = bool(feeds)
             if not feeds:
                 feeds = self._decode_feeds(running, outcome)
+            elif self.mixed:
+                feeds += self._riders(running)
         if feeds:
             self._run(feeds, lora_name, outcome, fly=overlap and self.overlap and not outcome.preempted)
         return outcome
@@ -217,6 +193,13 @@ class PagedBatches(Overlap):
         gone = {id(s) for s in outcome.preempted}
         return [feed for feed in feeds if id(feed.seq) not in gone]
 
+    def _riders(self, running: list[Sequence]) -> list[_Feed]:
+        """The decode rows that ride along this prefill step: those with room for their token (none is
+        preempted for it: a prefill fed this step may hold the pages it would take)."""
+        page = self.blocks.page_size
+        room = [s for s in running if _decodable(s) and (s.kv_len < len(s.pages) * page or self._grow(s, s.kv_len + 1))]
+        return [_Feed(seq, 1, rides=True) for seq in room]
+
     def _make_room(self, seq: Sequence, tokens: int, running: list[Sequence], outcome: StepOutcome) -> bool:
         """Pages for `tokens` of `seq`'s KV, preempting the sequences admitted last while the pool is
         short; False when nobody else holds any (`seq` alone is too long for the pool: it ends)."""
@@ -261,9 +244,11 @@ class PagedBatches(Overlap):
             logits_at = list(range(len(feeds)))  # in feed order (_sample reads them so)
         capture = any(f.seq.routes_start is not None for f in feeds)
         copies, self.copies = self.copies, []
+        riders = sum(feed.rides for feed in feeds)  # last in `feeds` (advance)
         logits = self.lockstep(
-            Action.STEP, rows=rows, logits_at=logits_at, copies=copies, lora_name=lora_name, capture_routes=capture
-        )
+            Action.STEP, rows=rows, logits_at=logits_at, copies=copies, lora_name=lora_name, capture_routes=capture,
+            riders=riders,
+        )  # fmt: skip
         if capture:
             self._record_routes(feeds, self.read_routes())
         self._sample(feeds, logits, outcome, fly and not capture)
@@ -286,7 +271,7 @@ class PagedBatches(Overlap):
                 logits_at += range(first, last + 1)
             packed += feed.count
         if any(feed.count > 1 or not feed.seq.output_ids for feed in feeds):
-            outcome.prefill_tokens += packed
+            outcome.prefill_tokens += packed - sum(feed.rides for feed in feeds)
         return rows, logits_at
 
     def _sample(self, feeds: list[_Feed], logits: torch.Tensor, outcome: StepOutcome, fly: bool) -> None:
