@@ -91,6 +91,35 @@ def test_a_rows_logits_on_cpu_do_not_depend_on_how_many_rows_share_its_step():
         torch.set_num_threads(threads)
 
 
+def test_a_rows_logits_on_cpu_do_not_depend_on_how_long_the_rows_beside_it_are():
+    """One thread: a decode row and a prompt get bit-equal logits beside a row of their own length and
+    beside a much longer one (a wider block table). Without taking rows by page count, SDPA's key
+    blocks followed the widest row (1.2e-7 in the logits), and a seeded agent run, whose turns of
+    different lengths meet in steps as their tools answer, parted from itself after ~120 steps."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3")).eval()
+        paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=torch.device("cpu"), page_size=4, graphs=False)
+        paged.allocate(num_pages=80, max_graph_batch=0)
+        blocks = BlockPool(80, 4)
+        mine, short, long = ([5, 6, 7, 8, 9], 2), ([11, 12, 13, 14, 15], 2), (list(range(1, 61)), 16)
+        pages = {}
+        for name, (prompt, count) in {"mine": mine, "short": short, "long": long}.items():
+            pages[name] = blocks.allocate(count)
+            paged.step([(0, prompt, pages[name])], logits_at=[len(prompt) - 1])
+        beside_short = paged.step([(5, [3], pages["mine"]), (5, [3], pages["short"])], logits_at=[0, 1])[0]
+        beside_long = paged.step([(5, [3], pages["mine"]), (60, [3], pages["long"])], logits_at=[0, 1])[0]
+        assert torch.equal(beside_short, beside_long)
+        fresh = [blocks.allocate(2), blocks.allocate(2), blocks.allocate(16)]
+        a = paged.step([(0, [5, 6, 7, 8], fresh[0]), (0, [1, 2, 3, 4], fresh[1])], logits_at=[3, 7])[0]
+        b = paged.step([(0, [5, 6, 7, 8], fresh[0]), (0, list(range(1, 61)), fresh[2])], logits_at=[3, 63])[0]
+        assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def small_pool_servers(qwen3_dir, tmp_path_factory):
     """Pages of 4 tokens, a pool of 96 (24 pages) and prefills of at most 8 tokens a step: every

@@ -111,30 +111,54 @@ def _attend(q: torch.Tensor, paged: PagedInputs, layer: int, scaling: float | No
             q.to(pool_k.dtype), pool_k, pool_v, paged.table, paged.lens, paged.page_size, scale
         )
         return out.to(q.dtype)
-    k = _gather(pool_k, paged)
-    v = _gather(pool_v, paged)
     grouped = q.reshape(tokens, kv_heads, group, head_dim)
     if paged.decode:
-        out = F.scaled_dot_product_attention(grouped.to(k.dtype), k, v, attn_mask=paged.mask(group), scale=scaling)
+        out = _by_width(grouped, pool_k, pool_v, paged, group, scaling)
         return out.reshape(tokens, heads, head_dim).to(q.dtype)
     longest = paged.q_pos.shape[1]
     padded = grouped.new_zeros(rows * longest, kv_heads, group, head_dim)
     padded[paged.q_index] = grouped
     padded = padded.view(rows, longest, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     padded = padded.reshape(rows, kv_heads, longest * group, head_dim)
-    out = F.scaled_dot_product_attention(padded.to(k.dtype), k, v, attn_mask=paged.mask(group), scale=scaling)
+    out = _by_width(padded, pool_k, pool_v, paged, group, scaling)
     out = out.view(rows, kv_heads, longest, group, head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(rows * longest, heads, head_dim)[paged.q_index].to(q.dtype)
 
 
-def _gather(pool: torch.Tensor, paged: PagedInputs) -> torch.Tensor:
-    """[rows, kv heads, width * page_size, head_dim]: each row's pages, in order, with the slots past
-    the row's length zeroed. The mask gives those slots zero weight, but zero times a NaN or an
-    infinity left in the pool is NaN: zeroed, whatever the pool holds cannot reach the output."""
-    table, page_size = paged.table, paged.page_size
+def _by_width(queries, pool_k, pool_v, paged: PagedInputs, group: int, scaling) -> torch.Tensor:
+    """SDPA of each row's queries over its gathered pages. On the CPU, rows are taken in groups of one
+    page count each, over only those pages: its kernel splits the keys into blocks by their number, so
+    a row's sums would round with the widest row that shares its step (1.2e-7 in the logits), and a
+    seeded run would part with how its requests of different lengths met in steps (an agent run's
+    turns meet as their tools answer). A GPU batches every row over the step's table."""
+    mask = paged.mask(group)
+    if queries.device.type != "cpu":
+        k, v = _gather(pool_k, paged), _gather(pool_v, paged)
+        return F.scaled_dot_product_attention(queries.to(k.dtype), k, v, attn_mask=mask, scale=scaling)
+    widths = (-(-paged.lens // paged.page_size)).tolist()
+    out = None
+    for width in sorted(set(widths)):
+        rows = torch.tensor([row for row, w in enumerate(widths) if w == width])
+        k, v = _gather(pool_k, paged, rows, width), _gather(pool_v, paged, rows, width)
+        part = F.scaled_dot_product_attention(
+            queries[rows].to(k.dtype), k, v, attn_mask=mask[rows][..., : width * paged.page_size], scale=scaling
+        )
+        out = part.new_empty(queries.shape) if out is None else out
+        out[rows] = part
+    return out
+
+
+def _gather(pool: torch.Tensor, paged: PagedInputs, rows: torch.Tensor | None = None, width: int | None = None):
+    """[rows, kv heads, width * page_size, head_dim]: each row's pages (of `rows`, their first `width`
+    pages; default all), in order, with the slots past the row's length zeroed. The mask gives those
+    slots zero weight, but zero times a NaN or an infinity left in the pool is NaN: zeroed, whatever
+    the pool holds cannot reach the output."""
+    table, page_size, unwritten = paged.table, paged.page_size, paged.unwritten()
+    if rows is not None:
+        table, unwritten = table[rows, :width], unwritten[rows, : width * page_size]
     pages = pool.view(-1, page_size, pool.shape[1], pool.shape[2])[table]  # [rows, width, page, heads, dim]
-    rows, width = table.shape
-    keys = pages.view(rows, width * page_size, pool.shape[1], pool.shape[2]).masked_fill_(paged.unwritten(), 0)
+    count, width = table.shape
+    keys = pages.view(count, width * page_size, pool.shape[1], pool.shape[2]).masked_fill_(unwritten, 0)
     return keys.transpose(1, 2)
 
 
