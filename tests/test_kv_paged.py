@@ -62,40 +62,9 @@ def test_chunked_prefill_fork_and_decode_match_a_full_forward(kind, pool_holds):
             assert torch.allclose(logits[row], want, atol=1e-5), (kind, row, (logits[row] - want).abs().max())
 
 
-def test_a_rows_logits_on_cpu_do_not_depend_on_how_many_rows_share_its_step():
-    """One thread (a fleet engine's): a prompt prefilled alone or among others, and one decode row
-    alone or among others, get bit-equal logits. Without the padding to CPU_MIN_ROWS, MKL's
-    products over 1-3 rows round otherwise, and a seeded run's logprobs, then its weights, drift
-    with how arrival waves split."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_config("qwen3")).eval()
-        paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=torch.device("cpu"), page_size=4, graphs=False)
-        paged.allocate(num_pages=60, max_graph_batch=0)
-        blocks = BlockPool(60, 4)
-        mine, others = [3, 4, 5], [[40 + i, 41 + i, 42 + i] for i in range(5)]
-
-        def prefill(prompts):  # each prompt's last-token logits
-            rows = [(0, p, blocks.allocate(2)) for p in prompts]
-            ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-            return paged.step(rows, logits_at=ends.tolist()), rows
-
-        alone, (row,) = prefill([mine])
-        shared, rows = prefill([mine, *others])
-        assert torch.equal(alone[0], shared[0])
-        decode = [(3, [7], pages) for _, _, pages in [row, *rows[1:]]]
-        assert torch.equal(paged.step(decode[:1], logits_at=[0])[0], paged.step(decode, logits_at=[0, 1, 2])[0])
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_a_rows_logits_on_cpu_do_not_depend_on_how_long_the_rows_beside_it_are():
-    """One thread: a decode row and a prompt get bit-equal logits beside a row of their own length and
-    beside a much longer one (a wider block table). Without taking rows by page count, SDPA's key
-    blocks followed the widest row (1.2e-7 in the logits), and a seeded agent run, whose turns of
-    different lengths meet in steps as their tools answer, parted from itself after ~120 steps."""
+@pytest.fixture
+def one_thread_paged():
+    """A tiny Qwen3 on the paged pool (80 pages of 4), run as a fleet engine runs on a CPU: one thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -103,21 +72,49 @@ def test_a_rows_logits_on_cpu_do_not_depend_on_how_long_the_rows_beside_it_are()
         model = AutoModelForCausalLM.from_config(tiny_config("qwen3")).eval()
         paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=torch.device("cpu"), page_size=4, graphs=False)
         paged.allocate(num_pages=80, max_graph_batch=0)
-        blocks = BlockPool(80, 4)
-        mine, short, long = ([5, 6, 7, 8, 9], 2), ([11, 12, 13, 14, 15], 2), (list(range(1, 61)), 16)
-        pages = {}
-        for name, (prompt, count) in {"mine": mine, "short": short, "long": long}.items():
-            pages[name] = blocks.allocate(count)
-            paged.step([(0, prompt, pages[name])], logits_at=[len(prompt) - 1])
-        beside_short = paged.step([(5, [3], pages["mine"]), (5, [3], pages["short"])], logits_at=[0, 1])[0]
-        beside_long = paged.step([(5, [3], pages["mine"]), (60, [3], pages["long"])], logits_at=[0, 1])[0]
-        assert torch.equal(beside_short, beside_long)
-        fresh = [blocks.allocate(2), blocks.allocate(2), blocks.allocate(16)]
-        a = paged.step([(0, [5, 6, 7, 8], fresh[0]), (0, [1, 2, 3, 4], fresh[1])], logits_at=[3, 7])[0]
-        b = paged.step([(0, [5, 6, 7, 8], fresh[0]), (0, list(range(1, 61)), fresh[2])], logits_at=[3, 63])[0]
-        assert torch.equal(a, b)
+        yield paged, BlockPool(80, 4)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_rows_logits_on_cpu_do_not_depend_on_how_many_rows_share_its_step(one_thread_paged):
+    """One thread (a fleet engine's): a prompt prefilled alone or among others, and one decode row
+    alone or among others, get bit-equal logits. Without the padding to CPU_MIN_ROWS, MKL's
+    products over 1-3 rows round otherwise, and a seeded run's logprobs, then its weights, drift
+    with how arrival waves split."""
+    paged, blocks = one_thread_paged
+    mine, others = [3, 4, 5], [[40 + i, 41 + i, 42 + i] for i in range(5)]
+
+    def prefill(prompts):  # each prompt's last-token logits
+        rows = [(0, p, blocks.allocate(2)) for p in prompts]
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        return paged.step(rows, logits_at=ends.tolist()), rows
+
+    alone, (row,) = prefill([mine])
+    shared, rows = prefill([mine, *others])
+    assert torch.equal(alone[0], shared[0])
+    decode = [(3, [7], pages) for _, _, pages in [row, *rows[1:]]]
+    assert torch.equal(paged.step(decode[:1], logits_at=[0])[0], paged.step(decode, logits_at=[0, 1, 2])[0])
+
+
+def test_a_rows_logits_on_cpu_do_not_depend_on_how_long_the_rows_beside_it_are(one_thread_paged):
+    """One thread: a decode row and a prompt get bit-equal logits beside a row of their own length and
+    beside a much longer one (a wider block table). Without taking rows by page count, SDPA's key
+    blocks followed the widest row (1.2e-7 in the logits): one reason a seeded agent run, whose turns
+    of different lengths meet in steps as their tools answer, parted from itself."""
+    paged, blocks = one_thread_paged
+    mine, short, long = ([5, 6, 7, 8, 9], 2), ([11, 12, 13, 14, 15], 2), (list(range(1, 61)), 16)
+    pages = {}
+    for name, (prompt, count) in {"mine": mine, "short": short, "long": long}.items():
+        pages[name] = blocks.allocate(count)
+        paged.step([(0, prompt, pages[name])], logits_at=[len(prompt) - 1])
+    beside_short = paged.step([(5, [3], pages["mine"]), (5, [3], pages["short"])], logits_at=[0, 1])[0]
+    beside_long = paged.step([(5, [3], pages["mine"]), (60, [3], pages["long"])], logits_at=[0, 1])[0]
+    assert torch.equal(beside_short, beside_long)
+    fresh = [blocks.allocate(2), blocks.allocate(2), blocks.allocate(16)]
+    a = paged.step([(0, [5, 6, 7, 8], fresh[0]), (0, [1, 2, 3, 4], fresh[1])], logits_at=[3, 7])[0]
+    b = paged.step([(0, [5, 6, 7, 8], fresh[0]), (0, list(range(1, 61)), fresh[2])], logits_at=[3, 63])[0]
+    assert torch.equal(a, b)
 
 
 @pytest.fixture(scope="module")
