@@ -72,6 +72,21 @@ def test_logprobs_are_after_temperature_before_filters_as_sglang_returns_them():
     assert out.chosen[2] == [(float(raw[4]), 4), (float(raw[0]), 0)] and out.top[0] is None and out.chosen[0] is None
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_a_rows_logprob_has_the_same_bits_whatever_its_neighbours_ask(temperature):
+    logits = torch.randn(3, 151_936, generator=torch.Generator().manual_seed(3)) * 4
+    params = SamplingParams(temperature=temperature, sampling_seed=5)
+    mine = SampleRow(params, seed_key(params, 0), 0)
+    alone = Sampler().sample(logits[:1], [mine])
+    asking = [SampleRow(params, None, 0, top_n=5), SampleRow(params, None, 0, token_ids=(1, 2))]
+    beside = Sampler().sample(logits, [mine, *asking])
+    assert beside.tokens[0] == alone.tokens[0] and beside.logprobs[0] == alone.logprobs[0]  # to the bit
+    # a row that asks the full distribution gets its token's logprob from it, as its top entries
+    top = SampleRow(SamplingParams(temperature=0), None, 0, top_n=1)
+    out = Sampler().sample(logits, [top, *asking])
+    assert out.top[0][0] == (out.logprobs[0], out.tokens[0])
+
+
 def test_min_new_tokens_bans_the_stop_ids_before_logprobs():
     logits = torch.tensor([[10.0, 0.0, 0.0]])
     p = SamplingParams(temperature=0, min_new_tokens=2)

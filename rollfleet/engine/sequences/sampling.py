@@ -182,17 +182,22 @@ class Sampler:
             if drawn:
                 tokens[_at(drawn, tokens.device)] = self._draw(scaled, rows, drawn)
         parts = {"tokens": tokens}
-        full = any(r.top_n or r.token_ids is not None for r in rows)
+        wants_full = [bool(r.top_n or r.token_ids is not None) for r in rows]
+        full = any(wants_full)
         logprobs = torch.log_softmax(scaled, dim=-1).clamp_(min=LOWEST) if full else None
         asked = [i for i, r in enumerate(rows) if r.wants_logprob]
         if asked:
+            # log_softmax at the chosen token only (one read of the rows, nothing written), except
+            # for a row that asked the full one: a row's logprob never depends on what its
+            # neighbours asked (the two round differently)
             index = _at(asked, logits.device)
+            picked = scaled[index] if len(asked) != len(rows) else scaled
+            values = picked.gather(1, tokens[index][:, None])[:, 0] - picked.logsumexp(dim=-1)
+            values = values.clamp_(min=LOWEST)
             if full:
-                parts["values"] = logprobs[index, tokens[index]]
-            else:  # log_softmax at the chosen token only: one read of the rows, nothing written
-                picked = scaled[index] if len(asked) != len(rows) else scaled
-                values = picked.gather(1, tokens[index][:, None])[:, 0] - picked.logsumexp(dim=-1)
-                parts["values"] = values.clamp_(min=LOWEST)
+                own = to_device([wants_full[i] for i in asked], torch.bool, logits.device)
+                values = torch.where(own, logprobs[index, tokens[index]], values)
+            parts["values"] = values
         if full:
             parts.update(_top(logprobs, rows), **_chosen(logprobs, rows))
         return Drawn(tokens, parts, functools.partial(_assemble, rows, asked))
