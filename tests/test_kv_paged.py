@@ -99,7 +99,7 @@ def test_a_rows_logits_on_cpu_do_not_depend_on_how_many_rows_share_its_step(one_
 
 def test_a_rows_logits_on_cpu_do_not_depend_on_how_long_the_rows_beside_it_are(one_thread_paged):
     """One thread: a decode row and a prompt get bit-equal logits beside a row of their own length and
-    beside a much longer one (a wider block table). Without taking rows by page count, SDPA's key
+    beside a much longer one (a wider block table). With torch's CPU SDPA over the step's table, key
     blocks followed the widest row (1.2e-7 in the logits): one reason a seeded agent run, whose turns
     of different lengths meet in steps as their tools answer, parted from itself."""
     paged, blocks = one_thread_paged
@@ -115,6 +115,28 @@ def test_a_rows_logits_on_cpu_do_not_depend_on_how_long_the_rows_beside_it_are(o
     a = paged.step([(0, [5, 6, 7, 8], fresh[0]), (0, [1, 2, 3, 4], fresh[1])], logits_at=[3, 7])[0]
     b = paged.step([(0, [5, 6, 7, 8], fresh[0]), (0, list(range(1, 61)), fresh[2])], logits_at=[3, 63])[0]
     assert torch.equal(a, b)
+
+
+def test_a_prompts_logits_on_cpu_do_not_depend_on_how_it_was_chunked_or_cached(one_thread_paged):
+    """One thread: a prompt's last logits are bit-equal whether it was prefilled whole, in two chunks
+    cut anywhere (a cached prefix then its rest is the same computation), or token by token, beside
+    a long prompt or alone. With torch's CPU SDPA they were not (1e-7; its key and query blocks follow
+    the step's widths): a seeded agent run, whose turns' prefixes were cached or not and whose prompts
+    were chunked as their requests happened to meet, parted from itself (at step 71 of 150)."""
+    paged, blocks = one_thread_paged
+    prompt = list(range(3, 30))
+    whole = paged.step([(0, prompt, blocks.allocate(7))], logits_at=[len(prompt) - 1])[0]
+    for cut in (1, 4, 13, 20, 26):
+        pages = blocks.allocate(7)
+        paged.step([(0, prompt[:cut], pages)], logits_at=[cut - 1])
+        rest = prompt[cut:]
+        beside = [(0, list(range(40, 100)), blocks.allocate(15))] if cut % 2 else []
+        out = paged.step([(cut, rest, pages), *beside], logits_at=[len(rest) - 1])[0]
+        assert torch.equal(out, whole), cut
+    pages = blocks.allocate(7)
+    for position, token in enumerate(prompt):
+        out = paged.step([(position, [token], pages)], logits_at=[0])[0]
+    assert torch.equal(out, whole)
 
 
 @pytest.fixture(scope="module")

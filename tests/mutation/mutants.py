@@ -247,4 +247,12 @@ MUTANTS: list[Mutant] = [
         new="                pass",
         tests=("tests/test_overlap.py::test_a_step_thrown_away_unread_leaves_its_rows_to_decode_again",),
     ),
+    Mutant(
+        id="cpu-attention-products-over-1-3-queries",
+        claim="a CPU prompt's logits do not depend on how it was chunked or cached (invariant attention)",
+        file="rollfleet/engine/kv/attention.py",
+        old="    if queries < CPU_MIN_QUERIES:  # padded",
+        new="    if False:  # padded",
+        tests=("tests/test_kv_paged.py::test_a_prompts_logits_on_cpu_do_not_depend_on_how_it_was_chunked_or_cached",),
+    ),
 ]

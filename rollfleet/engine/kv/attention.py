@@ -5,8 +5,9 @@ under the model's `_attn_implementation` with the forward's extra keyword argume
 `PagedInputs` arrive as `paged=`. The function writes the step's new keys and values into their
 slots of the pool; a decode step on a GPU with Triton then reads each row's pages in place
 (kv/decode_kernel.py); otherwise it gathers each row's pages and runs
-`scaled_dot_product_attention` with the query heads of one KV head folded into the query length
-(grouped-query attention without repeating K and V, and a boolean mask every SDPA backend takes).
+`scaled_dot_product_attention` (on the CPU `invariant_attention`, whose rounding depends on a row's
+own keys alone) with the query heads of one KV head folded into the query length (grouped-query
+attention without repeating K and V, and a boolean mask every SDPA backend takes).
 
 A step is packed: its tokens are `[1, T]`, row after row. A decode step feeds one token per row
 (rows == tokens; the shape CUDA graphs capture, kv/graphs.py); any other step (prefills, chunks,
@@ -23,7 +24,9 @@ from transformers import AttentionInterface
 
 from rollfleet.engine.kv import decode_kernel
 
-ATTENTION_NAME = "rollfleet_paged"  # never "flash" in it: transformers tests the name for that word
+ATTENTION_NAME = "rollfleet_paged"
+INVARIANT_BLOCK = 16  # keys per block of invariant_attention (CPU)
+CPU_MIN_QUERIES = 4  # fewer rows in a product round otherwise (kv/paged.py, CPU_MIN_ROWS)  # never "flash" in it: transformers tests the name for that word
 
 
 @dataclass
@@ -113,52 +116,67 @@ def _attend(q: torch.Tensor, paged: PagedInputs, layer: int, scaling: float | No
         return out.to(q.dtype)
     grouped = q.reshape(tokens, kv_heads, group, head_dim)
     if paged.decode:
-        out = _by_width(grouped, pool_k, pool_v, paged, group, scaling)
+        out = _over_pages(grouped, pool_k, pool_v, paged, group, scaling)
         return out.reshape(tokens, heads, head_dim).to(q.dtype)
     longest = paged.q_pos.shape[1]
     padded = grouped.new_zeros(rows * longest, kv_heads, group, head_dim)
     padded[paged.q_index] = grouped
     padded = padded.view(rows, longest, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     padded = padded.reshape(rows, kv_heads, longest * group, head_dim)
-    out = _by_width(padded, pool_k, pool_v, paged, group, scaling)
+    out = _over_pages(padded, pool_k, pool_v, paged, group, scaling)
     out = out.view(rows, kv_heads, longest, group, head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(rows * longest, heads, head_dim)[paged.q_index].to(q.dtype)
 
 
-def _by_width(queries, pool_k, pool_v, paged: PagedInputs, group: int, scaling) -> torch.Tensor:
-    """SDPA of each row's queries over its gathered pages. On the CPU, rows are taken in groups of one
-    page count each, over only those pages: its kernel splits the keys into blocks by their number, so
-    a row's sums would round with the widest row that shares its step (1.2e-7 in the logits), and a
-    seeded run would part with how its requests of different lengths met in steps (an agent run's
-    turns meet as their tools answer). A GPU batches every row over the step's table."""
+def _over_pages(queries, pool_k, pool_v, paged: PagedInputs, group: int, scaling) -> torch.Tensor:
+    """Each row's queries over its gathered pages: SDPA on a GPU; on the CPU `invariant_attention`,
+    whose rounding depends on nothing but the row's own keys."""
     mask = paged.mask(group)
+    k, v = _gather(pool_k, paged), _gather(pool_v, paged)
     if queries.device.type != "cpu":
-        k, v = _gather(pool_k, paged), _gather(pool_v, paged)
         return F.scaled_dot_product_attention(queries.to(k.dtype), k, v, attn_mask=mask, scale=scaling)
-    widths = (-(-paged.lens // paged.page_size)).tolist()
-    out = None
-    for width in sorted(set(widths)):
-        rows = torch.tensor([row for row, w in enumerate(widths) if w == width])
-        k, v = _gather(pool_k, paged, rows, width), _gather(pool_v, paged, rows, width)
-        part = F.scaled_dot_product_attention(
-            queries[rows].to(k.dtype), k, v, attn_mask=mask[rows][..., : width * paged.page_size], scale=scaling
-        )
-        out = part.new_empty(queries.shape) if out is None else out
-        out[rows] = part
-    return out
+    return invariant_attention(queries, k, v, mask, queries.shape[-1] ** -0.5 if scaling is None else scaling)
 
 
-def _gather(pool: torch.Tensor, paged: PagedInputs, rows: torch.Tensor | None = None, width: int | None = None):
-    """[rows, kv heads, width * page_size, head_dim]: each row's pages (of `rows`, their first `width`
-    pages; default all), in order, with the slots past the row's length zeroed. The mask gives those
-    slots zero weight, but zero times a NaN or an infinity left in the pool is NaN: zeroed, whatever
-    the pool holds cannot reach the output."""
-    table, page_size, unwritten = paged.table, paged.page_size, paged.unwritten()
-    if rows is not None:
-        table, unwritten = table[rows, :width], unwritten[rows, : width * page_size]
-    pages = pool.view(-1, page_size, pool.shape[1], pool.shape[2])[table]  # [rows, width, page, heads, dim]
-    count, width = table.shape
-    keys = pages.view(count, width * page_size, pool.shape[1], pool.shape[2]).masked_fill_(unwritten, 0)
+def invariant_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+    """Attention (q [rows, heads, queries, dim] over k, v [rows, heads, keys, dim], `mask` [rows, 1,
+    queries or 1, keys] True where a query sees a key) whose result for a query is the same to the bit
+    whatever the number of keys past the ones it sees, the number of queries beside it and the rows
+    beside its row. So on the CPU a token's logits depend on its sequence alone, not on how its
+    prompt was chunked, how much of it the prefix cache held, or what shared its steps: a seeded run
+    repeats to the bit however its requests met (an agent run's turns meet as their tools answer).
+    torch's CPU SDPA does not: its kernel splits keys and queries into blocks by their number, and
+    products over 1-3 query rows round otherwise (1e-7 in the logits).
+    How: keys in blocks of INVARIANT_BLOCK (the last padded), every block's products one batched
+    product of one shape, at least CPU_MIN_QUERIES queries; the blocks' sums added in order (a
+    cumulative sum, sequential), where a block no query sees adds exact zeros. In float32."""
+    rows, heads, queries, dim = q.shape
+    q, k, v = q.float(), k.float(), v.float()
+    mask = mask.expand(rows, 1, queries, k.shape[2])
+    if queries < CPU_MIN_QUERIES:  # padded queries see every key (no row of -inf); dropped at the end
+        q = torch.cat([q, q.new_zeros(rows, heads, CPU_MIN_QUERIES - queries, dim)], 2)
+        mask = torch.cat([mask, mask.new_ones(rows, 1, CPU_MIN_QUERIES - queries, mask.shape[3])], 2)
+    pad = -k.shape[2] % INVARIANT_BLOCK
+    if pad:
+        k, v = (torch.cat([t, t.new_zeros(rows, heads, pad, dim)], 2) for t in (k, v))
+        mask = torch.cat([mask, mask.new_zeros(*mask.shape[:3], pad)], 3)
+    blocks, fed = k.shape[2] // INVARIANT_BLOCK, q.shape[2]
+    k, v = (t.view(rows, heads, blocks, INVARIANT_BLOCK, dim) for t in (k, v))
+    seen = mask.view(rows, 1, fed, blocks, INVARIANT_BLOCK).transpose(2, 3)
+    scores = torch.matmul(q[:, :, None], k.transpose(-1, -2)).mul_(scale).masked_fill_(~seen, float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True))  # [rows, heads, blocks, fed, block]
+    total = weights.sum(-1, keepdim=True).cumsum(2)[:, :, -1]
+    out = torch.matmul(weights, v).cumsum(2)[:, :, -1]
+    return (out / total)[:, :, :queries]
+
+
+def _gather(pool: torch.Tensor, paged: PagedInputs):
+    """[rows, kv heads, width * page_size, head_dim]: each row's pages, in order, with the slots past
+    the row's length zeroed. The mask gives those slots zero weight, but zero times a NaN or an
+    infinity left in the pool is NaN: zeroed, whatever the pool holds cannot reach the output."""
+    pages = pool.view(-1, paged.page_size, pool.shape[1], pool.shape[2])[paged.table]  # [rows, width, page, heads, dim]
+    count, width = paged.table.shape
+    keys = pages.view(count, width * paged.page_size, pool.shape[1], pool.shape[2]).masked_fill_(paged.unwritten(), 0)
     return keys.transpose(1, 2)
 
 

@@ -13,8 +13,9 @@ of fewer tokens gets padded rows (a token at position 0 writing to the trash pag
 padded rows do) and the output head at least that many rows, so a row's logits do not depend on how
 many rows share its step (how requests' arrival waves split into steps), and a seeded run repeats
 to the bit on an engine of one thread (Ray gives its workers one). With two threads it does not:
-the last rows of 5-7 and 9-11 differ too, and so does scaled_dot_product_attention with the batch.
-Not on GPUs: their kernels are chosen otherwise, and a decode step there replays a graph.
+the last rows of 5-7 and 9-11 differ too. Attention on the CPU is invariant by construction
+(kv/attention.py, `invariant_attention`). Not on GPUs: their kernels are chosen otherwise, and a
+decode step there replays a graph.
 """
 
 from __future__ import annotations
