@@ -24,9 +24,9 @@ from transformers import AttentionInterface
 
 from rollfleet.engine.kv import decode_kernel
 
-ATTENTION_NAME = "rollfleet_paged"
+ATTENTION_NAME = "rollfleet_paged"  # never "flash" in it: transformers tests the name for that word
 INVARIANT_BLOCK = 16  # keys per block of invariant_attention (CPU)
-CPU_MIN_QUERIES = 4  # fewer rows in a product round otherwise (kv/paged.py, CPU_MIN_ROWS)  # never "flash" in it: transformers tests the name for that word
+CPU_MIN_QUERIES = 4  # fewer rows in a product round otherwise (kv/paged.py, CPU_MIN_ROWS)
 
 
 @dataclass
