@@ -230,6 +230,12 @@ def demo(records: list[tuple[str, dict]]) -> str:
     return "".join(out) or "(no records)\n"
 
 
+def _span(low: float, high: float, spec: str) -> str:
+    """"low-high", or one figure where both print alike."""
+    a, b = format(low, spec), format(high, spec)
+    return a if a == b else f"{a}-{b}"
+
+
 def demo_summary(records: list[tuple[str, dict]]) -> str:
     found = _demo_records(records)
     if not found:
@@ -243,7 +249,7 @@ def demo_summary(records: list[tuple[str, dict]]) -> str:
         f"Mean reward goes from {first['min']:.3f}-{first['max']:.3f} (first {s['window_steps']} steps) to "
         f"{last['min']:.2f}-{last['max']:.2f} (last {s['window_steps']}; median {last['median']:.2f}) over "
         f"{r['repeats'][0]['steps']} steps in {last['n']} runs (grpo.seed {seeds}; {_seeding(r)}), "
-        f"{steps['min']:.0f}-{steps['max']:.0f} s of steps each on "
+        f"{_span(steps['min'], steps['max'], '.0f')} s of steps each on "
         f'a {_machine(r)} shared with other work. "other" (framework overhead outside generate, reward, '
         f"train, sync, sleep/wake and the recovery checkpoint) is {min(other):.2f}-{max(other):.2f}% of step time. "
         f"Record: `docs/results/{name}`, made by `python scripts/demo_seeds.py`.\n"
