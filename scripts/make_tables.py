@@ -231,7 +231,7 @@ def demo(records: list[tuple[str, dict]]) -> str:
 
 
 def _span(low: float, high: float, spec: str) -> str:
-    """"low-high", or one figure where both print alike."""
+    """A range as low-high, or one figure where both ends print alike."""
     a, b = format(low, spec), format(high, spec)
     return a if a == b else f"{a}-{b}"
 
