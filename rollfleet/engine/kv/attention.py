@@ -170,13 +170,14 @@ def invariant_attention(q, k, v, mask, scale: float) -> torch.Tensor:
     return (out / total)[:, :, :queries]
 
 
-def _gather(pool: torch.Tensor, paged: PagedInputs):
+def _gather(pool: torch.Tensor, paged: PagedInputs) -> torch.Tensor:
     """[rows, kv heads, width * page_size, head_dim]: each row's pages, in order, with the slots past
     the row's length zeroed. The mask gives those slots zero weight, but zero times a NaN or an
     infinity left in the pool is NaN: zeroed, whatever the pool holds cannot reach the output."""
-    pages = pool.view(-1, paged.page_size, pool.shape[1], pool.shape[2])[paged.table]  # [rows, width, page, heads, dim]
-    count, width = paged.table.shape
-    keys = pages.view(count, width * paged.page_size, pool.shape[1], pool.shape[2]).masked_fill_(paged.unwritten(), 0)
+    table, page_size = paged.table, paged.page_size
+    pages = pool.view(-1, page_size, pool.shape[1], pool.shape[2])[table]  # [rows, width, page, heads, dim]
+    rows, width = table.shape
+    keys = pages.view(rows, width * page_size, pool.shape[1], pool.shape[2]).masked_fill_(paged.unwritten(), 0)
     return keys.transpose(1, 2)
 
 

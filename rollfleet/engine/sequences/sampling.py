@@ -191,13 +191,16 @@ class Sampler:
             # for a row that asked the full one: a row's logprob never depends on what its
             # neighbours asked (the two round differently)
             index = _at(asked, logits.device)
-            picked = scaled[index] if len(asked) != len(rows) else scaled
-            values = picked.gather(1, tokens[index][:, None])[:, 0] - picked.logsumexp(dim=-1)
-            values = values.clamp_(min=LOWEST)
-            if full:
-                own = to_device([wants_full[i] for i in asked], torch.bool, logits.device)
-                values = torch.where(own, logprobs[index, tokens[index]], values)
-            parts["values"] = values
+            if all(wants_full[i] for i in asked):
+                parts["values"] = logprobs[index, tokens[index]]
+            else:
+                picked = scaled[index] if len(asked) != len(rows) else scaled
+                values = picked.gather(1, tokens[index][:, None])[:, 0] - picked.logsumexp(dim=-1)
+                values = values.clamp_(min=LOWEST)
+                if full:
+                    own = to_device([wants_full[i] for i in asked], torch.bool, logits.device)
+                    values = torch.where(own, logprobs[index, tokens[index]], values)
+                parts["values"] = values
         if full:
             parts.update(_top(logprobs, rows), **_chosen(logprobs, rows))
         return Drawn(tokens, parts, functools.partial(_assemble, rows, asked))
