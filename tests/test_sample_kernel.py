@@ -79,3 +79,31 @@ def test_seeded_rows_draw_the_general_paths_token_whatever_shares_their_step():
     assert _run(logits, [1.0] * 6, [False] * 6, keys=later)[0].tolist() != tokens.tolist()
     want_lp = torch.log_softmax(logits, dim=-1).gather(1, tokens.cpu()[:, None])[:, 0]
     torch.testing.assert_close(logprobs.cpu(), want_lp, atol=1e-5, rtol=1e-5)
+
+
+def test_a_plain_rows_draw_and_logprob_do_not_depend_on_what_its_neighbours_ask():
+    """A step mixing plain rows with rows that ask top-k, chosen ids or a filter: the plain rows go
+    through the fused kernel as in an all-plain step (the same tokens and logprob bits), the others
+    through the general path as alone."""
+    from rollfleet.engine.sequences.sampling import Sampler, SampleRow, seed_key
+    from rollfleet.wire.protocol import SamplingParams
+
+    def seeded(sample, **params):
+        p = SamplingParams(temperature=0.9, sampling_seed=11, **params)
+        return SampleRow(p, seed_key(p, sample), 3)
+
+    logits = (torch.randn(6, 151_936, generator=torch.Generator().manual_seed(4)) * 4).to(DEVICE)
+    plain = [seeded(0), SampleRow(SamplingParams(temperature=0), None, 3), seeded(1)]
+    asking = [seeded(2, top_k=20), seeded(3)._replace(top_n=4)]
+    asking.append(SampleRow(SamplingParams(temperature=0), None, 3, token_ids=(1, 2)))
+    alone = Sampler(seed=0, fused=True).sample(logits[:3], plain)
+    order = [0, 3, 1, 4, 5, 2]  # plain rows at 0, 2, 5 of the mixed step
+    mixed = Sampler(seed=0, fused=True).sample(logits[order], [(plain + asking)[i] for i in order])
+    general = Sampler(seed=0, fused=False).sample(logits[3:], asking)
+    for at, i in zip((0, 2, 5), range(3)):
+        assert (mixed.tokens[at], mixed.logprobs[at]) == (alone.tokens[i], alone.logprobs[i])  # to the bit
+        assert mixed.top[at] is None and mixed.chosen[at] is None
+    for at, i in zip((1, 3, 4), range(3)):
+        got = (mixed.tokens[at], mixed.logprobs[at], mixed.top[at], mixed.chosen[at])
+        assert got == (general.tokens[i], general.logprobs[i], general.top[i], general.chosen[i])
+    assert mixed.host_bytes == alone.host_bytes + general.host_bytes

@@ -33,7 +33,7 @@ import torch
 
 from rollfleet.engine.sequences.device_copy import to_device
 from rollfleet.engine.sequences.next_token import record_token
-from rollfleet.engine.sequences.sampling import Drawn
+from rollfleet.engine.sequences.sampling import Drawn, Joined
 from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.engine.tp.lockstep import Action
 
@@ -41,7 +41,7 @@ from rollfleet.engine.tp.lockstep import Action
 @dataclass
 class InFlight:
     seqs: list[Sequence]  # the step's rows, in order
-    drawn: Drawn  # their draws, on the device
+    drawn: Drawn | Joined  # their draws, on the device
 
 
 class Overlap:

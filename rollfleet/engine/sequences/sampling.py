@@ -21,6 +21,10 @@ softmax). A seeded sample's noise is a counter-based hash of (its seed, its samp
 position, the token id), so the same seed and weights give the same tokens whatever shares the
 batch, whatever the device, and after a retract or a recompute; unseeded rows draw their noise
 from one generator on the device.
+
+Where the fused kernel runs (sample_kernel.py, CUDA), a step's plain rows go through it and the
+others through the general path here, each a pass of its own (`Joined`): a row's token and logprob
+are the same bits whatever its neighbours ask (the two paths round a logprob differently, ~1e-6).
 """
 
 from __future__ import annotations
@@ -125,6 +129,26 @@ class Drawn:
         return self._assemble({name: tensor.tolist() for name, tensor in self._host.items()}, self._nbytes)
 
 
+class Joined:
+    """A step's draws made in parts (`[(row indices, Drawn)]`), read as one `Drawn`."""
+
+    def __init__(self, count: int, parts: list[tuple[list[int], Drawn]]):
+        self._count, self._parts = count, parts
+        self.tokens = torch.empty(count, dtype=torch.int64, device=parts[0][1].tokens.device)
+        for index, drawn in parts:
+            self.tokens[_at(index, self.tokens.device)] = drawn.tokens
+
+    def collect(self) -> Sampled:
+        out = Sampled([0] * self._count, [None] * self._count, [None] * self._count, [None] * self._count, 0)
+        for index, drawn in self._parts:
+            part = drawn.collect()
+            for j, i in enumerate(index):
+                out.tokens[i], out.logprobs[i] = part.tokens[j], part.logprobs[j]
+                out.top[i], out.chosen[i] = part.top[j], part.chosen[j]
+            out.host_bytes += part.host_bytes
+        return out
+
+
 def _assemble(rows: Seq[SampleRow], asked: list[int], host: dict[str, list], nbytes: int, every=False) -> Sampled:
     """The step's `Sampled` from the host's lists: `values` holds the logprobs of the rows `asked`
     (of every row when `every`), `top_*` and `chosen` those of the rows that asked them."""
@@ -146,10 +170,13 @@ def _assemble(rows: Seq[SampleRow], asked: list[int], host: dict[str, list], nby
 class Sampler:
     """Samples the steps of one engine (rank 0's scheduler); owns the unseeded rows' generator."""
 
-    def __init__(self, seed: int | None = None):
-        """`seed`: of the unseeded rows' generator (default: a fresh random one)."""
+    def __init__(self, seed: int | None = None, fused: bool | None = None):
+        """`seed`: of the unseeded rows' generator (default: a fresh random one). `fused`: whether
+        plain rows take the fused kernel (default: where it runs natively, CUDA with Triton; True
+        under Triton's interpreter on the CPU, for tests)."""
         self._seed = secrets.randbits(63) if seed is None else seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._fuses = fused
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -161,11 +188,22 @@ class Sampler:
         return self.launch(logits, rows).collect()
 
     @torch.inference_mode()
-    def launch(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> Drawn:
+    def launch(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> Drawn | Joined:
         """The draws of every row of `logits`, queued on the device: nothing waits for the device here."""
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
-        if sample_kernel.available(logits.device) and all(_plain(r, logits.shape[1]) for r in rows):
+        fuses = sample_kernel.available(logits.device) if self._fuses is None else self._fuses
+        plain = [i for i, r in enumerate(rows) if _plain(r, logits.shape[1])] if fuses else []
+        if len(plain) == len(rows):
             return self._fused(logits, rows)
+        if plain:  # plain rows fused, the rest general: a row's draw and logprob never depend on its neighbours'
+            rest = sorted(set(range(len(rows))) - set(plain))
+            fused = self._fused(logits[_at(plain, logits.device)], [rows[i] for i in plain])
+            general = self._general(logits[_at(rest, logits.device)], [rows[i] for i in rest])
+            return Joined(len(rows), [(plain, fused), (rest, general)])
+        return self._general(logits, rows)
+
+    def _general(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> Drawn:
+        """Any rows (top-k, top-p, min-p, top-k or chosen-id logprobs), in passes of torch ops."""
         # each pass over [rows, vocab] float32 costs ~0.15 ms at 512 x 151,936 on an H200: none is made
         # that no row needs (no argmax without a greedy row, no division at temperature 1, no copy
         # of all rows, no full log_softmax unless a row asks top-k or chosen-id logprobs)
