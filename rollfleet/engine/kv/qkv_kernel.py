@@ -198,18 +198,18 @@ if triton is not None:
             target = out_ptr + (token * HEADS + head) * 2 * HALF
             tl.store(target + cols, r1)
             tl.store(target + HALF + cols, r2)
-        else:
+        else:  # names of their own: Triton merges a name set in both branches, and their types differ
             kv = head - HEADS
             slot = tl.load(slots_ptr + token).to(tl.int64)
-            source = k_ptr + token * k_stride + kv * 2 * HALF
-            x1, x2 = tl.load(source + cols), tl.load(source + HALF + cols)
+            k_source = k_ptr + token * k_stride + kv * 2 * HALF
+            x1, x2 = tl.load(k_source + cols), tl.load(k_source + HALF + cols)
             if K_NORM:
                 x1, x2 = _normed(x1, x2, kw_ptr, k_eps, cols, HALF)
             r1, r2 = _rotated(x1, x2, c1, c2, s1, s2)
-            target = (slot * KV_HEADS + kv) * 2 * HALF
-            tl.store(pool_k_ptr + target + cols, r1.to(pool_k_ptr.dtype.element_ty))
-            tl.store(pool_k_ptr + target + HALF + cols, r2.to(pool_k_ptr.dtype.element_ty))
-            source = v_ptr + token * v_stride + kv * 2 * HALF
-            v1, v2 = tl.load(source + cols), tl.load(source + HALF + cols)
-            tl.store(pool_v_ptr + target + cols, v1.to(pool_v_ptr.dtype.element_ty))
-            tl.store(pool_v_ptr + target + HALF + cols, v2.to(pool_v_ptr.dtype.element_ty))
+            at = (slot * KV_HEADS + kv) * 2 * HALF
+            tl.store(pool_k_ptr + at + cols, r1.to(pool_k_ptr.dtype.element_ty))
+            tl.store(pool_k_ptr + at + HALF + cols, r2.to(pool_k_ptr.dtype.element_ty))
+            v_source = v_ptr + token * v_stride + kv * 2 * HALF
+            v1, v2 = tl.load(v_source + cols), tl.load(v_source + HALF + cols)
+            tl.store(pool_v_ptr + at + cols, v1.to(pool_v_ptr.dtype.element_ty))
+            tl.store(pool_v_ptr + at + HALF + cols, v2.to(pool_v_ptr.dtype.element_ty))
