@@ -38,6 +38,9 @@ log = logging.getLogger("rollfleet.engine")
 
 # attention classes whose forward is projections, optional q/k RMSNorms over head_dim, the standard
 # rotary (rotate_half over the whole head), attention, o_proj (read in transformers 5.24)
+# no a * b + c as one FMA: torch rounds each product and then the sum; with fusion on, the bf16
+# rotary compiles to fma.rn.bf16 (sm_90 PTX) and differed from transformers' in 1 of 6 values on an H100
+LAUNCH = {"enable_fp_fusion": False}
 FUSABLE = frozenset(
     {"Qwen2Attention", "Qwen3Attention", "Qwen2MoeAttention", "Qwen3MoeAttention", "LlamaAttention", "MistralAttention"}
 )
@@ -111,6 +114,7 @@ def attention_inputs(q, k, v, cos, sin, norms, pool_k, pool_v, slots) -> torch.T
         q, k, v, q.stride(0), k.stride(0), v.stride(0), cos, sin, cos.stride(0),
         q_weight, k_weight, _eps(q_norm), _eps(k_norm), query, pool_k, pool_v, slots,
         HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, Q_NORM=q_norm is not None, K_NORM=k_norm is not None,
+        **LAUNCH,
     )  # fmt: skip
     return query
 
