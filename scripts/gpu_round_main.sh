@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call (about 8 minutes on 1 x H200) of the main job's benchmarks after scripts/gpu_check_grpo.sh:
+# One device call (up to 10 minutes on 1 x H200; each sync took about 32 s on dca62e6) of the main job's
+# benchmarks after scripts/gpu_check_grpo.sh:
 # the same-GPU syncs (tensor 4.16 GB, LoRA rank 32; the engine's own split with ROLLFLEET_SYNC_TIMING=1)
 # and `rollfleet bench grpo-step` colocated on one GPU, 16 x 8 x 32 and 64 x 8 x 512. Records and logs
 # under $OUT (7 files: a call brings back 8), each phase's end on stdout; work folders removed after each
@@ -18,8 +19,8 @@ phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end o
     rm -rf /tmp/rf-work
 }
 sync="python3 -m rollfleet bench weight-sync --size-gb 4.16 --repeats 5"
-phase sync-tensor 100 env ROLLFLEET_SYNC_TIMING=1 $sync --transport tensor --bucket-mb 512 --json "$OUT/weight-sync-gpu-tensor-4.16gb-512mb-1xh200.json"
-phase sync-lora 100 env ROLLFLEET_SYNC_TIMING=1 $sync --transport lora --lora-rank 32 --json "$OUT/weight-sync-gpu-lora-r32-1xh200.json"
+phase sync-tensor 60 env ROLLFLEET_SYNC_TIMING=1 $sync --transport tensor --bucket-mb 512 --json "$OUT/weight-sync-gpu-tensor-4.16gb-512mb-1xh200.json"
+phase sync-lora 60 env ROLLFLEET_SYNC_TIMING=1 $sync --transport lora --lora-rank 32 --json "$OUT/weight-sync-gpu-lora-r32-1xh200.json"
 step="python3 -m rollfleet bench grpo-step --runs colocated --gpus 1 --out /tmp/rf-work"
-phase grpo-step-small 150 $step --steps 5 --json "$OUT/grpo-step-gpu-1x-16x8x32.json"
-phase grpo-step-large 220 $step --step large --steps 4 --skip 1 --json "$OUT/grpo-step-gpu-1x-64x8x512.json"
+phase grpo-step-small 190 $step --steps 5 --json "$OUT/grpo-step-gpu-1x-16x8x32.json"
+phase grpo-step-large 270 $step --step large --steps 4 --skip 1 --json "$OUT/grpo-step-gpu-1x-64x8x512.json"

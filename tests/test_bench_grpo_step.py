@@ -3,9 +3,15 @@ asked of the lora transport), and its record keeps every run's figures and memor
 
 from __future__ import annotations
 
+import io
 import json
+import subprocess
+import sys
+
+import pytest
 
 from rollfleet.bench.grpo_step import STEPS, bucket_overrides, main, parse
+from rollfleet.bench.record import run_echoing
 
 
 def test_buckets_are_asked_only_of_transports_that_take_them():
@@ -40,3 +46,14 @@ def test_a_colocated_lora_run_of_the_bench_passes_on_cpu(tmp_path):
     assert "bucket_mb" not in run["command"] and "weight_sync.transport=lora" in run["command"]
     assert run["memory_plan"] is None  # a CPU run shares no GPU: nothing is planned
     assert record["summary"]["phases"]["colocated"]["steps"] == 1
+
+
+def test_a_runs_plan_and_step_lines_are_printed_as_they_come_and_a_silent_run_is_killed(capsys):
+    log = io.StringIO()
+    lines = ["memory plan of each GPU: {}", "noise", "step    1/2  reward 0.1"]
+    child = "".join(f"print({line!r}); " for line in lines) + "raise SystemExit(3)"
+    assert run_echoing([sys.executable, "-c", child], log, 120, prefix="colocated: ") == 3
+    assert capsys.readouterr().out.splitlines() == ["colocated: " + lines[0], "colocated: " + lines[2]]
+    assert log.getvalue().splitlines() == lines
+    with pytest.raises(subprocess.TimeoutExpired):  # prints nothing, never ends: killed at its limit
+        run_echoing([sys.executable, "-c", "import time; time.sleep(600)"], io.StringIO(), 0.5)

@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -50,7 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rollfleet.bench.raw_ceiling import raw_broadcast
-from rollfleet.bench.record import command_line, make_record, spread, start, write_record
+from rollfleet.bench.record import command_line, make_record, run_echoing, spread, start, write_record
 from rollfleet.bench.shapes import add_vocab_flag, write_model
 from rollfleet.config.weight_sync import WeightSyncConfig
 from rollfleet.train.host_copy import pinned_copy_ceiling
@@ -130,7 +129,7 @@ def run_layout(name: str, model: Path, out: Path, args, gpu: bool, layout: str |
     command = [sys.executable, "-m", "rollfleet", "train", args.config, *overrides]
     began = time.perf_counter()
     with open(log, "w") as handle:
-        code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT, timeout=args.run_timeout_s)
+        code = run_echoing(command, handle, args.run_timeout_s, prefix=f"{name}: ")
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
     result = {"command": " ".join(command[2:]), "exit_code": code, "wall_s": time.perf_counter() - began, "rows": rows}

@@ -16,6 +16,7 @@ import platform
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -158,3 +159,32 @@ def spread(values: list[float]) -> dict[str, float]:
     import statistics
 
     return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
+ECHOED = ("memory plan", "step ", "Traceback")  # a run's lines `run_echoing` prints as they come
+
+
+def run_echoing(command: list[str], handle, timeout_s: float, prefix: str = "") -> int:
+    """Run `command` with its output into `handle`, printing its memory plan, step and error lines as
+    they come (a bench cut by an outer time limit still shows how far its run got); its exit code.
+    Past `timeout_s` the run is killed and subprocess.TimeoutExpired raised, as subprocess.call does."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    killed = threading.Event()
+
+    def kill():  # on a timer: a silent run is killed too
+        killed.set()
+        process.kill()
+
+    timer = threading.Timer(timeout_s, kill)
+    timer.start()
+    try:
+        for line in process.stdout:
+            handle.write(line)
+            if line.lstrip().startswith(ECHOED) or "Error:" in line:
+                print(prefix + line.rstrip()[:400], flush=True)
+        code = process.wait()
+    finally:
+        timer.cancel()
+    if killed.is_set():
+        raise subprocess.TimeoutExpired(command, timeout_s)
+    return code
