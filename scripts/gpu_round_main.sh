@@ -16,9 +16,11 @@ phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end o
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name: exit $? at $SECONDS s"
     grep -v "^engine [0-9]*:\|Warning\|warn(" "$OUT/$name.log" | tail -16 | cut -c1-400
+    # the engine's own split of each load (ROLLFLEET_SYNC_TIMING=1), from its log
+    grep -h "lora load of\|weight update" /tmp/rf-work/engine-logs/*.log 2>/dev/null | tail -6 | tee -a "$OUT/$name.log"
     rm -rf /tmp/rf-work
 }
-sync="python3 -m rollfleet bench weight-sync --size-gb 4.16 --repeats 5"
+sync="python3 -m rollfleet bench weight-sync --size-gb 4.16 --repeats 5 --log-dir /tmp/rf-work/engine-logs"
 phase sync-tensor 60 env ROLLFLEET_SYNC_TIMING=1 $sync --transport tensor --bucket-mb 512 --json "$OUT/weight-sync-gpu-tensor-4.16gb-512mb-1xh200.json"
 phase sync-lora 60 env ROLLFLEET_SYNC_TIMING=1 $sync --transport lora --lora-rank 32 --json "$OUT/weight-sync-gpu-lora-r32-1xh200.json"
 step="python3 -m rollfleet bench grpo-step --runs colocated --gpus 1 --out /tmp/rf-work"

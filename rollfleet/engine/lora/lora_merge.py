@@ -64,6 +64,7 @@ class LoraMerge:
         # buffer (it may: adapters are copied at load) then finds it mapped still, and the next load
         # opens no CUDA IPC handle (weight_update.py keeps its payloads for the same reason)
         self._held_payload = None
+        self._marks: dict[str, float] = {}  # the last load's phases, seconds (logged with ROLLFLEET_SYNC_TIMING)
 
     @torch.no_grad()
     def base_params(self) -> dict[str, torch.Tensor]:
@@ -122,15 +123,17 @@ class LoraMerge:
         """Store an adapter read from a directory (`lora_path`) or from this rank's entry of
         `serialized_named_tensors`; on every rank or, after any rank's refusal, on none."""
         adapter, refusal, start = None, None, time.perf_counter()
+        self._marks = {}
         try:
             adapter = self._read(lora_name, lora_path, config_dict, serialized_named_tensors, load_format)
         except LoraError as exc:
             refusal = str(exc)
         read = time.perf_counter()
         self._ranks.agree(refusal, LoraError)
-        if SYNC_TIMING:
-            agree = time.perf_counter() - read
-            log.warning("lora load of %s: read=%.2fms agree=%.2fms", lora_name, (read - start) * 1e3, agree * 1e3)
+        if SYNC_TIMING:  # read = tensors (decode the payload, open its CUDA IPC handles) + parse (checks, host copy)
+            parts = " ".join(f"{name}={seconds * 1e3:.2f}ms" for name, seconds in self._marks.items())
+            read_ms, agree_ms = (read - start) * 1e3, (time.perf_counter() - read) * 1e3
+            log.warning("lora load of %s: read=%.2fms (%s) agree=%.2fms", lora_name, read_ms, parts, agree_ms)
         self.adapters[lora_name] = adapter
         self._loads += 1
         self._load_of[lora_name] = self._loads
@@ -165,6 +168,7 @@ class LoraMerge:
                 f"lora_name={lora_name!r} is already loaded: unload it first (/unload_lora_adapter), "
                 "or load under another name"
             )
+        began = time.perf_counter()
         if lora_path is not None:
             config, tensors = read_adapter_dir(lora_path)
         else:
@@ -178,9 +182,12 @@ class LoraMerge:
                 raise LoraError(f"adapter {lora_name!r} refused, nothing changed: {exc}") from exc
             self._held_payload = payload
             config = config_dict
-        return parse_adapter(
+        tensors_at = time.perf_counter()
+        adapter = parse_adapter(
             lora_name, lora_path or TENSORS_PATH, config, tensors, self._model, self.targetable, limits
         )
+        self._marks = {"tensors": tensors_at - began, "parse": time.perf_counter() - tensors_at}
+        return adapter
 
     def _require_enabled(self) -> LoraLimits:
         if self.limits is None:
