@@ -147,7 +147,10 @@ def test_a_seeded_run_repeats_its_samples_and_another_seed_does_not(qwen3_dir, t
         return train_rows(cfg, temp, out, observe=recorder), recorder
 
     rows_a, a = seeded_run("a", "grpo.steps=3")
-    rows_b, b = seeded_run("b", "grpo.steps=3")
+    rows_b, b = seeded_run("b", "grpo.steps=3", "grpo.checkpoint_every=3", "grpo.final_checkpoint=false")
+    # a's end saved once; b's checkpoint_every lands on its last step, which final_checkpoint=false skips
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["hf-step-3", "state-step-3"]
+    assert not (tmp_path / "b" / "checkpoints").exists()
     for step in range(3):
         (items_a, samples_a), (items_b, samples_b) = a.steps[step], b.steps[step]
         assert [i.prompt for i in items_a] == [i.prompt for i in items_b]

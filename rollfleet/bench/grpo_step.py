@@ -123,6 +123,7 @@ def run_layout(name: str, model: Path, out: Path, args, gpu: bool, layout: str |
         *([f"train.micro_batch_size={micro_batch}"] if micro_batch else []),
         *bucket_overrides(chosen),
         f"grpo.output_dir={run_dir}",
+        "grpo.final_checkpoint=false",  # the steps are timed; the 2B trainer state would be 25 GB to write
         f"ray.num_cpus={max(4, os.cpu_count() or 4)}",
         *chosen,
     ]

@@ -43,6 +43,12 @@ class GrpoConfig(Section):
     checkpoint_every: int = Field(
         0, ge=0, description="Save an HF checkpoint and trainer state every K steps; 0: at the end only."
     )
+    final_checkpoint: bool = Field(
+        True,
+        description="Save an HF checkpoint and trainer state at the end of the run (once, also when "
+        "checkpoint_every lands on the last step). false: benches and checks that time steps only (a 2B "
+        "model's trainer state is 25 GB to write); the recovery snapshots are not affected.",
+    )
     seed: int = Field(0, description="Seed of the prompt order and (seed_sampling) of the engines' sampling.")
     seed_sampling: Literal["auto"] | bool = Field(
         "auto",

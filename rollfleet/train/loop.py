@@ -117,6 +117,7 @@ def train(
             # a synchronous run resumed from an asynchronous state whose record is not the plain
             # loop's (groups dropped, or used out of order) goes on from that record, at k = 0
             run.stream = SampleStream(cfg, run.fleet, run.dataset, run.reward_fn, cursor, start, run.agent)
+        saved_at = None
         for step in range(start, cfg.grpo.steps):
             metrics = _streamed_step(run, step) if run.stream else _step(run, step, version)
             version = str(step + 1)
@@ -124,9 +125,11 @@ def train(
             console.print(
                 console_line(step + 1, cfg.grpo.steps, metrics), markup=False, highlight=False, soft_wrap=True
             )
-            if cfg.grpo.checkpoint_every and (step + 1) % cfg.grpo.checkpoint_every == 0:
+            if _checkpoint_due(cfg.grpo, step + 1):
                 _checkpoint(run, step + 1)
-        _checkpoint(run, cfg.grpo.steps)
+                saved_at = step + 1
+        if cfg.grpo.final_checkpoint and saved_at != cfg.grpo.steps:  # the last step's state, once
+            _checkpoint(run, cfg.grpo.steps)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping engines and trainers; the last checkpoint is intact")
     finally:
@@ -307,6 +310,12 @@ def _train_item(sample: Sample, advantage: float) -> dict:
         **({"loss_mask": sample.loss_mask} if sample.loss_mask is not None else {}),
         **({"routed_experts": sample.routed_experts} if sample.routed_experts is not None else {}),
     }
+
+
+def _checkpoint_due(grpo, step: int) -> bool:
+    """Whether `checkpoint_every` saves after `step` (the last step only with `final_checkpoint`)."""
+    every = grpo.checkpoint_every
+    return bool(every) and step % every == 0 and (step < grpo.steps or grpo.final_checkpoint)
 
 
 def _checkpoint(run: Run, step: int) -> None:
