@@ -7,15 +7,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 
 import httpx
 import pytest
-from conftest import call, engine_server, engine_servers, run
+from conftest import call, engine_server, engine_servers, run, shared_zygote
 from waits import wait_until
 
-from rollfleet.engine.process.launch import RemoteSeed
+from rollfleet.engine.process.launch import EngineProcess, EngineStartError, RemoteSeed, embedded_argv
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.wire.client import EngineClient, EngineError
 from rollfleet.wire.net import free_port
@@ -191,3 +192,32 @@ def _pull(dest, seed):
         return call(dest, "load_from_remote_instance", "127.0.0.1", seed.port, [free_port()], timeout_s=4)
     except EngineError as exc:
         return exc
+
+
+def test_an_engine_that_never_comes_up_says_where_each_of_its_processes_waits(qwen3_dir_b, tmp_path):
+    """A tp=2 destination whose seed accepts the connection and never answers stays starting; the
+    launcher's timeout asks its processes for their stacks (SIGUSR1) and the error shows them."""
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts: the engine's call hangs
+    try:
+        seed = RemoteSeed("127.0.0.1", silent.getsockname()[1], (free_port(), free_port()))
+        port = free_port()
+        argv = embedded_argv(
+            qwen3_dir_b, port, tp_size=2, extra=seed.argv() + ["--rollfleet-remote-instance-timeout-s", "200"]
+        )
+        log = tmp_path / "stuck.log"
+        proc = EngineProcess(argv, port=port, log_path=log, zygote=shared_zygote())
+        # the pool's line comes after both ranks built their model (and registered their stack dump)
+        wait_until(
+            lambda: "paged KV pool" in log.read_text(errors="replace"),
+            what="the engine built",
+            timeout=120,
+            alive=proc.is_alive,
+        )
+        with pytest.raises(EngineStartError) as err:
+            proc.wait_until_up(timeout=0)
+    finally:
+        silent.close()
+    message = str(err.value)
+    assert message.count("Thread 0x") + message.count("Current thread 0x") >= 2, message
+    assert "lockstep.py" in message and "remote_pull.py" in log.read_text(errors="replace"), message
+    assert not proc.is_alive()

@@ -173,6 +173,10 @@ def engine_env(gpu_ids: list[str]) -> dict[str, str]:
     return env
 
 
+STACK_TAIL_LINES = 120  # an engine's stacks (leader and followers) come with a start that timed out
+STACK_DUMP_WAIT_S = 0.5
+
+
 def log_tail(path: Path, lines: int = 30) -> str:
     try:
         with open(path, errors="replace") as handle:
@@ -242,10 +246,19 @@ class EngineProcess:
                 except httpx.TransportError:
                     pass
                 time.sleep(poll_s)
+        self._dump_stacks()
         self.stop()
         raise EngineStartError(
-            f"engine not up after {timeout:.0f} s; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+            f"engine not up after {timeout:.0f} s; last lines of {self.log_path} (with its processes' stacks "
+            f"at the timeout):\n{log_tail(self.log_path, lines=STACK_TAIL_LINES)}"
         )
+
+    def _dump_stacks(self) -> None:
+        """Ask every process of the engine for its threads' stacks (SIGUSR1: the server registers it
+        with faulthandler), so an engine that never came up says where it was; they land in its log."""
+        if self.is_alive():
+            self._signal_group(signal.SIGUSR1)
+            time.sleep(STACK_DUMP_WAIT_S)  # faulthandler writes from the signal handler, at once
 
     def _serves_the_port(self, client: httpx.Client) -> bool:
         """Whether the server answering on our port is this process: another process may have taken

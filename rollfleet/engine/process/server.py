@@ -16,6 +16,7 @@ from __future__ import annotations
 from rollfleet.engine.process.start_timing import StartTimer
 
 # isort: split
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -84,6 +85,7 @@ def _follower_main(args, rank: int, store_port: int, spawned_at: float, forked: 
     # in order; a follower that died first would fail rank 0's last broadcast.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # its stacks, when the launcher asks (SIGUSR1)
     _exit_when_parent_dies()
     store = dist.TCPStore("127.0.0.1", store_port, args.tp_size, is_master=False)
     device, group = _init_distributed(args, rank, store)
@@ -96,11 +98,11 @@ def _follower_main(args, rank: int, store_port: int, spawned_at: float, forked: 
 
 
 def dump_stacks_if_hung() -> None:
-    """ROLLFLEET_HANG_DUMP_S=N: print every thread's stack every N seconds (diagnosing hangs)."""
+    """ROLLFLEET_HANG_DUMP_S=N: print every thread's stack every N seconds (diagnosing hangs). SIGUSR1
+    prints them once, into the log (the launcher sends it to an engine that never came up)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     seconds = float(os.environ.get("ROLLFLEET_HANG_DUMP_S", "0"))
     if seconds > 0:
-        import faulthandler
-
         faulthandler.dump_traceback_later(seconds, repeat=True)
 
 
