@@ -56,4 +56,4 @@ def test_a_runs_plan_and_step_lines_are_printed_as_they_come_and_a_silent_run_is
     assert capsys.readouterr().out.splitlines() == ["colocated: " + lines[0], "colocated: " + lines[2]]
     assert log.getvalue().splitlines() == lines
     with pytest.raises(subprocess.TimeoutExpired):  # prints nothing, never ends: killed at its limit
-        run_echoing([sys.executable, "-c", "import time; time.sleep(600)"], io.StringIO(), 0.5)
+        run_echoing([sys.executable, "-c", "import threading; threading.Event().wait()"], io.StringIO(), 0.5)

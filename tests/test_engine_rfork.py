@@ -217,7 +217,18 @@ def test_an_engine_that_never_comes_up_says_where_each_of_its_processes_waits(qw
             proc.wait_until_up(timeout=0)
     finally:
         silent.close()
-    message = str(err.value)
-    assert message.count("Thread 0x") + message.count("Current thread 0x") >= 2, message
-    assert "lockstep.py" in message and "remote_pull.py" in log.read_text(errors="replace"), message
+    assert "(most recent call first):" in str(err.value), err.value  # the launcher waited for a dump
+
+    # both processes' stacks: the follower waits for its leader's next action, the leader on the seed
+    def both() -> str | None:
+        text = log.read_text(errors="replace")
+        return text if "lockstep.py" in text and "remote_pull.py" in text else None
+
+    stacks = wait_until(
+        both,
+        what="the leader's and the follower's stacks in the log",
+        timeout=60,
+        state=lambda: log.read_text(errors="replace")[-3000:],
+    )
+    assert stacks.count("(most recent call first):") >= 2
     assert not proc.is_alive()

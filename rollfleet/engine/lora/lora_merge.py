@@ -64,7 +64,6 @@ class LoraMerge:
         # buffer (it may: adapters are copied at load) then finds it mapped still, and the next load
         # opens no CUDA IPC handle (weight_update.py keeps its payloads for the same reason)
         self._held_payload = None
-        self._marks: dict[str, float] = {}  # the last load's phases, seconds (logged with ROLLFLEET_SYNC_TIMING)
 
     @torch.no_grad()
     def base_params(self) -> dict[str, torch.Tensor]:
@@ -122,16 +121,15 @@ class LoraMerge:
     ) -> None:
         """Store an adapter read from a directory (`lora_path`) or from this rank's entry of
         `serialized_named_tensors`; on every rank or, after any rank's refusal, on none."""
-        adapter, refusal, start = None, None, time.perf_counter()
-        self._marks = {}
+        adapter, refusal, start, marks = None, None, time.perf_counter(), {}
         try:
-            adapter = self._read(lora_name, lora_path, config_dict, serialized_named_tensors, load_format)
+            adapter, marks = self._read(lora_name, lora_path, config_dict, serialized_named_tensors, load_format)
         except LoraError as exc:
             refusal = str(exc)
         read = time.perf_counter()
         self._ranks.agree(refusal, LoraError)
         if SYNC_TIMING:  # read = tensors (decode the payload, open its CUDA IPC handles) + parse (checks, host copy)
-            parts = " ".join(f"{name}={seconds * 1e3:.2f}ms" for name, seconds in self._marks.items())
+            parts = " ".join(f"{name}={seconds * 1e3:.2f}ms" for name, seconds in marks.items())
             read_ms, agree_ms = (read - start) * 1e3, (time.perf_counter() - read) * 1e3
             log.warning("lora load of %s: read=%.2fms (%s) agree=%.2fms", lora_name, read_ms, parts, agree_ms)
         self.adapters[lora_name] = adapter
@@ -161,7 +159,10 @@ class LoraMerge:
             for name, value in mine.items()
         }
 
-    def _read(self, lora_name, lora_path, config_dict, serialized_named_tensors, load_format) -> LoraAdapter:
+    def _read(
+        self, lora_name, lora_path, config_dict, serialized_named_tensors, load_format
+    ) -> tuple[LoraAdapter, dict[str, float]]:
+        """The adapter, and the seconds of its phases (`tensors`, `parse`)."""
         limits = self._require_enabled()
         if lora_name in self.adapters:
             raise LoraError(
@@ -186,8 +187,7 @@ class LoraMerge:
         adapter = parse_adapter(
             lora_name, lora_path or TENSORS_PATH, config, tensors, self._model, self.targetable, limits
         )
-        self._marks = {"tensors": tensors_at - began, "parse": time.perf_counter() - tensors_at}
-        return adapter
+        return adapter, {"tensors": tensors_at - began, "parse": time.perf_counter() - tensors_at}
 
     def _require_enabled(self) -> LoraLimits:
         if self.limits is None:

@@ -174,7 +174,15 @@ def engine_env(gpu_ids: list[str]) -> dict[str, str]:
 
 
 STACK_TAIL_LINES = 120  # an engine's stacks (leader and followers) come with a start that timed out
-STACK_DUMP_WAIT_S = 0.5
+STACK_DUMP_WAIT_S = 10.0  # at most: a process too starved to run its handler
+STACK_HEADER = "(most recent call first):"  # faulthandler's line before each thread's stack
+
+
+def _log_text(path: Path) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
@@ -255,10 +263,19 @@ class EngineProcess:
 
     def _dump_stacks(self) -> None:
         """Ask every process of the engine for its threads' stacks (SIGUSR1: the server registers it
-        with faulthandler), so an engine that never came up says where it was; they land in its log."""
-        if self.is_alive():
-            self._signal_group(signal.SIGUSR1)
-            time.sleep(STACK_DUMP_WAIT_S)  # faulthandler writes from the signal handler, at once
+        with faulthandler), so an engine that never came up says where it was; they land in its log.
+        Returns once a stack is in the log and the log has stopped growing (at most STACK_DUMP_WAIT_S)."""
+        if not self.is_alive():
+            return
+        before = _log_text(self.log_path).count(STACK_HEADER)
+        self._signal_group(signal.SIGUSR1)
+        deadline, size = time.monotonic() + STACK_DUMP_WAIT_S, -1
+        while time.monotonic() < deadline:
+            text = _log_text(self.log_path)
+            if text.count(STACK_HEADER) > before and len(text) == size:  # dumped, and nothing more came
+                return
+            size = len(text)
+            time.sleep(0.1)
 
     def _serves_the_port(self, client: httpx.Client) -> bool:
         """Whether the server answering on our port is this process: another process may have taken

@@ -85,7 +85,7 @@ def _follower_main(args, rank: int, store_port: int, spawned_at: float, forked: 
     # in order; a follower that died first would fail rank 0's last broadcast.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # its stacks, when the launcher asks (SIGUSR1)
+    dump_stacks_if_hung()  # its stacks too, when the launcher asks (SIGUSR1)
     _exit_when_parent_dies()
     store = dist.TCPStore("127.0.0.1", store_port, args.tp_size, is_master=False)
     device, group = _init_distributed(args, rank, store)
