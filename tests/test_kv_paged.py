@@ -79,8 +79,8 @@ def one_thread_paged():
 
 def test_a_rows_logits_on_cpu_do_not_depend_on_how_many_rows_share_its_step(one_thread_paged):
     """One thread (a fleet engine's): a prompt prefilled alone or among others, and one decode row
-    alone or among others, get bit-equal logits. Without the padding to CPU_MIN_ROWS, MKL's
-    products over 1-3 rows round otherwise, and a seeded run's logprobs, then its weights, drift
+    alone or among others, get bit-equal logits. Without the padding (kv/cpu_rows.py), MKL's
+    products over few rows round otherwise, and a seeded run's logprobs, then its weights, drift
     with how arrival waves split."""
     paged, blocks = one_thread_paged
     mine, others = [3, 4, 5], [[40 + i, 41 + i, 42 + i] for i in range(5)]

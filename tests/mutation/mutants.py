@@ -211,11 +211,21 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         id="cpu-steps-unpadded",
-        claim="on the CPU a row's logits do not depend on how many rows share its step (steps padded to CPU_MIN_ROWS)",
+        claim="on the CPU a row's logits do not depend on how many rows share its step (steps padded: kv/cpu_rows.py)",
         file="rollfleet/engine/kv/paged.py",
-        old='if self.device.type == "cpu":\n            rows, logits_at = cpu_padded(rows, logits_at)',
-        new="if False:\n            rows, logits_at = cpu_padded(rows, logits_at)",
+        old="rows, logits_at = cpu_padded(rows, logits_at, self.cpu_rows)",
+        new="pass",
         tests=("tests/test_kv_paged.py::test_a_rows_logits_on_cpu_do_not_depend_on_how_many_rows_share_its_step",),
+    ),
+    Mutant(
+        id="cpu-rows-not-measured",
+        claim="CPU steps are padded to the rows this CPU's BLAS needs to round each row alike (measured, not assumed)",
+        file="rollfleet/engine/kv/cpu_rows.py",
+        old="return max([FLOOR, *(_alike_from(int(w), threads, batched) for w in set(widths))])",
+        new="return FLOOR",
+        tests=(
+            "tests/test_cpu_rows.py::test_products_of_as_many_rows_as_measured_round_each_row_as_any_larger_product",
+        ),
     ),
     Mutant(
         id="fused-projections-copied",
@@ -251,7 +261,7 @@ MUTANTS: list[Mutant] = [
         id="cpu-attention-products-over-1-3-queries",
         claim="a CPU prompt's logits do not depend on how it was chunked or cached (invariant attention)",
         file="rollfleet/engine/kv/attention.py",
-        old="    if queries < CPU_MIN_QUERIES:  # padded",
+        old="    if queries < least:  # padded",
         new="    if False:  # padded",
         tests=("tests/test_kv_paged.py::test_a_prompts_logits_on_cpu_do_not_depend_on_how_it_was_chunked_or_cached",),
     ),

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from rollfleet.engine.kv import decode_kernel
+from rollfleet.engine.kv.cpu_rows import rows_alike_from
 
 ATTENTION_NAME = "rollfleet_paged"  # never "flash" in it: transformers tests the name for that word
 INVARIANT_BLOCK = 16  # keys per block of invariant_attention (CPU)
-CPU_MIN_QUERIES = 4  # fewer rows in a product round otherwise (kv/paged.py, CPU_MIN_ROWS)
 
 
 @dataclass
@@ -148,14 +148,16 @@ def invariant_attention(q, k, v, mask, scale: float) -> torch.Tensor:
     torch's CPU SDPA does not: its kernel splits keys and queries into blocks by their number, and
     products over 1-3 query rows round otherwise (1e-7 in the logits).
     How: keys in blocks of INVARIANT_BLOCK (the last padded), every block's products one batched
-    product of one shape, at least CPU_MIN_QUERIES queries; the blocks' sums added in order (a
-    cumulative sum, sequential), where a block no query sees adds exact zeros. In float32."""
+    product of one shape, over at least as many queries as this CPU needs to round them alike
+    (kv/cpu_rows.py); the blocks' sums added in order (a cumulative sum, sequential), where a block no
+    query sees adds exact zeros. In float32."""
     rows, heads, queries, dim = q.shape
     q, k, v = q.float(), k.float(), v.float()
     mask = mask.expand(rows, 1, queries, k.shape[2])
-    if queries < CPU_MIN_QUERIES:  # padded queries see every key (no row of -inf); dropped at the end
-        q = torch.cat([q, q.new_zeros(rows, heads, CPU_MIN_QUERIES - queries, dim)], 2)
-        mask = torch.cat([mask, mask.new_ones(rows, 1, CPU_MIN_QUERIES - queries, mask.shape[3])], 2)
+    least = rows_alike_from((dim, INVARIANT_BLOCK), batched=True)
+    if queries < least:  # padded queries see every key (no row of -inf); dropped at the end
+        q = torch.cat([q, q.new_zeros(rows, heads, least - queries, dim)], 2)
+        mask = torch.cat([mask, mask.new_ones(rows, 1, least - queries, mask.shape[3])], 2)
     pad = -k.shape[2] % INVARIANT_BLOCK
     if pad:
         k, v = (torch.cat([t, t.new_zeros(rows, heads, pad, dim)], 2) for t in (k, v))

@@ -6,16 +6,15 @@ sequence whose KV lives in `pages`, and which packed positions' logits to return
 token a row) replay a CUDA graph of their batch-size bucket when graphs are on (kv/graphs.py);
 every other step runs eagerly.
 
-On CPU a step's rows are at least CPU_MIN_ROWS: with one thread, torch's CPU BLAS (MKL) rounds a
-product over 1-3 rows otherwise than the same rows in a larger one, and alike at every size from 4
-rows up (every row checked at 1-69, 100, 128, 129, 255-257 and 512 rows, hidden 64 to 2048). A step
-of fewer tokens gets padded rows (a token at position 0 writing to the trash page, as a graph's
-padded rows do) and the output head at least that many rows, so a row's logits do not depend on how
-many rows share its step (how requests' arrival waves split into steps), and a seeded run repeats
-to the bit on an engine of one thread (Ray gives its workers one). With two threads it does not:
-the last rows of 5-7 and 9-11 differ too. Attention on the CPU is invariant by construction
-(kv/attention.py, `invariant_attention`). Not on GPUs: their kernels are chosen otherwise, and a
-decode step there replays a graph.
+On CPU a step's rows are at least as many as this CPU's BLAS needs to round every row of a product
+alike whatever the number of rows (kv/cpu_rows.py measures it for the model's linear widths at the
+first step: 4 on some Xeons, up to 16 on others). A step of fewer tokens gets padded rows (a token at
+position 0 writing to the trash page, as a graph's padded rows do) and the output head at least that
+many rows, so a row's logits do not depend on how many rows share its step (how requests' arrival
+waves split into steps), and a seeded run repeats to the bit on an engine of one thread (Ray gives its
+workers one). With two threads it does not: the last rows of 5-7 and 9-11 differ too. Attention on the
+CPU is invariant by construction (kv/attention.py, `invariant_attention`). Not on GPUs: their kernels
+are chosen otherwise, and a decode step there replays a graph.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import torch
 from rollfleet.engine.kv import decode_kernel
 from rollfleet.engine.kv.attention import ATTENTION_NAME, PagedInputs
 from rollfleet.engine.kv.blocks import TRASH_PAGE
+from rollfleet.engine.kv.cpu_rows import rows_alike_from
 from rollfleet.engine.kv.fused_projections import fuse_projections
 from rollfleet.engine.kv.graphs import DecodeGraphs
 from rollfleet.engine.kv.norm_kernel import fuse_rms_norms
@@ -40,7 +40,6 @@ log = logging.getLogger("rollfleet.engine")
 PAGED_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "llama", "mistral"})
 
 Row = tuple[int, list[int], list[int]]  # (start position, tokens fed, the sequence's pages)
-CPU_MIN_ROWS = 4  # see the module's docstring
 
 
 def fuse_fast_path(model, options: dict | None, device: torch.device, tp_size: int, ep_size: int) -> None:
@@ -93,6 +92,7 @@ class PagedModel:
         on_gpu = graphs and device.type == "cuda"
         self.graphs = DecodeGraphs(self._forward, device, self.kernel, self.saver) if on_gpu else None
         self.last_routes: torch.Tensor | None = None
+        self.cpu_rows: int | None = None  # measured at the first CPU step, on the engine's threads
 
     def allocate(self, num_pages: int, max_graph_batch: int) -> None:
         """The pool (a lockstep action rank 0 sends once at start, so that every rank's is alike)."""
@@ -134,7 +134,10 @@ class PagedModel:
             self.route_capture.start()
         wanted, split = len(logits_at), len(rows) - riders if riders else None
         if self.device.type == "cpu":
-            rows, logits_at = cpu_padded(rows, logits_at)
+            if self.cpu_rows is None:
+                linears = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+                self.cpu_rows = rows_alike_from(m.in_features for m in linears)
+            rows, logits_at = cpu_padded(rows, logits_at, self.cpu_rows)
         fed, positions, inputs = self.inputs(rows, decode, split=split)
         if ids is not None:
             fed[0, : len(ids)] = ids
@@ -226,13 +229,13 @@ class PagedModel:
             self.graphs.drop()
 
 
-def cpu_padded(rows: list[Row], logits_at: list[int]) -> tuple[list[Row], list[int]]:
-    """`rows` with padded rows after them up to CPU_MIN_ROWS tokens, and `logits_at` up to that many
+def cpu_padded(rows: list[Row], logits_at: list[int], least: int) -> tuple[list[Row], list[int]]:
+    """`rows` with padded rows after them up to `least` tokens, and `logits_at` up to that many
     positions (its last repeated); the real rows' positions and logits come first, unchanged."""
     tokens = sum(len(fed) for _, fed, _ in rows)
-    rows = rows + [(0, [0], [TRASH_PAGE])] * max(0, CPU_MIN_ROWS - tokens)
+    rows = rows + [(0, [0], [TRASH_PAGE])] * max(0, least - tokens)
     if logits_at:
-        logits_at = logits_at + [logits_at[-1]] * max(0, CPU_MIN_ROWS - len(logits_at))
+        logits_at = logits_at + [logits_at[-1]] * max(0, least - len(logits_at))
     return rows, logits_at
 
 
