@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollfleet.engine.sequences.next_token import StopRules
-from rollfleet.engine.sequences.sequence import Sequence
-from rollfleet.tiny_models import make_tokenizer
+from rollfleet.engine.sequences.sequence import Sequence, decode_ids
+from rollfleet.tiny_models import make_tokenizer, make_word_tokenizer
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
 TOKENIZER = make_tokenizer()
@@ -133,3 +133,15 @@ def test_same_results_as_searching_the_whole_output(ids, data):
     stops = data.draw(st.lists(st.one_of(cuts, st.text(alphabet="ab é€😀\ufffd<|>", max_size=4)), max_size=3))
     fields = {"skip_special_tokens": skip, "no_stop_trim": not trim}
     assert generate(ids, stops or None, **fields) == whole_output_search(ids, stops or None, **fields)
+
+
+WORDS = make_word_tokenizer(400)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 319), max_size=40), st.booleans(), st.sampled_from(["bytes", "words"]))
+def test_decode_ids_gives_the_tokenizers_own_decode(ids, skip, which):
+    """The answers' and stop checks' decode (no per-id type walk) writes what `tokenizer.decode` writes,
+    special tokens (ids 0-2) kept or skipped, for a byte-level BPE and a word-level tokenizer."""
+    tokenizer = TOKENIZER if which == "bytes" else WORDS
+    assert decode_ids(tokenizer, ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)

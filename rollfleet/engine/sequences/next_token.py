@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollfleet.engine.sequences.logprobs import Row
-from rollfleet.engine.sequences.sequence import Sequence
+from rollfleet.engine.sequences.sequence import Sequence, decode_ids
 from rollfleet.wire.protocol import FinishReason
 
 
@@ -32,7 +32,7 @@ class StopRules:
         if token in self.stop_ids(seq):
             return FinishReason(type="stop", matched=token)
         if seq.params.stop_strings and (stop := self.new_stop_string(seq)) is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            text = decode_ids(self.tokenizer, seq.output_ids, seq.params.skip_special_tokens)
             # SGLang cuts the text at the stop string, or after it with no_stop_trim (one whole decode, at the end)
             seq.text = text[: text.index(stop) + (len(stop) if seq.params.no_stop_trim else 0)]
             return FinishReason(type="stop", matched=stop)
@@ -51,7 +51,7 @@ class StopRules:
         token is in; None when none does. No stop string was in the text one token ago (it would have
         finished then), so only the text's end can hold one (see `text_a_stop_can_end_in`)."""
         stops = seq.params.stop_strings
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=seq.params.skip_special_tokens)
+        decode = functools.partial(decode_ids, self.tokenizer, skip_special_tokens=seq.params.skip_special_tokens)
         tail = text_a_stop_can_end_in(seq.output_ids, max(map(len, stops)), decode)
         return next((stop for stop in stops if stop in tail), None)
 
