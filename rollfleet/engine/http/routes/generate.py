@@ -122,7 +122,10 @@ async def _check_and_submit(engine: EngineService, req: GenerateRequest) -> tupl
     refusal = engine.refusal()
     if refusal is not None:
         raise refusal
-    prompts, is_batch = await asyncio.to_thread(prompts_of, engine, req)  # long texts tokenize off the event loop
+    if req.text is not None:  # long texts tokenize off the event loop; token ids need no thread hop
+        prompts, is_batch = await asyncio.to_thread(prompts_of, engine, req)
+    else:
+        prompts, is_batch = prompts_of(engine, req)
     params = sampling_of(req, len(prompts))
     lora_names = lora_names_of(engine, req, len(prompts))
     try:
