@@ -1,6 +1,7 @@
 """ModuleSource on a real FSDP2 trainer (gloo, worlds 2 and 3 on loopback): the bucketed gather
 gives exactly the checkpoint's tensors (uneven shards included), casts to the engines' dtype before
-gathering, runs few collectives, and lets ranks that keep nothing take part."""
+gathering, runs few collectives, and lets ranks that keep nothing take part. LoraSource on a LoRA
+trainer likewise: its adapter's tensors, as one full_tensor() each gives them, in one collective."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import torch.multiprocessing as mp
 from helper_processes import start_method
 from safetensors.torch import load_file
 
+from rollfleet.config.lora import LoraTrainConfig
 from rollfleet.tiny_models import make_tiny_model
 from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
 from rollfleet.train.sharding import init_distributed
+from rollfleet.weights.adapter import LoraSource
 from rollfleet.weights.gather import is_row_sharded
 from rollfleet.weights.source import ModuleSource
 from rollfleet.wire.fingerprint import fingerprints
@@ -69,6 +72,20 @@ def _gather_case(rank: int, model_dir: str, out: str) -> None:
         result[f"{label}_gathered_dtypes"] = set(GATHERED_DTYPES)
     left_out, count = _counted_gathers(lambda: list(ModuleSource(model, keep=rank == 0).named_tensors()))
     result["kept"], result["kept_gathers"] = len(left_out), count
+    lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj", "lm_head"]}
+    peft_model = PolicyTrainer(model_dir, TrainConfig(lora=LoraTrainConfig(**lora))).model
+    for param in peft_model.parameters():  # peft's B starts at zero: give every tensor values of its own
+        if param.requires_grad:
+            with torch.no_grad():
+                param.to_local().normal_(generator=torch.Generator().manual_seed(param.numel() + rank))
+    sources = {"lora": LoraSource(peft_model), "lora_kept": LoraSource(peft_model, keep=rank == 0)}
+    for label, source in sources.items():
+        tensors, count = _counted_gathers(lambda s=source: {n: t.clone() for n, t in s.named_tensors()})
+        result[label], result[f"{label}_gathers"] = tensors, count
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    result["lora_each"] = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).clone() for n, t in state.items()}
     torch.save(result, Path(out) / f"rank{rank}.pt")
 
 
@@ -142,3 +159,16 @@ def test_the_push_casts_only_to_the_one_dtype_every_engine_reports():
     assert engine_dtype(targets(torch.bfloat16, torch.float32)) is None  # several: each engine casts on load
     assert engine_dtype(targets(torch.bfloat16, None)) is None  # one that does not say (SGLang)
     assert engine_dtype(targets(None)) is None
+
+
+@pytest.mark.parametrize(("kind", "world"), CASES)
+def test_the_adapter_is_gathered_in_one_collective_as_each_full_tensor_gives_it(kind, world, gathered):
+    ranks = [torch.load(gathered[(kind, world)] / f"rank{r}.pt") for r in range(world)]
+    for result in ranks:
+        each = result["lora_each"]
+        assert set(result["lora"]) == set(each) and len(each) >= 8, sorted(each)
+        for name, tensor in each.items():
+            assert torch.equal(result["lora"][name], tensor), name
+        assert result["lora_gathers"] == int(world > 1), [r["lora_gathers"] for r in ranks]
+    assert [len(r["lora_kept"]) for r in ranks] == [len(ranks[0]["lora_each"])] + [0] * (world - 1)
+    assert {r["lora_kept_gathers"] for r in ranks} == {int(world > 1)}  # ranks that keep nothing take part

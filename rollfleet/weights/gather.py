@@ -93,7 +93,7 @@ class ShardGather:
         for index, name, param in rows:
             local = param.to_local().detach()
             dtype = self.dtype if self.dtype is not None and local.is_floating_point() else local.dtype
-            key = (id(param.device_mesh), dtype, local.device)
+            key = (param.device_mesh.get_group(), dtype, local.device)  # meshes alike share one group
             groups.setdefault(key, []).append((index, name, param, local))
         out: dict[tuple[int, str], torch.Tensor | None] = {}
         for (_, dtype, _), members in groups.items():
