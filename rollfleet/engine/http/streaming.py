@@ -17,6 +17,7 @@ resolves its future when it finished; both only post to this request's queue on 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
@@ -71,7 +72,7 @@ async def answers(engine, request, seqs: list[Sequence]) -> list[dict]:
     """The finished answers of `seqs`, for an answer that is not streamed. A client that went away
     (a timeout, a closed connection) aborts what it left unfinished, as SGLang does, instead of
     leaving it to run to its end and hold its rid."""
-    gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs)))
+    gathered = asyncio.ensure_future(_all_done(seqs))
     gone = asyncio.ensure_future(_disconnect(request))  # request.is_disconnected() never sees it behind middleware
     try:
         await asyncio.wait({gathered, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -80,6 +81,27 @@ async def answers(engine, request, seqs: list[Sequence]) -> list[dict]:
     if not gathered.done():
         engine.scheduler.abort_sequences(seqs, "the client went away")
     return await gathered
+
+
+async def _all_done(seqs: list[Sequence]) -> list[dict]:
+    """The answers of `seqs` once every one is done, the event loop woken once for them: the engine
+    thread resolves a finished batch's futures in a row, and a wake-up each (`wrap_future`) cost it
+    2.5-4.7 ms for 512 (0.5 with one per request), the loop 7-11 ms until the last was seen (2-3)."""
+    loop, done = asyncio.get_running_loop(), asyncio.Event()
+    left, lock = [len(seqs)], threading.Lock()
+
+    def one(_future) -> None:  # on the engine thread (or here, for a future already done)
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last and not loop.is_closed():
+            loop.call_soon_threadsafe(done.set)
+
+    for seq in seqs:
+        seq.future.add_done_callback(one)
+    if seqs:
+        await done.wait()
+    return [seq.future.result() for seq in seqs]
 
 
 async def _disconnect(request) -> None:
