@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollfleet.engine.sequences.next_token import StopRules
-from rollfleet.engine.sequences.sequence import Sequence, decode_ids
+from rollfleet.engine.sequences.sequence import Sequence, backend_decodes_alone, decode_ids, finished_texts
 from rollfleet.tiny_models import make_tokenizer, make_word_tokenizer
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 
@@ -145,3 +145,29 @@ def test_decode_ids_gives_the_tokenizers_own_decode(ids, skip, which):
     special tokens (ids 0-2) kept or skipped, for a byte-level BPE and a word-level tokenizer."""
     tokenizer = TOKENIZER if which == "bytes" else WORDS
     assert decode_ids(tokenizer, ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 319), max_size=30), st.booleans(), st.booleans(), st.booleans()),
+        min_size=1,
+        max_size=12,
+    ),
+    st.sampled_from(["bytes", "words"]),
+)
+def test_a_batchs_texts_decoded_together_are_each_ones_own(samples, which):
+    """The texts of a finished batch, decoded in one call of the tokenizer's backend (per skip flag),
+    are each sample's `finished_text`: special tokens kept or skipped, a matched stop token trimmed
+    unless no_stop_trim."""
+    tokenizer = TOKENIZER if which == "bytes" else WORDS
+    seqs = []
+    for ids, skip, stopped, keep_stop in samples:
+        seq = Sequence("r", [1], SamplingParams(skip_special_tokens=skip, no_stop_trim=keep_stop), None, False)
+        seq.output_ids = list(ids)
+        length = FinishReason(type="length", length=len(ids))
+        seq.finish = FinishReason(type="stop", matched=ids[-1]) if stopped and ids else length
+        seqs.append(seq)
+    assert finished_texts(seqs, tokenizer) == [seq.finished_text(tokenizer) for seq in seqs]
+    assert backend_decodes_alone(tokenizer)  # these tokenizers take the one-call path
+    assert not backend_decodes_alone(CountingTokenizer(tokenizer))

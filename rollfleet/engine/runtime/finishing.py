@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from rollfleet.engine.sequences.sequence import Sequence, wire_result
+from rollfleet.engine.sequences.sequence import Sequence, finished_texts, wire_result
 from rollfleet.wire.protocol import FinishReason
 
 log = logging.getLogger("rollfleet.engine")
@@ -30,8 +30,9 @@ class Finishing:
                 self.batches.retire(self.running, keep)
                 self.running = [self.running[row] for row in keep]
         finally:  # a retire that failed still answers them (the batch then fails as a whole: _fail_batch)
-            for seq in done:
-                self._finish(seq, seq.finish)
+            texts = finished_texts(done, self.tokenizer) if done else []  # one batch decode for all
+            for seq, text in zip(done, texts):
+                self._finish(seq, seq.finish, text)
 
     def _fail_batch(self, exc: Exception) -> None:
         log.exception("a batch of %d requests failed; they finish as aborted, the engine goes on", len(self.running))
@@ -45,9 +46,10 @@ class Finishing:
                 self._finish(seq, seq.finish)
         self.batches.drop(failed)  # a failure here is the loop's own: it stops and says why
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, text: str | None = None) -> None:
+        """`text`: the sequence's `finished_text`, when the caller decoded it already."""
         seq.finish = reason
         if not (reason.type == "stop" and isinstance(reason.matched, str)):
-            seq.text = seq.finished_text(self.tokenizer)
+            seq.text = seq.finished_text(self.tokenizer) if text is None else text
         if not seq.future.done():
             seq.future.set_result(wire_result(seq, self.weight_version, self.tokenizer))

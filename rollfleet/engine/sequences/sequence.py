@@ -75,10 +75,14 @@ class Sequence:
     def finished_text(self, tokenizer) -> str:
         """The text of the output ids, as SGLang's detokenizer trims it: without a matched stop
         token's own text unless `no_stop_trim` (a matched stop string is cut when it is found)."""
+        return decode_ids(tokenizer, self.text_ids(), self.params.skip_special_tokens)
+
+    def text_ids(self) -> list[int]:
+        """The output ids `finished_text` decodes."""
         ids = self.output_ids
         if self.finish.type == "stop" and isinstance(self.finish.matched, int) and not self.params.no_stop_trim:
             ids = ids[:-1]
-        return decode_ids(tokenizer, ids, self.params.skip_special_tokens)
+        return ids
 
 
 def decode_ids(tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
@@ -90,6 +94,39 @@ def decode_ids(tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
     if fast is None:
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     return fast(ids, skip_special_tokens=skip_special_tokens)
+
+
+def finished_texts(seqs: list[Sequence], tokenizer) -> list[str]:
+    """`finished_text` of each of `seqs`, those that skip special tokens and those that keep them each
+    in ONE call of the tokenizer's Rust backend where that is all its `_decode` does (a transformers
+    fast tokenizer without the clean-up pass, e.g. Qwen's): the backend decodes them on its threads.
+    Else one by one."""
+    texts: list[str] = [""] * len(seqs)
+    batched = backend_decodes_alone(tokenizer) and len(seqs) > 1
+    for skip in (False, True):
+        rows = [row for row, seq in enumerate(seqs) if bool(seq.params.skip_special_tokens) == skip]
+        if not rows:
+            continue
+        ids = [seqs[row].text_ids() for row in rows]
+        if batched:
+            decoded = tokenizer._tokenizer.decode_batch(ids, skip_special_tokens=skip)
+        else:
+            decoded = [decode_ids(tokenizer, one, skip) for one in ids]
+        for row, text in zip(rows, decoded):
+            texts[row] = text
+    return texts
+
+
+def backend_decodes_alone(tokenizer) -> bool:
+    """Whether `tokenizer._decode(ids)` is its Rust backend's `decode(ids)` and nothing more."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return (
+        isinstance(tokenizer, TokenizersBackend)
+        and type(tokenizer)._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+        and hasattr(getattr(tokenizer, "_tokenizer", None), "decode_batch")
+    )
 
 
 def sample_group(
