@@ -12,6 +12,7 @@ set -u
 OUT=${OUT:-/tmp/rollfleet-gpu-check}
 mkdir -p "$OUT"
 . scripts/gpu_site.sh
+export ROLLFLEET_SYNC_TIMING=1  # the engines log each load's phases (a few lines a step)
 runs=${*:-full lora agent}
 phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end on stdout
     local name=$1 limit=$2
@@ -21,6 +22,9 @@ phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end o
     grep -h "memory plan\|^step \|Error\|error:" "$OUT/$name.log" | cut -c1-400 | tail -12
     # what the engines' fast path took (fused kernels, or why not), from their logs (rollout.log_dir)
     grep -h "fused\|CUDA graphs off" logs/engines/*.log 2>/dev/null | sed 's/^.* rollfleet.engine //' | sort | uniq -c
+    # the engine's own split of each in-loop load (ROLLFLEET_SYNC_TIMING=1, below), into the run's log
+    grep -h "lora load of\|lora merge\|weight update of" logs/engines/*.log 2>/dev/null | cut -c1-300 | tail -8 \
+        | tee -a "$OUT/$name.log"
     rm -rf logs/engines
     for f in memory-plan.json metrics.jsonl; do  # one file a run comes back ($OUT brings back 8 at most)
         test -f /tmp/run-$name/$f && { echo "=== $f"; cat /tmp/run-$name/$f; } >> "$OUT/$name.log"
