@@ -4,7 +4,10 @@ none of the sender's memory).
 An adapter sent from a GPU arrives as views of one bucket there: copied one tensor at a time, each
 `.to("cpu")` is its own device-to-host transfer and wait (192 for a rank-32 adapter on q, k, v, o of
 24 layers), so the bucket's bytes are copied once and the tensors viewed in the copy. On the CPU
-a clone per tensor is cheaper than the views (0.5 against 0.9 ms for those 192 tensors).
+a clone per tensor is cheaper than the views (0.5 against 0.9 ms for those 192 tensors). On a GPU
+engine the host copy is pinned, so that its bytes come and go at the link's speed: the copy out of
+the bucket at load, and the copy back to the weights' device (`copies_on`, one per storage) when the
+adapter is merged.
 """
 
 from __future__ import annotations
@@ -16,9 +19,22 @@ def host_copies(tensors: dict[str, torch.Tensor], *, per_storage: bool | None = 
     """Copies on the host sharing no memory with what arrived. `per_storage` (default: unless every
     tensor is on the CPU): one copy of the bytes a source storage spans for these tensors, each tensor
     a view of it with its own offset, shape and stride (tensors of a storage they fill less than half
-    of are copied one by one); else one clone each."""
+    of are copied one by one); else one clone each. Pinned where the tensors came from a GPU."""
+    from_gpu = any(t.device.type == "cuda" for t in tensors.values())
     if not (per_storage if per_storage is not None else any(t.device.type != "cpu" for t in tensors.values())):
         return {key: tensor.detach().clone() for key, tensor in tensors.items()}
+    return _per_storage(tensors, torch.device("cpu"), pin=from_gpu)
+
+
+def copies_on(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """`tensors` on `device`: one copy of each source storage's span (host_copies' views), not one
+    transfer and wait per tensor; the tensors themselves where they are on `device` already."""
+    if all(t.device == device for t in tensors.values()):
+        return dict(tensors)
+    return _per_storage(tensors, device, pin=False)
+
+
+def _per_storage(tensors: dict[str, torch.Tensor], device: torch.device, pin: bool) -> dict[str, torch.Tensor]:
     groups: dict[tuple[int, str], list[str]] = {}
     for key, tensor in tensors.items():
         pointer = tensor.untyped_storage().data_ptr() if tensor.numel() else 0
@@ -29,16 +45,17 @@ def host_copies(tensors: dict[str, torch.Tensor], *, per_storage: bool | None = 
         start = min((first for first, _ in spans.values()), default=0) // 64 * 64  # offsets stay aligned
         end = max((last for _, last in spans.values()), default=0)
         if not pointer or end - start > 2 * sum(last - first for first, last in spans.values()):
-            owned.update({key: tensors[key].detach().to("cpu").clone() for key in keys})
+            owned.update({key: tensors[key].detach().to(device, copy=True) for key in keys})
             continue
         first = tensors[keys[0]]
         storage = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage())
-        copy = storage[start:end].to("cpu", copy=True).untyped_storage()
+        copy = torch.empty(end - start, dtype=torch.uint8, device=device, pin_memory=pin)
+        copy.copy_(storage[start:end], non_blocking=device.type == "cuda")  # queued behind the step before
         for key in keys:
             tensor, (offset, _) = tensors[key], spans[key]
             element = tensor.element_size()
-            owned[key] = torch.empty(0, dtype=tensor.dtype).set_(
-                copy, (offset - start) // element, tensor.shape, tensor.stride()
+            owned[key] = torch.empty(0, dtype=tensor.dtype, device=device).set_(
+                copy.untyped_storage(), (offset - start) // element, tensor.shape, tensor.stride()
             )
     return owned
 

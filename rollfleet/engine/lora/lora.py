@@ -64,9 +64,15 @@ class LoraTarget:
     lora_b: torch.Tensor  # [out_features, r]
     scale: float
 
-    def delta(self, device: torch.device) -> torch.Tensor:
-        """scale * B @ A as a full float32 [out, in] tensor (peft's get_delta_weight, in float32)."""
-        return (self.lora_b.to(device, torch.float32) @ self.lora_a.to(device, torch.float32)) * self.scale
+    def delta(self, device: torch.device, lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None):
+        """scale * B @ A as a full float32 [out, in] tensor (peft's get_delta_weight, in float32). `lora_a`,
+        `lora_b`: this target's halves where they were copied already (default: its own)."""
+        lora_a = self.lora_a if lora_a is None else lora_a
+        lora_b = self.lora_b if lora_b is None else lora_b
+        return (lora_b.to(device, torch.float32) @ lora_a.to(device, torch.float32)).mul_(self.scale)
+
+    def halves(self) -> dict[str, torch.Tensor]:
+        return {"A": self.lora_a, "B": self.lora_b}
 
 
 @dataclass

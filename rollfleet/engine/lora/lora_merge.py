@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from rollfleet.engine.lora.host_copies import copies_on
 from rollfleet.engine.lora.lora import (
     TENSORS_PATH,
     LoraAdapter,
@@ -87,12 +88,18 @@ class LoraMerge:
             return
         self._on_merge()
         targets = self.adapters[lora_name].targets
-        for target in targets:
+        device = local_of(params[f"{targets[0].module}.weight"]).device if targets else None
+        halves = copies_on(
+            {f"{i} {half}": t for i, target in enumerate(targets) for half, t in target.halves().items()}, device
+        )  # one transfer per host storage (the adapter as it arrived), not two per target
+        for i, target in enumerate(targets):
             param = params[f"{target.module}.weight"]
             local = local_of(param)
             self._saved.append((local, local.clone()))
-            delta = shard_of(target.delta(local.device), param)
-            local.copy_((local.float() + delta).to(local.dtype))
+            # W = (W + scale * B @ A) in float32, rounded once: `delta(...).add_(W)` is `W.float() + delta`
+            # (an exact widening, a commutative add) with one float32 [out, in] temporary instead of three
+            delta = shard_of(target.delta(local.device, halves[f"{i} A"], halves[f"{i} B"]), param)
+            local.copy_(delta.add_(local))
         self.active = lora_name
         if SYNC_TIMING:  # the merge's device work waited for, so the figure is its whole cost
             if targets and local.device.type == "cuda":
