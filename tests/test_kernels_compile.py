@@ -44,23 +44,18 @@ CASES = [
     ),
     *(
         (
-            f"decode-split-{dtype[1:]}{'' if write_lse else '-alone'}",
+            f"decode-split-{dtype[1:]}",
             "rollfleet.engine.kv.decode_kernel",
             "_split_kernel",
             {
                 **dict.fromkeys(["q_ptr", "k_ptr", "v_ptr"], dtype),
                 **dict.fromkeys(["table_ptr", "lens_ptr"], "*i64"),
-                "part_ptr": "*fp32" if write_lse else dtype,  # one split a row: the output itself
-                "lse_ptr": "*fp32",
+                **dict.fromkeys(["part_ptr", "lse_ptr"], "*fp32"),
                 "scale": "fp32",
             },
-            {
-                **{"GROUP": 2, "GROUP_PAD": 16, "DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK": 32},
-                **{"PRECISION": precision, "WRITE_LSE": write_lse},
-            },
+            {"GROUP": 2, "GROUP_PAD": 16, "DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK": 32, "PRECISION": precision},
         )
         for dtype, precision in ((BF16, "tf32"), ("*fp32", "ieee"))
-        for write_lse in (True, False)
     ),
     (
         "decode-merge-bf16",

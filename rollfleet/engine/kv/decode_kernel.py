@@ -4,9 +4,7 @@ through its block table, once (flash decoding), instead of gathering them into a
 One program per (row, KV head, split of the row's pages) computes the softmax of its query heads
 (the KV head's group, GQA without repeating K and V) over its pages with an online softmax and
 writes a partial output and its log-sum-exp; a second kernel merges a row's splits. Splits keep
-the GPU busy when the batch is small (a latency run is one row over many pages); a batch large
-enough to fill the GPU without them has one split a row, written straight as the output (a merge of
-one split is a copy and a cast: the same bits, one launch and a pass over the output more).
+the GPU busy when the batch is small (a latency run is one row over many pages).
 
 Triton comes with torch's CUDA builds; without it (CPU, or a build without Triton) attention.py
 keeps its gather + SDPA path, which is also the reference the GPU check compares against
@@ -50,10 +48,8 @@ def decode_attention(q, pool_k, pool_v, table, lens, page_size: int, scale: floa
     kv_heads = pool_k.shape[1]
     group = heads // kv_heads
     splits, per_split = splits_for(rows, kv_heads, table.shape[1], page_size)
-    out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
-    alone = splits == 1  # a large batch: each program reads its row's every page and writes the output itself
-    partial = out if alone else torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(0 if alone else rows * heads * splits, dtype=torch.float32, device=q.device)
+    partial = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
     _split_kernel[(rows, kv_heads, splits)](
         q, pool_k, pool_v, table, lens, partial, lse,
         q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_v.stride(0), pool_v.stride(1),
@@ -61,10 +57,9 @@ def decode_attention(q, pool_k, pool_v, table, lens, page_size: int, scale: floa
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
         DIM_PAD=triton.next_power_of_2(dim), PAGE=page_size, BLOCK=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32 (no TF32)
-        WRITE_LSE=not alone, **{**LAUNCH, **launch},
+        **{**LAUNCH, **launch},
     )  # fmt: skip
-    if alone:  # the merge of one split would copy it, cast: the same bits, one launch and a pass more
-        return out
+    out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
     _merge_kernel[(rows, heads)](
         partial, lse, out, splits, dim, SPLITS_PAD=triton.next_power_of_2(splits), DIM_PAD=triton.next_power_of_2(dim)
     )
@@ -78,7 +73,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_ptr, lse_ptr,
         q_row, q_head, k_slot, k_head, v_slot, v_head, table_row, scale, per_split,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         splits = tl.num_programs(2)
@@ -115,9 +110,8 @@ if triton is not None:
         empty = begin >= length
         out_heads = (row * GROUP * tl.num_programs(1) + heads) * splits + split
         keep = g < GROUP
-        if WRITE_LSE:
-            tl.store(lse_ptr + out_heads, tl.where(empty, float("-inf"), m + tl.log(total)), mask=keep)
-        result = tl.where(empty, 0.0, acc / total[:, None]).to(part_ptr.dtype.element_ty)  # float32, or out's dtype
+        tl.store(lse_ptr + out_heads, tl.where(empty, float("-inf"), m + tl.log(total)), mask=keep)
+        result = tl.where(empty, 0.0, acc / total[:, None])
         tl.store(part_ptr + out_heads[:, None] * DIM + d[None, :], result, mask=keep[:, None] & (d[None, :] < DIM))
 
     @triton.jit
