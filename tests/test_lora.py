@@ -25,14 +25,16 @@ from waits import fleet_state, wait_until
 
 from rollfleet.config import LoraSync, TensorSync, load_config
 from rollfleet.engine.lora.host_copies import host_copies
-from rollfleet.engine.lora.lora import LoraError, LoraLimits, linear_targets, parse_adapter
+from rollfleet.engine.lora.lora import TENSORS_PATH, LoraError, LoraLimits, linear_targets, parse_adapter
 from rollfleet.engine.process.launch import EngineProcess
 from rollfleet.engine.process.server_args import build_parser, check_args
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.tiny_models import tiny_config
 from rollfleet.weights.adapter import _PLANS, LoraSource, SavedAdapter, save_adapter
 from rollfleet.weights.transports import EngineTarget, make_transport
+from rollfleet.weights.transports import lora as lora_transport
 from rollfleet.weights.transports.base import transport_class
+from rollfleet.weights.transports.disk import version_dir
 from rollfleet.weights.transports.lora import LoraTransport
 from rollfleet.weights.transports.staging import PackPlan, call_bytes
 from rollfleet.weights.verify import find_unverified
@@ -222,6 +224,29 @@ def test_transport_sends_an_adapter_that_serves_like_peft_merge(
         reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(qwen3_dir), directory)
         sent = get_peft_model_state_dict(peft_model)
         assert all(torch.equal(t, sent[k]) for k, t in get_peft_model_state_dict(reloaded).items())
+
+
+def test_a_restore_waits_for_the_directory_a_sync_is_still_writing(tmp_path):
+    """A sync returns while its adapter directory is written (`<dir>.partial`, renamed when whole): a
+    restore asking for that version meanwhile waits for the rename and gets the directory; one with
+    neither gets None at once, and a partial never finished is given up after SAVE_WAIT_S."""
+    spec = LoraSync(path=str(tmp_path / "adapters"))
+    final = version_dir(spec.path, "7")
+    partial = final.with_name(final.name + ".partial")
+    partial.mkdir(parents=True)
+    tensors = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.ones(2, 4))]
+    looks = []
+
+    def writer_finishes(seconds):  # the restore's wait, during which the sync's writer renames the directory
+        looks.append(seconds)
+        save_adapter(tensors, {"r": 2, "lora_alpha": 4}, final)
+
+    assert LoraTransport.saved_adapter(spec, "7", sleep=writer_finishes) == str(final.resolve())
+    assert len(looks) == 1 and not partial.exists()
+    assert LoraTransport.saved_adapter(spec, "8", sleep=looks.append) is None and len(looks) == 1
+    version_dir(spec.path, "9").with_name("version-9.partial").mkdir()  # a writer that died mid-write
+    assert LoraTransport.saved_adapter(spec, "9", sleep=looks.append) is None
+    assert sum(looks[1:]) == pytest.approx(lora_transport.SAVE_WAIT_S, abs=lora_transport.SAVE_POLL_S)
 
 
 def test_one_transport_packs_every_version_into_one_buffer_and_each_arrives(servers, adapter, tmp_path):
@@ -566,7 +591,10 @@ def test_lora_routes_need_enable_lora(qwen3_server, adapter):
 
 
 # ---- the fleet ---------------------------------------------------------------------------------------------
-def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, adapter, base_expected, tmp_path):
+@pytest.mark.parametrize("source", ["directory", "tensors"])
+def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, adapter, base_expected, tmp_path, source):
+    """With tensors the sync returns while its directory is still written: the restore right after it
+    takes the directory once whole (LoraTransport.saved_adapter)."""
     peft_model, want = adapter
     cfg = load_config(
         None,
@@ -575,7 +603,7 @@ def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, ada
             "rollout.use_gpu=true",
             f"rollout.log_dir={tmp_path}",
             "weight_sync.transport=lora",
-            "weight_sync.source=directory",
+            f"weight_sync.source={source}",
             f"weight_sync.path={tmp_path / 'adapters'}",
             "weight_sync.max_lora_rank=8",
             "rollout.auto_restart=false",
@@ -604,7 +632,8 @@ def test_fleet_of_a_lora_run_serves_the_synced_adapter(local_ray, qwen3_dir, ada
         assert [o["output_ids"] for o in base] == [t for t, _ in base_expected]  # its base: the model's
         assert [s.output_ids for s in fleet.generate(PROMPTS, sampling=GREEDY)] == [t for t, _ in want]
         fleet.sync_weights(LoraSource(peft_model), "2")
-        assert every_engine(fleet, "loaded_lora_adapters") == [{"policy-v2": str(tmp_path / "adapters" / "version-2")}]
+        path = str(tmp_path / "adapters" / "version-2") if source == "directory" else TENSORS_PATH
+        assert every_engine(fleet, "loaded_lora_adapters") == [{"policy-v2": path}]
         assert [s.output_ids for s in fleet.generate(PROMPTS, sampling=GREEDY)] == [t for t, _ in want]
     finally:
         fleet.shutdown()

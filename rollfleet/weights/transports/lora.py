@@ -25,21 +25,26 @@ in /get_server_info: the embedded engine, which keeps the last payload reference
 CUDA IPC handle stays open there), else into a fresh one (an engine that reads a loaded adapter in
 place needs the old version's buffer unchanged while it is loaded); the fingerprint samples are
 gathered from the bucket before the load and hashed while the engines load; the adapter directory
-is written in a thread while the engines load (removed again if the sync fails, so a failed version
-leaves no directory; a version resent over its own directory replaces it only after the engines
-took it); the listing of loaded adapters is asked for first and waited for after the pack and
-serialization; it names, besides a copy of this version left by a failed sync, the old versions,
-unloaded at once with the version call (one round trip). `SyncReport.phases` has source, pack,
-fingerprint, serialize, unload_retried (the wait for the listing, and the unload of a retried
-copy), load, versions (version, unloads), save (the wait for the directory after the engines were
-done). The old versions' directories are pruned after the sync returns, in the writing thread
-(46-120 ms of the sync on an H200's disk when it was inline).
+is written in a thread while the engines load and finished off the sync's path (the next sync
+waits for it first, `_wait_saved`, and a restore that asks for it meanwhile waits for its partial
+directory's rename: `saved_adapter`; on an H100 the write of a 135 MB adapter, 43-45 ms, was most
+of the in-loop sync once the engine's load took 5 ms); a failed sync waits for it and removes it, so
+a failed version leaves no directory; a version resent over its own directory replaces it only after
+the engines took it); the listing of loaded adapters is asked for first and waited for after the
+pack and serialization; it names, besides a copy of this version left by a failed sync, the old
+versions, unloaded at once with the version call (one round trip). `SyncReport.phases` has save
+(the wait for the last sync's directory; with source=directory the write itself, which the engines
+read), source, pack, fingerprint, serialize, unload_retried (the wait for the listing, and the
+unload of a retried copy), load, versions (version, unloads). The old versions' directories are
+pruned after the sync returns, in the writing thread (46-120 ms of the sync on an H200's disk when
+it was inline).
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -54,6 +59,7 @@ from rollfleet.wire.fingerprint import Fingerprints, fingerprints
 from rollfleet.wire.serialize import serialize
 
 KEEP_LAST = 2
+SAVE_WAIT_S, SAVE_POLL_S = 30.0, 0.005  # a restore's wait for a directory still being written
 log = logging.getLogger("rollfleet.weights")
 
 
@@ -72,9 +78,16 @@ class LoraTransport(Transport):
         return args
 
     @classmethod
-    def saved_adapter(cls, spec, version: str) -> str | None:
-        """The adapter directory a sync of `version` left, while it is kept."""
+    def saved_adapter(cls, spec, version: str, *, sleep=time.sleep) -> str | None:
+        """The adapter directory a sync of `version` left, while it is kept. A sync returns while its
+        directory is still being written (`<dir>.partial`, renamed when whole): a restore asking then
+        waits for it, up to SAVE_WAIT_S (`sleep`: how it waits between looks)."""
         directory = version_dir(spec.path, version)
+        partial = directory.with_name(directory.name + ".partial")
+        waited = 0.0
+        while not (directory / SavedAdapter.WEIGHTS_FILE).is_file() and partial.is_dir() and waited < SAVE_WAIT_S:
+            sleep(SAVE_POLL_S)
+            waited += SAVE_POLL_S
         return str(directory.resolve()) if (directory / SavedAdapter.WEIGHTS_FILE).is_file() else None
 
     def __init__(self, spec, targets, **kwargs):
@@ -83,8 +96,10 @@ class LoraTransport(Transport):
         self._buffer: torch.Tensor | None = None  # reused while every engine copies adapters at load
         self._reuse = False
         self._writer: ThreadPoolExecutor | None = None  # writes the adapter directory while engines load
+        self._saving: tuple[str, Future] | None = None  # the last good sync's directory, maybe still being written
 
     def disconnect(self) -> None:
+        self._wait_saved()
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
@@ -107,6 +122,8 @@ class LoraTransport(Transport):
         )
         saving: Future | None = None  # this version's new directory, being written
         with timed(report):
+            with timed(report, "save"):  # the last sync's directory (written long ago, as a rule)
+                self._wait_saved()
             with timed(report, "source"):
                 tensors = list(source.named_tensors())
                 config = source.config_dict()
@@ -133,11 +150,11 @@ class LoraTransport(Transport):
                     self._load_tensors(name, entries, config, prints, report)
                 with timed(report, "versions"):
                     self._set_version_and_unload_old(name, version, listing.result())
-                with timed(report, "save"):
-                    if saving is not None:
-                        saving.result()
-                    elif source.directory is None and self.spec.source == "tensors":  # a resent version
-                        save_adapter(tensors, config, version_dir(self.spec.path, version))
+                if saving is None and source.directory is None and self.spec.source == "tensors":
+                    # a resent version: its directory is replaced now that the engines took it
+                    saving = self._writing().submit(save_adapter, tensors, config, version_dir(self.spec.path, version))
+                if saving is not None:  # finished off the sync's path: the next sync (or a restore) waits for it
+                    self._saving = (version, saving)
             except BaseException:
                 if saving is not None:  # a failed version leaves no directory
                     wait([saving])  # (its own error, if any, is not the one raised here)
@@ -146,6 +163,17 @@ class LoraTransport(Transport):
         if source.directory is None:  # off the sync's path: after this version's directory, in the same thread
             self._writing().submit(_prune, Path(self.spec.path))
         return report
+
+    def _wait_saved(self) -> None:
+        """Wait for the directory the last good sync is writing; a failure to write it is logged (that
+        sync had succeeded: its engines hold the version; a restarted engine cannot restore it)."""
+        if self._saving is None:
+            return
+        (version, saving), self._saving = self._saving, None
+        try:
+            saving.result()
+        except Exception as exc:  # noqa: BLE001  (reported, not raised: see above)
+            log.warning("writing the adapter directory of version %s failed: %s", version, exc)
 
     def _fingerprint(self, report: SyncReport, tensors) -> None:
         with timed(report, "fingerprint"):
