@@ -99,3 +99,15 @@ def test_weight_sync_benchmark_refuses_figures_when_verification_fails(weight_sy
     assert "ratio" not in out.stdout.lower() and "verification FAILED" in out.stderr
     assert record["ok"] is False and record["summary"]["verified"] is False
     assert "ratio_sync_to_raw" not in record["summary"] and "tensors differing" in record["failure"]
+
+
+def test_a_records_command_names_no_path_of_the_machine(monkeypatch):
+    """The repository, the GPU scripts' $OUT and the temporary folder (a --log-dir under /tmp) are
+    written as placeholders: a record committed from another machine passes the check above."""
+    from rollfleet.bench.record import command_line
+
+    scratch = tempfile.gettempdir()
+    monkeypatch.setenv("OUT", f"{scratch}/round-7")
+    argv = ["--log-dir", f"{scratch}/rf-work/logs", "--json", f"{scratch}/round-7/a.json", "--model", f"{REPO}/m"]
+    text = command_line(["rollfleet", "bench", "weight-sync"], argv)
+    assert text == "rollfleet bench weight-sync --log-dir $TMPDIR/rf-work/logs --json $OUT/a.json --model ./m"

@@ -16,6 +16,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -103,7 +104,9 @@ def command_line(prefix: list[str], argv: list[str] | None) -> str:
     text = " ".join([*prefix, *args])
     text = text.replace(str(REPO) + "/", "./").replace(str(REPO), ".")
     out = os.environ.get("OUT")  # the GPU scripts' output folder, a path of that machine
-    return text.replace(out.rstrip("/") + "/", "$OUT/") if out and len(out) > 1 else text
+    text = text.replace(out.rstrip("/") + "/", "$OUT/") if out and len(out) > 1 else text
+    scratch = tempfile.gettempdir()  # a log folder under it (--log-dir /tmp/...): also that machine's
+    return text.replace(scratch.rstrip("/") + "/", "$TMPDIR/") if len(scratch) > 1 else text
 
 
 def _clean(value: Any) -> Any:
