@@ -23,7 +23,8 @@ phase decode-step 120 python -m rollfleet bench decode-step --batches 1,64,256,5
 rm -f "$OUT/decode-trace.json"  # tens of MB: the profile's summary (decode-profile.txt) comes back
 phase paged-check 90 env -u OUT python scripts/gpu_check_paged.py  # its JSON lines in its log
 # GRPO-shaped requests against transformers' generate warm (the 4 x target), then the long outputs
-phase generate 180 python -m rollfleet bench generate --cases 64x8x256,16x8x32,1x1x256 --engines embedded,generate \
+# (on an H100 at 0567b87: the first 220 s with transformers' slow first passes, the second 130 s)
+phase generate 240 python -m rollfleet bench generate --cases 64x8x256,16x8x32,1x1x256 --engines embedded,generate \
     --repeats 2 --json "$OUT/generate.json"
 phase generate-long $((590 - SECONDS)) python -m rollfleet bench generate --cases 32x8x2048 --engines embedded \
     --repeats 1 --json "$OUT/generate-32x8x2048.json"
