@@ -134,7 +134,9 @@ class AdapterPlan:
         return True
 
     def state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((key, param.detach()) for key, _, _, param in self.entries)
+        """(peft key, parameter): the parameters themselves; ShardGather detaches what it yields (a
+        DTensor's detach() here was a dispatch of its own, 336 of them 5.7 ms on the CPU)."""
+        return ((key, param) for key, _, _, param in self.entries)
 
 
 def _where(tensor: torch.Tensor):
