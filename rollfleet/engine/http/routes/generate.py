@@ -76,7 +76,9 @@ def rids_of(engine: EngineService, req: GenerateRequest, params: list[SamplingPa
     if is_batch and isinstance(req.rid, str):
         rids = [f"{req.rid}-{i}" for i in range(count)]
     samples = [r if p.n == 1 else f"{r}-{i}" for r, p in zip(rids, params) if r is not None for i in range(p.n)]
-    taken = engine.scheduler.unfinished_rids()
+    if not samples:  # no rid given (the usual request): each sample gets a fresh one, nothing to check
+        return rids
+    taken = engine.scheduler.unfinished_rids()  # a set of every unfinished sample's rid, under the engine's lock
     twice = sorted(r for r, n in Counter(samples).items() if n > 1 or r in taken)
     if twice:
         where = "is used by an unfinished request" if twice[0] in taken else "names two samples of this request"
