@@ -174,6 +174,8 @@ class LoraTransport(Transport):
             saving.result()
         except Exception as exc:  # noqa: BLE001  (reported, not raised: see above)
             log.warning("writing the adapter directory of version %s failed: %s", version, exc)
+            partial = version_dir(self.spec.path, version)
+            shutil.rmtree(partial.with_name(partial.name + ".partial"), ignore_errors=True)  # no restore waits on it
 
     def _fingerprint(self, report: SyncReport, tensors) -> None:
         with timed(report, "fingerprint"):
