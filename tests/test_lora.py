@@ -227,9 +227,10 @@ def test_transport_sends_an_adapter_that_serves_like_peft_merge(
 
 
 def test_a_restore_waits_for_the_directory_a_sync_is_still_writing(tmp_path):
-    """A sync returns while its adapter directory is written (`<dir>.partial`, renamed when whole): a
-    restore asking for that version meanwhile waits for the rename and gets the directory; one with
-    neither gets None at once, and a partial never finished is given up after SAVE_WAIT_S."""
+    """A sync returns while its adapter directory is written (`<dir>.partial`, renamed when whole): the
+    version counts as available (recovery asks under its lock: no wait there), and a restore given time
+    waits for the rename and gets the directory; one with neither gets None at once, and a partial
+    never finished is given up when the restore's time is out."""
     spec = LoraSync(path=str(tmp_path / "adapters"))
     final = version_dir(spec.path, "7")
     partial = final.with_name(final.name + ".partial")
@@ -241,12 +242,13 @@ def test_a_restore_waits_for_the_directory_a_sync_is_still_writing(tmp_path):
         looks.append(seconds)
         save_adapter(tensors, {"r": 2, "lora_alpha": 4}, final)
 
-    assert LoraTransport.saved_adapter(spec, "7", sleep=writer_finishes) == str(final.resolve())
-    assert len(looks) == 1 and not partial.exists()
-    assert LoraTransport.saved_adapter(spec, "8", sleep=looks.append) is None and len(looks) == 1
+    assert LoraTransport.writing_adapter(spec, "7") and LoraTransport.saved_adapter(spec, "7") is None  # no wait
+    assert LoraTransport.saved_adapter(spec, "7", wait_s=30, sleep=writer_finishes) == str(final.resolve())
+    assert len(looks) == 1 and not partial.exists() and not LoraTransport.writing_adapter(spec, "7")
+    assert LoraTransport.saved_adapter(spec, "8", wait_s=30, sleep=looks.append) is None and len(looks) == 1
     version_dir(spec.path, "9").with_name("version-9.partial").mkdir()  # a writer that died mid-write
-    assert LoraTransport.saved_adapter(spec, "9", sleep=looks.append) is None
-    assert sum(looks[1:]) == pytest.approx(lora_transport.SAVE_WAIT_S, abs=lora_transport.SAVE_POLL_S)
+    assert LoraTransport.saved_adapter(spec, "9", wait_s=2, sleep=looks.append) is None
+    assert sum(looks[1:]) == pytest.approx(2, abs=lora_transport.SAVE_POLL_S)
 
 
 def test_one_transport_packs_every_version_into_one_buffer_and_each_arrives(servers, adapter, tmp_path):

@@ -90,15 +90,18 @@ class AdapterRestore:
     def __init__(self, sends: WeightSends):
         self.sends = sends
 
-    def _directory(self, version: str) -> str | None:
+    def _directory(self, version: str, wait_s: float = 0.0) -> str | None:
         spec = self.sends.cfg.weight_sync
-        return transport_class(spec).saved_adapter(spec, version)
+        return transport_class(spec).saved_adapter(spec, version, wait_s=wait_s)
 
     def available(self, version: str, slot: EngineSlot) -> bool:
-        return self._directory(version) is not None
+        """Never waits (it is asked under recovery's lock): a directory whole or being written."""
+        spec = self.sends.cfg.weight_sync
+        return self._directory(version) is not None or transport_class(spec).writing_adapter(spec, version)
 
     def restore(self, slots: list[EngineSlot], version: str, deadline: float) -> SyncReport:
-        directory = self._directory(version)
+        # the sync of `version` may still be writing its directory: waited for within the deadline
+        directory = self._directory(version, wait_s=max(0.0, deadline - time.monotonic()))
         if directory is None:
             raise RestoreError(f"no adapter directory holds version {version!r} any more")
         targets = self.sends.weight_targets([s.engine_id for s in slots])

@@ -84,9 +84,15 @@ class Transport(ABC):
         return None
 
     @classmethod
-    def saved_adapter(cls, spec, version: str) -> str | None:
-        """A LoRA adapter directory this transport's own syncs left holding `version`, or None."""
+    def saved_adapter(cls, spec, version: str, *, wait_s: float = 0.0, sleep=None) -> str | None:
+        """A LoRA adapter directory this transport's own syncs left holding `version`, or None (waiting
+        up to `wait_s` for one still being written)."""
         return None
+
+    @classmethod
+    def writing_adapter(cls, spec, version: str) -> bool:
+        """Whether a sync of this transport is still writing the adapter directory of `version`."""
+        return False
 
     @classmethod
     def sender_options(cls, model_path: str) -> dict[str, Any]:

@@ -26,13 +26,14 @@ CUDA IPC handle stays open there), else into a fresh one (an engine that reads a
 place needs the old version's buffer unchanged while it is loaded); the fingerprint samples are
 gathered from the bucket before the load and hashed while the engines load; the adapter directory
 is written in a thread while the engines load and finished off the sync's path (the next sync
-waits for it first, `_wait_saved`, and a restore that asks for it meanwhile waits for its partial
-directory's rename: `saved_adapter`; on an H100 the write of a 135 MB adapter, 43-45 ms, was most
-of the in-loop sync once the engine's load took 5 ms); a failed sync waits for it and removes it, so
-a failed version leaves no directory; a version resent over its own directory replaces it only after
-the engines took it); the listing of loaded adapters is asked for first and waited for after the
-pack and serialization; it names, besides a copy of this version left by a failed sync, the old
-versions, unloaded at once with the version call (one round trip). `SyncReport.phases` has save
+waits for it first, `_wait_saved`, and a restore that asks for it meanwhile waits, within its
+deadline, for its partial directory's rename: `saved_adapter`; on an H100 the write of a 135 MB
+adapter, 43-45 ms, was most of the in-loop sync once the engine's load took 5 ms); a failed sync
+waits for it and removes it, so a failed version leaves no directory; a version resent over its own
+directory replaces it only after the engines took it); the listing of loaded adapters is asked for
+first and waited for after the pack and serialization; it names, besides a copy of this version
+left by a failed sync, the old versions, unloaded at once with the version call (one round trip).
+`SyncReport.phases` has save
 (the wait for the last sync's directory; with source=directory the write itself, which the engines
 read), source, pack, fingerprint, serialize, unload_retried (the wait for the listing, and the
 unload of a retried copy), load, versions (version, unloads). The old versions' directories are
@@ -59,7 +60,7 @@ from rollfleet.wire.fingerprint import Fingerprints, fingerprints
 from rollfleet.wire.serialize import serialize
 
 KEEP_LAST = 2
-SAVE_WAIT_S, SAVE_POLL_S = 30.0, 0.005  # a restore's wait for a directory still being written
+SAVE_POLL_S = 0.005  # how often a restore looks for a directory still being written
 log = logging.getLogger("rollfleet.weights")
 
 
@@ -78,17 +79,25 @@ class LoraTransport(Transport):
         return args
 
     @classmethod
-    def saved_adapter(cls, spec, version: str, *, sleep=time.sleep) -> str | None:
+    def saved_adapter(cls, spec, version: str, *, wait_s: float = 0.0, sleep=time.sleep) -> str | None:
         """The adapter directory a sync of `version` left, while it is kept. A sync returns while its
-        directory is still being written (`<dir>.partial`, renamed when whole): a restore asking then
-        waits for it, up to SAVE_WAIT_S (`sleep`: how it waits between looks)."""
+        directory is still being written (`<dir>.partial`, renamed when whole: `writing_adapter`);
+        with `wait_s` a restore waits that long at most for the rename (`sleep`: how it waits
+        between looks)."""
         directory = version_dir(spec.path, version)
-        partial = directory.with_name(directory.name + ".partial")
         waited = 0.0
-        while not (directory / SavedAdapter.WEIGHTS_FILE).is_file() and partial.is_dir() and waited < SAVE_WAIT_S:
+        while not (directory / SavedAdapter.WEIGHTS_FILE).is_file() and waited < wait_s:
+            if not cls.writing_adapter(spec, version):
+                break
             sleep(SAVE_POLL_S)
             waited += SAVE_POLL_S
         return str(directory.resolve()) if (directory / SavedAdapter.WEIGHTS_FILE).is_file() else None
+
+    @classmethod
+    def writing_adapter(cls, spec, version: str) -> bool:
+        """Whether the adapter directory of `version` is being written (its `.partial` is there)."""
+        directory = version_dir(spec.path, version)
+        return directory.with_name(directory.name + ".partial").is_dir()
 
     def __init__(self, spec, targets, **kwargs):
         super().__init__(spec, targets, **kwargs)
@@ -175,7 +184,7 @@ class LoraTransport(Transport):
         except Exception as exc:  # noqa: BLE001  (reported, not raised: see above)
             log.warning("writing the adapter directory of version %s failed: %s", version, exc)
             partial = version_dir(self.spec.path, version)
-            shutil.rmtree(partial.with_name(partial.name + ".partial"), ignore_errors=True)  # no restore waits on it
+            shutil.rmtree(partial.with_name(partial.name + ".partial"), ignore_errors=True)  # none waits on it
 
     def _fingerprint(self, report: SyncReport, tensors) -> None:
         with timed(report, "fingerprint"):
