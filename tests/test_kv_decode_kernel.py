@@ -64,7 +64,7 @@ def _case(rows: int, heads: int, kv_heads: int, dim: int, page: int, longest: in
         (7, 14, 2, 64, 4, 130),  # a group of 7 (padded to 16 in the kernel), small pages
         (33, 16, 4, 128, 1, 40),  # pages of one token
         (3, 4, 1, 32, 64, 200),  # pages larger than the kernel's block of keys
-        (130, 16, 8, 64, 16, 50),  # enough programs without splitting: one split a row, written as the output
+        (130, 16, 8, 64, 16, 50),  # enough programs without splitting: one split a row, then the merge
     ],
 )
 def test_kernel_equals_the_gather_path(rows, heads, kv_heads, dim, page, longest):

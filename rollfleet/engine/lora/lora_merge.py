@@ -102,8 +102,8 @@ class LoraMerge:
             local.copy_(delta.add_(local))
         self.active = lora_name
         if SYNC_TIMING:  # the merge's device work waited for, so the figure is its whole cost
-            if targets and local.device.type == "cuda":
-                torch.cuda.synchronize(local.device)
+            if device is not None and device.type == "cuda":
+                torch.cuda.synchronize(device)
             merge_ms = (time.perf_counter() - start) * 1e3
             log.warning("lora merge of %s: %d targets %.2fms", lora_name, len(targets), merge_ms)
 

@@ -33,12 +33,11 @@ waits for it and removes it, so a failed version leaves no directory; a version 
 directory replaces it only after the engines took it); the listing of loaded adapters is asked for
 first and waited for after the pack and serialization; it names, besides a copy of this version
 left by a failed sync, the old versions, unloaded at once with the version call (one round trip).
-`SyncReport.phases` has save
-(the wait for the last sync's directory; with source=directory the write itself, which the engines
-read), source, pack, fingerprint, serialize, unload_retried (the wait for the listing, and the
-unload of a retried copy), load, versions (version, unloads). The old versions' directories are
-pruned after the sync returns, in the writing thread (46-120 ms of the sync on an H200's disk when
-it was inline).
+`SyncReport.phases` has save (the wait for the last sync's directory; with source=directory the
+write itself, which the engines read), source, pack, fingerprint, serialize, unload_retried (the
+wait for the listing, and the unload of a retried copy), load, versions (version, unloads). The old
+versions' directories are pruned after the sync returns, in the writing thread (46-120 ms of the
+sync on an H200's disk when it was inline).
 """
 
 from __future__ import annotations
