@@ -39,7 +39,7 @@ from rollfleet.weights.transports.lora import LoraTransport
 from rollfleet.weights.transports.staging import PackPlan, call_bytes
 from rollfleet.weights.verify import find_unverified
 from rollfleet.wire.client import EngineClient, EngineError
-from rollfleet.wire.fingerprint import fingerprints
+from rollfleet.wire.fingerprint import DEFAULT_SAMPLES, fingerprints
 from rollfleet.wire.serialize import serialize
 
 PROMPTS = [[4, 8, 15, 16, 23, 42], [7, 7]]
@@ -751,6 +751,29 @@ def test_host_copies_of_an_adapter_share_nothing_with_the_bucket():
         assert len({owned[k].untyped_storage().data_ptr() for k, _ in tensors}) == (1 if per_storage else 6)
     bucket.flattened_tensor.fill_(0)  # the sender reuses its buffer: the copies keep their values
     assert all(torch.equal(owned[k], t) for k, t in tensors)
+
+
+def test_adapter_fingerprints_taken_at_load_are_the_stored_tensors(qwen3_dir):
+    """The engine samples an adapter where it arrived (one gather at load) and answers verify from those
+    samples: the same fingerprints as the stored copies', after the sender's buffer changed too."""
+    source = LoraSource(make_adapter(qwen3_dir, ATTENTION))
+    sent = [(k, t.detach().clone()) for k, t in source.named_tensors()]
+    bucket = PackPlan(sent).pack(sent, torch.empty(call_bytes(sent), dtype=torch.uint8))
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    targets = linear_targets(model, dict(model.named_parameters(remove_duplicate=False)))
+    parsed = parse_adapter("p", TENSORS_PATH, source.config_dict(), bucket.unpack(), model, targets, LoraLimits())
+    bucket.flattened_tensor.fill_(0)  # the sender reuses its buffer before anyone verifies
+    want = fingerprints(sent)
+    assert parsed.fingerprints(None, DEFAULT_SAMPLES) == want == fingerprints(parsed.tensors.items())
+    some = sorted(want)[1:4]
+    assert parsed.fingerprints(some, DEFAULT_SAMPLES) == {k: want[k] for k in some}
+    assert (
+        parsed.fingerprints(some, 7)
+        == fingerprints(((k, dict(sent)[k]) for k in some), samples=7)
+        != {k: want[k] for k in some}
+    )
+    with pytest.raises(LoraError, match="not in adapter"):
+        parsed.fingerprints(["base_model.model.nope.lora_A.weight"], DEFAULT_SAMPLES)
 
 
 def test_lora_flags_and_config(tmp_path):

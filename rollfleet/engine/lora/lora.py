@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from rollfleet.engine.lora.host_copies import host_copies
-from rollfleet.wire.fingerprint import fingerprints
+from rollfleet.wire.fingerprint import DEFAULT_SAMPLES, Fingerprints, fingerprints
 from rollfleet.wire.hf_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
 from rollfleet.wire.hf_files import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
 
@@ -82,14 +82,23 @@ class LoraAdapter:
     config: dict
     tensors: dict[str, torch.Tensor]  # as received, peft's saved naming (what fingerprints cover)
     targets: list[LoraTarget] = field(default_factory=list)
+    # the samples of every tensor at DEFAULT_SAMPLES, gathered at load where they arrived (one `cat`
+    # on the sender's device, no strided gathers over host memory at verify), hashed at first ask
+    load_prints: Fingerprints | None = None
+    _prints: dict[str, str] | None = field(default=None, init=False, repr=False)
 
     def fingerprints(self, names: list[str] | None, samples: int) -> dict[str, str]:
         """peft key -> rollfleet.wire.fingerprint of the stored tensor (all keys when None), in the
-        dtype it arrived in: the sender fingerprints what it sent the same way."""
+        dtype it arrived in: the sender fingerprints what it sent the same way. At the default sample
+        count, from the samples taken at load (the stored tensors are byte copies of what arrived)."""
         unknown = sorted(set(names or []) - set(self.tensors))
         if unknown:
             raise LoraError(f"names not in adapter {self.name!r}: {unknown[:10]}")
-        return fingerprints(((name, self.tensors[name]) for name in (names or self.tensors)), samples=samples)
+        if samples != DEFAULT_SAMPLES or self.load_prints is None:
+            return fingerprints(((name, self.tensors[name]) for name in (names or self.tensors)), samples=samples)
+        if self._prints is None:
+            self._prints = self.load_prints.digests()
+        return {name: self._prints[name] for name in (names or self.tensors)}
 
 
 def linear_targets(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
@@ -195,11 +204,15 @@ def parse_adapter(
     if problems:
         shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
         raise LoraError(f"adapter {name!r} refused, nothing changed: {shown}")
+    prints = Fingerprints(samples=DEFAULT_SAMPLES)  # on the device the tensors arrived on: one `cat`
+    for key, tensor in tensors.items():
+        prints.add(key, tensor)
+    prints.flush()  # gathered now: the sender's memory may go
     owned = host_copies(tensors)  # no sender memory kept, on the CPU
     for target in targets:
         prefix = f"base_model.model.{target.module}"
         target.lora_a, target.lora_b = owned[f"{prefix}.lora_A.weight"], owned[f"{prefix}.lora_B.weight"]
-    return LoraAdapter(name, path, config, owned, targets)
+    return LoraAdapter(name, path, config, owned, targets, load_prints=prints)
 
 
 def _config_numbers(config: dict) -> tuple[int, float]:
