@@ -14,7 +14,10 @@ phase() {  # phase NAME SECONDS COMMAND...: its output into $OUT/NAME.log, a lin
     shift 2
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name: exit $? after $SECONDS s of the round"
-    grep -h "^|\|^{\|passed\|failed" "$OUT/$name.log" | grep -v "^|---" | cut -c1-300 | tail -14
+    grep -h "^|\|^{\|passed\|failed\|stopped; the end" "$OUT/$name.log" | grep -v "^|---" | cut -c1-300 | tail -14
+    # a process a phase left on the GPU takes memory and time from the next ones (2026-12-06: a generate
+    # phase ran out of time after 64x8x256; nothing said what held the GPU)
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | sed 's/^/   left on the GPU: /'
 }
 phase kernels 90 python -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_decode_kernel.py \
     tests/test_sample_kernel.py tests/test_norm_kernel.py tests/test_qkv_kernel.py
@@ -25,6 +28,6 @@ phase paged-check 90 env -u OUT python scripts/gpu_check_paged.py  # its JSON li
 # GRPO-shaped requests against transformers' generate warm (the 4 x target), then the long outputs
 # (on an H100 at 0567b87: the first 220 s with transformers' slow first passes, the second 130 s)
 phase generate 240 python -m rollfleet bench generate --cases 64x8x256,16x8x32,1x1x256 --engines embedded,generate \
-    --repeats 2 --json "$OUT/generate.json"
+    --repeats 2 --timeout-s 120 --json "$OUT/generate.json"  # a worker stuck past 120 s: its log printed, the next case goes on
 phase generate-long $((590 - SECONDS)) python -m rollfleet bench generate --cases 32x8x2048 --engines embedded \
     --repeats 1 --json "$OUT/generate-32x8x2048.json"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,28 @@ def test_generate_table_renders_from_the_record(generate_run):
     ratios = record["summary"]["cases"]["2x2x8"]["ratios"]
     assert float(cells[7].strip("*")) == pytest.approx(ratios["embedded/embedded_batch"], abs=0.01)
     assert float(cells[8].strip("*")) == pytest.approx(ratios["embedded/generate"], abs=0.01)
+
+
+def test_a_stopped_bench_stops_its_worker_and_says_where_it_got_to(tmp_path):
+    """A shell's `timeout` stops the bench with SIGTERM: its worker (a process group of its own, which
+    holds an engine server) goes with it, and the end of the worker's log is printed."""
+    shared_zygote()
+    args = ["--device", "cpu", "--hidden", "64", "--layers", "2", "--vocab", "2000", "--cases", "2x2x8"]
+    args += ["--engines", "embedded", "--repeats", "1", "--timeout-s", "120"]
+    command = [sys.executable, "-m", "rollfleet", "bench", "generate", *args]
+    bench = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in bench.stdout:  # the worker of the case has started (the copy's came and went before)
+        lines.append(line)
+        if "embedded-2x2x8 ..." in line:
+            break
+    children = Path(f"/proc/{bench.pid}/task/{bench.pid}/children").read_text().split()
+    assert len(children) == 1, lines
+    bench.terminate()
+    rest, _ = bench.communicate(timeout=120)
+    assert bench.returncode == 143 and "embedded-2x2x8: stopped; the end of embedded-2x2x8.log" in rest, rest
+    with pytest.raises(ProcessLookupError):  # the worker's group: nothing of it left
+        os.killpg(int(children[0]), 0)
 
 
 def test_a_pass_with_fewer_tokens_than_asked_is_a_problem():

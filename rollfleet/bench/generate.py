@@ -136,7 +136,12 @@ def run_worker(engine: str, args, scratch: Path, case: tuple[int, int, int] | No
             code = proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
             code = _stop(proc)
+            _print_tails(name, log)
             return {"engine": engine, "failure": f"not done after --timeout-s {args.timeout_s:g}", "exit_code": code}
+        finally:  # the bench itself stopped (SIGTERM: main's handler, or Ctrl-C): its worker goes with it
+            if proc.poll() is None:
+                _stop(proc, grace=15)
+                _print_tails(name, log)
     if code != 0 or not out.exists():
         tail = log.read_text(errors="replace")[-3000:]
         print(f"  {name}: FAILED, exit code {code}\n{tail[-1500:]}", flush=True)
@@ -148,11 +153,18 @@ def run_worker(engine: str, args, scratch: Path, case: tuple[int, int, int] | No
     return answer
 
 
-def _stop(proc: subprocess.Popen) -> int:
-    """SIGTERM (the worker stops its engine server on the way out), SIGKILL 60 s later."""
+def _print_tails(name: str, log: Path) -> None:
+    """The end of a stopped worker's log and of its engine server's (where it got to, on stdout)."""
+    for path in (log, log.with_suffix(".engine.log")):
+        if path.exists():
+            print(f"  {name}: stopped; the end of {path.name}:\n{path.read_text(errors='replace')[-1500:]}", flush=True)
+
+
+def _stop(proc: subprocess.Popen, grace: float = 60) -> int:
+    """SIGTERM (the worker stops its engine server on the way out), SIGKILL `grace` s later."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        return proc.wait(timeout=60)
+        return proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         return proc.wait()
@@ -315,6 +327,9 @@ def measure(args, scratch: Path) -> tuple[dict, dict, list[dict], dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args, started = parse(argv), start()
+    # stopped from outside (a shell's `timeout`): end through the `finally`s, which stop the worker
+    # running (a process group of its own, with its engine server) and print where it got to
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     command = command_line(["rollfleet", "bench", "generate"], argv)
     with tempfile.TemporaryDirectory(prefix="rf-bench-generate-") as scratch:
         figures, bandwidth, answers, cases = measure(args, Path(scratch))
