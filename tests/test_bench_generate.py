@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import shared_zygote
+from waits import wait_until
 
 from rollfleet.bench.generate import case_summary, parse_cases, roofline
 from rollfleet.tiny_models import make_word_tokenizer
@@ -110,9 +111,13 @@ def test_a_stopped_bench_stops_its_worker_and_says_where_it_got_to(tmp_path):
         lines.append(line)
         if "embedded-2x2x8 ..." in line:
             break
-    children = Path(f"/proc/{bench.pid}/task/{bench.pid}/children").read_text().split()
+    children = wait_until(
+        lambda: Path(f"/proc/{bench.pid}/task/{bench.pid}/children").read_text().split(),
+        what="the case's worker process",
+        alive=lambda: bench.poll() is None,
+    )
     assert len(children) == 1, lines
-    bench.terminate()
+    bench.terminate()  # maybe while the worker is still being started: it is stopped all the same
     rest, _ = bench.communicate(timeout=120)
     assert bench.returncode == 143 and "embedded-2x2x8: stopped; the end of embedded-2x2x8.log" in rest, rest
     with pytest.raises(ProcessLookupError):  # the worker's group: nothing of it left

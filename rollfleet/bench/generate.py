@@ -43,17 +43,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
 from rollfleet.bench.shapes import add_vocab_flag, write_model
+from rollfleet.bench.worker_process import run_worker_process, stop_on_sigterm
 
 ENGINES = ("embedded", "embedded_batch", "embedded_waits", "generate", "generate_batch")
 DEFAULT_ENGINES = "embedded,embedded_batch,generate,generate_batch"  # embedded_waits when asked for
@@ -130,18 +128,9 @@ def run_worker(engine: str, args, scratch: Path, case: tuple[int, int, int] | No
     if case:
         command += ["--prompts", str(prompts), "--n", str(case[1]), "--new-tokens", str(case[2])]
     print(f"  {name} ...", flush=True)
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            code = _stop(proc)
-            _print_tails(name, log)
-            return {"engine": engine, "failure": f"not done after --timeout-s {args.timeout_s:g}", "exit_code": code}
-        finally:  # the bench itself stopped (SIGTERM: main's handler, or Ctrl-C): its worker goes with it
-            if proc.poll() is None:
-                _stop(proc, grace=15)
-                _print_tails(name, log)
+    code = run_worker_process(name, command, log, args.timeout_s)
+    if code is None:
+        return {"engine": engine, "failure": f"not done after --timeout-s {args.timeout_s:g}", "exit_code": None}
     if code != 0 or not out.exists():
         tail = log.read_text(errors="replace")[-3000:]
         print(f"  {name}: FAILED, exit code {code}\n{tail[-1500:]}", flush=True)
@@ -151,23 +140,6 @@ def run_worker(engine: str, args, scratch: Path, case: tuple[int, int, int] | No
     passes = ", ".join(f"{p['seconds']:.3f} s {p.get('scheduler', '')}" for p in flat)
     print(f"  {name}: {passes}", flush=True)  # as it comes: a run cut short still says what it measured
     return answer
-
-
-def _print_tails(name: str, log: Path) -> None:
-    """The end of a stopped worker's log and of its engine server's (where it got to, on stdout)."""
-    for path in (log, log.with_suffix(".engine.log")):
-        if path.exists():
-            print(f"  {name}: stopped; the end of {path.name}:\n{path.read_text(errors='replace')[-1500:]}", flush=True)
-
-
-def _stop(proc: subprocess.Popen, grace: float = 60) -> int:
-    """SIGTERM (the worker stops its engine server on the way out), SIGKILL `grace` s later."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        return proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait()
 
 
 def run_engines(engines: list[str], args, scratch: Path, case, prompts) -> dict[str, dict]:
@@ -327,9 +299,7 @@ def measure(args, scratch: Path) -> tuple[dict, dict, list[dict], dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args, started = parse(argv), start()
-    # stopped from outside (a shell's `timeout`): end through the `finally`s, which stop the worker
-    # running (a process group of its own, with its engine server) and print where it got to
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    stop_on_sigterm()  # stopped from outside: the running worker goes too, saying where it got to
     command = command_line(["rollfleet", "bench", "generate"], argv)
     with tempfile.TemporaryDirectory(prefix="rf-bench-generate-") as scratch:
         figures, bandwidth, answers, cases = measure(args, Path(scratch))
