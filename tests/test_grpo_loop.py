@@ -4,6 +4,7 @@ weights. The tests record every step's prompts and samples themselves (train's `
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shutil
@@ -102,9 +103,15 @@ def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, t
         "grpo.steps=3",
         "grpo.checkpoint_every=2",
     )
-    recorder = Recorder(qwen3_dir)
-    rows = train_rows(cfg, temp, tmp_path, observe=recorder)
+    recorder, frozen = Recorder(qwen3_dir), []
+
+    def observe(*args):  # the run's setup is out of the collector's scans while it runs, and back after
+        frozen.append(gc.get_freeze_count())
+        recorder(*args)
+
+    rows = train_rows(cfg, temp, tmp_path, observe=observe)
     assert [r["step"] for r in rows] == [1, 2, 3] and sorted(recorder.steps) == [0, 1, 2]
+    assert len(frozen) == 3 and min(frozen) > 10_000 and gc.get_freeze_count() == 0
     start_params = list(AutoModelForCausalLM.from_pretrained(qwen3_dir).parameters())
     num_params = len(start_params)
     for step, row in enumerate(rows):

@@ -17,6 +17,7 @@ token list with a loss mask), made by the same calls and checked by the same inv
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -111,6 +112,7 @@ def train(
         dataset = load_dataset(cfg)
         cfg, _ = plan_run(cfg, output_dir, [item.prompt for item in dataset.items])  # `auto` resolved here
         run = _start(cfg, output_dir, dataset, observe)
+        _freeze_setup()
         start, version, saved = _resume_point(run, resume, console)
         cursor = PromptCursor.from_state(saved.get("prompt_cursor"), start, cfg.grpo.prompts_per_step)
         if uses_stream(cfg) or not cursor.at_step(start, cfg.grpo.prompts_per_step):
@@ -133,6 +135,7 @@ def train(
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping engines and trainers; the last checkpoint is intact")
     finally:
+        gc.unfreeze()  # _freeze_setup's objects are the collector's again (the run's are garbage now)
         log.close()
         if run is not None:
             if run.stream is not None:
@@ -145,6 +148,16 @@ def train(
     if log.path.exists():
         plot(log.rows(), output_dir / "curves.png")
     return output_dir
+
+
+def _freeze_setup() -> None:
+    """The driver's imports (torch, transformers, Ray: ~340k objects) and the run's fleet and trainer
+    handles live as long as the run: out of the collector's scans (gc.freeze, as the engines and the
+    trainer actors do). Each step parses every answer into new lists and floats, and the collector's
+    passes over the setup's objects tripled that parse (5.2 MB of answers, 512 x 256 logprobs: 182 ms
+    against 50 ms frozen, on the CPU). `train` undoes it when the run ends."""
+    gc.collect()
+    gc.freeze()
 
 
 def _start(cfg: RunConfig, output_dir: Path, dataset: PromptDataset, observe: Observer | None) -> Run:
