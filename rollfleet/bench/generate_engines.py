@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import signal
 import sys
@@ -143,6 +144,7 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args, shapes: tup
         for batched in shapes:  # warm-up: the case's batch, a few tokens (first-use costs of its shapes)
             await outputs(client, WARM_UP_TOKENS, batched)
         await outputs(client, args.new_tokens, shapes[0])  # and its whole length: every graph width captured
+        gc.collect(), gc.freeze()  # the client out of the collector's scans, as the GRPO driver (train/loop.py)
         passes = []
         for index in range(args.repeats):
             order = shapes if index % 2 == 0 else shapes[::-1]
