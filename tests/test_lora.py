@@ -738,6 +738,32 @@ def test_the_engine_reserves_room_for_a_merged_adapters_saved_weights(qwen3_dir)
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_merge_writes_w_plus_scale_b_a_rounded_once_and_restores_the_base(qwen3_dir, tmp_path, dtype):
+    """Each target becomes (W.float() + (B.float() @ A.float()) * scale) rounded once to W's dtype (the
+    saved base values and the float32 deltas live in one buffer each); back to the base bit for bit."""
+    from rollfleet.engine.model.model import ModelRunner
+
+    runner = ModelRunner(qwen3_dir, dtype=dtype, lora=LoraLimits())
+    params = runner.lora._params
+    base = {n: p.detach().clone() for n, p in params.items()}
+    for name, targets in [("attn", ATTENTION), ("mlp", ["gate_proj", "down_proj", "lm_head"])]:
+        make_adapter(qwen3_dir, targets).save_pretrained(tmp_path / name, save_embedding_layers=False)
+        runner.lora.load(name, str(tmp_path / name))
+    for name in ["attn", "mlp", "attn", None]:  # each merge starts from the base, of other shapes each time
+        runner.lora.use(name)
+        merged = {f"{t.module}.weight": t for t in runner.lora.adapters[name].targets} if name else {}
+        assert len(merged) == {None: 0, "attn": 8, "mlp": 5}[name]  # 2 layers; lm_head once
+        for key, param in params.items():
+            target = merged.get(key)
+            want = (
+                base[key]
+                if target is None
+                else (base[key].float() + (target.lora_b.float() @ target.lora_a.float()) * target.scale).to(dtype)
+            )
+            assert torch.equal(param, want), (name, key)
+
+
 def test_host_copies_of_an_adapter_share_nothing_with_the_bucket():
     tensors = [(f"w{i}", torch.randn(8, 4).to(torch.bfloat16 if i % 2 else torch.float32)) for i in range(6)]
     bucket = PackPlan(tensors).pack(tensors, torch.empty(call_bytes(tensors), dtype=torch.uint8))

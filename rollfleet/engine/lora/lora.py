@@ -64,12 +64,21 @@ class LoraTarget:
     lora_b: torch.Tensor  # [out_features, r]
     scale: float
 
-    def delta(self, device: torch.device, lora_a: torch.Tensor | None = None, lora_b: torch.Tensor | None = None):
+    def delta(
+        self,
+        device: torch.device,
+        lora_a: torch.Tensor | None = None,
+        lora_b: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ):
         """scale * B @ A as a full float32 [out, in] tensor (peft's get_delta_weight, in float32). `lora_a`,
-        `lora_b`: this target's halves where they were copied already (default: its own)."""
+        `lora_b`: this target's halves where they were copied already (default: its own); `out`: a float32
+        [out, in] tensor to write it into (the same product: `mm` is `mm_out` into a new tensor)."""
         lora_a = self.lora_a if lora_a is None else lora_a
         lora_b = self.lora_b if lora_b is None else lora_b
-        return (lora_b.to(device, torch.float32) @ lora_a.to(device, torch.float32)).mul_(self.scale)
+        return torch.matmul(lora_b.to(device, torch.float32), lora_a.to(device, torch.float32), out=out).mul_(
+            self.scale
+        )
 
     def halves(self) -> dict[str, torch.Tensor]:
         return {"A": self.lora_a, "B": self.lora_b}

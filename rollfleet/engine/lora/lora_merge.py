@@ -92,13 +92,16 @@ class LoraMerge:
         halves = copies_on(
             {f"{i} {half}": t for i, target in enumerate(targets) for half, t in target.halves().items()}, device
         )  # one transfer per host storage (the adapter as it arrived), not two per target
-        for i, target in enumerate(targets):
-            param = params[f"{target.module}.weight"]
+        weights = [params[f"{target.module}.weight"] for target in targets]
+        saved = _views_of_one_buffer([local_of(w) for w in weights])
+        scratch = _delta_scratch(weights, device)
+        for i, (target, param, base) in enumerate(zip(targets, weights, saved)):
             local = local_of(param)
-            self._saved.append((local, local.clone()))
+            self._saved.append((local, base.copy_(local)))
             # W = (W + scale * B @ A) in float32, rounded once: `delta(...).add_(W)` is `W.float() + delta`
-            # (an exact widening, a commutative add) with one float32 [out, in] temporary instead of three
-            delta = shard_of(target.delta(local.device, halves[f"{i} A"], halves[f"{i} B"]), param)
+            # (an exact widening, a commutative add) into one float32 [out, in] scratch for every target
+            out = None if scratch is None else scratch[: local.numel()].view(local.shape)
+            delta = shard_of(target.delta(local.device, halves[f"{i} A"], halves[f"{i} B"], out=out), param)
             local.copy_(delta.add_(local))
         self.active = lora_name
         if SYNC_TIMING:  # the merge's device work waited for, so the figure is its whole cost
@@ -207,3 +210,28 @@ class LoraMerge:
         if self.limits is None:
             raise LoraError(LORA_OFF)
         return self.limits
+
+
+def _views_of_one_buffer(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Uninitialized tensors shaped as `tensors`, all views of ONE allocation on their device. A
+    colocated engine empties the allocator's cache at every turn (model.py, release_memory), so the
+    next merge's saved copies were as many device allocations as targets (168 for every linear layer
+    of 24 layers), each a cudaMalloc."""
+    if not tensors:
+        return []
+    offsets, end = [], 0
+    for tensor in tensors:
+        offsets.append(end)
+        end += -(-tensor.nbytes // 64) * 64  # each view aligned for any dtype
+    buffer = torch.empty(end, dtype=torch.uint8, device=tensors[0].device)
+    return [
+        buffer[start : start + t.nbytes].view(t.dtype).view(t.shape) for start, t in zip(offsets, tensors, strict=True)
+    ]
+
+
+def _delta_scratch(weights: list[torch.Tensor], device: torch.device | None) -> torch.Tensor | None:
+    """One float32 buffer every target's delta is computed into (the largest target's size), where each
+    delta is the weight itself (no tensor-parallel shard is cut from it); else None (one each)."""
+    if not weights or any(local_of(w) is not w for w in weights):
+        return None
+    return torch.empty(max(w.numel() for w in weights), dtype=torch.float32, device=device)
