@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -739,10 +740,16 @@ def test_the_engine_reserves_room_for_a_merged_adapters_saved_weights(qwen3_dir)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_merge_writes_w_plus_scale_b_a_rounded_once_and_restores_the_base(qwen3_dir, tmp_path, dtype):
+def test_a_merge_writes_w_plus_scale_b_a_rounded_once_and_restores_the_base(
+    qwen3_dir, tmp_path, dtype, monkeypatch, caplog
+):
     """Each target becomes (W.float() + (B.float() @ A.float()) * scale) rounded once to W's dtype (the
-    saved base values and the float32 deltas live in one buffer each); back to the base bit for bit."""
+    saved base values and the float32 deltas live in one buffer each); back to the base bit for bit.
+    With ROLLFLEET_SYNC_TIMING each merge logs its phases."""
+    from rollfleet.engine.lora import lora_merge
     from rollfleet.engine.model.model import ModelRunner
+
+    monkeypatch.setattr(lora_merge, "SYNC_TIMING", True)
 
     runner = ModelRunner(qwen3_dir, dtype=dtype, lora=LoraLimits())
     params = runner.lora._params
@@ -762,6 +769,9 @@ def test_a_merge_writes_w_plus_scale_b_a_rounded_once_and_restores_the_base(qwen
                 else (base[key].float() + (target.lora_b.float() @ target.lora_a.float()) * target.scale).to(dtype)
             )
             assert torch.equal(param, want), (name, key)
+    merges = [r.getMessage() for r in caplog.records if "lora merge of" in r.getMessage()]
+    phases = re.compile(r"targets [0-9.]+ms \(earlier=.* to_device=.* targets=")
+    assert len(merges) == 3 and all(phases.search(m) for m in merges), merges
 
 
 def test_host_copies_of_an_adapter_share_nothing_with_the_bucket():

@@ -82,19 +82,21 @@ class LoraMerge:
             return
         if lora_name is not None and lora_name not in self.adapters:  # checked before anything changes
             raise LoraError(f"lora_name={lora_name!r} is not loaded (loaded: {sorted(self.adapters)})")
-        start = time.perf_counter()
         params = self.base_params()
         if lora_name is None:
             return
         self._on_merge()
         targets = self.adapters[lora_name].targets
         device = local_of(params[f"{targets[0].module}.weight"]).device if targets else None
+        phases = _Phases(device) if SYNC_TIMING else None  # each phase's device work waited for, and logged
         halves = copies_on(
             {f"{i} {half}": t for i, target in enumerate(targets) for half, t in target.halves().items()}, device
         )  # one transfer per host storage (the adapter as it arrived), not two per target
         weights = [params[f"{target.module}.weight"] for target in targets]
         saved = _views_of_one_buffer([local_of(w) for w in weights])
         scratch = _delta_scratch(weights, device)
+        if phases:
+            phases.mark("to_device")
         for i, (target, param, base) in enumerate(zip(targets, weights, saved)):
             local = local_of(param)
             self._saved.append((local, base.copy_(local)))
@@ -104,11 +106,9 @@ class LoraMerge:
             delta = shard_of(target.delta(local.device, halves[f"{i} A"], halves[f"{i} B"], out=out), param)
             local.copy_(delta.add_(local))
         self.active = lora_name
-        if SYNC_TIMING:  # the merge's device work waited for, so the figure is its whole cost
-            if device is not None and device.type == "cuda":
-                torch.cuda.synchronize(device)
-            merge_ms = (time.perf_counter() - start) * 1e3
-            log.warning("lora merge of %s: %d targets %.2fms", lora_name, len(targets), merge_ms)
+        if phases:
+            phases.mark("targets")
+            log.warning("lora merge of %s: %d targets %s", lora_name, len(targets), phases)
 
     def merge_bytes(self) -> int:
         """What a merged adapter holds on the weights' device beside them at most: a saved copy of each
@@ -235,3 +235,25 @@ def _delta_scratch(weights: list[torch.Tensor], device: torch.device | None) -> 
     if not weights or any(local_of(w) is not w for w in weights):
         return None
     return torch.empty(max(w.numel() for w in weights), dtype=torch.float32, device=device)
+
+
+class _Phases:
+    """ROLLFLEET_SYNC_TIMING's split of a merge. Made after the device finished what was queued before
+    (`earlier`: an overlapped step still running, a resume), and each mark waits for the device, so
+    each figure is its phase's whole cost; `str` gives the total, then each phase."""
+
+    def __init__(self, device: torch.device | None):
+        self.device, self.ms = device, {}
+        self.begin = self.last = time.perf_counter()
+        self.mark("earlier")
+        self.begin = self.last
+
+    def mark(self, name: str) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.ms[name], self.last = (now - self.last) * 1e3, now
+
+    def __str__(self) -> str:
+        split = " ".join(f"{name}={ms:.2f}ms" for name, ms in self.ms.items())
+        return f"{(self.last - self.begin) * 1e3:.2f}ms ({split})"
