@@ -11,7 +11,8 @@ targets, 135 MB in bf16) arriving as views of one bucket on the GPU, as the lora
   [out, in]), with a check that both give the same weights bit for bit;
 - merge after a colocated turn: the same, the allocator's cache emptied before each (the engine's
   release does it at every turn), against the merge of db7133d (a saved copy and a float32 delta
-  allocated per target: 168 device allocations each time, where the merge now makes two).
+  allocated per target: 168 device allocations each time, where the merge now makes two); then with
+  float32 adapters (135 MB), as the GRPO loop's trainer sends them.
 Medians of 5 after a warm-up, the device's work waited for.
 """
 
@@ -58,8 +59,8 @@ def timed(fn, repeats: int = 5) -> float:
     return statistics.median(runs)
 
 
-def bucket_adapter(model, seed: int) -> dict[str, torch.Tensor]:
-    """peft-named A and B of every linear target, as views of one bf16 buffer on the GPU."""
+def bucket_adapter(model, seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """peft-named A and B of every linear target, as views of one buffer of `dtype` on the GPU."""
     shapes = {}
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in LINEAR:
@@ -68,7 +69,7 @@ def bucket_adapter(model, seed: int) -> dict[str, torch.Tensor]:
             shapes[f"base_model.model.{name}.lora_B.weight"] = (out_features, RANK)
     total = sum(a * b for a, b in shapes.values())
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    flat = torch.randn(total, generator=gen, device="cuda", dtype=torch.float32).mul_(0.01).to(torch.bfloat16)
+    flat = torch.randn(total, generator=gen, device="cuda", dtype=torch.float32).mul_(0.01).to(dtype)
     tensors, at = {}, 0
     for key, (a, b) in shapes.items():
         tensors[key] = flat[at : at + a * b].view(a, b)
@@ -103,7 +104,7 @@ def per_target_use(merge: LoraMerge, name: str) -> None:
     merge.active = name
 
 
-def after_a_turn(merge: LoraMerge, use) -> float:
+def after_a_turn(merge: LoraMerge, use, names: tuple[str, str] = ("v0", "v1")) -> float:
     """ms of `use` of a new version, each time after the adapter's unmerge and an emptied cache."""
 
     def once(name: str) -> None:
@@ -117,7 +118,7 @@ def after_a_turn(merge: LoraMerge, use) -> float:
 
     times: list[float] = []
     for _ in range(3):
-        once("v0"), once("v1")
+        once(names[0]), once(names[1])
     return statistics.median(times[2:])
 
 
@@ -174,6 +175,22 @@ def main() -> None:
         targets=targets,
         new_ms=after_a_turn(merge, merge.use),
         per_target_ms=after_a_turn(merge, lambda name: per_target_use(merge, name)),
+    )
+    for index in (0, 1):  # float32 adapters, as a trainer's LoRA parameters are (the GRPO loop's)
+        merge.adapters[f"f{index}"] = parse_adapter(
+            f"f{index}",
+            "__tensor__",
+            config_dict,
+            bucket_adapter(model, 3 + index, torch.float32),
+            model,
+            merge.targetable,
+            merge.limits,
+        )
+    say(
+        what="merge after a colocated turn (cache emptied), float32 adapters",
+        targets=targets,
+        new_ms=after_a_turn(merge, merge.use, ("f0", "f1")),
+        per_target_ms=after_a_turn(merge, lambda name: per_target_use(merge, name), ("f0", "f1")),
     )
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "lora-merge.json"), "w") as out:
