@@ -3,7 +3,7 @@
     python scripts/gpu_bench_lora_merge.py        (one GPU; prints JSON lines, also to $OUT/lora-merge.json)
 
 The benches' 2.08B Qwen3 shape in bf16 on the GPU, a rank-32 adapter on every linear layer (168
-targets, 135 MB in bf16) arriving as views of one bucket on the GPU, as the lora transport sends it:
+targets, 68 MB in bf16) arriving as views of one bucket on the GPU, as the lora transport sends it:
 - load: the host copy the engine keeps (`host_copies`: pinned now) against the pageable copy it made
   before;
 - merge: `LoraMerge.use` of a new version (restore the last one's targets, save, merge), against the
