@@ -110,11 +110,16 @@ def wait_until_queued(proc, future) -> None:
     )
 
 
-def wait_until_control_queued(proc, future) -> None:
-    """Until the engine holds a control action in its queue (it waits there for requests a pause holds)."""
+def wait_until_draining(proc, name: str, future) -> None:
+    """Until the engine unloads adapter `name` (an unload or an eviction; `future`: the call that asked),
+    its control queued behind the requests using it that a pause holds. (A queued control alone said
+    less: an evicting load's own control is queued too, before the eviction starts.)"""
     wait_until(
-        lambda: call(proc, "get_server_info")["scheduler_stats"]["queued_controls"],
-        what="a control queued",
+        lambda: (
+            name in call(proc, "get_server_info")["rollfleet_lora_unloading"]
+            and call(proc, "get_server_info")["scheduler_stats"]["queued_controls"]
+        ),
+        what=f"adapter {name!r} being unloaded",
         alive=lambda: not future.done(),
     )
 
@@ -367,7 +372,7 @@ def test_unload_waits_for_the_requests_that_use_the_adapter(servers, adapter, tm
             queued = pool.submit(generate, proc, "slow")
             wait_until_queued(proc, queued)
             unloading = pool.submit(call, proc, "unload_lora_adapter", "slow")
-            wait_until_control_queued(proc, unloading)
+            wait_until_draining(proc, "slow", unloading)
             assert not unloading.done()  # it waits for the queued request (held by the pause) that uses the adapter
             with pytest.raises(EngineError) as err:  # and new requests for the adapter are refused meanwhile
                 call(proc, "generate", input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="slow")
@@ -403,7 +408,7 @@ def test_eviction_spares_pinned_adapters_and_waits_for_requests(servers, adapter
             queued = pool.submit(generate, proc, "used")
             wait_until_queued(proc, queued)
             loading = pool.submit(call, proc, "load_lora_adapter", "new", directory)
-            wait_until_control_queued(proc, loading)
+            wait_until_draining(proc, "used", loading)
             assert not loading.done()  # "kept" is older but pinned: "used" goes, after its queued request
             with pytest.raises(EngineError) as err:
                 call(proc, "generate", input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="used")

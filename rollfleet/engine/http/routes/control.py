@@ -69,6 +69,9 @@ async def server_info(engine: Engine):
         "rollfleet_weight_update_sessions": True,
         # an adapter loaded from tensors is copied at load: its sender may reuse the buffer next sync
         "rollfleet_lora_copied_at_load": True,
+        # adapters being unloaded (an unload, or an eviction past --max-loaded-loras): new requests naming
+        # them get 400 while the requests already using them finish
+        "rollfleet_lora_unloading": sorted(engine.unloading),
         "rollfleet_remote_instance": engine.remote.report(),
         "rollfleet_released_memory": sorted(engine.memory_tags.released),  # tags released and not resumed
         "start_breakdown": engine.start_breakdown,  # seconds per phase of this engine's start
