@@ -26,13 +26,18 @@ CONFIG_FILES = (
 )
 
 
+def partial_of(directory: str | Path) -> Path:
+    """Where `atomic_directory` writes `directory` until it is whole."""
+    final = Path(directory)
+    return final.with_name(final.name + ".partial")
+
+
 @contextmanager
 def atomic_directory(directory: str | Path) -> Iterator[Path]:
-    """A fresh temporary sibling (`<name>.partial`) to write into; when the block ends without an
-    error it replaces `directory`, so a reader never sees a half-written directory and a crash
-    leaves none that looks complete."""
-    final = Path(directory)
-    partial = final.with_name(final.name + ".partial")
+    """A fresh temporary sibling (`partial_of`: `<name>.partial`) to write into; when the block ends
+    without an error it replaces `directory`, so a reader never sees a half-written directory and a
+    crash leaves none that looks complete."""
+    final, partial = Path(directory), partial_of(directory)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     yield partial

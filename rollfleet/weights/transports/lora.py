@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from rollfleet.weights.adapter import AdapterSource, SavedAdapter, save_adapter
-from rollfleet.weights.checkpoint import prune_versions
+from rollfleet.weights.checkpoint import partial_of, prune_versions
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
 from rollfleet.weights.transports.disk import version_dir
 from rollfleet.weights.transports.staging import PackPlans, call_bytes, wait_all
@@ -95,8 +95,7 @@ class LoraTransport(Transport):
     @classmethod
     def writing_adapter(cls, spec, version: str) -> bool:
         """Whether the adapter directory of `version` is being written (its `.partial` is there)."""
-        directory = version_dir(spec.path, version)
-        return directory.with_name(directory.name + ".partial").is_dir()
+        return partial_of(version_dir(spec.path, version)).is_dir()
 
     def __init__(self, spec, targets, **kwargs):
         super().__init__(spec, targets, **kwargs)
@@ -182,8 +181,7 @@ class LoraTransport(Transport):
             saving.result()
         except Exception as exc:  # noqa: BLE001  (reported, not raised: see above)
             log.warning("writing the adapter directory of version %s failed: %s", version, exc)
-            partial = version_dir(self.spec.path, version)
-            shutil.rmtree(partial.with_name(partial.name + ".partial"), ignore_errors=True)  # none waits on it
+            shutil.rmtree(partial_of(version_dir(self.spec.path, version)), ignore_errors=True)  # none waits on it
 
     def _fingerprint(self, report: SyncReport, tensors) -> None:
         with timed(report, "fingerprint"):
