@@ -25,7 +25,7 @@ sys.path.insert(0, ".")
 
 from rollfleet.engine.process.launch import EngineProcess, embedded_argv  # noqa: E402
 from rollfleet.tiny_models import make_tiny_model  # noqa: E402
-from rollfleet.wire.client import EngineClient  # noqa: E402
+from rollfleet.wire.client import EngineClient, EngineError  # noqa: E402
 from rollfleet.wire.net import free_port  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16)
@@ -86,6 +86,7 @@ async def check(url: str) -> None:
             assert got == want, "tokens changed after a release and resume of kv_cache + cuda_graph"
             assert new_captures == 0, "graphs were captured again after the resume"
             assert freed > 0.9 * kv["pages"] * kv["page_size"] * BYTES_PER_TOKEN, "the pool's memory stayed mapped"
+        await refused_resume_keeps_serving(engine, want)
         await engine.release_memory_occupation(["cuda_graph"])  # graphs paused, KV held: decode runs eagerly
         got, kv = await greedy(engine), await kv_and_graphs(engine)
         await engine.resume_memory_occupation(["cuda_graph"])
@@ -101,6 +102,30 @@ async def check(url: str) -> None:
         say(check="every tag released and resumed (weights from the host copy)", release_s=round(released, 4),
             resume_s=round(resumed, 4), differing_rows=differing(got, want), graphs=kv["cuda_graphs"])  # fmt: skip
         assert got == want, "tokens changed after the weights came back from their host copy"
+
+
+async def refused_resume_keeps_serving(engine: EngineClient, want: list[list[int]]) -> None:
+    """Another process takes the released pool's memory (as a trainer that kept its memory does): the
+    resume is a 400 naming the figures, the server stays up, and once the memory is back it resumes."""
+    import torch
+
+    await engine.release_memory_occupation(["kv_cache", "cuda_graph"])
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (512 << 20), dtype=torch.uint8, device="cuda")  # leaves 0.5 GiB free
+    try:
+        await engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
+        refusal = None
+    except EngineError as exc:
+        refusal = exc
+    alive = (await engine.get_server_info()) is not None
+    del hog
+    torch.cuda.empty_cache()
+    await engine.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    got = await greedy(engine)
+    say(check="a resume the device cannot back: refused, then resumed", status=getattr(refusal, "status_code", None),
+        message=str(refusal)[:300], alive=alive, differing_rows=differing(got, want))  # fmt: skip
+    assert refusal is not None and refusal.status_code == 400 and "refused, nothing changed" in str(refusal)
+    assert got == want, "tokens changed after a refused resume and a resume"
 
 
 BYTES_PER_TOKEN = SHAPE["num_hidden_layers"] * 2 * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * 2  # bf16

@@ -151,3 +151,22 @@ def test_without_the_flag_released_weights_wait_for_a_push(qwen3_server, qwen3_d
     assert err.value.status_code == 503 and "weights are not loaded" in err.value.message
     call(qwen3_server, "update_weights_from_disk", qwen3_dir)
     assert len(greedy(qwen3_server)) == GREEDY["max_new_tokens"]
+
+
+def test_a_resume_the_device_cannot_back_is_refused_before_it_maps_anything():
+    """The GPU's check, as arithmetic (its figures come from the device there): the saver's map needs
+    free device memory (a failed map ends the process); torch's allocations may use cached blocks."""
+    from rollfleet.engine.model.model import resume_refusal
+
+    gib = 1 << 30
+    assert resume_refusal(["kv_cache"], "cuda:0", mapped=40 * gib, allocated=0, free=41 * gib, cached=0) is None
+    assert resume_refusal(["weights"], "cuda:0", mapped=0, allocated=4 * gib, free=1 * gib, cached=3 * gib) is None
+    why = resume_refusal(
+        ["kv_cache", "weights"], "cuda:0", mapped=40 * gib, allocated=4 * gib, free=38 * gib, cached=9 * gib
+    )
+    assert why is not None
+    for part in ["['kv_cache', 'weights']", "refused, nothing changed", "44.00 GiB", "cuda:0", "38.00 GiB is free"]:
+        assert part in why, why
+    # the cache does not back the saver's map
+    assert resume_refusal(["kv_cache"], "cuda:0", mapped=40 * gib, allocated=0, free=39 * gib, cached=8 * gib)
+    assert resume_refusal(["weights"], "cuda:0", mapped=0, allocated=5 * gib, free=1 * gib, cached=3 * gib)

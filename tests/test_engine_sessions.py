@@ -69,6 +69,10 @@ def status(proc, route: str) -> int:
     return httpx.get(proc.url + route, timeout=60).status_code
 
 
+def held_payloads(proc) -> int:
+    return httpx.get(proc.url + "/rollfleet/memory", timeout=60).json()[0]["held_payloads"]
+
+
 def assert_not_serving(proc):
     assert status(proc, "/health_generate") == 503
     assert call(proc, "get_model_info")["weights_ready"] is False
@@ -90,9 +94,12 @@ def test_a_complete_session_commits_its_version_at_the_end(engine, qwen3_dir_b):
     assert status(engine, "/health_generate") == 503  # a sync is in progress
     for tensors in rest:
         push(engine, tensors)
+    assert held_payloads(engine) > 0  # the sender's buffers, kept mapped while its sync goes on
     ended = post(engine, "/end_weight_update")
     assert ended.status_code == 200, ended.text
     assert ended.json()["success"] is True and "'b'" in ended.json()["message"]
+    # the sync ended: a colocated sender frees them before the engine's resume (else the two meet)
+    assert held_payloads(engine) == 0
     assert version(engine) == "b" and status(engine, "/health_generate") == 200
     assert greedy(engine) == reference_greedy(qwen3_dir_b, PROMPT, 8)[0]
 

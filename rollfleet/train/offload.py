@@ -103,6 +103,10 @@ def give_back(device: torch.device, work: Callable[[], dict]) -> dict:
     allocated_before, reserved_before = _memory(device)
     answer = work()
     if device.type == "cuda":
+        # buffers sent through CUDA IPC (the tensor transport's buckets) wait in torch's "limbo" until
+        # their receivers let go, and return to the allocator only at a collection: collected here,
+        # the engines having dropped them at the sync's end
+        torch.cuda.ipc_collect()
         torch.cuda.empty_cache()
     allocated_after, reserved_after = _memory(device)
     memory = {

@@ -223,6 +223,15 @@ class PagedModel:
         if (CUDA_GRAPH_TAG in tags or KV_CACHE_TAG in tags) and self.graphs is not None:
             self.graphs.resume()  # a second resume does nothing
 
+    def resume_bytes(self, tags: list[str]) -> tuple[int, int]:
+        """Device memory a resume of `tags` takes: (mapped by the saver, allocated by torch's allocator)."""
+        kv = KV_CACHE_TAG in tags and self.pool.released
+        if self.saver is None:  # fresh storages for the pool; graphs are captured again on demand
+            return 0, self.pool.full_bytes() if kv else 0
+        graphs = (CUDA_GRAPH_TAG in tags or KV_CACHE_TAG in tags) and self.graphs is not None and self.graphs.paused
+        paused = self.saver.paused_bytes
+        return (paused.get(KV_CACHE_TAG, 0) if kv else 0) + (paused.get(CUDA_GRAPH_TAG, 0) if graphs else 0), 0
+
     def drop_graphs(self) -> None:
         """The weights moved (a release or resume): graphs captured on the old addresses go."""
         if self.graphs is not None:

@@ -62,7 +62,11 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.released else sum(t.nbytes for t in [*self.keys, *self.values])
+        return 0 if self.released else self.full_bytes()
+
+    def full_bytes(self) -> int:
+        """The pool's bytes when held (released or not)."""
+        return sum(t.numel() * t.element_size() for t in [*self.keys, *self.values])
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Page `dst` gets page `src`'s KV in every layer (a fork's partial last page)."""

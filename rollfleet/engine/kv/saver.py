@@ -63,13 +63,20 @@ class PausableMemory:
 
         torch_memory_saver.hook_mode = "torch"  # before its first use: no LD_PRELOAD needed
         self.saver = torch_memory_saver
+        # the device memory each paused tag gave back, measured at its pause: what its resume maps
+        # again. A map the device cannot back ends the process (the saver exits on a failed CUDA
+        # call), so a resume checks it first (model.py, `resume_refusal`).
+        self.paused_bytes: dict[str, int] = {}
 
     def region(self, tag: str) -> contextlib.AbstractContextManager:
         return self.saver.region(tag=tag)
 
     def pause(self, tag: str, device: torch.device) -> None:
         torch.cuda.synchronize(device)
+        free = torch.cuda.mem_get_info(device)[0]
         self.saver.pause(tag)
+        self.paused_bytes[tag] = max(0, torch.cuda.mem_get_info(device)[0] - free)
 
     def resume(self, tag: str) -> None:
         self.saver.resume(tag)
+        self.paused_bytes.pop(tag, None)

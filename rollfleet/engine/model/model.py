@@ -258,6 +258,7 @@ class ModelRunner:
         return self.ranks.gather({"before": before, "after": self._memory()})
 
     def resume_memory(self, tags: list[str]) -> list[dict[str, int]]:
+        self.ranks.agree(self._resume_refusal(tags), ValueError)  # before anything changes, on every rank
         before = self._memory()
         if WEIGHT_TAG in tags:
             self._allocate_weights()
@@ -266,6 +267,17 @@ class ModelRunner:
         if self.paged is not None:
             self.paged.resume(tags)
         return self.ranks.gather({"before": before, "after": self._memory()})
+
+    def _resume_refusal(self, tags: list[str]) -> str | None:
+        """Why this rank cannot resume `tags` now (None: it can)."""
+        if self.device.type != "cuda":
+            return None
+        mapped, allocated = self.paged.resume_bytes(tags) if self.paged is not None else (0, 0)
+        if WEIGHT_TAG in tags:
+            allocated += sum(nbytes for storage, nbytes in self._storages if storage.nbytes() == 0)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return resume_refusal(tags, self.device, mapped, allocated, free, cached)
 
     def update_weights_from_disk(self, model_path: str) -> list[str]:
         """A disk update loads every tensor, so SGLang-style clients send it whatever the memory state
@@ -299,7 +311,7 @@ class ModelRunner:
 
     def _memory(self) -> dict[str, int]:
         weight_bytes = sum(storage.nbytes() for storage, _ in self._storages)
-        stats = {"weight_bytes": weight_bytes, **self.host_copy.stats()}
+        stats = {"weight_bytes": weight_bytes, "held_payloads": self.weights.held_payloads, **self.host_copy.stats()}
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             stats.update(
@@ -313,3 +325,20 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+
+def resume_refusal(tags: list[str], device, mapped: int, allocated: int, free: int, cached: int) -> str | None:
+    """Why a resume of `tags` must not start (None: it fits): it maps `mapped` bytes through the memory
+    saver (device memory only: a map the device cannot back ends the process, as SGLang's does) and
+    allocates `allocated` through torch's allocator (its `cached` free blocks count), with `free` bytes
+    free on the device. Refused, nothing changes and the engine keeps serving its other calls."""
+    if mapped <= free and mapped + allocated <= free + cached:
+        return None
+    gib = 1 << 30
+    return (
+        f"resume_memory_occupation of tags {tags} refused, nothing changed: it needs "
+        f"{(mapped + allocated) / gib:.2f} GiB on {device} and {free / gib:.2f} GiB is free there "
+        f"(+{cached / gib:.2f} GiB cached by this engine): another process holds the rest (a colocated "
+        "trainer that kept its memory, or buffers this engine received from it through CUDA IPC and "
+        "dropped since, which its sender frees at torch.cuda.ipc_collect()); free it, then resume again"
+    )

@@ -106,6 +106,11 @@ class WeightUpdater:
         """The sync is over: let the sender's buffers go."""
         self._held_payloads.clear()
 
+    @property
+    def held_payloads(self) -> int:
+        """Decoded payloads still referenced (their sender's buffers cannot be freed while they are)."""
+        return len(self._held_payloads)
+
     # ---- the three ways in (lockstep); each returns the checkpoint names it applied ----------
     def from_disk(self, model_path: str) -> list[str]:
         def read():

@@ -163,7 +163,14 @@ async def begin_weight_update(engine: Engine, req: BeginWeightUpdateRequest | No
 @router.post("/end_weight_update")
 async def end_weight_update(engine: Engine, req: EndWeightUpdateRequest | None = None):
     """Commit the open session when it was complete; else 400 naming what is missing or refused."""
-    message = await engine.control(engine.sessions.end, needs_idle=False)
+
+    def end() -> str:
+        # the session's end is the sync's end, as a version is without one: the sender's buffers go
+        # (held, a colocated trainer could not give them back before this engine's resume)
+        engine.lockstep(Action.DROP_HELD_PAYLOADS)
+        return engine.sessions.end()
+
+    message = await engine.control(end, needs_idle=False)
     return {"success": True, "message": message}
 
 
