@@ -775,7 +775,7 @@ def test_a_merge_writes_w_plus_scale_b_a_rounded_once_and_restores_the_base(
             )
             assert torch.equal(param, want), (name, key)
     merges = [r.getMessage() for r in caplog.records if "lora merge of" in r.getMessage()]
-    phases = re.compile(r"targets [0-9.]+ms \(earlier=.* to_device=.* targets=")
+    phases = re.compile(r"targets [0-9.]+ms \(earlier=.* to_device=.* targets=.*; thread cpu=[0-9.]+ms\)")
     assert len(merges) == 3 and all(phases.search(m) for m in merges), merges
 
 
