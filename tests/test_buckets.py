@@ -431,3 +431,30 @@ def test_sglang_patched_cuda_rebuild_is_allowed_and_maps_the_uuid(monkeypatch):
     too_small = raw_pickle([("w", CudaTensorAsPickled(reductions.rebuild_cuda_tensor, "GPU-1234", storage_bytes=8))])
     with pytest.raises(pickle.UnpicklingError, match="needs 24 bytes, its storage holds 8"):
         safe_loads(too_small)  # the extent check comes before any device is touched
+
+
+def test_a_decoded_payload_goes_when_its_user_drops_it_without_a_collection():
+    """An engine holds a push's payload until the sync ends; the sender's buffer (CUDA IPC on a GPU)
+    can be freed only once every reference to it is gone. A reference cycle in the decoding kept it
+    until Python's collector ran, which an engine makes rare: a colocated trainer could not give its
+    buckets back before the engine's resume."""
+    import gc
+    import weakref
+
+    from rollfleet.engine.tp.payloads import decode_entry, named_tensors
+
+    tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(16, 8) for i in range(3)}
+    (bucket,) = iter_buckets(tensors.items(), 1 << 20)
+    wire = serialize(bucket.to_payload())  # one bucket per entry, as the tensor transport sends it
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        payload = decode_entry([wire], 0)
+        named = named_tensors(payload, "flattened_bucket", 0)
+        assert all(torch.equal(named[k], v) for k, v in tensors.items())
+        flat = weakref.ref(payload["flattened_tensor"])
+        del payload, named
+        assert flat() is None, "the decoded payload outlived its last user (a reference cycle)"
+    finally:
+        if enabled:
+            gc.enable()

@@ -94,7 +94,16 @@ def settled(payload: Any, leaves: frozenset[type], limit: int) -> Any:
             raise refuse(_NESTED_TOO_DEEP.format(limit))
         return found[0], found[1]
 
-    return payload if type(payload) in leaves else settle(payload, 1)[0]
+    try:
+        return payload if type(payload) in leaves else settle(payload, 1)[0]
+    finally:
+        # `settle` refers to itself through its closure: a reference cycle that kept `done`, hence
+        # the whole payload, alive after this returned, until a collection of the oldest generation
+        # (rare in an engine: rank_zero.py raises the thresholds). A weight push's payload holds
+        # the sender's buckets (CUDA IPC): a colocated trainer could not give 4 GiB back before
+        # its engine's resume (H100, 2026-12-06). Broken here, the payload goes when its user drops it.
+        done.clear()
+        settle = None  # noqa: F841  (clears the closure's cell: the function is freed at once)
 
 
 def _settle_items(obj: Any, leaves: frozenset[type], settle) -> tuple[Any, int]:
