@@ -266,3 +266,27 @@ def test_the_one_gpu_example_loads_with_the_plans_defaults_and_fits_an_h200():
     assert cfg.rollout.model_path.endswith("qwen3-h2048-l24-v151936")  # what the grpo-step bench writes
     plan = plan_memory(cfg, ModelShape.from_config(BENCH), H200, prompt_tokens=16)
     assert not plan.release_weights and not plan.offload
+
+
+def test_a_refused_resume_is_told_in_the_runs_words():
+    """An engine refused its resume after the trainer's turn (its device could not back it): the run's
+    error says what the trainer kept and which settings give the engines less or free the trainer's GPU."""
+    from rollfleet.fleet.colocation import RESUME_REFUSED, refused_resume
+
+    engine = (
+        f"resume_memory_occupation of tags ['cuda_graph', 'kv_cache'] {RESUME_REFUSED} 37.88 GiB on cuda:0 "
+        "and 34.48 GiB is free there"
+    )
+    kept = {
+        "allocated_before": 0,
+        "reserved_before": 0,
+        "allocated_after": 31.33 * 2**30,
+        "reserved_after": 33.94 * 2**30,
+    }
+    message = refused_resume(engine, 0.64, kept)
+    for part in [engine, "31.33 GiB allocated (33.94 GiB reserved)", "rollout.mem_fraction_static, 0.64 now",
+                 "train.offload=true", "memory-plan.json"]:  # fmt: skip
+        assert part in message, message
+    assert "unset now" in refused_resume(engine, None, None) and "The trainer kept" not in refused_resume(
+        engine, None, None
+    )

@@ -25,9 +25,16 @@ from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 from rollfleet.fleet.seams import Trainers, TurnFleet
+from rollfleet.wire.errors import EngineError
 
 # SGLang's memory tags (sglang.srt.constants); the embedded engine drops its decode graphs on a release
 RESUME_AFTER_PUSH = ["cuda_graph", "kv_cache"]
+# how the embedded engine refuses a resume its device cannot back (engine/model/model.py, resume_refusal)
+RESUME_REFUSED = "refused, nothing changed: it needs"
+
+
+class ColocatedMemoryError(RuntimeError):
+    """The engines could not take their memory back after the trainer's turn."""
 
 
 def release_tags(release_weights: bool | str) -> list[str]:
@@ -108,5 +115,26 @@ def _offload_and_resume(fleet: TurnFleet, trainers: Trainers, moves: dict) -> No
     after the trainer freed the GPU and emptied its cache, or the two meet at the peak."""
     _offloaded(moves, trainers.offload())
     start = time.perf_counter()
-    fleet.wake(RESUME_AFTER_PUSH)
+    try:
+        fleet.wake(RESUME_AFTER_PUSH)
+    except EngineError as exc:
+        if exc.status_code != 400 or RESUME_REFUSED not in exc.message:
+            raise
+        fraction = fleet.rollout.mem_fraction_static
+        raise ColocatedMemoryError(refused_resume(exc.message, fraction, moves.get("trainer_memory"))) from exc
     moves["engine_resume_seconds"] = time.perf_counter() - start
+
+
+def refused_resume(engine_message: str, fraction: float | None, trainer_memory: dict | None) -> str:
+    """The run's words for an engine's refused resume: what the trainer kept, and the settings that fix it."""
+    kept = ""
+    if trainer_memory and trainer_memory.get("allocated_after") is not None:
+        gib = 1 << 30
+        allocated, reserved = trainer_memory["allocated_after"] / gib, trainer_memory["reserved_after"] / gib
+        kept = f" The trainer kept {allocated:.2f} GiB allocated ({reserved:.2f} GiB reserved) after its give-back."
+    return (
+        f"the engines could not take their memory back after the trainer's turn: {engine_message}.{kept} "
+        f"Give the engines less (rollout.mem_fraction_static, {fraction if fraction is not None else 'unset'} now) "
+        "or move the trainer's state off the GPU for its turn (train.offload=true); the run's memory-plan.json "
+        "says what the plan expected each part to take"
+    )
