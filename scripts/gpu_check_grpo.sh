@@ -26,6 +26,9 @@ phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end o
     grep -h "lora load of\|lora merge\|weight update of" logs/engines/*.log 2>/dev/null | cut -c1-300 | tail -8 \
         | tee -a "$OUT/$name.log"
     rm -rf logs/engines
+    # what the trainer kept allocated after each give-back against its planned state: more is a leak
+    # (2026-12-06: one, then two syncs' 2 GiB buckets stayed allocated; the engine's resume could not map)
+    python3 scripts/trainer_kept.py /tmp/run-$name 2>&1 | tee -a "$OUT/$name.log"
     for f in memory-plan.json metrics.jsonl; do  # one file a run comes back ($OUT brings back 8 at most)
         test -f /tmp/run-$name/$f && { echo "=== $f"; cat /tmp/run-$name/$f; } >> "$OUT/$name.log"
     done

@@ -290,3 +290,21 @@ def test_a_refused_resume_is_told_in_the_runs_words():
     assert "unset now" in refused_resume(engine, None, None) and "The trainer kept" not in refused_resume(
         engine, None, None
     )
+
+
+@pytest.mark.parametrize(
+    "kept_gib, word", [([23.34, 23.34, 23.34], "ok"), ([27.33, 27.33, 31.33], "LEAK"), ([23.3, 23.3, 24.5], "LEAK")]
+)
+def test_the_gpu_checks_tell_a_trainer_that_kept_more_than_its_state(tmp_path, kept_gib, word):
+    """scripts/trainer_kept.py, which scripts/gpu_check_grpo.sh runs on each run's output: the figures of
+    2026-12-06's H100 runs before (a sync's buckets held, then two) and after the fix."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "memory-plan.json").write_text(json.dumps({"parts_gb": {"trainer_state": 24.98}}))
+    rows = [{"step": i + 1, "trainer_allocated_after_bytes": k * 2**30} for i, k in enumerate(kept_gib)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "trainer_kept.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.rstrip().endswith("ok") if word == "ok" else "LEAK" in out.stdout, out.stdout
