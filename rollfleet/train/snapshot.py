@@ -29,11 +29,10 @@ from pathlib import Path
 import torch
 
 from rollfleet.train.host_copy import HostBuffers, settle
-from rollfleet.weights.checkpoint import prune_versions, save_checkpoint
+from rollfleet.weights.checkpoint import PARTIAL, partial_of, prune_versions, save_checkpoint
 from rollfleet.weights.source import WeightSource
 
 log = logging.getLogger("rollfleet.snapshot")
-PARTIAL = ".partial"
 
 
 class SnapshotCancelled(Exception):
@@ -120,7 +119,7 @@ class SnapshotWriter:
             )
             prune_versions(self.root, keep=self.keep)
         except BaseException as exc:  # noqa: BLE001 - handed to the future; the partial must not stay
-            shutil.rmtree(final.with_name(final.name + PARTIAL), ignore_errors=True)
+            shutil.rmtree(partial_of(final), ignore_errors=True)
             future.set_exception(exc)
             return
         result = SnapshotResult(version, str(final), time.perf_counter() - start, nbytes)

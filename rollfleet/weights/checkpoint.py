@@ -26,10 +26,13 @@ CONFIG_FILES = (
 )
 
 
+PARTIAL = ".partial"  # the suffix of a directory being written
+
+
 def partial_of(directory: str | Path) -> Path:
     """Where `atomic_directory` writes `directory` until it is whole."""
     final = Path(directory)
-    return final.with_name(final.name + ".partial")
+    return final.with_name(final.name + PARTIAL)
 
 
 @contextmanager
