@@ -30,8 +30,7 @@ import torch
 sys.path.insert(0, ".")
 
 from rollfleet.config import TrainConfig  # noqa: E402
-from rollfleet.train import lora  # noqa: E402
-from rollfleet.train.fsdp import PolicyTrainer  # noqa: E402
+from rollfleet.train.fsdp import PolicyTrainer, adamw  # noqa: E402
 from rollfleet.train.sharding import init_distributed  # noqa: E402
 from rollfleet.wire.net import free_port  # noqa: E402
 
@@ -130,13 +129,7 @@ def main() -> None:
     shape = {"rows": rows, "width": args.prompt_tokens + args.new_tokens, "micro_batch_size": args.micro_batch_size}
     for name in ("as built", "fused"):
         if name == "fused":  # the same hyper-parameters, AdamW's single-kernel form
-            trainer.optimizer = torch.optim.AdamW(
-                lora.param_groups(trainer.model, config),
-                lr=config.lr,
-                betas=config.betas,
-                weight_decay=config.weight_decay,
-                fused=True,
-            )
+            trainer.optimizer = adamw(trainer.model, config, fused=True)
         timed_steps(trainer, batch, 2)  # warm-up: the optimizer's state, the allocator's blocks
         seconds = timed_steps(trainer, batch, args.repeats)
         say(optimizer=name, **shape, step_s=statistics.median(seconds), min_s=min(seconds), max_s=max(seconds))

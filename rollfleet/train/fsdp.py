@@ -82,12 +82,7 @@ class PolicyTrainer:
         self.replays = {id(m): RoutingReplay(m) for m in self._models() if self.config.routing_replay}
         # log-probs from the head's input, logprob_chunk positions at a time (rollfleet.train.token_logprobs)
         self.heads = {id(m): ChunkedHead(m, self.config.logprob_chunk) for m in self._models()}
-        self.optimizer = torch.optim.AdamW(  # with LoRA only the adapter requires grad
-            lora.param_groups(self.model, self.config),
-            lr=self.config.lr,
-            betas=self.config.betas,
-            weight_decay=self.config.weight_decay,
-        )
+        self.optimizer = adamw(self.model, self.config)
         self.step = 0
         self.pad_token_id = self.model.config.pad_token_id or 0
         self._offloaded = False
@@ -314,6 +309,14 @@ class PolicyTrainer:
     def _require_onloaded(self, verb: str) -> None:
         if self._offloaded:
             raise RuntimeError(f"{verb} on an offloaded trainer (fix: call onload() first)")
+
+
+def adamw(model: torch.nn.Module, config: TrainConfig, **options) -> torch.optim.AdamW:
+    """The trainer's optimizer over `model` (with LoRA only the adapter requires grad); `options` go to
+    AdamW as they are (`fused=True`: scripts/gpu_profile_train_step.py compares it)."""
+    return torch.optim.AdamW(
+        lora.param_groups(model, config), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, **options
+    )
 
 
 @contextlib.contextmanager
