@@ -12,6 +12,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -239,31 +240,39 @@ def _model_config_dir() -> str:
     return directory
 
 
+def wait_up(proc: EngineProcess, again: Callable[[], EngineProcess], timeout: float, attempts: int = 3):
+    """`proc` once it serves. When another process took its port before it bound it (PortInUse: the
+    port was free when chosen; a starting engine's store takes ports too), `again()` starts one on
+    another port, `attempts` in all."""
+    for attempt in range(1, attempts + 1):
+        try:
+            proc.wait_until_up(timeout=timeout)
+            return proc
+        except PortInUse:
+            if attempt == attempts:
+                raise
+            proc = again()
+
+
 @contextlib.contextmanager
 def engine_servers(plan: dict[str, tuple[str, dict]], log_dir):
     """Several servers, `plan` = key -> (model path, embedded_argv kwargs): all started (forked from
     the run's zygote), then waited for, so their loads overlap; key -> EngineProcess."""
     procs = {}
 
-    def start(key):
+    def start(key) -> EngineProcess:
         path, kwargs = plan[key]
         port = free_port()
         procs[key] = EngineProcess(
             embedded_argv(path, port, **kwargs), port=port, log_path=log_dir / f"{key}.log", zygote=shared_zygote()
         )
+        return procs[key]
 
     try:
         for key in plan:
             start(key)
         for key in plan:
-            for attempt in range(3):
-                try:
-                    procs[key].wait_until_up(timeout=180)
-                    break
-                except PortInUse:  # another process (a starting engine's store) took the port meanwhile
-                    if attempt == 2:
-                        raise
-                    start(key)
+            wait_up(procs[key], lambda key=key: start(key), timeout=180)
         yield procs
     finally:
         for proc in procs.values():

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import reference_greedy, shared_zygote
+from conftest import reference_greedy, shared_zygote, wait_up
 
-from rollfleet.engine.process.launch import EngineProcess, PortInUse, embedded_argv
+from rollfleet.engine.process.launch import EngineProcess, embedded_argv
 from rollfleet.engine.process.zygote_client import SHARED_ZYGOTE_ENV, Zygote
 from rollfleet.wire.net import free_port
 
@@ -29,16 +29,11 @@ def zygote(qwen3_dir, tmp_path_factory):
 
 
 def start(model_dir: str, log: Path, zygote: Zygote | None, tp_size: int = 1) -> EngineProcess:
-    for attempt in range(3):
+    def launch() -> EngineProcess:
         port = free_port()
-        engine = EngineProcess(embedded_argv(model_dir, port, tp_size=tp_size), port=port, log_path=log, zygote=zygote)
-        try:
-            engine.wait_until_up(120)
-            return engine
-        except PortInUse:  # the port was free when chosen; another process took it first (a tp group's store)
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+        return EngineProcess(embedded_argv(model_dir, port, tp_size=tp_size), port=port, log_path=log, zygote=zygote)
+
+    return wait_up(launch(), launch, timeout=120)
 
 
 def greedy(engine: EngineProcess) -> list[int]:
