@@ -12,6 +12,7 @@ import pytest
 
 from rollfleet.bench.grpo_step import STEPS, bucket_overrides, main, parse
 from rollfleet.bench.record import run_echoing
+from rollfleet.config import load_config
 
 
 def test_buckets_are_asked_only_of_transports_that_take_them():
@@ -21,9 +22,11 @@ def test_buckets_are_asked_only_of_transports_that_take_them():
     assert bucket_overrides(["weight_sync.transport=disk"]) == []
 
 
-def test_the_large_step_is_64_x_8_x_512_at_micro_batch_32():
+def test_the_large_step_is_64_x_8_x_512_at_the_one_gpu_examples_micro_batch():
+    """At 32 rows the trainer's turn needs 98 GB, which an 80 GB GPU's plan refuses (2026-12-06, H100)."""
     large = parse(["--step", "large"])
-    assert (large.prompts, large.n, large.new_tokens, STEPS["large"][3]) == (64, 8, 512, 32)
+    example = load_config("examples/gpu-1x.yaml").train.micro_batch_size
+    assert (large.prompts, large.n, large.new_tokens, STEPS["large"][3]) == (64, 8, 512, example) == (64, 8, 512, 16)
     small = parse(["--new-tokens", "4"])
     assert (small.prompts, small.n, small.new_tokens) == (16, 8, 4)
 

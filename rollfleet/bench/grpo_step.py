@@ -6,8 +6,9 @@
 Runs `rollfleet train` (a separate process, the real loop) on a Qwen3-shaped model written in bf16
 (rollfleet.bench.shapes; default: hidden 2048, 24 layers, vocab 151,936: 2.08B parameters; `--vocab
 320` gives the step-time issue's 1.46B model with the tiny test tokenizer), 16 prompts x n=8 x 32 new
-tokens (`--step large`: 64 x 8 x 512 at train.micro_batch_size=32, a realistic step), in up to two
-layouts:
+tokens (`--step large`: 64 x 8 x 512 at train.micro_batch_size=16, a realistic step, with
+examples/gpu-1x.yaml's micro batch: at 32 the trainer's turn needs 98 GB, which an 80 GB GPU's plan
+refuses), in up to two layouts:
 - colocated: trainer world 2, two tp=1 engines, one per GPU, `tensor` sync, 2048 MB buckets (on one
   GPU, `--gpus 1`: trainer world 1 beside one engine; the all-gather ceiling is then one copy);
 - disaggregated: trainer world 1 on GPU 0, one engine on GPU 1, `nccl` sync; once per
@@ -57,7 +58,7 @@ from rollfleet.wire.net import free_port
 
 STEPS = {  # --step: prompts, samples per prompt, new tokens, train.micro_batch_size (None: the config's)
     "small": (16, 8, 32, None),
-    "large": (64, 8, 512, 32),
+    "large": (64, 8, 512, 16),
 }
 PLAN_FILE = "memory-plan.json"  # what `rollfleet train` writes of a colocated GPU run's memory plan
 PHASES = ("generate", "reward", "train", "sync", "sleep_wake", "recovery", "other", "total")
