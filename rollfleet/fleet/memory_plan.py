@@ -25,6 +25,11 @@ then the trainer's state goes to host while the engines generate (a copy each wa
 17.5 GB on an H200). The two fix different turns: release_weights makes room in the trainer's,
 offload in the engines' (it is chosen when the KV pool could not hold the step's samples at once).
 A run that cannot fit is refused with the figures and the settings to change.
+
+The engines are told to run at most the step's samples at once (`--max-running-requests`, unless the
+user gave it): what they reserve for a batch's logits is sized by it (3 fp32 copies of
+batch x vocab: 7.5 GB at 4096 requests and vocab 151,936, 0.23 GB at a step of 128 samples), and
+that reserve is what kept a 16 x 8 x 32 step on an 80 GB GPU from keeping its KV cache (2026-12-06).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class MemoryPlan:
     logprob_chunk: int
     release_kv_cache: bool = True  # False: the engines keep all their memory through the trainer's turn
     trainer_cap: float | None = None  # the trainer's allocator cap, a fraction of the GPU (release_kv_cache False)
+    max_running_requests: int | None = None  # the engines' --max-running-requests the plan sets (None: the user's)
 
     @property
     def trainer_figures(self) -> int:
@@ -120,6 +126,9 @@ class MemoryPlan:
                 "mem_fraction_static": self.mem_fraction_static,
             }
         )
+        if self.max_running_requests is not None:
+            extras = [*cfg.rollout.server_extras, "--max-running-requests", str(self.max_running_requests)]
+            rollout = rollout.model_copy(update={"server_extras": extras})
         train = cfg.train.model_copy(update={"offload": self.offload, "gpu_memory_cap": self.trainer_cap})
         return cfg.model_copy(update={"rollout": rollout, "train": train})
 
@@ -146,17 +155,22 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
     width = _width(cfg, prompt_tokens)
     rows = min(cfg.train.micro_batch_size, math.ceil(cfg.grpo.prompts_per_step * cfg.rollout.sampling.n / _world(cfg)))
     chunk = getattr(cfg.train, "logprob_chunk", None) or DEFAULT_LOGPROB_CHUNK
-    parts = _parts(cfg, shape, gpu_bytes, rows, width, chunk)
+    users_running = _max_running(cfg)
+    samples = cfg.grpo.prompts_per_step * cfg.rollout.sampling.n
+    running = users_running or min(samples, GPU_MAX_RUNNING_REQUESTS)  # the step's samples at once
+    parts = _parts(cfg, shape, gpu_bytes, rows, width, chunk, running)
     kv_token = shape.kv_bytes_per_token(_engine_dtype_bytes(cfg, shape), cfg.rollout.tp_size)
-    step_tokens = cfg.grpo.prompts_per_step * cfg.rollout.sampling.n * width
+    step_tokens = samples * width
 
     def plan(release: bool, offload: bool, fraction: float | None = None) -> MemoryPlan:
         chosen = fraction if fraction is not None else _largest_fraction(parts, gpu_bytes, offload)
         pool = _pool_tokens(parts, chosen, gpu_bytes, kv_token)
         source = "plan" if fraction is None else "rollout.mem_fraction_static"
+        chunked = min(chunk, rows * width)
         return MemoryPlan(
-            gpu_bytes, parts, release, offload, chosen, source, pool, step_tokens, width, rows, min(chunk, rows * width)
-        )
+            gpu_bytes, parts, release, offload, chosen, source, pool, step_tokens, width, rows, chunked,
+            max_running_requests=None if users_running else running,
+        )  # fmt: skip
 
     user = cfg.rollout.mem_fraction_static
     moves_set = cfg.rollout.release_weights is True or cfg.train.offload is True  # the user's moves stand
@@ -257,8 +271,10 @@ def _staying_problems(plan: MemoryPlan, head: str) -> list[str]:
     ]
 
 
-def _parts(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, rows: int, width: int, chunk: int) -> dict[str, int]:
-    """Bytes per GPU of each part the two turns add up."""
+def _parts(
+    cfg: RunConfig, shape: ModelShape, gpu_bytes: int, rows: int, width: int, chunk: int, running: int
+) -> dict[str, int]:
+    """Bytes per GPU of each part the two turns add up; `running`: the engines' largest batch."""
     world, train = _world(cfg), cfg.train
     compute = 4 if train.mixed_precision == "fp32" else 2  # auto is bf16 on GPU
     total = shape.parameters()
@@ -271,7 +287,7 @@ def _parts(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, rows: int, width: 
     logprobs = min(chunk, rows * width) * shape.vocab * 4 * 3  # fp32 logits of a chunk, their exp and log-softmax
     optimizer_step = 4 * trainable // world  # foreach AdamW's temporaries, after the activations are freed
     engine_bytes, tp = _engine_dtype_bytes(cfg, shape), cfg.rollout.tp_size
-    reserve = activation_reserve_bytes(_max_running(cfg), shape.vocab)
+    reserve = activation_reserve_bytes(running, shape.vocab)
     embedded = cfg.rollout.backend == "embedded"
     if embedded and train.lora is not None:  # the merged adapter's saved base weights (engine/lora/lora_merge.py)
         reserve += shape.lora_target_weights(train.lora.target_modules) * engine_bytes // tp
@@ -314,12 +330,12 @@ def _engine_dtype_bytes(cfg: RunConfig, shape: ModelShape) -> int:
     return min(shape.dtype_bytes, 2) if cfg.rollout.backend == "sglang" else shape.dtype_bytes
 
 
-def _max_running(cfg: RunConfig) -> int:
-    """`--max-running-requests` when server_extras gives it, else what a GPU engine plans for."""
+def _max_running(cfg: RunConfig) -> int | None:
+    """`--max-running-requests` when server_extras gives it."""
     extras = cfg.rollout.server_extras
     for index, arg in enumerate(extras):
         if arg == "--max-running-requests" and index + 1 < len(extras):
             return int(extras[index + 1])
         if arg.startswith("--max-running-requests="):
             return int(arg.split("=", 1)[1])
-    return GPU_MAX_RUNNING_REQUESTS
+    return None
