@@ -1,4 +1,5 @@
-"""Where a GRPO train step's time goes on one GPU, and AdamW's foreach against its fused form, in one run:
+"""Where a GRPO train step's time goes on one GPU, and AdamW's foreach form against the fused one the
+trainer builds, in one run:
 
     python scripts/gpu_profile_train_step.py [--prompts 16 --n 8 --new-tokens 32] [--micro-batch-size 128]
 
@@ -6,8 +7,8 @@ The trainer the loop runs (`PolicyTrainer`, FSDP2 over a world of one, bf16 comp
 weights) on the benches' 2.08B Qwen3 shape (vocab 151,936; written to --model-path once), a synthetic
 batch of the step's shape (prompts of --prompt-tokens, every sample --new-tokens long, advantages of
 both signs). Printed as JSON lines (also to $OUT/train-step-profile.json), the device's work waited for:
-- the step's wall time, median of --repeats after two warm-up steps, with AdamW as the trainer builds it
-  (foreach on a GPU) and again with `fused=True` (the same hyper-parameters, its state started afresh);
+- the step's wall time, median of --repeats after two warm-up steps, with AdamW's foreach form and then
+  as the trainer builds it (fused on a GPU; the same hyper-parameters, its state started afresh);
 - one step under torch.profiler: the ops by device time and by host time (tables in
   $OUT/train-step-profile.txt), so the forward, backward, the head's log-probs, the gradient clip and
   the optimizer can be told apart.
@@ -127,9 +128,10 @@ def main() -> None:
     batch = batch_of(args, trainer.model.config.vocab_size)
     rows = args.prompts * args.n
     shape = {"rows": rows, "width": args.prompt_tokens + args.new_tokens, "micro_batch_size": args.micro_batch_size}
-    for name in ("as built", "fused"):
-        if name == "fused":  # the same hyper-parameters, AdamW's single-kernel form
-            trainer.optimizer = adamw(trainer.model, config, fused=True)
+    for name in ("foreach", "as built"):  # the same hyper-parameters; as built: fused on a GPU
+        trainer.optimizer = adamw(
+            trainer.model, config, **({"fused": False, "foreach": True} if name == "foreach" else {})
+        )
         timed_steps(trainer, batch, 2)  # warm-up: the optimizer's state, the allocator's blocks
         seconds = timed_steps(trainer, batch, args.repeats)
         say(optimizer=name, **shape, step_s=statistics.median(seconds), min_s=min(seconds), max_s=max(seconds))
