@@ -27,9 +27,10 @@ offload in the engines' (it is chosen when the KV pool could not hold the step's
 A run that cannot fit is refused with the figures and the settings to change.
 
 The engines are told to run at most the step's samples at once (`--max-running-requests`, unless the
-user gave it): what they reserve for a batch's logits is sized by it (3 fp32 copies of
-batch x vocab: 7.5 GB at 4096 requests and vocab 151,936, 0.23 GB at a step of 128 samples), and
-that reserve is what kept a 16 x 8 x 32 step on an 80 GB GPU from keeping its KV cache (2026-12-06).
+user gave it; with grpo.dynamic_sampling, its extra prompts' samples too): what they reserve for a
+batch's logits is sized by it (3 fp32 copies of batch x vocab: 7.5 GB at 4096 requests and vocab
+151,936, 0.23 GB at a step of 128 samples), and that reserve is what kept a 16 x 8 x 32 step on an
+80 GB GPU from keeping its KV cache (2026-12-06).
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
     chunk = getattr(cfg.train, "logprob_chunk", None) or DEFAULT_LOGPROB_CHUNK
     users_running = _max_running(cfg)
     samples = cfg.grpo.prompts_per_step * cfg.rollout.sampling.n
-    running = users_running or min(samples, GPU_MAX_RUNNING_REQUESTS)  # the step's samples at once
+    extra = cfg.grpo.dynamic_sampling_max_extra * cfg.rollout.sampling.n if cfg.grpo.dynamic_sampling else 0
+    running = users_running or min(samples + extra, GPU_MAX_RUNNING_REQUESTS)  # the step's samples at once
     parts = _parts(cfg, shape, gpu_bytes, rows, width, chunk, running)
     kv_token = shape.kv_bytes_per_token(_engine_dtype_bytes(cfg, shape), cfg.rollout.tp_size)
     step_tokens = samples * width
