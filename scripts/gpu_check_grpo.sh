@@ -17,7 +17,8 @@ runs=${*:-full lora agent}
 phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end on stdout
     local name=$1 limit=$2
     shift 2
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    # the third push of the run under torch.profiler (rollfleet/train/sync_profile.py), its tables into the log
+    ROLLFLEET_SYNC_PROFILE=/tmp/run-$name/sync-profile timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $? at $SECONDS s"
     grep -h "memory plan\|^step \|Error\|error:" "$OUT/$name.log" | cut -c1-400 | tail -12
     # what the engines' fast path took (fused kernels, or why not), from their logs (rollout.log_dir)
@@ -29,8 +30,9 @@ phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end o
     # what the trainer kept allocated after each give-back against its planned state: more is a leak
     # (2026-12-06: one, then two syncs' 2 GiB buckets stayed allocated; the engine's resume could not map)
     python3 scripts/trainer_kept.py /tmp/run-$name 2>&1 | tee -a "$OUT/$name.log"
-    for f in memory-plan.json metrics.jsonl; do  # one file a run comes back ($OUT brings back 8 at most)
-        test -f /tmp/run-$name/$f && { echo "=== $f"; cat /tmp/run-$name/$f; } >> "$OUT/$name.log"
+    for f in /tmp/run-$name/memory-plan.json /tmp/run-$name/metrics.jsonl /tmp/run-$name/sync-profile/*.txt; do
+        # one file a run comes back ($OUT brings back 8 at most)
+        test -f "$f" && { echo "=== ${f#/tmp/run-$name/}"; cat "$f"; } >> "$OUT/$name.log"
     done
     # its checkpoints and trainer state (tens of GB): left, they filled the device's disk (2026-12-05)
     rm -rf /tmp/run-$name

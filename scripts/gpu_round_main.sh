@@ -20,9 +20,11 @@ phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end o
     grep -h "lora load of\|weight update" /tmp/rf-work/engine-logs/*.log 2>/dev/null | tail -6 | tee -a "$OUT/$name.log"
     rm -rf /tmp/rf-work
 }
+# the records are named by the card that ran them (an H100 comes when an H200 is asked for)
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -q H100 && echo 1xh100 || echo 1xh200)
 sync="python3 -m rollfleet bench weight-sync --size-gb 4.16 --repeats 5 --log-dir /tmp/rf-work/engine-logs"
-phase sync-tensor 60 env ROLLFLEET_SYNC_TIMING=1 $sync --transport tensor --bucket-mb 512 --json "$OUT/weight-sync-gpu-tensor-4.16gb-512mb-1xh200.json"
-phase sync-lora 60 env ROLLFLEET_SYNC_TIMING=1 $sync --transport lora --lora-rank 32 --json "$OUT/weight-sync-gpu-lora-r32-1xh200.json"
+phase sync-tensor 60 env ROLLFLEET_SYNC_TIMING=1 $sync --transport tensor --bucket-mb 512 --json "$OUT/weight-sync-gpu-tensor-4.16gb-512mb-$card.json"
+phase sync-lora 60 env ROLLFLEET_SYNC_TIMING=1 $sync --transport lora --lora-rank 32 --json "$OUT/weight-sync-gpu-lora-r32-$card.json"
 step="python3 -m rollfleet bench grpo-step --runs colocated --gpus 1 --out /tmp/rf-work"
 phase grpo-step-small 190 $step --steps 5 --json "$OUT/grpo-step-gpu-1x-16x8x32.json"
 phase grpo-step-large 270 $step --step large --steps 4 --skip 1 --json "$OUT/grpo-step-gpu-1x-64x8x512.json"

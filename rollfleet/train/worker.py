@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from rollfleet.fleet.placement import warn_if_deprioritized
 from rollfleet.layout import colocated_feeders
+from rollfleet.train.sync_profile import SyncProfiler
 from rollfleet.weights.transports import EngineTarget, SyncReport, make_transport
 from rollfleet.weights.transports.base import transport_class
 from rollfleet.weights.transports.feed import RankFeed
@@ -53,6 +54,7 @@ class TrainWorker:
         self.copying: threading.Thread | None = None  # a snapshot's host copy under way (start_snapshot)
         self.copy_result: dict = {}
         self.feed_group = None  # the gloo group of an every-rank push (colocated tensor sync), made once
+        self.sync_profiler = SyncProfiler(rank)  # ROLLFLEET_SYNC_PROFILE=DIR: one push under torch.profiler
 
     def train_step(self, batch: list[dict]) -> dict[str, float]:
         waited = self._settle_copy()
@@ -80,7 +82,7 @@ class TrainWorker:
             return None
         transport = self._transport(spec, targets, options, feeders if every_rank else None)
         try:
-            return transport.send(source, version)
+            return self.sync_profiler.around(lambda: transport.send(source, version))
         except Exception:
             self.close_transport()  # a failed send may leave the group unusable: form a new one next time
             raise
