@@ -120,9 +120,11 @@ def test_a_trainer_turn_releases_what_the_config_says_and_the_engines_serve_afte
     if release_kv_cache:
         assert states == [EngineState.SLEEPING] * 2 and moves["engine_released_bytes"] >= 0
         assert moves["trainer_memory"] == dict.fromkeys(TRAINER_MEMORY)  # the offload ended the turn (CPU: None)
+        assert moves["trainer_give_back_seconds"] > 0 and moves["engine_resume_seconds"] > 0
     else:
         assert states == [EngineState.ACTIVE] * 2 and "engine_released_bytes" not in moves
         assert "trainer_memory" not in moves and "engine_resume_seconds" not in moves
+        assert "trainer_give_back_seconds" not in moves
     assert report.verified == [0, 1] and fleet.version == f"turn-{release_weights}-{release_kv_cache}"
     assert [s.lifecycle.state for s in fleet.slots] == [EngineState.ACTIVE] * 2
     # read from both engines before the release; the CPU engines capture no decode graphs

@@ -83,8 +83,8 @@ def trainer_turn(
     fleet: TurnFleet, trainers: Trainers, timed: Callable[[str], object] | None = None, moves: dict | None = None
 ):
     """See the module docstring; `timed("sleep_wake")` times the memory moves and `moves` (a dict)
-    receives their bytes and seconds: trainer_onload/offload_bytes/_seconds, engine_release_seconds,
-    engine_released_bytes, engine_resume_seconds, and the engines' graph captures so far
+    receives their bytes and seconds: trainer_onload/offload_bytes/_seconds, trainer_give_back_seconds,
+    engine_release_seconds, engine_released_bytes, engine_resume_seconds, and the engines' graph captures so far
     (engine_graph_captures_total, engine_graph_capture_seconds_total: read before the release)."""
     if fleet.rollout.placement != "colocated":
         yield
@@ -113,7 +113,9 @@ def _offload_and_resume(fleet: TurnFleet, trainers: Trainers, moves: dict) -> No
     backend. An engine's resume maps its KV pool's memory at once (SGLang's and the embedded engine's
     paged pool alike: through torch_memory_saver, or a new allocation without it), so it must come
     after the trainer freed the GPU and emptied its cache, or the two meet at the peak."""
+    start = time.perf_counter()
     _offloaded(moves, trainers.offload())
+    moves["trainer_give_back_seconds"] = time.perf_counter() - start  # the offload, if any, and the cache's return
     start = time.perf_counter()
     try:
         fleet.wake(RESUME_AFTER_PUSH)

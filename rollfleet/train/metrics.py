@@ -95,6 +95,8 @@ def sleep_wake_figures(moves: dict, ceiling: dict | None = None) -> dict:
         "engine_released_bytes": moves.get("engine_released_bytes", 0),
         "engine_release_seconds": moves.get("engine_release_seconds", 0.0),
         "engine_resume_seconds": moves.get("engine_resume_seconds", 0.0),
+        # the trainers' end of turn as the driver waits for it: their offload (if any) and cache give-back
+        "trainer_give_back_seconds": moves.get("trainer_give_back_seconds", 0.0),
         # decode graphs the release dropped, captured again in the step's generate (embedded engine, GPU)
         "engine_graph_captures": moves.get("engine_graph_captures"),
         "engine_graph_capture_seconds": moves.get("engine_graph_capture_seconds"),
