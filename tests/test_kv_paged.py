@@ -424,28 +424,3 @@ def _close(a, b) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         return abs(a - b) <= 1e-4
     return a == b
-
-
-def test_the_pool_is_one_allocation_copied_released_and_resumed_whole():
-    """Every layer's keys and values are views of one buffer (the memory saver maps one region), a
-    fork's page copy reaches every layer, and a release without the saver frees it, a resume zeroes it."""
-    from rollfleet.engine.kv.pool import KVPool, KVShape
-
-    pool = KVPool(KVShape(num_layers=3, kv_heads=2, head_dim=4, dtype=torch.float32), 5, 2, torch.device("cpu"))
-    storage = pool.buffer.untyped_storage().data_ptr()
-    assert len(pool.keys) == len(pool.values) == 3
-    assert {t.untyped_storage().data_ptr() for t in [*pool.keys, *pool.values]} == {storage}
-    assert pool.full_bytes() == pool.nbytes == 2 * 3 * 10 * 2 * 4 * 4
-    pool.buffer.copy_(torch.randn_like(pool.buffer))
-    before = pool.buffer.clone()
-    pool.copy_pages([(1, 3), (0, 4)])  # page 3 <- page 1, page 4 <- page 0 (slots 2 per page)
-    for layer in range(6):
-        got, was = pool.buffer[layer], before[layer]
-        assert torch.equal(got[6:8], was[2:4]) and torch.equal(got[8:10], was[0:2])
-        assert torch.equal(got[:6], was[:6])  # the other pages unchanged
-    pool.release()
-    assert pool.buffer.untyped_storage().nbytes() == 0 and pool.nbytes == 0 and pool.epoch == 1
-    pool.resume()
-    assert pool.nbytes == pool.full_bytes() and pool.epoch == 2
-    assert all(torch.count_nonzero(t) == 0 for t in [*pool.keys, *pool.values])  # fresh storage, zeroed
-    assert pool.keys[2].data_ptr() == pool.buffer[2].data_ptr()  # the views read the resumed storage

@@ -50,18 +50,15 @@ class KVPool:
     ):
         self.shape, self.num_pages, self.page_size, self.device = shape, num_pages, page_size, device
         self.saver = saver
-        slots, layers = num_pages * page_size, shape.num_layers
-        # ONE allocation, every layer's keys then values as views of it: a release or resume through
-        # the saver unmaps or maps one region instead of 2 x layers (48 for 24 layers), a fork's page
-        # copy is one gather over every layer, and without the saver one storage is resized
+        slots = num_pages * page_size
         with saver.region(KV_CACHE_TAG) if saver is not None else contextlib.nullcontext():
-            self.buffer = torch.zeros(
-                2 * layers, slots, shape.kv_heads, shape.head_dim, dtype=shape.dtype, device=device
-            )
-        self.keys = list(self.buffer[:layers].unbind(0))
-        self.values = list(self.buffer[layers:].unbind(0))
+            self.keys = [self._zeros(slots) for _ in range(shape.num_layers)]
+            self.values = [self._zeros(slots) for _ in range(shape.num_layers)]
         self.epoch = 0
         self.released = False
+
+    def _zeros(self, slots: int) -> torch.Tensor:
+        return torch.zeros(slots, self.shape.kv_heads, self.shape.head_dim, dtype=self.shape.dtype, device=self.device)
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +66,7 @@ class KVPool:
 
     def full_bytes(self) -> int:
         """The pool's bytes when held (released or not)."""
-        return self.buffer.numel() * self.buffer.element_size()
+        return sum(t.numel() * t.element_size() for t in [*self.keys, *self.values])
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Page `dst` gets page `src`'s KV in every layer (a fork's partial last page)."""
@@ -80,7 +77,8 @@ class KVPool:
         src = torch.tensor([s for s, _ in pairs])[:, None] * size + offsets
         dst = torch.tensor([d for _, d in pairs])[:, None] * size + offsets
         src, dst = src.flatten().to(self.device), dst.flatten().to(self.device)
-        self.buffer.index_copy_(1, dst, self.buffer.index_select(1, src))  # every layer's keys and values
+        for tensor in [*self.keys, *self.values]:
+            tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def release(self) -> None:
         if self.released:  # a release of all tags while the KV cache is released already
@@ -88,7 +86,8 @@ class KVPool:
         if self.saver is not None:
             self.saver.pause(KV_CACHE_TAG, self.device)
         else:
-            self.buffer.untyped_storage().resize_(0)
+            for tensor in [*self.keys, *self.values]:
+                tensor.untyped_storage().resize_(0)
         self.released, self.epoch = True, self.epoch + 1
 
     def resume(self) -> None:
@@ -96,9 +95,10 @@ class KVPool:
             return
         if self.saver is not None:
             self.saver.resume(KV_CACHE_TAG)
-        else:  # fresh storage: zeroed, as before the saver
-            self.buffer.untyped_storage().resize_(self.full_bytes())
-            self.buffer.zero_()
+        else:
+            for tensor in [*self.keys, *self.values]:  # fresh storage: zeroed, as before the saver
+                tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+                tensor.zero_()
         self.released, self.epoch = False, self.epoch + 1
 
 
