@@ -229,6 +229,10 @@ def test_the_engines_plan_for_the_steps_samples_so_a_small_step_keeps_its_kv_on_
     assert plan.parts["engine_inside"] == 3 * 128 * REAL_VOCAB * 4 + 2 * 2**30
     extras = plan.apply(cfg).rollout.server_extras
     assert extras[-2:] == ["--max-running-requests", "128"]
+    sglang = ["rollout.backend=sglang", 'rollout.sglang_command=["python3", "-m", "sglang.launch_server"]']
+    theirs = plan_memory(colocated(*SMALL_STEP, *sglang), shape, h100, prompt_tokens=6)  # its memory is its own
+    assert theirs.max_running_requests is None
+    assert theirs.parts["engine_outside"] == 3 * 4096 * REAL_VOCAB * 4 + 2 * 2**30
     dynamic = colocated(*SMALL_STEP, "grpo.dynamic_sampling=true", "grpo.dynamic_sampling_max_extra=4")
     assert plan_memory(dynamic, shape, h100, prompt_tokens=6).max_running_requests == (16 + 4) * 8
     users = colocated(

@@ -26,11 +26,12 @@ then the trainer's state goes to host while the engines generate (a copy each wa
 offload in the engines' (it is chosen when the KV pool could not hold the step's samples at once).
 A run that cannot fit is refused with the figures and the settings to change.
 
-The engines are told to run at most the step's samples at once (`--max-running-requests`, unless the
-user gave it; with grpo.dynamic_sampling, its extra prompts' samples too): what they reserve for a
+The embedded engines are told to run at most the step's samples at once (`--max-running-requests`, unless
+the user gave it; with grpo.dynamic_sampling, its extra prompts' samples too): what they reserve for a
 batch's logits is sized by it (3 fp32 copies of batch x vocab: 7.5 GB at 4096 requests and vocab
 151,936, 0.23 GB at a step of 128 samples), and that reserve is what kept a 16 x 8 x 32 step on an
-80 GB GPU from keeping its KV cache (2026-12-06).
+80 GB GPU from keeping its KV cache (2026-12-06). SGLang keeps the reserve of its default batch: its
+memory beside the fraction (graphs, prefill activations) is its own.
 """
 
 from __future__ import annotations
@@ -159,7 +160,10 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
     users_running = _max_running(cfg)
     samples = cfg.grpo.prompts_per_step * cfg.rollout.sampling.n
     extra = cfg.grpo.dynamic_sampling_max_extra * cfg.rollout.sampling.n if cfg.grpo.dynamic_sampling else 0
-    running = users_running or min(samples + extra, GPU_MAX_RUNNING_REQUESTS)  # the step's samples at once
+    # the step's samples at once, on the embedded engine; SGLang's memory beside its fraction (graphs,
+    # prefill activations) is its own, so it keeps the reserve of its default batch, unchanged
+    planned = cfg.rollout.backend == "embedded" and not users_running
+    running = users_running or (min(samples + extra, GPU_MAX_RUNNING_REQUESTS) if planned else GPU_MAX_RUNNING_REQUESTS)
     parts = _parts(cfg, shape, gpu_bytes, rows, width, chunk, running)
     kv_token = shape.kv_bytes_per_token(_engine_dtype_bytes(cfg, shape), cfg.rollout.tp_size)
     step_tokens = samples * width
@@ -171,7 +175,7 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
         chunked = min(chunk, rows * width)
         return MemoryPlan(
             gpu_bytes, parts, release, offload, chosen, source, pool, step_tokens, width, rows, chunked,
-            max_running_requests=None if users_running else running,
+            max_running_requests=running if planned else None,
         )  # fmt: skip
 
     user = cfg.rollout.mem_fraction_static
