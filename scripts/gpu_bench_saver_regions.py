@@ -2,11 +2,11 @@
 
     python scripts/gpu_bench_saver_regions.py [--gib 60] [--splits 1,4,16,48,192] [--repeats 3]
 
-The engine's KV pool was one allocation per layer's keys and values (48 for the benches' 24 layers), then
-one allocation (6cb1da6); the saver check of 2026-12-06 (H100, 65 GiB) measured a turn of release 36 ms
-+ resume 187 ms with one allocation against 43-49 + 91-113 ms with 48 on the day before. This times the
-saver alone: --gib of bf16 memory allocated inside a region as N equal tensors, paused and resumed
---repeats times, each split in a fresh process (a paused tag's pages must not be reused by the next).
+The engine's KV pool is one allocation per layer's keys and values (48 for the benches' 24 layers); one
+allocation for all of it (6cb1da6, reverted) resumed more slowly on H100s: 184-188 ms in the saver check
+(65 GiB) against 91-113 ms with 48, and 83-127 ms in the loop against 47-79. This times the saver
+alone: --gib of bf16 memory allocated inside a region as N equal tensors, paused and resumed --repeats
+times, each split in a fresh process (a paused tag's pages must not be reused by the next).
 Prints one JSON line per split (also appended to $OUT/saver-regions.json when OUT is set).
 """
 
