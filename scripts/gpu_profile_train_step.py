@@ -2,6 +2,7 @@
 trainer builds, in one run:
 
     python scripts/gpu_profile_train_step.py [--prompts 16 --n 8 --new-tokens 32] [--micro-batch-size 128]
+                                              [--compile]     (train.compile: run it again with, to compare)
 
 The trainer the loop runs (`PolicyTrainer`, FSDP2 over a world of one, bf16 compute over fp32 master
 weights) on the benches' 2.08B Qwen3 shape (vocab 151,936; written to --model-path once), a synthetic
@@ -54,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=6, help="the bench's prompts: about 6 tokens")
     parser.add_argument("--micro-batch-size", type=int, default=128, help="the memory plan's rows at 16 x 8 x 32")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="train.compile: each decoder layer's forward compiled")
     return parser.parse_args()
 
 
@@ -123,11 +125,12 @@ def main() -> None:
     init_distributed(0, 1, master_port=free_port(), backend="nccl" if args.device == "cuda" else "gloo")
     device = torch.device(args.device)
     mixed = "bf16" if device.type == "cuda" else "fp32"
-    config = TrainConfig(micro_batch_size=args.micro_batch_size, mixed_precision=mixed)
+    config = TrainConfig(micro_batch_size=args.micro_batch_size, mixed_precision=mixed, compile=args.compile)
     trainer = PolicyTrainer(path, config, device=device)
     batch = batch_of(args, trainer.model.config.vocab_size)
     rows = args.prompts * args.n
     shape = {"rows": rows, "width": args.prompt_tokens + args.new_tokens, "micro_batch_size": args.micro_batch_size}
+    shape["compile"] = args.compile  # the warm-up steps compile
     for name in ("foreach", "as built"):  # the same hyper-parameters; as built: fused on a GPU
         trainer.optimizer = adamw(
             trainer.model, config, **({"fused": False, "foreach": True} if name == "foreach" else {})

@@ -96,8 +96,28 @@ class TrainConfig(_Section):
     lora: LoraTrainConfig | None = Field(
         None, description="Train a LoRA adapter (peft) instead of the full weights; needs weight_sync.transport=lora."
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer's forward (inductor on a GPU), fusing the elementwise work "
+        "around its products (norms, rotary, activation, casts); names, checkpoints and syncs are unchanged. "
+        "Each new micro-batch shape compiles once (seconds to tens of seconds; later shapes compile with dynamic "
+        "sizes). Not with routing_replay (its hooks feed each call the engine's choices).",
+    )
     routing_replay: bool = Field(
         False,
         description="MoE only: the trainer's forward uses the experts the engine chose for each token (SGLang's "
         "routed_experts; engines get --enable-return-routed-experts) instead of its own top-k.",
     )
+
+    @model_validator(mode="after")
+    def _check_compile(self) -> TrainConfig:
+        """compile: not with routing_replay, whose hooks inside the layers feed each call its own choices."""
+        if self.compile and self.routing_replay:
+            raise FieldProblem(
+                "cannot be combined with train.routing_replay (its router hooks give every forward the engine's "
+                "expert choices, state a compiled layer would not see)",
+                "set train.compile=false, or train.routing_replay=false",
+                field="compile",
+                value=self.compile,
+            )
+        return self

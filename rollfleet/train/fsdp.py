@@ -93,7 +93,12 @@ class PolicyTrainer:
     def _load_sharded(self, *, trainable: bool) -> torch.nn.Module:
         lora_config = self.config if trainable and self.lora else None
         return load_sharded(
-            self.model_path, self.mesh, self.compute_dtype, trainable=trainable, lora_config=lora_config
+            self.model_path,
+            self.mesh,
+            self.compute_dtype,
+            trainable=trainable,
+            lora_config=lora_config,
+            compile_layers=self.config.compile,
         )
 
     # ---------------------------------------------------------------- training

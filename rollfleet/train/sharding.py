@@ -34,8 +34,10 @@ def load_sharded(
     *,
     trainable: bool,
     lora_config: TrainConfig | None = None,
+    compile_layers: bool = False,
 ) -> torch.nn.Module:
-    """`lora_config`: a LoRA run's train config; the trainable model is wrapped with peft before sharding."""
+    """`lora_config`: a LoRA run's train config; the trainable model is wrapped with peft before sharding.
+    `compile_layers`: each decoder layer's forward compiled (`compiled_forwards`)."""
     # Every rank reads the full checkpoint on CPU, then keeps its shard (moved to the mesh's device).
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     if trainable and lora_config is not None:
@@ -50,11 +52,30 @@ def load_sharded(
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if compile_layers:
+        compiled_forwards(layers)
     if trainable:
         model.train()
     else:
         model.eval().requires_grad_(False)
     return model
+
+
+COMPILE_BACKEND = "inductor"  # the tests compile with "aot_eager" (no code generation on the CPU)
+
+
+def compiled_forwards(layers: list[torch.nn.Module]) -> None:
+    """torch.compile each layer's forward, in place (train.compile). The forward, not the module: names stay
+    those of the checkpoint (a compiled module's parameters would be under `_orig_mod.`), and FSDP2's hooks,
+    which run around the forward in `Module.__call__`, stay outside the compiled code. All layers share one
+    code object, whose cache holds an entry per layer, grad mode (the old log-probs run without), adapter
+    state (a LoRA run's reference) and shape: at dynamo's default of 8 entries a 2-layer LoRA model with
+    a KL reference ran eagerly after its first steps, so the limit is raised to cover them."""
+    dynamo = torch._dynamo.config
+    dynamo.cache_size_limit = max(dynamo.cache_size_limit, 16 * len(layers))  # recompile_limit in newer torch
+    dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit, 64 * len(layers))
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, backend=COMPILE_BACKEND)
 
 
 def default_device() -> torch.device:
