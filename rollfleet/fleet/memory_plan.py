@@ -70,7 +70,7 @@ class MemoryPlan:
     logprob_chunk: int
     release_kv_cache: bool = True  # False: the engines keep all their memory through the trainer's turn
     trainer_cap: float | None = None  # the trainer's allocator cap, a fraction of the GPU (release_kv_cache False)
-    max_running_requests: int | None = None  # the engines' --max-running-requests the plan sets (None: the user's)
+    max_running_requests: int | None = None  # embedded engines' --max-running-requests (None: the user's, or SGLang's)
 
     @property
     def trainer_figures(self) -> int:
