@@ -165,9 +165,9 @@ def test_a_resume_the_device_cannot_back_is_refused_before_it_maps_anything():
         ["kv_cache", "weights"], "cuda:0", mapped=40 * gib, allocated=4 * gib, free=38 * gib, cached=9 * gib
     )
     assert why is not None
-    from rollfleet.fleet.colocation import RESUME_REFUSED
+    from rollfleet.wire.errors import RESUME_REFUSED
 
-    assert RESUME_REFUSED in why  # how the fleet tells this refusal from others (colocation.py)
+    assert RESUME_REFUSED in why  # how the fleet tells this refusal from others (fleet/colocation.py)
     for part in ["['kv_cache', 'weights']", "refused, nothing changed", "44.00 GiB", "cuda:0", "38.00 GiB is free"]:
         assert part in why, why
     # the cache does not back the saver's map

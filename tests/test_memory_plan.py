@@ -230,9 +230,9 @@ def test_the_engines_plan_for_the_steps_samples_so_a_small_step_keeps_its_kv_on_
     extras = plan.apply(cfg).rollout.server_extras
     assert extras[-2:] == ["--max-running-requests", "128"]
     sglang = ["rollout.backend=sglang", 'rollout.sglang_command=["python3", "-m", "sglang.launch_server"]']
-    theirs = plan_memory(colocated(*SMALL_STEP, *sglang), shape, h100, prompt_tokens=6)  # its memory is its own
-    assert theirs.max_running_requests is None
-    assert theirs.parts["engine_outside"] == 3 * 4096 * REAL_VOCAB * 4 + 2 * 2**30
+    on_sglang = plan_memory(colocated(*SMALL_STEP, *sglang), shape, h100, prompt_tokens=6)  # its memory is its own
+    assert on_sglang.max_running_requests is None
+    assert on_sglang.parts["engine_outside"] == 3 * 4096 * REAL_VOCAB * 4 + 2 * 2**30
     dynamic = colocated(*SMALL_STEP, "grpo.dynamic_sampling=true", "grpo.dynamic_sampling_max_extra=4")
     assert plan_memory(dynamic, shape, h100, prompt_tokens=6).max_running_requests == (16 + 4) * 8
     users = colocated(
@@ -298,7 +298,8 @@ def test_the_one_gpu_example_loads_with_the_plans_defaults_and_fits_an_h200():
 def test_a_refused_resume_is_told_in_the_runs_words():
     """An engine refused its resume after the trainer's turn (its device could not back it): the run's
     error says what the trainer kept and which settings give the engines less or free the trainer's GPU."""
-    from rollfleet.fleet.colocation import RESUME_REFUSED, refused_resume
+    from rollfleet.fleet.colocation import refused_resume
+    from rollfleet.wire.errors import RESUME_REFUSED
 
     engine = (
         f"resume_memory_occupation of tags ['cuda_graph', 'kv_cache'] {RESUME_REFUSED} 37.88 GiB on cuda:0 "

@@ -25,12 +25,10 @@ from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 from rollfleet.fleet.seams import Trainers, TurnFleet
-from rollfleet.wire.errors import EngineError
+from rollfleet.wire.errors import RESUME_REFUSED, EngineError
 
 # SGLang's memory tags (sglang.srt.constants); the embedded engine drops its decode graphs on a release
 RESUME_AFTER_PUSH = ["cuda_graph", "kv_cache"]
-# how the embedded engine refuses a resume its device cannot back (engine/model/model.py, resume_refusal)
-RESUME_REFUSED = "refused, nothing changed: it needs"
 
 
 class ColocatedMemoryError(RuntimeError):

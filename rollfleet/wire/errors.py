@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 
+# in the 400 of an embedded engine's resume its device cannot back (engine/model/model.py, resume_refusal);
+# the fleet tells that refusal from others by it (fleet/colocation.py)
+RESUME_REFUSED = "refused, nothing changed: it needs"
+
 
 class EngineUnreachable(ConnectionError):
     def __init__(self, route: str, base_url: str, cause: BaseException):

@@ -30,6 +30,7 @@ from rollfleet.engine.weights.remote_instance import RemoteInstance
 from rollfleet.engine.weights.weight_groups import WeightGroups, WeightUpdateError
 from rollfleet.engine.weights.weight_storage import HostCopy, own_storages, unique_storages
 from rollfleet.engine.weights.weight_update import SYNC_TIMING, WeightSchema, WeightUpdater
+from rollfleet.wire.errors import RESUME_REFUSED
 from rollfleet.wire.fingerprint import Fingerprints
 from rollfleet.wire.naming import model_to_checkpoint
 
@@ -336,7 +337,7 @@ def resume_refusal(tags: list[str], device, mapped: int, allocated: int, free: i
         return None
     gib = 1 << 30
     return (
-        f"resume_memory_occupation of tags {tags} refused, nothing changed: it needs "
+        f"resume_memory_occupation of tags {tags} {RESUME_REFUSED} "
         f"{(mapped + allocated) / gib:.2f} GiB on {device} and {free / gib:.2f} GiB is free there "
         f"(+{cached / gib:.2f} GiB cached by this engine): another process holds the rest (a colocated "
         "trainer that kept its memory, or buffers this engine received from it through CUDA IPC and "
