@@ -26,12 +26,9 @@ then the trainer's state goes to host while the engines generate (a copy each wa
 offload in the engines' (it is chosen when the KV pool could not hold the step's samples at once).
 A run that cannot fit is refused with the figures and the settings to change.
 
-The embedded engines are told to run at most the step's samples at once (`--max-running-requests`, unless
-the user gave it; with grpo.dynamic_sampling, its extra prompts' samples too): what they reserve for a
-batch's logits is sized by it (3 fp32 copies of batch x vocab: 7.5 GB at 4096 requests and vocab
-151,936, 0.23 GB at a step of 128 samples), and that reserve is what kept a 16 x 8 x 32 step on an
-80 GB GPU from keeping its KV cache (2026-12-06). SGLang keeps the reserve of its default batch: its
-memory beside the fraction (graphs, prefill activations) is its own.
+Embedded engines run at most the step's samples at once (`_running`): their logits reserve, 3 fp32
+copies of batch x vocab, is 0.23 GB for a 16 x 8 x 32 step instead of 7.5 GB for 4096 requests, which
+kept that step on an 80 GB GPU from keeping its KV cache (2026-12-06).
 """
 
 from __future__ import annotations
@@ -155,15 +152,10 @@ def unplanned(cfg: RunConfig) -> RunConfig:
 def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens: int) -> MemoryPlan:
     """The plan of a colocated GPU run (see the module docstring); ConfigError when it cannot fit."""
     width = _width(cfg, prompt_tokens)
-    rows = min(cfg.train.micro_batch_size, math.ceil(cfg.grpo.prompts_per_step * cfg.rollout.sampling.n / _world(cfg)))
-    chunk = getattr(cfg.train, "logprob_chunk", None) or DEFAULT_LOGPROB_CHUNK
-    users_running = _max_running(cfg)
     samples = cfg.grpo.prompts_per_step * cfg.rollout.sampling.n
-    extra = cfg.grpo.dynamic_sampling_max_extra * cfg.rollout.sampling.n if cfg.grpo.dynamic_sampling else 0
-    # the step's samples at once, on the embedded engine; SGLang's memory beside its fraction (graphs,
-    # prefill activations) is its own, so it keeps the reserve of its default batch, unchanged
-    planned = cfg.rollout.backend == "embedded" and not users_running
-    running = users_running or (min(samples + extra, GPU_MAX_RUNNING_REQUESTS) if planned else GPU_MAX_RUNNING_REQUESTS)
+    rows = min(cfg.train.micro_batch_size, math.ceil(samples / _world(cfg)))
+    chunk = getattr(cfg.train, "logprob_chunk", None) or DEFAULT_LOGPROB_CHUNK
+    running, told = _running(cfg, samples)
     parts = _parts(cfg, shape, gpu_bytes, rows, width, chunk, running)
     kv_token = shape.kv_bytes_per_token(_engine_dtype_bytes(cfg, shape), cfg.rollout.tp_size)
     step_tokens = samples * width
@@ -175,7 +167,7 @@ def plan_memory(cfg: RunConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens
         chunked = min(chunk, rows * width)
         return MemoryPlan(
             gpu_bytes, parts, release, offload, chosen, source, pool, step_tokens, width, rows, chunked,
-            max_running_requests=running if planned else None,
+            max_running_requests=told,
         )  # fmt: skip
 
     user = cfg.rollout.mem_fraction_static
@@ -336,12 +328,18 @@ def _engine_dtype_bytes(cfg: RunConfig, shape: ModelShape) -> int:
     return min(shape.dtype_bytes, 2) if cfg.rollout.backend == "sglang" else shape.dtype_bytes
 
 
-def _max_running(cfg: RunConfig) -> int | None:
-    """`--max-running-requests` when server_extras gives it."""
+def _running(cfg: RunConfig, samples: int) -> tuple[int, int | None]:
+    """The batch the engines' reserve is sized for, and the --max-running-requests the plan gives them
+    (None: none). The user's value (rollout.server_extras) stands; an embedded engine runs the step's
+    samples (and dynamic sampling's extras) at once; SGLang's memory beside its fraction is its own."""
     extras = cfg.rollout.server_extras
     for index, arg in enumerate(extras):
         if arg == "--max-running-requests" and index + 1 < len(extras):
-            return int(extras[index + 1])
+            return int(extras[index + 1]), None
         if arg.startswith("--max-running-requests="):
-            return int(arg.split("=", 1)[1])
-    return None
+            return int(arg.split("=", 1)[1]), None
+    if cfg.rollout.backend != "embedded":
+        return GPU_MAX_RUNNING_REQUESTS, None
+    extra = cfg.grpo.dynamic_sampling_max_extra * cfg.rollout.sampling.n if cfg.grpo.dynamic_sampling else 0
+    running = min(samples + extra, GPU_MAX_RUNNING_REQUESTS)
+    return running, running
