@@ -70,6 +70,9 @@ def _gather_case(rank: int, model_dir: str, out: str) -> None:
         tensors, count = _counted_gathers(lambda s=source: {n: t.clone() for n, t in s.named_tensors()})
         result[label], result[f"{label}_gathers"] = tensors, count
         result[f"{label}_gathered_dtypes"] = set(GATHERED_DTYPES)
+    uncast = ModuleSource(model, dtype=torch.bfloat16)  # as the tensor transport asks: it casts as it packs
+    tensors, count = _counted_gathers(lambda: {n: t.clone() for n, t in uncast.named_tensors(cast=False)})
+    result["uncast"], result["uncast_gathers"] = tensors, count
     left_out, count = _counted_gathers(lambda: list(ModuleSource(model, keep=rank == 0).named_tensors()))
     result["kept"], result["kept_gathers"] = len(left_out), count
     lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj", "lm_head"]}
@@ -134,6 +137,11 @@ def test_bucketed_gather_gives_the_checkpoint_exactly_in_few_collectives(kind, w
         for name, tensor in expected.items():
             assert result["bf16"][name].dtype == torch.bfloat16
             assert torch.equal(result["bf16"][name], tensor.to(torch.bfloat16)), name
+        # cast=False: what needs no gather comes in the trainer's dtype (the pack casts it); gathered
+        # shards are still cast before their gather
+        assert result["uncast_gathers"] == result["bf16_gathers"]
+        for name, tensor in expected.items():
+            assert torch.equal(result["uncast"][name], tensor if world == 1 else tensor.to(torch.bfloat16)), name
         # the engine's fingerprints (values in its dtype) match what a bf16 push sends
         assert fingerprints(result["bf16"].items(), torch.bfloat16) == fingerprints(expected.items(), torch.bfloat16)
     assert [r["kept"] for r in ranks] == [len(expected)] + [0] * (world - 1)
@@ -146,6 +154,19 @@ def test_plain_module_is_cast_and_left_whole(tmp_path):
     assert set(got) == {name for name, _ in model.named_parameters()}
     for name, param in model.named_parameters():
         assert got[name].dtype == torch.float16 and torch.equal(got[name], param.detach().half())
+
+
+def test_uncast_tensors_of_a_plain_module_are_its_parameters_for_the_pack_to_cast():
+    from rollfleet.weights.transports.tensor import uncast_tensors
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    tensors, cast_to = uncast_tensors(ModuleSource(model, dtype=torch.float16))
+    got = dict(tensors)
+    assert cast_to == torch.float16
+    for name, param in model.named_parameters():  # no copy: the pack reads the parameter itself
+        assert got[name].dtype == torch.float32 and got[name].data_ptr() == param.data_ptr()
+    tensors, cast_to = uncast_tensors(ModuleSource(model))  # no engine dtype: nothing to cast
+    assert cast_to is None and all(t.dtype == torch.float32 for _, t in tensors)
 
 
 def test_the_push_casts_only_to_the_one_dtype_every_engine_reports():

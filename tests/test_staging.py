@@ -219,3 +219,30 @@ def test_a_reused_plan_and_buffer_carry_only_the_latest_call():
     assert plans.plan(other) is not plan
     with pytest.raises(AssertionError, match="layout"):
         plan.pack(other, buffer)
+
+
+@pytest.mark.parametrize("cast_to", [torch.bfloat16, torch.float16])
+def test_a_plan_that_casts_as_it_packs_sends_what_packing_the_cast_tensors_sends(cast_to):
+    """The tensor transport packs a trainer's fp32 tensors straight into its engines' dtype (no cast
+    copy first): every byte, metadata record, size and fingerprint equals packing the cast tensors;
+    integer tensors and tensors already in that dtype go as they are."""
+    from rollfleet.weights.transports.staging import PackPlan, PackPlans
+
+    call = _layout_call(4) + [("engine_dtype", torch.randn(5, 3).to(cast_to))]
+    cast = [(name, t.to(cast_to) if t.is_floating_point() else t) for name, t in call]
+    assert call_bytes(call, cast_to) == call_bytes(cast) < call_bytes(call)
+    expected = PackPlan(cast).pack(cast, torch.full((call_bytes(cast),), 0xA5, dtype=torch.uint8))
+    plan = PackPlans().plan(call, cast_to)
+    bucket = plan.pack(call, torch.full((call_bytes(call, cast_to),), 0xA5, dtype=torch.uint8))  # padding alike
+    assert torch.equal(bucket.flattened_tensor, expected.flattened_tensor)
+    assert [m.to_wire() for m in bucket.metadata] == [m.to_wire() for m in expected.metadata]
+    unpacked = bucket.unpack()
+    for name, tensor in cast:
+        assert unpacked[name].dtype == tensor.dtype and torch.equal(unpacked[name], tensor), name
+    collector = Fingerprints(cast_to)
+    plan.fingerprint(bucket, collector)  # the engine's fingerprints: of values in its dtype
+    assert collector.digests() == fingerprints(call, cast_to) == fingerprints(cast, cast_to)
+    # a plan is its wire layout: the cast tensors themselves pack the same; another layout is refused
+    assert torch.equal(plan.pack(cast, bucket.flattened_tensor.clone()).flattened_tensor, bucket.flattened_tensor)
+    with pytest.raises(AssertionError, match="layout"):
+        plan.pack(call[1:], bucket.flattened_tensor)

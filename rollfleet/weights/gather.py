@@ -53,10 +53,14 @@ class ShardGather:
     """Gathers layers of parameters into full tensors in `dtype` (None: their own dtype).
 
     `keep=False` (a rank that takes part in the gathers but sends nothing): the collectives run,
-    the full tensors are not assembled, and the dicts it yields hold None."""
+    the full tensors are not assembled, and the dicts it yields hold None. `defer_cast=True`: a
+    tensor that needs no collective (a plain tensor, or a shard on a mesh of one rank) comes as it
+    is, a view, NOT cast: its caller casts it as it copies it anyway (the tensor transport, into its
+    bucket), which saves a copy of the model and one kernel launch per parameter (on one H100 the
+    casts were 10 ms of host time of a 40 ms push of 4.16 GB, and half its device time)."""
 
-    def __init__(self, dtype: torch.dtype | None = None, *, keep: bool = True):
-        self.dtype, self.keep = dtype, keep
+    def __init__(self, dtype: torch.dtype | None = None, *, keep: bool = True, defer_cast: bool = False):
+        self.dtype, self.keep, self.defer_cast = dtype, keep, defer_cast
 
     @staticmethod
     def gathered_bytes(param: torch.Tensor, dtype: torch.dtype | None) -> int:
@@ -64,11 +68,12 @@ class ShardGather:
         cast = dtype is not None and param.is_floating_point()
         return param.numel() * (dtype.itemsize if cast else param.element_size())
 
-    def cast(self, tensor: torch.Tensor) -> torch.Tensor:
+    def cast(self, tensor: torch.Tensor, *, local: bool = False) -> torch.Tensor:
+        """`tensor` in `dtype`; `local`: a tensor that needs no collective (see `defer_cast`)."""
         tensor = tensor.detach()
-        if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
-            return tensor.to(self.dtype)
-        return tensor
+        if self.dtype is None or (local and self.defer_cast) or not tensor.is_floating_point():
+            return tensor
+        return tensor.to(self.dtype)
 
     def full_tensors(self, layers: list[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor | None]]:
         """Each layer's full tensors (name -> tensor, in the layer's order), the row-sharded ones of
@@ -83,7 +88,7 @@ class ShardGather:
                 elif isinstance(param, DTensor):
                     out[name] = self.cast(param).full_tensor()  # collective: every rank, same order
                 else:
-                    out[name] = self.cast(param)
+                    out[name] = self.cast(param, local=True)
             yield out
 
     def _gather_rows(self, rows: list[tuple[int, str, DTensor]]) -> dict[tuple[int, str], torch.Tensor | None]:
@@ -105,7 +110,7 @@ class ShardGather:
         for (_, dtype, _), members in groups.items():
             mesh = members[0][2].device_mesh
             if mesh.size() == 1:
-                fulls = [self.cast(local).view(p.shape) if self.keep else None for _, _, p, local in members]
+                fulls = [self.cast(local, local=True).view(p.shape) if self.keep else None for *_, p, local in members]
             else:
                 fulls = _all_gather_rows([(p.shape, local) for _, _, p, local in members], mesh, self.keep, dtype)
             out.update({(index, name): full for (index, name, _, _), full in zip(members, fulls)})

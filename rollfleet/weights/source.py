@@ -10,6 +10,8 @@ Two things keep a push cheap (rollfleet.weights.gather):
 - `dtype`: every floating tensor is cast to the engines' dtype on the sender, BEFORE it is
   gathered, so a trainer with fp32 master weights moves half the bytes to bf16 engines. The
   fingerprints are defined on values in the engine's dtype, so they are the same either way.
+  A sender that copies every tensor anyway (the tensor transport, into its buckets) asks for them
+  uncast where no gather needs it (`named_tensors(cast=False)`) and casts as it copies.
 - FSDP2 shards are gathered many at a time: one all-gather of a flat buffer per ~`gather_bytes`
   (whole decoder layers) instead of one `full_tensor()` per parameter (about 270 collectives for a
   1.5B model, 0.2 s of a 0.24 s push on 2 x H200).
@@ -61,8 +63,11 @@ class ModuleSource:
         device = first.device if first is not None else torch.device("cpu")
         self.gather_bytes = default_gather_bytes(device) if gather_bytes is None else gather_bytes
 
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        gather = ShardGather(self.dtype, keep=self.keep)
+    def named_tensors(self, *, cast: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """`cast=False`: tensors that need no collective come in their own dtype, for a caller that
+        casts them to `self.dtype` as it copies them (rollfleet.weights.gather.ShardGather's
+        `defer_cast`); gathered ones are cast before their gather either way."""
+        gather = ShardGather(self.dtype, keep=self.keep, defer_cast=not cast)
         for group in self._layer_groups():
             for chunk in gather.full_tensors(group):
                 yield from self._convert(chunk)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from rollfleet.weights.source import WeightSource, layer_key
-from rollfleet.weights.transports.staging import wait_all
+from rollfleet.weights.transports.staging import wait_all, wire_dtype
 from rollfleet.wire.client import uses_weight_update_sessions
 from rollfleet.wire.fingerprint import Fingerprints
 from rollfleet.wire.pool import EnginePool
@@ -147,10 +147,12 @@ class Transport(ABC):
         """One fingerprint collector per target dtype, for `_recorded` and `_finish_fingerprints`."""
         return {dtype: Fingerprints(dtype) for dtype in {t.dtype for t in self.targets}}
 
-    def _recorded(self, source: WeightSource, report: SyncReport, collectors: dict):
-        """The source's tensors, counted and fingerprinted (per target dtype) as they pass; the
-        fingerprints land in the report at `_finish_fingerprints`."""
-        tensors = iter(source.named_tensors())
+    def _recorded(self, tensors, report: SyncReport, collectors: dict, cast_to: torch.dtype | None = None):
+        """A source's `(name, tensor)` pairs, counted and fingerprinted (per target dtype) as they
+        pass; the fingerprints land in the report at `_finish_fingerprints`. `cast_to`: floating
+        tensors travel in this dtype, cast as they are packed (a fingerprint casts its samples to the
+        target's dtype, so an uncast tensor has its cast's fingerprint)."""
+        tensors = iter(tensors)
         while True:
             with timed(report, "source"):  # gathers and name conversion
                 item = next(tensors, None)
@@ -158,7 +160,7 @@ class Transport(ABC):
                 break
             name, tensor = item
             report.tensors += 1
-            report.bytes += tensor.numel() * tensor.element_size()
+            report.bytes += tensor.numel() * wire_dtype(tensor, cast_to).itemsize
             with timed(report, "fingerprint"):
                 for collector in collectors.values():
                     collector.add(name, tensor)
@@ -230,9 +232,10 @@ class Transport(ABC):
             wait_all(self._each("end_weight_update", lambda t: ((), {}), self.session_engines))
 
 
-def iter_calls(named_tensors, limit_bytes: int):
+def iter_calls(named_tensors, limit_bytes: int, cast_to: torch.dtype | None = None):
     """Group tensors into update calls of about `limit_bytes`, never splitting a decoder layer: the
-    engine fuses a layer's MoE experts in one call. A layer larger than the limit goes alone."""
+    engine fuses a layer's MoE experts in one call. A layer larger than the limit goes alone.
+    `cast_to`: floating tensors count in this dtype (a sender that casts as it packs)."""
     call, size, layer, layer_size, current = [], 0, [], 0, None
     for name, tensor in named_tensors:
         key = layer_key(name)
@@ -243,7 +246,7 @@ def iter_calls(named_tensors, limit_bytes: int):
             call, size, layer, layer_size = call + layer, size + layer_size, [], 0
         current = key
         layer.append((name, tensor))
-        layer_size += tensor.numel() * tensor.element_size()
+        layer_size += tensor.numel() * wire_dtype(tensor, cast_to).itemsize
     if call and size + layer_size > limit_bytes:
         yield call
         call = []

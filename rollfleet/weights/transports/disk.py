@@ -39,7 +39,7 @@ class DiskTransport(Transport):
         report, collectors = self._new_report(version), self._collectors()
         directory = version_dir(self.spec.path, version)
         with timed(report):
-            save_checkpoint(self._recorded(source, report, collectors), directory, self.config_dir)
+            save_checkpoint(self._recorded(source.named_tensors(), report, collectors), directory, self.config_dir)
             self._finish_fingerprints(report, collectors)
             self._each(
                 "update_weights_from_disk", lambda t: ((str(directory.resolve()),), {"weight_version": version})

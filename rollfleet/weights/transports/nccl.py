@@ -120,7 +120,7 @@ class NcclTransport(Transport):
         sync_id = f"{version}:{secrets.token_hex(4)}"
         try:
             for index, call in enumerate(
-                iter_calls(self._recorded(source, report, collectors), self.spec.bucket_bytes)
+                iter_calls(self._recorded(source.named_tensors(), report, collectors), self.spec.bucket_bytes)
             ):
                 call = aligned_order(call)  # SGLang's receive bucket refuses unaligned tensors
                 slot = index % 2

@@ -97,8 +97,14 @@ def wait_all(*waitables) -> Exception | None:
     return error
 
 
-def call_bytes(call: list[tuple[str, torch.Tensor]]) -> int:
-    return sum(_aligned(t.numel() * t.element_size()) for _, t in call)
+def wire_dtype(tensor: torch.Tensor, cast_to: torch.dtype | None = None) -> torch.dtype:
+    """The dtype `tensor` travels in: `cast_to` for a floating tensor (a sender that casts as it packs,
+    `PackPlan`), else its own."""
+    return cast_to if cast_to is not None and tensor.is_floating_point() else tensor.dtype
+
+
+def call_bytes(call: list[tuple[str, torch.Tensor]], cast_to: torch.dtype | None = None) -> int:
+    return sum(_aligned(t.numel() * wire_dtype(t, cast_to).itemsize) for _, t in call)
 
 
 def pack_bytes(call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> torch.Tensor:
@@ -126,25 +132,26 @@ def pack_call(call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> Buc
     return PackPlan(call).pack(call, buffer)
 
 
-def layout_of(call: list[tuple[str, torch.Tensor]]) -> tuple:
-    """What a call's packing depends on: each tensor's name, shape and dtype, in order."""
-    return tuple((name, tensor.shape, tensor.dtype) for name, tensor in call)
+def layout_of(call: list[tuple[str, torch.Tensor]], cast_to: torch.dtype | None = None) -> tuple:
+    """What a call's packing depends on: each tensor's name, shape and dtype on the wire, in order."""
+    return tuple((name, tensor.shape, wire_dtype(tensor, cast_to)) for name, tensor in call)
 
 
 class PackPlan:
     """Where each tensor of one call layout lies in a packed bucket (SGLang's byte form, see
     `pack_call`), worked out once and reused by every sync that sends the same layout."""
 
-    def __init__(self, call: list[tuple[str, torch.Tensor]], samples: int | None = None):
-        self.layout = layout_of(call)
+    def __init__(self, call: list[tuple[str, torch.Tensor]], cast_to: torch.dtype | None = None):
+        """`cast_to`: floating tensors go in this dtype, cast as they are packed (None: their own)."""
+        self.cast_to, self.layout = cast_to, layout_of(call, cast_to)
         self.metadata: list[FlattenedTensorMetadata] = []
         self._sizes: list[int] = []  # the buffer's split: each tensor's bytes, then its padding
         offset = 0
         for name, tensor in call:
-            nbytes = tensor.numel() * tensor.element_size()
-            self.metadata.append(
-                FlattenedTensorMetadata(name, tuple(tensor.shape), tensor.dtype, offset, offset + nbytes, nbytes)
-            )
+            dtype = wire_dtype(tensor, cast_to)
+            nbytes = tensor.numel() * dtype.itemsize
+            meta = FlattenedTensorMetadata(name, tuple(tensor.shape), dtype, offset, offset + nbytes, nbytes)
+            self.metadata.append(meta)
             self._sizes += [nbytes, _aligned(nbytes) - nbytes]
             offset += _aligned(nbytes)
         self.nbytes = offset
@@ -154,12 +161,23 @@ class PackPlan:
     def pack(self, call: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> Bucket:
         """Copy the call's tensors (of this plan's layout) into `buffer` (1-D uint8, at least
         `nbytes`), one multi-tensor copy; the bucket's payload carries the plan's metadata records."""
-        assert layout_of(call) == self.layout, "a PackPlan packs only the layout it was made for"
+        assert layout_of(call, self.cast_to) == self.layout, "a PackPlan packs only the layout it was made for"
         flat = buffer[: self.nbytes]
         slices = flat.split(self._sizes)[::2]
-        sources = [tensor.detach().reshape(-1).view(torch.uint8) for _, tensor in call]
-        if sources:
-            torch._foreach_copy_(list(slices), sources)
+        # tensors already in their wire dtype are copied as bytes; the others are cast by the copy
+        # (torch._foreach_copy_ casts: one multi-tensor kernel per dtype pair, no cast copy of its own)
+        copies: dict[tuple[torch.dtype, torch.dtype], tuple[list, list]] = {}
+        for (_, tensor), part, meta in zip(call, slices, self.metadata):
+            tensor = tensor.detach().reshape(-1)
+            if tensor.dtype == meta.dtype:
+                pair, part, tensor = (torch.uint8, torch.uint8), part, tensor.view(torch.uint8)
+            else:
+                pair, part = (meta.dtype, tensor.dtype), part.view(meta.dtype)
+            into, sources = copies.setdefault(pair, ([], []))
+            into.append(part)
+            sources.append(tensor)
+        for into, sources in copies.values():
+            torch._foreach_copy_(into, sources)
         return Bucket(flat, self.metadata, wire=self._wire)
 
     def fingerprint(self, bucket: Bucket, collector: Fingerprints) -> None:
@@ -196,13 +214,13 @@ class PackPlans:
     def __init__(self):
         self._plans: dict[tuple, PackPlan] = {}
 
-    def plan(self, call: list[tuple[str, torch.Tensor]]) -> PackPlan:
-        layout = layout_of(call)
-        found = self._plans.get(layout)
+    def plan(self, call: list[tuple[str, torch.Tensor]], cast_to: torch.dtype | None = None) -> PackPlan:
+        key = (layout_of(call, cast_to), cast_to)
+        found = self._plans.get(key)
         if found is None:
             if len(self._plans) >= self.LIMIT:
                 self._plans.clear()
-            found = self._plans[layout] = PackPlan(call)
+            found = self._plans[key] = PackPlan(call, cast_to)
         return found
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from rollfleet.weights.source import WeightSource
+from rollfleet.weights.source import ModuleSource, WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
 from rollfleet.weights.transports.feed import SoloFeed
 from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, PackPlans, call_bytes, wait_all
@@ -120,14 +120,16 @@ class TensorTransport(Transport):
         (rank 0: every call it posted was answered before this returns). `begun` (rank 0): the
         sessions' opening, answered before call 0 goes out."""
         caller = self.feed.is_caller
-        tensors = self._recorded(source, report, collectors) if caller else source.named_tensors()
-        calls = iter_calls(tensors, self.spec.bucket_bytes)
+        tensors, cast_to = uncast_tensors(source)
+        if caller:
+            tensors = self._recorded(tensors, report, collectors, cast_to)
+        calls = iter_calls(tensors, self.spec.bucket_bytes, cast_to)
         buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight(depth=1)
         failure: BaseException | None = None
         index = 0
         while True:
             call, state = _next_call(calls)
-            contribution, keep = self._pack_mine(call, index, buffers, report) if call is not None else ({}, [])
+            contribution, keep = ({}, []) if call is None else self._pack_mine(call, index, buffers, report, cast_to)
             if "error" in contribution:
                 state = ("error", contribution["error"])
             if caller and failure is None and state[0] != "error":  # hashed while the engines load call k-1
@@ -154,15 +156,17 @@ class TensorTransport(Transport):
             failure = failure or error or (RuntimeError(detail) if decision == FAILED else None)
         return failure
 
-    def _pack_mine(self, call, index: int, buffers: DoubleBuffer, report: SyncReport) -> tuple[dict, list]:
+    def _pack_mine(self, call, index: int, buffers: DoubleBuffer, report: SyncReport, cast_to) -> tuple[dict, list]:
         """This rank's handles for the engine ranks it feeds, or its error (the buckets to keep alive);
-        an error becomes this rank's state at the call's exchange, so every rank stops there."""
+        an error becomes this rank's state at the call's exchange, so every rank stops there.
+        `cast_to`: floating tensors are cast to it as they are packed."""
         if not self.mine:
             return {"entries": {}, "buckets": 0, "bytes": 0, "facts": self._facts(None)}, []
         try:
             device = call[0][1].device
             with timed(report, "pack"):
-                buckets = [self.plans.plan(call).pack(call, buffers.take(index, call_bytes(call), device))]
+                buffer = buffers.take(index, call_bytes(call, cast_to), device)
+                buckets = [self.plans.plan(call, cast_to).pack(call, buffer)]
                 if device.type == "cuda":
                     # An engine that still holds this buffer's IPC handle from an earlier call
                     # reads it without waiting on our stream: the packing must be finished first.
@@ -201,6 +205,15 @@ class TensorTransport(Transport):
         )
         report.buckets += max(c["buckets"] for c in gathered)
         return None
+
+
+def uncast_tensors(source: WeightSource) -> tuple:
+    """`(named tensors, dtype to cast them to as they are packed)`: a trainer's source
+    (rollfleet.weights.source.ModuleSource) leaves the casts that need no collective to the pack
+    (one copy of each tensor instead of two); any other source's tensors are sent as they come."""
+    if isinstance(source, ModuleSource) and source.dtype is not None:
+        return source.named_tensors(cast=False), source.dtype
+    return source.named_tensors(), None
 
 
 def _next_call(calls) -> tuple[list | None, tuple[str, str | None]]:
