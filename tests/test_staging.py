@@ -246,3 +246,43 @@ def test_a_plan_that_casts_as_it_packs_sends_what_packing_the_cast_tensors_sends
     assert torch.equal(plan.pack(cast, bucket.flattened_tensor.clone()).flattened_tensor, bucket.flattened_tensor)
     with pytest.raises(AssertionError, match="layout"):
         plan.pack(call[1:], bucket.flattened_tensor)
+
+
+def test_fingerprints_hashed_on_the_collectors_thread_equal_those_hashed_at_once():
+    """A sender hashes what it gathered while the engines load (`hash_gathered(wait=False)` returns at
+    once; the hashing thread works meanwhile); `digests()` waits for it: the same fingerprints, the
+    later of two for one name winning, as hashing every tensor at the end gives."""
+    early, late = _layout_call(5), _layout_call(6)
+    collector = Fingerprints(torch.bfloat16, samples=64)
+    for name, tensor in early:
+        collector.add(name, tensor)
+    collector.flush()
+    collector.hash_gathered(wait=False)
+    assert collector.pending == len(early)
+    for name, tensor in late[:3]:  # sent again with new values: these fingerprints win
+        collector.add(name, tensor)
+    got = collector.digests()
+    assert got == fingerprints(late[:3] + early[3:], torch.bfloat16, samples=64)
+    assert collector.pending == 0 and collector.digests() == {}
+
+
+def _fingerprint_in_child(queue) -> None:
+    queue.put(fingerprints(_layout_call(7), torch.bfloat16))
+
+
+def test_a_forked_child_hashes_on_a_thread_of_its_own():
+    """The hashing thread is the process's: a child forked after its parent hashed (a Ray or
+    multiprocessing worker) starts its own instead of waiting forever on its parent's."""
+    import multiprocessing
+
+    expected = fingerprints(_layout_call(7), torch.bfloat16)  # the parent's thread now exists
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_fingerprint_in_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=120) == expected
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()

@@ -6,10 +6,11 @@ of them with `step = numel // samples` (all elements when there are fewer): a st
 sampling launches no kernel per tensor. Casts between the dtypes used here are exact into float32,
 so sender and engine agree bit for bit on the same weights, on any device.
 
-`Fingerprints` batches many tensors: pending samples are gathered with one `torch.cat` per dtype
-and copied to the host once, at `digests()`. Pending views keep their tensors alive, so the collector
-gathers early once they reference more than `hold_bytes` (a sender's gathered full tensors are
-temporaries).
+`Fingerprints` batches many tensors: pending samples are gathered with one `torch.cat` per dtype and
+copied to the host once, at `digests()` (or earlier, `hash_gathered`), and hashed on a thread of
+their own, so that a sender's thread does not wait for the copy or the hashing. Pending views keep
+their tensors alive, so the collector gathers early once they reference more than `hold_bytes` (a
+sender's gathered full tensors are temporaries).
 
 A sender that fingerprints what it packed (the LoRA transport: an adapter as sent) samples its
 packed buffer instead, with ONE index gather per dtype (`sample_positions` of each tensor, offset
@@ -19,6 +20,8 @@ to where it lies, computed once per layout: rollfleet.weights.transports.staging
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -67,6 +70,7 @@ class Fingerprints:
         self._views: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
         self._held = 0
         self._gathered: list[tuple[list[tuple[str, tuple[int, ...], int]], torch.Tensor]] = []
+        self._hashing: list[tuple[int, Future]] = []  # (tensors, their digests) on the hashing thread
         self._hashed: dict[str, str] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -99,23 +103,31 @@ class Fingerprints:
     @property
     def pending(self) -> int:
         """Tensors added since the last `digests()`."""
-        return len(self._views) + sum(len(records) for records, _ in self._gathered) + len(self._hashed)
+        queued = sum(len(records) for records, _ in self._gathered) + sum(n for n, _ in self._hashing)
+        return len(self._views) + queued + len(self._hashed)
 
-    def hash_gathered(self) -> None:
-        """Copy what was gathered so far to the host and hash it now (waits for the device's work on
-        it); `digests()` returns these with the rest."""
+    def hash_gathered(self, *, wait: bool = True) -> None:
+        """Hash what was gathered so far: its device-to-host copy is queued now, on the stream that
+        made it, and a worker thread waits for it and hashes (a sender goes on packing and posting
+        meanwhile). `wait=False` returns at once; `digests()` waits for every hash."""
         by_device: dict[torch.device, list] = {}
         for records, values in self._gathered:
             by_device.setdefault(values.device, []).append((records, values))
         for batches in by_device.values():
             values = batches[0][1] if len(batches) == 1 else torch.cat([values for _, values in batches])
-            host = values.cpu()  # the one device-to-host copy
-            data, start = memoryview(host.numpy()).cast("B"), 0  # float32: 4 bytes per value
-            for records, _ in batches:
-                for name, shape, count in records:
-                    self._hashed[name] = _digest(data[4 * start : 4 * (start + count)], shape)
-                    start += count
+            host, ready = values, None
+            if values.is_cuda:  # the one device-to-host copy, into pinned memory, its end an event
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(values.device))
+            records = [record for records, _ in batches for record in records]
+            self._hashing.append((len(records), _hasher().submit(_hash_samples, host, ready, records)))
         self._gathered = []
+        if wait:
+            for _, hashed in self._hashing:  # in order: the later of two for one name wins
+                self._hashed.update(hashed.result())
+            self._hashing = []
 
     def digests(self) -> dict[str, str]:
         """Every fingerprint collected since the last call; the later of two for one name wins."""
@@ -123,6 +135,29 @@ class Fingerprints:
         self.hash_gathered()
         out, self._hashed = self._hashed, {}
         return out
+
+
+_HASHER: tuple[int, ThreadPoolExecutor] | None = None  # (the process it belongs to, its one thread)
+
+
+def _hasher() -> ThreadPoolExecutor:
+    """The process's hashing thread (a forked child makes its own: its parent's thread is not in it)."""
+    global _HASHER
+    if _HASHER is None or _HASHER[0] != os.getpid():
+        _HASHER = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="fingerprints"))
+    return _HASHER[1]
+
+
+def _hash_samples(host: torch.Tensor, ready, records: list[tuple[str, tuple[int, ...], int]]) -> dict[str, str]:
+    """`records`' fingerprints from their float32 samples back to back in `host`, once `ready` (a CUDA
+    event, or None) has passed (hashlib lets other threads run while it hashes)."""
+    if ready is not None:
+        ready.synchronize()
+    data, start, out = memoryview(host.numpy()).cast("B"), 0, {}  # float32: 4 bytes per value
+    for name, shape, count in records:
+        out[name] = _digest(data[4 * start : 4 * (start + count)], shape)
+        start += count
+    return out
 
 
 def fingerprints(named_tensors, dtype: torch.dtype | None = None, samples: int = DEFAULT_SAMPLES) -> dict[str, str]:

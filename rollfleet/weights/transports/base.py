@@ -169,12 +169,12 @@ class Transport(ABC):
     def _fingerprint_meanwhile(self, report: SyncReport, collectors: dict, source_done: bool) -> None:
         """Hash samples while the engines load a call: those gathered already (a collector gathers
         every HOLD_BYTES: what is read stays read when it was), and once the source is done (every
-        tensor went out) its last ones, read now. Waits for the sender's device."""
+        tensor went out) its last ones, read now. Hashed on the collectors' thread: waits for nothing."""
         with timed(report, "fingerprint"):
             for collector in collectors.values():
                 if source_done:
                     collector.flush()
-                collector.hash_gathered()
+                collector.hash_gathered(wait=False)
 
     def _finish_fingerprints(self, report: SyncReport, collectors: dict) -> None:
         """Fill report.fingerprints from what `_recorded` collected. Call it after the last call went
