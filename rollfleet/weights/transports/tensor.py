@@ -16,9 +16,10 @@ every rank starts; rank 0 has the answers before call 0's exchange (a failure to
 there). Every rank runs the same steps per call, in lockstep over the feed, with ONE exchange per call:
   1. every rank takes the next call's tensors from the source (the FSDP gathers) and packs them into
      buffer slot k % 2, serializing its handles;
-  2. rank 0 waits until the engines answered call k-1; then every rank gives every rank its state (a
-     call, the end, or an error) with its handles, and all decide the same: go on, stop (done) or
-     stop (failed); on "go" rank 0 posts call k with each engine rank's entry from its packer.
+  2. rank 0 waits until the engines answered call k-1; every rank waits for its pack's copy (on a
+     GPU it ran meanwhile); then every rank gives every rank its state (a call, the end, or an
+     error) with its handles, and all decide the same: go on, stop (done) or stop (failed); on "go"
+     rank 0 posts call k with each engine rank's entry from its packer.
 Why slot k % 2 is free at step 1: the exchange of call k-1 could not complete before rank 0 entered
 it, and rank 0 enters it only after call k-2 (the slot's last user) was answered. So one call is in
 flight while the next is gathered and packed, and the ranks need no second message per call.
@@ -129,7 +130,8 @@ class TensorTransport(Transport):
         index = 0
         while True:
             call, state = _next_call(calls)
-            contribution, keep = ({}, []) if call is None else self._pack_mine(call, index, buffers, report, cast_to)
+            packed = ({}, [], None) if call is None else self._pack_mine(call, index, buffers, report, cast_to)
+            contribution, keep, copying = packed
             if "error" in contribution:
                 state = ("error", contribution["error"])
             if caller and failure is None and state[0] != "error":  # hashed while the engines load call k-1
@@ -140,6 +142,9 @@ class TensorTransport(Transport):
             if caller and failure is None:
                 with timed(report, "wait_engines"):
                     failure = self._attempt(in_flight.make_room)  # call k-1 answered: slot (k+1) % 2 is free
+            if copying is not None:  # every rank's copy done before the exchange, so before rank 0 posts
+                with timed(report, "pack"):
+                    copying.synchronize()
             with timed(report, "ranks"):
                 everyone = self.feed.all_gather((_failed(failure) if caller and failure else state, contribution))
             decision, detail = _decide([rank_state for rank_state, _ in everyone])
@@ -156,27 +161,33 @@ class TensorTransport(Transport):
             failure = failure or error or (RuntimeError(detail) if decision == FAILED else None)
         return failure
 
-    def _pack_mine(self, call, index: int, buffers: DoubleBuffer, report: SyncReport, cast_to) -> tuple[dict, list]:
-        """This rank's handles for the engine ranks it feeds, or its error (the buckets to keep alive);
-        an error becomes this rank's state at the call's exchange, so every rank stops there.
-        `cast_to`: floating tensors are cast to it as they are packed."""
+    def _pack_mine(self, call, index: int, buffers: DoubleBuffer, report: SyncReport, cast_to) -> tuple:
+        """This rank's handles for the engine ranks it feeds, or its error; the buckets to keep alive;
+        and on a GPU an event at the end of the pack's copy (None: nothing to wait for). An error
+        becomes this rank's state at the call's exchange, so every rank stops there. `cast_to`:
+        floating tensors are cast to it as they are packed.
+
+        The copy is waited for at the exchange, not here: an engine reads the buffer through its IPC
+        handle without waiting on our stream, so it must be finished before the call is posted, but
+        meanwhile rank 0 serializes, hashes and waits for the engines' previous call."""
         if not self.mine:
-            return {"entries": {}, "buckets": 0, "bytes": 0, "facts": self._facts(None)}, []
+            return {"entries": {}, "buckets": 0, "bytes": 0, "facts": self._facts(None)}, [], None
         try:
             device = call[0][1].device
             with timed(report, "pack"):
                 buffer = buffers.take(index, call_bytes(call, cast_to), device)
                 buckets = [self.plans.plan(call, cast_to).pack(call, buffer)]
+                copying = None
                 if device.type == "cuda":
-                    # An engine that still holds this buffer's IPC handle from an earlier call
-                    # reads it without waiting on our stream: the packing must be finished first.
-                    torch.cuda.current_stream(device).synchronize()
+                    copying = torch.cuda.Event()
+                    copying.record(torch.cuda.current_stream(device))
             with timed(report, "serialize"):
                 entries = {key: serialize(buckets[0].to_payload()) for key in self.mine}  # one dict per entry
         except Exception as exc:  # noqa: BLE001  (rank 0 stops every rank at the next step)
-            return {"error": f"call {index}: {type(exc).__name__}: {exc}"}, []
+            return {"error": f"call {index}: {type(exc).__name__}: {exc}"}, [], None
         packed = sum(b.nbytes for b in buckets)
-        return {"entries": entries, "buckets": len(buckets), "bytes": packed, "facts": self._facts(device)}, buckets
+        facts = self._facts(device)
+        return {"entries": entries, "buckets": len(buckets), "bytes": packed, "facts": facts}, buckets, copying
 
     def _facts(self, device) -> dict:
         return {**self.feed.facts, "device": str(device) if device is not None else None}
