@@ -6,8 +6,10 @@
 # LoRA run (rank 32 on every linear layer). Records under $OUT, every phase's log in $OUT/round.log (a
 # call brings back 8 files), each phase's end on stdout; work folders removed after each phase (a full
 # disk ended the 2026-12-05 round). All five phases take about 10 minutes on an H100: name fewer.
+# Two more, by name only: `host`, the sender's steps of a push timed alone (scripts/sync_host_steps.py,
+# no engine), and `compile`, the large step with train.compile=true (its first step compiles).
 #   OUT=dir ROLLFLEET_GIT_REVISION=<commit> ROLLFLEET_GIT_DIRTY=0 bash scripts/gpu_round_main.sh \
-#       [sync] [small] [large] [lora]          (sync small large when none is named)
+#       [sync] [small] [large] [lora] [host] [compile]          (sync small large when none is named)
 set -u
 OUT=${OUT:-/tmp/rollfleet-gpu-main}
 mkdir -p "$OUT"
@@ -36,6 +38,9 @@ fi
 step="python3 -m rollfleet bench grpo-step --runs colocated --gpus 1 --out /tmp/rf-work"
 has small && phase grpo-step-small 190 $step --steps 5 --json "$OUT/grpo-step-gpu-1x-16x8x32.json"
 has large && phase grpo-step-large 270 $step --step large --steps 4 --skip 1 --json "$OUT/grpo-step-gpu-1x-64x8x512.json"
+has compile && phase grpo-step-large-compiled 330 $step --step large --steps 4 --skip 1 --set=train.compile=true \
+    --json "$OUT/grpo-step-gpu-1x-64x8x512-compiled.json"
+has host && phase sync-host-steps 120 python3 scripts/sync_host_steps.py
 # the LoRA run as scripts/gpu_check_grpo.sh runs it (rank 32, alpha 64, every linear layer, A at lr / 16)
 linear="[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 has lora && phase grpo-step-lora 190 $step --steps 5 --config examples/cpu-demo-lora.yaml \
