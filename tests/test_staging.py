@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 from concurrent.futures import Future
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollfleet.weights.transports.staging import ALIGN, DoubleBuffer, InFlight, call_bytes, pack_buckets, pack_bytes
-from rollfleet.wire.fingerprint import Fingerprints, fingerprints, sample_view
+from rollfleet.wire.fingerprint import Fingerprints, _device_hashes, fingerprints, sample_hashes, sample_view
 from rollfleet.wire.naming import plain_names
 
 
@@ -92,15 +93,31 @@ def test_sample_view_is_strided_and_covers_the_tensor(numel, samples):
 
 
 def one(tensor, dtype=None, samples=4096) -> str:
-    """A fingerprint as the module documents it, computed here on its own: sha256 of the sampled
-    elements (every numel // samples-th), cast to the dtype then float32, plus the shape; 24 hex digits."""
+    """A fingerprint as the module documents it, computed here on its own in Python integers: the
+    sampled elements (every numel // samples-th), cast to the dtype then float32; each one's 32 bits
+    and its place mixed by splitmix64's finalizer, summed mod 2**64 (as a signed int64), blake2b of
+    that sum and the shape; 24 hex digits."""
     flat = tensor.reshape(-1)
     if flat.numel() > samples:
         flat = flat[:: flat.numel() // samples][:samples]
     values = (flat.to(dtype) if dtype is not None else flat).to(torch.float32).contiguous().numpy()
-    digest = hashlib.sha256(values.tobytes())
-    digest.update(str(tuple(tensor.shape)).encode())
-    return digest.hexdigest()[:24]
+    mask, total = (1 << 64) - 1, 0
+    for place, bits in enumerate(values.view(np.uint32).tolist()):
+        x = (bits | place << 32) * 0x9E3779B97F4A7C15 & mask
+        x = (x ^ x >> 30) * 0xBF58476D1CE4E5B9 & mask
+        x = (x ^ x >> 27) * 0x94D049BB133111EB & mask
+        total = (total + (x ^ x >> 31)) & mask
+    signed = total - (1 << 64) if total >= 1 << 63 else total
+    return hashlib.blake2b(f"{signed}:{tuple(tensor.shape)}".encode(), digest_size=12).hexdigest()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 300), max_size=6), st.integers(0, 2**31))
+def test_the_device_hash_equals_the_host_hash(counts, seed):
+    """The GPU's torch kernels (run here on the CPU) and the CPU's numpy ones give the same sums."""
+    values = torch.randn(sum(counts), generator=torch.Generator().manual_seed(seed))
+    values[::7] = torch.tensor([0.0, -0.0, float("nan"), float("inf")]).repeat(len(values[::7]))[: len(values[::7])]
+    assert torch.equal(_device_hashes(values, counts), sample_hashes(values, counts))
 
 
 def test_batched_fingerprints_equal_single_ones_and_see_any_sampled_change():
@@ -270,9 +287,9 @@ def _fingerprint_in_child(queue) -> None:
     queue.put(fingerprints(_layout_call(7), torch.bfloat16))
 
 
-def test_a_forked_child_hashes_on_a_thread_of_its_own():
-    """The hashing thread is the process's: a child forked after its parent hashed (a Ray or
-    multiprocessing worker) starts its own instead of waiting forever on its parent's."""
+def test_a_forked_child_fingerprints_after_its_parent_did():
+    """A child forked after its parent hashed (a multiprocessing worker) hashes too: on the CPU the
+    hash runs single-threaded (torch's parallel CPU kernels in the parent hang a forked child's)."""
     import multiprocessing
 
     expected = fingerprints(_layout_call(7), torch.bfloat16)  # the parent's thread now exists

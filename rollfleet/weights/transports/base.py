@@ -169,7 +169,7 @@ class Transport(ABC):
     def _fingerprint_meanwhile(self, report: SyncReport, collectors: dict, source_done: bool) -> None:
         """Hash samples while the engines load a call: those gathered already (a collector gathers
         every HOLD_BYTES: what is read stays read when it was), and once the source is done (every
-        tensor went out) its last ones, read now. Hashed on the collectors' thread: waits for nothing."""
+        tensor went out) its last ones, read now. Hashed on their device: waits for nothing."""
         with timed(report, "fingerprint"):
             for collector in collectors.values():
                 if source_done:
