@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from rollfleet.engine.lora.host_copies import host_copies
+from rollfleet.engine.lora.host_copies import owned_copies
 from rollfleet.wire.fingerprint import DEFAULT_SAMPLES, Fingerprints, fingerprints
 from rollfleet.wire.hf_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
 from rollfleet.wire.hf_files import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
@@ -217,7 +217,7 @@ def parse_adapter(
     for key, tensor in tensors.items():
         prints.add(key, tensor)
     prints.flush()  # gathered now: the sender's memory may go
-    owned = host_copies(tensors)  # no sender memory kept, on the CPU
+    owned = owned_copies(tensors)  # no sender memory kept; on the GPU it came from, or the CPU
     for target in targets:
         prefix = f"base_model.model.{target.module}"
         target.lora_a, target.lora_b = owned[f"{prefix}.lora_A.weight"], owned[f"{prefix}.lora_B.weight"]
