@@ -10,7 +10,7 @@ The hash runs where the samples are (`sample_hashes`): each sample's 32 bits and
 tensor's sample are mixed into 64 bits (a splitmix64 finalizer: integer multiplies and shifts,
 which wrap the same way on every device) and summed per tensor (integer sums: the same in any
 order), so one tensor's samples are reduced to one int64 on the device and only 8 bytes per tensor
-cross to the host, where the sum and the shape give the 24 hex digits (blake2b). Any one changed
+cross to the host, where the sum and the shape give the 24 hex digits. Any one changed
 sample changes its tensor's sum (the mix is a bijection; the sum of the others is fixed), and so
 does a permutation of the samples (the position is mixed in). Hashing 5 MB of samples with sha256
 on the host took 3 ms a push and a thread of its own; the device does it in a few kernels.
@@ -27,8 +27,6 @@ to where it lies, computed once per layout: rollfleet.weights.transports.staging
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import numpy as np
 import torch
@@ -53,6 +51,7 @@ def sample_positions(numel: int, samples: int = DEFAULT_SAMPLES) -> torch.Tensor
     return torch.arange(samples) * (numel // samples)
 
 
+_MASK = (1 << 64) - 1
 # splitmix64's finalizer: its three odd multipliers and its shifts
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 _SHIFTS = (30, 27, 31)
@@ -105,8 +104,12 @@ def _shifted(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _digest(total: int, shape: tuple[int, ...]) -> str:
-    """24 hex digits of a tensor's sample sum (`sample_hashes`) and its shape."""
-    return hashlib.blake2b(f"{total}:{tuple(shape)}".encode(), digest_size=12).hexdigest()
+    """24 hex digits: a tensor's sample sum (`sample_hashes`, 16) and its shape (FNV-1a over the
+    sizes, 8); string work only, 322 tensors in well under a millisecond."""
+    code = 0xCBF29CE484222325
+    for size in (len(shape), *shape):
+        code = ((code ^ size) * 0x100000001B3) & _MASK
+    return f"{total & _MASK:016x}{code & 0xFFFFFFFF:08x}"
 
 
 def _as_float32(values: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

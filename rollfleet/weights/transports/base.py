@@ -167,14 +167,14 @@ class Transport(ABC):
             yield name, tensor
 
     def _fingerprint_meanwhile(self, report: SyncReport, collectors: dict, source_done: bool) -> None:
-        """Hash samples while the engines load a call: those gathered already (a collector gathers
-        every HOLD_BYTES: what is read stays read when it was), and once the source is done (every
-        tensor went out) its last ones, read now. Hashed on their device: waits for nothing."""
+        """Once the source is done (every tensor went out), read its last samples while the engines
+        load a call (a collector gathers every HOLD_BYTES: what is read stays read when it was). The
+        hashing is one reduction on the device at `_finish_fingerprints`."""
+        if not source_done:
+            return
         with timed(report, "fingerprint"):
             for collector in collectors.values():
-                if source_done:
-                    collector.flush()
-                collector.hash_gathered(wait=False)
+                collector.flush()
 
     def _finish_fingerprints(self, report: SyncReport, collectors: dict) -> None:
         """Fill report.fingerprints from what `_recorded` collected. Call it after the last call went

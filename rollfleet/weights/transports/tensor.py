@@ -33,9 +33,9 @@ wire metadata records, the buffer's split), so packing is one multi-tensor copy 
 pickles records made once. The fingerprints stay those of the source's tensors, read late (once
 the source is done, or every HOLD_BYTES): they are what the trainer holds after the push, so a
 trainer that changed a tensor under the push fails verification (tests/test_fleet_sync.py); read
-from the packed buffers they would only say the engines hold what was sent. Rank 0 hashes them
-while the engines load a call (`_fingerprint_meanwhile`, before it waits for call k-1), so the last
-ones are hashed beside the last call's load instead of after it."""
+from the packed buffers they would only say the engines hold what was sent. Rank 0 reads the last
+ones while the engines load the last call (`_fingerprint_meanwhile`, before it waits for call k-1)
+and hashes them all at the end, one reduction on its device (rollfleet.wire.fingerprint)."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ class TensorTransport(Transport):
             contribution, keep, copying = packed
             if "error" in contribution:
                 state = ("error", contribution["error"])
-            if caller and failure is None and state[0] != "error":  # hashed while the engines load call k-1
+            if caller and failure is None and state[0] != "error":  # read while the engines load call k-1
                 failure = self._attempt(lambda: self._fingerprint_meanwhile(report, collectors, call is None))
             if caller and failure is None and index == 0:
                 with timed(report, "begin"):  # the sessions opened while call 0 was gathered and packed
@@ -169,7 +169,7 @@ class TensorTransport(Transport):
 
         The copy is waited for at the exchange, not here: an engine reads the buffer through its IPC
         handle without waiting on our stream, so it must be finished before the call is posted, but
-        meanwhile rank 0 serializes, hashes and waits for the engines' previous call."""
+        meanwhile rank 0 serializes and waits for the engines' previous call."""
         if not self.mine:
             return {"entries": {}, "buckets": 0, "bytes": 0, "facts": self._facts(None)}, [], None
         try:
