@@ -8,6 +8,8 @@
 # disk ended the 2026-12-05 round). All five phases take about 10 minutes on an H100: name fewer.
 # Two more, by name only: `host`, the sender's steps of a push timed alone (scripts/sync_host_steps.py,
 # no engine), and `compile`, the large step with train.compile=true (its first step compiles).
+# Write the commit's sha into the command from your machine: the device copy's `git rev-parse HEAD`
+# gives the session's first commit (two records of 2026-12-06 were corrected by hand for it).
 #   OUT=dir ROLLFLEET_GIT_REVISION=<commit> ROLLFLEET_GIT_DIRTY=0 bash scripts/gpu_round_main.sh \
 #       [sync] [small] [large] [lora] [host] [compile]          (sync small large when none is named)
 set -u

@@ -12,8 +12,9 @@ which wrap the same way on every device) and summed per tensor (integer sums: th
 order), so one tensor's samples are reduced to one int64 on the device and only 8 bytes per tensor
 cross to the host, where the sum and the shape give the 24 hex digits. Any one changed
 sample changes its tensor's sum (the mix is a bijection; the sum of the others is fixed), and so
-does a permutation of the samples (the position is mixed in). Hashing 5 MB of samples with sha256
-on the host took 3 ms a push and a thread of its own; the device does it in a few kernels.
+does a permutation of the samples (the position is mixed in). Until 432a53d the host hashed the
+samples (5 MB a push of the benches' model) with sha256, on a thread of its own; the device does
+it in about fifteen kernels.
 
 `Fingerprints` batches many tensors: pending samples are gathered with one `torch.cat` per dtype,
 reduced on their device at `hash_gathered` (or `digests()`), their sums copied to the host without

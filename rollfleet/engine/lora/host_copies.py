@@ -30,9 +30,9 @@ def host_copies(tensors: dict[str, torch.Tensor], *, per_storage: bool | None = 
 def owned_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Copies sharing no memory with what arrived, where it arrived: an adapter sent from a GPU stays
     on it (one device copy per source storage, finished before this returns: the sender reuses its
-    buffer once the engine answered), so a merge reads it in place; on an H100 the pinned host copy
-    and the copy back took 4 of the 7 ms a rank-32 load spent, and 5 of a merge's. Anything else:
-    `host_copies`."""
+    buffer once the engine answered), so a merge reads it in place instead of copying it back (the
+    load's parse phase, which held the pinned host copy, was 4.0-4.1 ms of a rank-32 load's 7.4 on an
+    H100; the change has not been timed against it on one machine). Anything else: `host_copies`."""
     devices = {t.device for t in tensors.values()}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return host_copies(tensors)
