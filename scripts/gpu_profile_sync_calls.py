@@ -1,7 +1,9 @@
-"""Where a same-GPU push's fixed costs go, on the GPU, with no HTTP: the sender's fingerprint launch
-(`Fingerprints.hash_gathered(wait=False)`: the cat, the pinned host buffer, the copy, the event)
-and an engine's decode of one call (unpickling a bucket's CUDA IPC handle, unpacking, the copy into
-its parameters), each under cProfile, so the next change aims at a measured cost.
+"""Where a same-GPU push's fixed costs go, on the GPU, with no HTTP: the sender's fingerprints of
+every tensor once sampled (`Fingerprints.digests()`: the cat, the hash on the device, the sums to
+the host; until 432a53d the launch of a host hash on a thread, `hash_gathered(wait=False)`, which
+the log of 6b47c7b shows) and an engine's decode of one call (unpickling a bucket's CUDA IPC
+handle, unpacking, the copy into its parameters), each under cProfile, so the next change aims at
+a measured cost.
 
     python scripts/gpu_profile_sync_calls.py [--size-gb 4.16] [--bucket-mb 512] [--repeats 5]
 
@@ -47,7 +49,7 @@ def top(profile: cProfile.Profile, lines: int = 14) -> str:
 
 
 def sender_fingerprints(tensors, repeats: int) -> None:
-    profile, host, wall = cProfile.Profile(), [], []
+    profile, seconds = cProfile.Profile(), []
     for _ in range(repeats):
         _sync()
         collector = Fingerprints(torch.bfloat16)
@@ -55,15 +57,11 @@ def sender_fingerprints(tensors, repeats: int) -> None:
             collector.add(name, tensor)
         start = time.perf_counter()
         profile.enable()
-        collector.hash_gathered(wait=False)
-        profile.disable()
-        host.append(time.perf_counter() - start)
         collector.digests()
-        wall.append(time.perf_counter() - start)
-    print(
-        f"hash_gathered(wait=False): host {sorted(host)[repeats // 2] * 1e3:.2f} ms, until hashed "
-        f"{sorted(wall)[repeats // 2] * 1e3:.2f} ms (medians of {repeats})"
-    )
+        profile.disable()
+        seconds.append(time.perf_counter() - start)
+    median = sorted(seconds)[repeats // 2] * 1e3
+    print(f"digests() of {len(tensors)} sampled tensors: {median:.2f} ms (median of {repeats})")
     print(top(profile))
 
 

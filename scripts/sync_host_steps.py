@@ -86,7 +86,6 @@ def main() -> None:
         "Fingerprints.add, each (flush per 256 MB)": lambda: fingerprinted(tensors),
         "Fingerprints.add, each (no flush)": lambda: fingerprinted(tensors, float("inf")),
         "add + flush": lambda: fingerprinted(tensors, float("inf")).flush(),
-        "add + hash_gathered(wait=False)": lambda: fingerprinted(tensors).hash_gathered(wait=False),
         "add + digests": lambda: fingerprinted(tensors).digests(),
     }
     for mb in args.bucket_mb:

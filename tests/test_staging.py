@@ -203,7 +203,6 @@ def test_fingerprints_sampled_from_the_packed_bucket_equal_those_of_the_tensors(
     bucket = plan.pack(call, torch.empty(call_bytes(call), dtype=torch.uint8))
     fused = Fingerprints(engine_dtype, samples=128)
     plan.fingerprint(bucket, fused)
-    fused.hash_gathered()  # hashed early (as the sender does while the engines load): still returned
     assert fused.digests() == fingerprints(call, engine_dtype, samples=128)
     assert fused.digests() == {}  # a collector starts empty after digests()
 
@@ -265,16 +264,15 @@ def test_a_plan_that_casts_as_it_packs_sends_what_packing_the_cast_tensors_sends
         plan.pack(call[1:], bucket.flattened_tensor)
 
 
-def test_fingerprints_hashed_on_the_collectors_thread_equal_those_hashed_at_once():
-    """A sender hashes what it gathered while the engines load (`hash_gathered(wait=False)` returns at
-    once; the hashing thread works meanwhile); `digests()` waits for it: the same fingerprints, the
-    later of two for one name winning, as hashing every tensor at the end gives."""
+def test_the_later_fingerprint_of_a_name_wins_over_what_was_gathered_before():
+    """A sender gathers samples as tensors pass (`flush`); a name sent again with new values gets the
+    later fingerprint, as hashing every tensor at the end gives; a collector starts empty after
+    `digests()`."""
     early, late = _layout_call(5), _layout_call(6)
     collector = Fingerprints(torch.bfloat16, samples=64)
     for name, tensor in early:
         collector.add(name, tensor)
     collector.flush()
-    collector.hash_gathered(wait=False)
     assert collector.pending == len(early)
     for name, tensor in late[:3]:  # sent again with new values: these fingerprints win
         collector.add(name, tensor)
