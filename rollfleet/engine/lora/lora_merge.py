@@ -32,7 +32,7 @@ from rollfleet.engine.lora.lora import (
     parse_adapter,
     read_adapter_dir,
 )
-from rollfleet.engine.tp.payloads import PayloadError, decode_entry, named_tensors
+from rollfleet.engine.tp.payloads import BucketViews, PayloadError, decode_entry, named_tensors
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of, shard_of
 
@@ -65,6 +65,7 @@ class LoraMerge:
         # buffer (it may: adapters are copied at load) then finds it mapped still, and the next load
         # opens no CUDA IPC handle (weight_update.py keeps its payloads for the same reason)
         self._held_payload = None
+        self._views = BucketViews(limit=1)  # the tensors of that buffer, for the same layout again
 
     @torch.no_grad()
     def base_params(self) -> dict[str, torch.Tensor]:
@@ -195,7 +196,7 @@ class LoraMerge:
             except PayloadError as exc:
                 raise LoraError(str(exc)) from exc
             try:
-                tensors = named_tensors(payload, load_format, self._ranks.rank)
+                tensors = named_tensors(payload, load_format, self._ranks.rank, self._views)
             except PayloadError as exc:
                 raise LoraError(f"adapter {lora_name!r} refused, nothing changed: {exc}") from exc
             self._held_payload = payload

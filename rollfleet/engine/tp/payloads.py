@@ -3,7 +3,8 @@ entry per tp rank, each rank decodes its own (SGLang's rule)."""
 
 from __future__ import annotations
 
-from collections import Counter
+import operator
+from collections import Counter, OrderedDict
 from typing import Any
 
 import torch
@@ -31,18 +32,22 @@ def decode_entry(entries: list[str], rank: int) -> Any:
         ) from exc
 
 
-def named_tensors(payload: Any, load_format: str | None, rank: int) -> dict[str, torch.Tensor]:
+def named_tensors(
+    payload: Any, load_format: str | None, rank: int, views: BucketViews | None = None
+) -> dict[str, torch.Tensor]:
     """Rank `rank`'s decoded payload -> checkpoint name -> full tensor.
 
     null / "direct": a list of (name, tensor) pairs, or one dict {name: tensor} (SGLang's LoRA
     payload); a tensor may be wrapped in SGLang's LocalSerializedTensor (verl), of which this rank
     reads its own value. "flattened_bucket": one bucket payload `{"flattened_tensor", "metadata"}`
-    or a list of them.
+    or a list of them (`views`: an engine's `BucketViews`, which unpacks a layout seen before in the
+    same buffer without reading its records again).
     """
     if load_format == "flattened_bucket":
         payloads = payload if isinstance(payload, (list, tuple)) else [payload]
+        unpack = views.unpack if views is not None else _unpacked
         try:
-            pairs = [pair for item in payloads for pair in Bucket.from_payload(item).unpack().items()]
+            pairs = [pair for item in payloads for pair in unpack(item).items()]
         except ValueError as exc:
             raise PayloadError(str(exc)) from exc
     else:
@@ -55,6 +60,80 @@ def named_tensors(payload: Any, load_format: str | None, rank: int) -> dict[str,
         twice = sorted(name for name, count in Counter(name for name, _ in pairs).items() if count > 1)
         raise PayloadError(f"names sent twice: {', '.join(twice[:10])}")
     return tensors
+
+
+def _unpacked(payload: Any) -> dict[str, torch.Tensor]:
+    return Bucket.from_payload(payload).unpack()
+
+
+_RECORD_FIELDS = operator.attrgetter("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+
+
+class BucketViews:
+    """The tensors of the buckets an engine unpacked lately, by the buffer they lie in and their
+    records' values: a sender packs every push into the same two buffers with the same layouts, and
+    an engine that holds those buffers (`WeightUpdater`'s held payloads) gets the same storage back
+    for their handles, so call k+2 of a push needs no records read, checked and viewed again (about
+    8 us a tensor on this project's CPU, 44 tensors a call of the benches' model).
+
+    The key is the flat tensor's address, size, dtype and device, and each record's six fields,
+    taken only when they have exactly the types a checked record has (a str name, a torch.Size shape,
+    a torch.dtype, int indices): anything else, a dict record included, is read the slow way
+    (`Bucket.from_payload`), so every refusal stays what it was. The views hold their buffer's
+    storage, so an address in the key cannot be reused by another allocation while it is cached:
+    at most `limit` buffers are kept (the payloads their owner holds anyway: a tensor sender's two, a
+    LoRA sender's one), none after a payload read the slow way, and `clear()` drops them with the
+    payloads."""
+
+    def __init__(self, limit: int = 2):
+        self.limit = limit
+        self._views: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+
+    def clear(self) -> None:
+        self._views.clear()
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def unpack(self, payload: Any) -> dict[str, torch.Tensor]:
+        key = _views_key(payload)
+        if key is None:
+            self.clear()  # the buffers kept are no longer the latest
+            return _unpacked(payload)
+        found = self._views.get(key)
+        if found is None:
+            found = _unpacked(payload)  # raises on a bad record: nothing is kept
+            self._views[key] = found
+            while len(self._views) > self.limit:
+                self._views.popitem(last=False)
+        else:
+            self._views.move_to_end(key)
+        return dict(found)
+
+
+def _views_key(payload: Any) -> tuple | None:
+    """What a bucket's unpacking depends on, or None when the payload is not in the exact form
+    `BucketViews` keeps (see there)."""
+    if type(payload) is not dict or len(payload) != 2:
+        return None
+    flat, records = payload.get("flattened_tensor"), payload.get("metadata")
+    if type(flat) is not torch.Tensor or flat.dim() != 1 or type(records) is not list:
+        return None
+    try:
+        fields = tuple(map(_RECORD_FIELDS, records))
+    except AttributeError:  # a dict record, or one lacking a field: read the slow way
+        return None
+    for name, shape, dtype, start, end, numel in fields:
+        if not (
+            type(name) is str
+            and type(shape) is torch.Size
+            and type(dtype) is torch.dtype
+            and type(start) is int
+            and type(end) is int
+            and type(numel) is int
+        ):
+            return None
+    return flat.data_ptr(), flat.numel(), flat.dtype, flat.device, fields
 
 
 def _pairs_of(payload: Any, load_format: str | None) -> list[tuple[str, Any]]:

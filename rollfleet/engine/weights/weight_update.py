@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from rollfleet.engine.lora.lora_merge import LoraMerge
-from rollfleet.engine.tp.payloads import PayloadError, decode_entry, named_tensors
+from rollfleet.engine.tp.payloads import BucketViews, PayloadError, decode_entry, named_tensors
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of, shard_of
 from rollfleet.engine.weights.load_prints import LoadPrints
@@ -84,6 +84,7 @@ class WeightUpdater:
         # alternates two buffers, and a buffer still referenced here is not mapped again (opening a
         # CUDA IPC handle costs far more than reading a few hundred MB).
         self._held_payloads: deque = deque(maxlen=2)
+        self._views = BucketViews()  # the tensors of those buffers, for the same layouts again
 
     @property
     def ready(self) -> bool:
@@ -94,7 +95,7 @@ class WeightUpdater:
         """The weights were released (SGLang semantics: released weights must be pushed again)."""
         self.loaded_names = set()
         self.generation += 1
-        self._held_payloads.clear()
+        self.drop_held_payloads()
 
     def mark_loaded(self) -> None:
         """Every tensor is whole again without a load through this class: received in place from a
@@ -105,6 +106,7 @@ class WeightUpdater:
     def drop_held_payloads(self) -> None:
         """The sync is over: let the sender's buffers go."""
         self._held_payloads.clear()
+        self._views.clear()
 
     @property
     def held_payloads(self) -> int:
@@ -128,7 +130,7 @@ class WeightUpdater:
             try:
                 payload = decode_entry(serialized_named_tensors, self.ranks.rank)
                 self._held_payloads.append(payload)
-                return named_tensors(payload, load_format, self.ranks.rank), False
+                return named_tensors(payload, load_format, self.ranks.rank, self._views), False
             except PayloadError as exc:
                 reason = str(exc) if str(exc).startswith("serialized_named_tensors[") else REFUSED + str(exc)
                 raise WeightUpdateError(reason) from exc
