@@ -9,6 +9,7 @@ from pathlib import Path
 from rollfleet.weights.checkpoint import prune_versions, save_checkpoint
 from rollfleet.weights.source import WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
+from rollfleet.wire.handoffs import prompt_handoffs
 
 KEEP_LAST = 2
 
@@ -38,7 +39,7 @@ class DiskTransport(Transport):
     def send(self, source: WeightSource, version: str) -> SyncReport:
         report, collectors = self._new_report(version), self._collectors()
         directory = version_dir(self.spec.path, version)
-        with timed(report):
+        with timed(report), prompt_handoffs():
             save_checkpoint(self._recorded(source.named_tensors(), report, collectors), directory, self.config_dir)
             self._finish_fingerprints(report, collectors)
             self._each(

@@ -56,6 +56,7 @@ from rollfleet.weights.transports.base import SyncReport, Transport, register, t
 from rollfleet.weights.transports.disk import version_dir
 from rollfleet.weights.transports.staging import PackPlans, call_bytes, wait_all
 from rollfleet.wire.fingerprint import Fingerprints, fingerprints
+from rollfleet.wire.handoffs import prompt_handoffs
 from rollfleet.wire.serialize import serialize
 
 KEEP_LAST = 2
@@ -128,7 +129,7 @@ class LoraTransport(Transport):
             version=version, transport=self.name, engine_ids=[t.engine_id for t in self.targets], lora_name=name
         )
         saving: Future | None = None  # this version's new directory, being written
-        with timed(report):
+        with timed(report), prompt_handoffs():
             with timed(report, "save"):  # the last sync's directory (written long ago, as a rule)
                 self._wait_saved()
             with timed(report, "source"):

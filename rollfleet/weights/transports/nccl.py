@@ -32,6 +32,7 @@ from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls,
 from rollfleet.weights.transports.staging import DoubleBuffer, aligned_order, call_bytes, pack_bytes, wait_all
 from rollfleet.wire.buckets import dtype_name
 from rollfleet.wire.group import join_weight_update_group
+from rollfleet.wire.handoffs import prompt_handoffs
 from rollfleet.wire.net import free_port
 
 GROUP_NAME = "rollfleet_weight_update"
@@ -98,7 +99,7 @@ class NcclTransport(Transport):
         if self.group is None:
             raise RuntimeError("NcclTransport.send before connect(): connect() forms the weight-update group")
         report, collectors = self._new_report(version), self._collectors()
-        with timed(report):
+        with timed(report), prompt_handoffs():
             self._begin()
             try:
                 self._send_calls(source, version, report, collectors)

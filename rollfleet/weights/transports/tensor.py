@@ -45,6 +45,7 @@ from rollfleet.weights.source import ModuleSource, WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
 from rollfleet.weights.transports.feed import SoloFeed
 from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, PackPlans, call_bytes, wait_all
+from rollfleet.wire.handoffs import prompt_handoffs
 from rollfleet.wire.serialize import serialize
 
 GO, DONE, FAILED = "go", "done", "failed"
@@ -76,7 +77,7 @@ class TensorTransport(Transport):
         or each raises."""
         report, collectors = self._new_report(version), self._collectors()
         held: dict[int, list] = {}  # this rank's buffers the engines may still read, by call index
-        with timed(report):
+        with timed(report), prompt_handoffs():
             begun = self._begin_meanwhile() if self.feed.is_caller else None  # waited for before call 0
             try:
                 failure = self._send_calls(source, version, report, collectors, held, begun)
