@@ -23,6 +23,9 @@ there). Every rank runs the same steps per call, in lockstep over the feed, with
 Why slot k % 2 is free at step 1: the exchange of call k-1 could not complete before rank 0 entered
 it, and rank 0 enters it only after call k-2 (the slot's last user) was answered. So one call is in
 flight while the next is gathered and packed, and the ranks need no second message per call.
+One sender rank (the driver, a one-GPU trainer) needs no exchange to know a slot is free: it waits
+for call k-2's answer before packing call k and posts call k while call k-1 is in flight, so an
+engine that ends a call finds the next one queued instead of waiting a round trip for it.
 After the last call rank 0 waits for every answer, then ends the sessions (commit) or, after any
 failure on any rank, abandons them; then it tells every rank the outcome, and only then do the
 ranks drop their buffers. Engines finish reading a call's buffer before they answer; the version
@@ -126,11 +129,15 @@ class TensorTransport(Transport):
         if caller:
             tensors = self._recorded(tensors, report, collectors, cast_to)
         calls = iter_calls(tensors, self.spec.bucket_bytes, cast_to)
-        buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight(depth=1)
+        ahead = self.feed.world_size == 1  # one sender rank: it knows itself when a slot is free
+        buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight(depth=2 if ahead else 1)
         failure: BaseException | None = None
         index = 0
         while True:
             call, state = _next_call(calls)
+            if ahead and failure is None and call is not None:
+                with timed(report, "wait_engines"):
+                    failure = self._attempt(in_flight.make_room)  # call k-2 answered: slot k % 2 is free
             packed = ({}, [], None) if call is None else self._pack_mine(call, index, buffers, report, cast_to)
             contribution, keep, copying = packed
             if "error" in contribution:
@@ -142,7 +149,7 @@ class TensorTransport(Transport):
                     failure = begun if isinstance(begun, BaseException) else self._attempt(begun.result)
             if caller and failure is None:
                 with timed(report, "wait_engines"):
-                    failure = self._attempt(in_flight.make_room)  # call k-1 answered: slot (k+1) % 2 is free
+                    failure = self._attempt(in_flight.make_room)  # one rank: a no-op; else call k-1 answered
             if copying is not None:  # every rank's copy done before the exchange, so before rank 0 posts
                 with timed(report, "pack"):
                     copying.synchronize()
