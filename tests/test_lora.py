@@ -11,6 +11,7 @@ import copy
 import json
 import re
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -281,6 +282,34 @@ def test_one_transport_packs_every_version_into_one_buffer_and_each_arrives(serv
         for proc in engines.values():
             assert list(loaded(proc)) == [second.lora_name]
     finally:
+        transport.disconnect()
+
+
+def test_the_adapter_directory_holds_the_pushed_values_though_the_trainer_steps_at_once(servers, adapter, tmp_path):
+    """The directory a restarted engine restores from is written after the sync returned; a trainer
+    steps its parameters as soon as it did. The writer saves the bucket as pushed (here kept busy
+    until the step happened: before, it read the live parameters and saved the stepped values)."""
+    peft_model = copy.deepcopy(adapter[0])
+    spec = LoraSync(source="tensors", path=str(tmp_path / "adapters"))
+    target = EngineTarget(engine_id=0, url=servers["tp1"].url, num_ranks=1, rank_offset=0)
+    transport = make_transport(spec, [target], timeout_s=60)
+    stepped = threading.Event()
+    try:
+        transport._writing().submit(stepped.wait)  # the writing thread busy until the trainer stepped
+        report = transport.send(LoraSource(peft_model), "pushed")
+        pushed = {key: tensor.clone() for key, tensor in get_peft_model_state_dict(peft_model).items()}
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.add_(1.0)
+        stepped.set()
+        transport._wait_saved()  # what the next sync waits for first
+        saved = load_file(version_dir(spec.path, "pushed") / SavedAdapter.WEIGHTS_FILE)
+        assert saved.keys() == pushed.keys()
+        assert [key for key in pushed if not torch.equal(saved[key], pushed[key])] == []
+        assert unverified(report, {0: servers["tp1"]}) == {}
+    finally:
+        stepped.set()
         transport.disconnect()
 
 

@@ -25,8 +25,10 @@ in /get_server_info: the embedded engine, which keeps the last payload reference
 CUDA IPC handle stays open there), else into a fresh one (an engine that reads a loaded adapter in
 place needs the old version's buffer unchanged while it is loaded); the fingerprint samples are
 gathered from the bucket before the load and hashed while the engines load; the adapter directory
-is written in a thread while the engines load and finished off the sync's path (the next sync
-waits for it first, `_wait_saved`, and a restore that asks for it meanwhile waits, within its
+is written in a thread while the engines load and finished off the sync's path, from the packed
+bucket (one copy to the host: `save_packed_adapter`), which holds the values as pushed while the
+trainer may step its parameters as soon as the sync returns, and which is repacked only after that
+write ended (the next sync waits for it first, `_wait_saved`, and a restore that asks for it meanwhile waits, within its
 deadline, for its partial directory's rename: `saved_adapter`; on an H100 the write of a 135 MB
 adapter, 43-45 ms, was most of the in-loop sync once the engine's load took 5 ms); a failed sync
 waits for it and removes it, so a failed version leaves no directory; a version resent over its own
@@ -50,11 +52,12 @@ from pathlib import Path
 
 import torch
 
-from rollfleet.weights.adapter import AdapterSource, SavedAdapter, save_adapter
+from rollfleet.weights.adapter import AdapterSource, SavedAdapter, save_adapter, save_packed_adapter
 from rollfleet.weights.checkpoint import partial_of, prune_versions
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
 from rollfleet.weights.transports.disk import version_dir
 from rollfleet.weights.transports.staging import PackPlans, call_bytes, wait_all
+from rollfleet.wire.buckets import Bucket
 from rollfleet.wire.fingerprint import Fingerprints, fingerprints
 from rollfleet.wire.handoffs import prompt_handoffs
 from rollfleet.wire.serialize import serialize
@@ -150,9 +153,10 @@ class LoraTransport(Transport):
                         directory = save_adapter(tensors, config, version_dir(self.spec.path, version))
                     self._load_directory(name, directory, report)
                 else:
-                    payload, prints = self._packed(report, tensors)
-                    saving = self._save_meanwhile(tensors, config, version)  # what a restarted engine restores from
+                    bucket, prints = self._packed(report, tensors)
+                    saving = self._save_meanwhile(bucket, config, version)  # what a restarted engine restores from
                     with timed(report, "serialize"):  # one dict per entry, serialized once per engine rank
+                        payload = bucket.to_payload()
                         entries = {t.engine_id: [serialize(payload) for _ in range(t.num_ranks)] for t in self.targets}
                     self._unload_retried(listing, name, report)
                     self._load_tensors(name, entries, config, prints, report)
@@ -160,7 +164,9 @@ class LoraTransport(Transport):
                     self._set_version_and_unload_old(name, version, listing.result())
                 if saving is None and source.directory is None and self.spec.source == "tensors":
                     # a resent version: its directory is replaced now that the engines took it
-                    saving = self._writing().submit(save_adapter, tensors, config, version_dir(self.spec.path, version))
+                    saving = self._writing().submit(
+                        save_packed_adapter, bucket, config, version_dir(self.spec.path, version)
+                    )
                 if saving is not None:  # finished off the sync's path: the next sync (or a restore) waits for it
                     self._saving = (version, saving)
             except BaseException:
@@ -189,7 +195,7 @@ class LoraTransport(Transport):
             prints = fingerprints(tensors)
         report.fingerprints = {t.engine_id: dict(prints) for t in self.targets}
 
-    def _packed(self, report: SyncReport, tensors) -> tuple[dict, Fingerprints]:
+    def _packed(self, report: SyncReport, tensors) -> tuple[Bucket, Fingerprints]:
         """The adapter as one flattened bucket in a fresh buffer (the trainer's own parameter storages
         never become shared memory), and its fingerprint samples, gathered from the bucket (hashed
         while the engines load it: `_load_tensors`)."""
@@ -202,7 +208,7 @@ class LoraTransport(Transport):
             plan.fingerprint(bucket, prints)
             if device.type == "cuda":  # the pack is finished before an engine reads the bucket
                 torch.cuda.current_stream(device).synchronize()
-        return bucket.to_payload(), prints
+        return bucket, prints
 
     def _take_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """The bucket's memory: the last sync's again where every engine copies adapters at load
@@ -215,13 +221,13 @@ class LoraTransport(Transport):
             self._buffer = buffer if self._reuse else None
         return buffer[:nbytes]
 
-    def _save_meanwhile(self, tensors, config: dict, version: str) -> Future | None:
+    def _save_meanwhile(self, bucket: Bucket, config: dict, version: str) -> Future | None:
         """Write this version's adapter directory in a thread, unless a sync of this version left one
         (it is replaced only once the engines took the new one, as a failed sync must leave it)."""
         directory = version_dir(self.spec.path, version)
         if directory.exists():
             return None
-        return self._writing().submit(save_adapter, tensors, config, directory)
+        return self._writing().submit(save_packed_adapter, bucket, config, directory)
 
     def _writing(self) -> ThreadPoolExecutor:
         """The one thread that writes adapter directories and prunes old ones, in the order asked."""
