@@ -175,8 +175,8 @@ def save_adapter(named_tensors: Iterable[tuple[str, torch.Tensor]], config_dict:
 
 def save_packed_adapter(bucket: Bucket, config_dict: dict, directory: str | Path) -> Path:
     """`save_adapter` of the tensors packed in `bucket` (rollfleet.weights.transports.lora): the whole
-    bucket copied to the host at once, not one device copy per tensor (392 for rank 32 on every
-    linear layer of the benches' model, each waited for while the writing thread holds the GIL), and
+    bucket copied to the host at once, not one device copy per tensor (336 for rank 32 on every
+    linear layer of the benches' model: 168 targets, each a synchronous copy), and
     each tensor cloned from it (safetensors refuses tensors that share memory). The bucket holds the
     values as they were pushed; the trainer's parameters may have stepped since."""
     host = bucket.flattened_tensor.to("cpu")

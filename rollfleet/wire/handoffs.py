@@ -7,8 +7,8 @@ interval (5 ms by default) unless the holder blocks first: scripts/handoff_laten
 submitted beside 2 ms of Python started 2.2 ms later, 0.45 ms with a 0.2 ms interval. Measured on
 an H100 (docs/results/checks/main-job-1xh100/sync-ab-views-handoffs-c081da9.log): a LoRA push's two
 version round trips, run while its directory is written, 4.7 -> 1.7 ms; a tensor push with one call
-in flight, nothing (29-30 ms either way: its main thread blocks often enough), and 15f6f5d's two
-calls in flight were measured with it on only. An engine process sets 1 ms for its whole life
+in flight, no gain (29.3 / 28.7 ms at 5 ms, 30.1 / 30.4 at 0.2 ms: perhaps a millisecond worse),
+and 15f6f5d's two calls in flight were measured with it on only. An engine process sets 1 ms for its whole life
 (rollfleet.engine.process.rank_zero).
 
 The interval is the process's: it is set while at least one `prompt_handoffs()` block runs (pushes

@@ -73,8 +73,8 @@ class BucketViews:
     """The tensors of the buckets an engine unpacked lately, by the buffer they lie in and their
     records' values: a sender packs every push into the same two buffers with the same layouts, and
     an engine that holds those buffers (`WeightUpdater`'s held payloads) gets the same storage back
-    for their handles, so call k+2 of a push needs no records read, checked and viewed again (about
-    8 us a tensor on this project's CPU, 44 tensors a call of the benches' model).
+    for their handles, so call k+2 of a push needs no records read, checked and viewed again (6-8 us
+    a tensor on this project's CPU, 44 tensors a call of the benches' model).
 
     The key is the flat tensor's address, size, dtype and device, and each record's six fields,
     taken only when they have exactly the types a checked record has (a str name, a torch.Size shape,

@@ -147,9 +147,9 @@ class TensorTransport(Transport):
             if caller and failure is None and index == 0:
                 with timed(report, "begin"):  # the sessions opened while call 0 was gathered and packed
                     failure = begun if isinstance(begun, BaseException) else self._attempt(begun.result)
-            if caller and failure is None:
+            if caller and failure is None and not ahead:
                 with timed(report, "wait_engines"):
-                    failure = self._attempt(in_flight.make_room)  # one rank: a no-op; else call k-1 answered
+                    failure = self._attempt(in_flight.make_room)  # call k-1 answered: slot (k+1) % 2 is free
             if copying is not None:  # every rank's copy done before the exchange, so before rank 0 posts
                 with timed(report, "pack"):
                     copying.synchronize()
