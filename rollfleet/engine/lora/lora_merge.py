@@ -24,7 +24,6 @@ from torch import nn
 
 from rollfleet.engine.lora.host_copies import copies_on
 from rollfleet.engine.lora.lora import (
-    TENSORS_PATH,
     LoraAdapter,
     LoraError,
     LoraLimits,
@@ -32,6 +31,7 @@ from rollfleet.engine.lora.lora import (
     parse_adapter,
     read_adapter_dir,
 )
+from rollfleet.engine.lora.parse_plan import AdapterPlans
 from rollfleet.engine.tp.payloads import BucketViews, PayloadError, decode_entry, named_tensors
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of, shard_of
@@ -66,6 +66,7 @@ class LoraMerge:
         # opens no CUDA IPC handle (weight_update.py keeps its payloads for the same reason)
         self._held_payload = None
         self._views = BucketViews(limit=1)  # the tensors of that buffer, for the same layout again
+        self.plans = AdapterPlans()  # and what their last parse found, for the same adapter again
 
     @torch.no_grad()
     def base_params(self) -> dict[str, torch.Tensor]:
@@ -202,9 +203,10 @@ class LoraMerge:
             self._held_payload = payload
             config = config_dict
         tensors_at = time.perf_counter()
-        adapter = parse_adapter(
-            lora_name, lora_path or TENSORS_PATH, config, tensors, self._model, self.targetable, limits
-        )
+        if lora_path is not None:
+            adapter = parse_adapter(lora_name, lora_path, config, tensors, self._model, self.targetable, limits)
+        else:
+            adapter = self.plans.parse(lora_name, config, tensors, self._model, self.targetable, limits)
         return adapter, {"tensors": tensors_at - began, "parse": time.perf_counter() - tensors_at}
 
     def _require_enabled(self) -> LoraLimits:
