@@ -207,18 +207,22 @@ def test_fingerprints_sampled_from_the_packed_bucket_equal_those_of_the_tensors(
     assert fused.digests() == {}  # a collector starts empty after digests()
 
 
-def test_a_reused_plan_and_buffer_carry_only_the_latest_call():
+@pytest.mark.parametrize("keep_views", [False, True])
+def test_a_reused_plan_and_buffer_carry_only_the_latest_call(keep_views):
     """The same layout packed again into the same buffer: every byte, every metadata record and every
     fingerprint is the new call's (the buffer is filled with a pattern first, so a slice the pack
-    skipped would show)."""
+    skipped would show); with `keep_views` too, and into another buffer between (its own slices)."""
     from rollfleet.weights.transports.staging import PackPlans
 
     plans, buffer = PackPlans(), torch.empty(call_bytes(_layout_call(0)) + 256, dtype=torch.uint8)
-    for seed in (1, 2):
+    another = torch.empty_like(buffer)
+    for seed, into in ((1, buffer), (2, buffer), (3, another), (4, buffer)):
         call = _layout_call(seed)
-        buffer.fill_(0xA5)
+        buffer.fill_(0xA5), another.fill_(0xA5)
         plan = plans.plan(call)
-        bucket = plan.pack(call, buffer)
+        bucket = plan.pack(call, into, keep_views=keep_views)
+        assert bucket.flattened_tensor.data_ptr() == into.data_ptr()
+        assert not (another if into is buffer else buffer).ne(0xA5).any()  # nothing written elsewhere
         unpacked = bucket.unpack()
         assert set(unpacked) == {name for name, _ in call}
         for name, tensor in call:
@@ -230,7 +234,7 @@ def test_a_reused_plan_and_buffer_carry_only_the_latest_call():
         assert [(r.name, tuple(r.shape), r.start_idx) for r in wire] == [
             (m.name, m.shape, m.start_idx) for m in bucket.metadata
         ]
-    assert plans.plan(_layout_call(3)) is plan  # one plan per layout, kept across syncs
+    assert plans.plan(_layout_call(5)) is plan  # one plan per layout, kept across syncs
     other = [("big", torch.randn(70, 300))]
     assert plans.plan(other) is not plan
     with pytest.raises(AssertionError, match="layout"):
@@ -262,6 +266,8 @@ def test_a_plan_that_casts_as_it_packs_sends_what_packing_the_cast_tensors_sends
     assert torch.equal(plan.pack(cast, bucket.flattened_tensor.clone()).flattened_tensor, bucket.flattened_tensor)
     with pytest.raises(AssertionError, match="layout"):
         plan.pack(call[1:], bucket.flattened_tensor)
+    with pytest.raises(AssertionError, match="no cast"):  # kept views copy as they are
+        plan.pack(call, bucket.flattened_tensor, keep_views=True)
 
 
 def test_the_later_fingerprint_of_a_name_wins_over_what_was_gathered_before():

@@ -202,7 +202,8 @@ class LoraTransport(Transport):
         device = tensors[0][1].device if tensors else torch.device("cpu")
         with timed(report, "pack"):
             plan = self.plans.plan(tensors)
-            bucket = plan.pack(tensors, self._take_buffer(call_bytes(tensors), device))
+            buffer = self._take_buffer(call_bytes(tensors), device)  # (settles `_reuse`)
+            bucket = plan.pack(tensors, buffer, keep_views=self._reuse)  # the same buffer again: its views
         with timed(report, "fingerprint"):
             prints = Fingerprints()
             plan.fingerprint(bucket, prints)
