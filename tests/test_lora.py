@@ -285,6 +285,20 @@ def test_one_transport_packs_every_version_into_one_buffer_and_each_arrives(serv
         transport.disconnect()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's streams (the GPU checks run it)")
+def test_the_directory_writers_host_copy_is_the_packed_bucket_in_pinned_memory():
+    """The writer copies a bucket on a GPU to pinned host memory on a side stream, after what the
+    current stream queued before (the pack): the values written last are what it copies."""
+    from rollfleet.weights.adapter import host_copy
+
+    flat = torch.arange(1 << 22, dtype=torch.int32, device="cuda").view(torch.uint8)
+    flat.add_(1)  # queued on the current stream, not waited for
+    host = host_copy(flat)
+    assert host.device.type == "cpu" and host.is_pinned() and torch.equal(host, flat.cpu())
+    on_host = torch.arange(10, dtype=torch.uint8)
+    assert host_copy(on_host) is on_host  # nothing to copy
+
+
 def test_the_adapter_directory_holds_the_pushed_values_though_the_trainer_steps_at_once(servers, adapter, tmp_path):
     """The directory a restarted engine restores from is written after the sync returned; a trainer
     steps its parameters as soon as it did. The writer saves the bucket as pushed (here kept busy
