@@ -235,6 +235,10 @@ def test_a_reused_plan_and_buffer_carry_only_the_latest_call(keep_views):
             (m.name, m.shape, m.start_idx) for m in bucket.metadata
         ]
     assert plans.plan(_layout_call(5)) is plan  # one plan per layout, kept across syncs
+    plan.pack(_layout_call(6), another, keep_views=True)
+    assert plan.kept_buffer == another.data_ptr()
+    plan.pack(_layout_call(6), buffer)  # a pack without kept views lets the last kept buffer go
+    assert plan.kept_buffer is None
     other = [("big", torch.randn(70, 300))]
     assert plans.plan(other) is not plan
     with pytest.raises(AssertionError, match="layout"):

@@ -165,7 +165,7 @@ class PackPlan:
         `keep_views` (a sender that packs into the same buffer every time, and no cast): the
         buffer's slices, in each tensor's dtype and shape, are kept for the next pack into it, so
         the tensors are copied as they are (a rank-32 LoRA adapter's 336 tensors: 1.5 -> 0.5 ms on
-        this project's 2-core CPU); they hold that buffer until a pack into another one."""
+        this project's 2-core CPU); they hold that buffer until a pack into another one or without them."""
         assert layout_of(call, self.cast_to) == self.layout, "a PackPlan packs only the layout it was made for"
         flat = buffer[: self.nbytes]
         if keep_views:
@@ -173,6 +173,7 @@ class PackPlan:
             with torch.no_grad():
                 torch._foreach_copy_(self._views_in(flat), [tensor for _, tensor in call])
             return Bucket(flat, self.metadata, wire=self._wire)
+        self._kept = None  # a sender that stopped reusing its buffer: let it go
         slices = flat.split(self._sizes)[::2]
         # tensors already in their wire dtype are copied as bytes; the others are cast by the copy
         # (torch._foreach_copy_ casts: one multi-tensor kernel per dtype pair, no cast copy of its own)
@@ -189,6 +190,11 @@ class PackPlan:
         for into, sources in copies.values():
             torch._foreach_copy_(into, sources)
         return Bucket(flat, self.metadata, wire=self._wire)
+
+    @property
+    def kept_buffer(self) -> int | None:
+        """The address of the buffer whose slices this plan keeps (`keep_views`), or None."""
+        return None if self._kept is None else self._kept[0][0]
 
     def _views_in(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's slice of `flat` in its dtype and shape; made once per buffer (the last one)."""
