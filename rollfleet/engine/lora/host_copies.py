@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+SPAN_ALIGN = 64  # bytes: a span's copy starts here, so every tensor's offset in it is whole for any dtype
+
 
 def host_copies(tensors: dict[str, torch.Tensor], *, per_storage: bool | None = None) -> dict[str, torch.Tensor]:
     """Copies on the host sharing no memory with what arrived. `per_storage` (default: unless every
@@ -58,7 +60,7 @@ def _per_storage(tensors: dict[str, torch.Tensor], device: torch.device, pin: bo
     owned = {}
     for (pointer, _), keys in groups.items():
         spans = {key: _byte_span(tensors[key]) for key in keys} if pointer else {}
-        start = min((first for first, _ in spans.values()), default=0) // 64 * 64  # offsets stay aligned
+        start = min((first for first, _ in spans.values()), default=0) // SPAN_ALIGN * SPAN_ALIGN
         end = max((last for _, last in spans.values()), default=0)
         if not pointer or end - start > 2 * sum(last - first for first, last in spans.values()):
             owned.update({key: tensors[key].detach().to(device, copy=True) for key in keys})

@@ -25,10 +25,9 @@ import copy
 
 import torch
 
+from rollfleet.engine.lora.host_copies import SPAN_ALIGN
 from rollfleet.engine.lora.lora import TENSORS_PATH, LoraAdapter, LoraLimits, LoraTarget, parse_adapter
 from rollfleet.wire.fingerprint import DEFAULT_SAMPLES, Fingerprints, sample_positions
-
-ALIGN = 64  # bytes: the copy starts at a multiple of every element size, as owned_copies' spans do
 
 
 class AdapterPlan:
@@ -38,11 +37,9 @@ class AdapterPlan:
         self.keys, self.sources = list(tensors), values
         self.config, self.limits = copy.deepcopy(config), limits
         self.targets = [(t.module, t.scale) for t in adapter.targets]
-        first = values[0]
-        self.device = first.device
-        self.storage = first.untyped_storage()
+        self.device = values[0].device
         offsets = [t.storage_offset() * t.element_size() for t in values]
-        self.start = min(offsets) // ALIGN * ALIGN
+        self.start = min(offsets) // SPAN_ALIGN * SPAN_ALIGN
         self.end = max(o + t.nbytes for o, t in zip(offsets, values))
         # each tensor: (dtype, shape, stride, offset in elements of its dtype from the copy's start)
         self.views = [
@@ -64,9 +61,7 @@ class AdapterPlan:
     ) -> AdapterPlan | None:
         """A plan of a parse that succeeded, where its tensors allow one: every tensor a contiguous,
         non-empty view of one storage, at an offset that is a whole number of its elements."""
-        values = list(tensors.values())
-        if not values or not isinstance(config, dict):
-            return None
+        values = list(tensors.values())  # a parse that succeeded had some, and a dict config
         storage = values[0].untyped_storage()
         for tensor in values:
             if (
@@ -90,9 +85,9 @@ class AdapterPlan:
 
     def adapter(self, name: str, config: dict) -> LoraAdapter:
         """The adapter as `parse_adapter` makes it, from the tensors' current values."""
-        size = -(-(self.end - self.start) // ALIGN) * ALIGN  # every dtype can view the whole copy
+        size = -(-(self.end - self.start) // SPAN_ALIGN) * SPAN_ALIGN  # every dtype can view the whole copy
         owned_bytes = torch.empty(size, dtype=torch.uint8, device=self.device)
-        source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.storage)
+        source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.sources[0].untyped_storage())
         owned_bytes[: self.end - self.start].copy_(source[self.start : self.end])
         typed = {dtype: owned_bytes.view(dtype) for dtype, *_ in self.samples}
         owned = {
@@ -136,8 +131,8 @@ class AdapterPlans:
             return plan.adapter(name, config)
         self.plan = None  # its tensors are not the latest: let them go before anything else can fail
         adapter = parse_adapter(name, TENSORS_PATH, config, tensors, model, targetable, limits)
-        storage = next(iter(tensors.values())).untyped_storage().data_ptr() if tensors else None
-        if storage is not None and storage == self._last_storage:  # the sender's buffer again
+        storage = next(iter(tensors.values())).untyped_storage().data_ptr()  # a parsed adapter has tensors
+        if storage == self._last_storage:  # the sender's buffer again
             self.plan = AdapterPlan.of(tensors, config, limits, adapter)
         self._last_storage = storage
         return adapter
