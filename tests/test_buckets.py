@@ -25,7 +25,13 @@ from rollfleet.wire.buckets import (
     dtype_name,
     iter_buckets,
 )
-from rollfleet.wire.serialize import LocalSerializedTensor, safe_loads, serialize, use_file_system_sharing
+from rollfleet.wire.serialize import (
+    LocalSerializedTensor,
+    safe_loads,
+    serialize,
+    shared_cpu_buffer,
+    use_file_system_sharing,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 
@@ -149,6 +155,28 @@ def test_a_bucket_payload_crosses_to_an_unrelated_process_through_shared_memory(
     expected_sum = float(w.sum()) - 1.0  # w[0, 0] was 0.0
     assert out.stdout.split() == ["['v',", "'w']", str(expected_sum)]
     assert bucket.flattened_tensor[0] == -1.0
+
+
+def test_a_shared_cpu_buffer_stays_where_it_is_when_serialized():
+    """A buffer not yet shared moves at its first serialization (another address, the old memory freed
+    under any thread reading it); one from `shared_cpu_buffer` does not move, and another process
+    reads what was written into it."""
+    plain = torch.arange(64, dtype=torch.uint8)
+    before = plain.data_ptr()
+    serialize(plain)
+    assert plain.data_ptr() != before  # what the directory writer of a LoRA push read from, freed
+    buffer = shared_cpu_buffer(1 << 12)
+    buffer.view(torch.float32).copy_(torch.arange(1024.0))
+    before = buffer.data_ptr()
+    record = FlattenedTensorMetadata("w", (32, 32), torch.float32, 0, 4096, 4096)  # uint8: indexed in bytes
+    payload = serialize(Bucket(buffer, [record]).to_payload())
+    assert buffer.data_ptr() == before
+    out = subprocess.run(
+        [sys.executable, "-c", READ_IN_OTHER_PROCESS], input=payload, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["['w']", str(float(torch.arange(1024.0).sum()) - 1.0)]  # w[0, 0] was 0.0
+    assert buffer.view(torch.float32)[0] == -1.0  # the other process wrote into this very memory
 
 
 class RunsAShellCommand:

@@ -250,6 +250,15 @@ def use_file_system_sharing() -> None:
         torch.multiprocessing.set_sharing_strategy(SHARING_STRATEGY)
 
 
+def shared_cpu_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU buffer in shared memory as `serialize` shares it. Serializing a tensor that is not
+    yet shared moves its storage there (a copy, then the old memory freed): a thread reading the
+    tensor meanwhile reads freed memory (the lora transport's directory writer wrote a changed
+    first tensor that way). A buffer made here is never moved."""
+    use_file_system_sharing()
+    return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+
+
 def with_device_uuid(args: tuple, uuids: list[str]) -> tuple:
     """torch's reduction of a CUDA tensor with its device index replaced by the GPU's UUID (as SGLang's
     `monkey_patch_torch_reductions` does); a UUID already there stays."""

@@ -60,7 +60,7 @@ from rollfleet.weights.transports.staging import PackPlans, call_bytes, wait_all
 from rollfleet.wire.buckets import Bucket
 from rollfleet.wire.fingerprint import Fingerprints, fingerprints
 from rollfleet.wire.handoffs import prompt_handoffs
-from rollfleet.wire.serialize import serialize
+from rollfleet.wire.serialize import serialize, shared_cpu_buffer
 
 KEEP_LAST = 2
 SAVE_POLL_S = 0.005  # how often a restore looks for a directory still being written
@@ -218,7 +218,11 @@ class LoraTransport(Transport):
             self._server_infos()
         buffer = self._buffer
         if not self._reuse or buffer is None or buffer.device != device or buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            # on the CPU in shared memory already: serializing would move it under the directory writer
+            if device.type == "cpu":
+                buffer = shared_cpu_buffer(nbytes)
+            else:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self._buffer = buffer if self._reuse else None
         return buffer[:nbytes]
 
