@@ -16,6 +16,9 @@ number of times; the ratio is median raw seconds / median sync seconds, with min
 
 Sync = gather + pack + send + engine load, on a transport connected once (as a run keeps it).
 Verify = the fleet's fingerprint check (a fresh client, as the fleet does), timed after each sync.
+Before each timed sync the bench waits for the work the last one left running off its path (lora:
+its adapter directory, `Transport.settle`), which in a run overlaps the train step between syncs and
+here would land on the next sync: timed apart ("left running").
 A run whose verification fails prints no figures, writes a record marked not ok, and exits non-zero.
 Each phase of the sender (`SyncReport.phases`: source, fingerprint, pack, serialize, wait_engines or
 load, ...) is printed in ms (median over the repeats) beside the raw copy of the same bytes.
@@ -147,6 +150,8 @@ def _timed_syncs(args, transport, model, url: str, checkpoint: Path) -> tuple[fl
         version = str(repeat + 1)
         if args.transport == "lora":
             _perturb(model)  # a new adapter each step (the full-weight sends resend the same weights)
+        settling = time.perf_counter()
+        transport.settle()  # what the last sync left running off its path (a run trains meanwhile)
         start = time.perf_counter()
         report = transport.send(_source(args, model), version)
         sent = time.perf_counter()
@@ -160,6 +165,7 @@ def _timed_syncs(args, transport, model, url: str, checkpoint: Path) -> tuple[fl
                 "sync_s": sent - start,
                 "verify_s": verify,
                 "sync_plus_verify_s": sent - start + verify,
+                "left_behind_s": start - settling,
                 "verified": not problems,
                 "phases": dict(report.phases),
             }
@@ -231,6 +237,7 @@ def _summary(args, model_bytes: int, raw: dict, synced: dict, sender_extra: floa
         "sync_s": spread([r["sync_s"] for r in rows]),
         "sync_gb_per_s": spread([gb / r["sync_s"] for r in rows]),
         "verify_s": spread([r["verify_s"] for r in rows]),
+        "left_behind_s": spread([r["left_behind_s"] for r in rows]),
         "sync_plus_verify_gb_per_s": spread([gb / r["sync_plus_verify_s"] for r in rows]),
         "first_sync_s": synced["cold_s"],
         "ratio_sync_to_raw": raw_med / sync_med,
@@ -260,6 +267,7 @@ def _print(args, s: dict) -> None:
     print(line("sync GB/s (gather, pack, send, load)", s["sync_gb_per_s"]))
     print(line("sync + fingerprint verification GB/s", s["sync_plus_verify_gb_per_s"]))
     print(line("verification s", s["verify_s"], "8.4f"))
+    print(line("last sync's work left running, waited for s", s["left_behind_s"], "8.4f"))
     print(f"  {'first sync of the run (cold) s':44} {s['first_sync_s']:8.4f}")
     print(f"  {'ratio sync / raw (medians)':44} {s['ratio_sync_to_raw']:8.3f}")
     print(f"  {'ratio sync + verification / raw (medians)':44} {s['ratio_sync_plus_verify_to_raw']:8.3f}")

@@ -120,6 +120,13 @@ class Transport(ABC):
     def send(self, source: WeightSource, version: str) -> SyncReport:
         """Deliver every tensor of `source` to every target; return after every engine loaded them."""
 
+    def settle(self) -> None:
+        """Wait for what the last send left running off its path (lora: the adapter directory it
+        writes). The next send waits for it itself; a caller that times sends back to back, with no
+        train step between them, calls this first to keep that wait apart (the sync benchmark).
+        Transports that leave nothing running have nothing to wait for."""
+        return None
+
     def disconnect(self) -> None:
         if self._own_pool:
             self.pool.close()

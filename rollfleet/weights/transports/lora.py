@@ -178,6 +178,9 @@ class LoraTransport(Transport):
             self._writing().submit(_prune, Path(self.spec.path))
         return report
 
+    def settle(self) -> None:
+        self._wait_saved()
+
     def _wait_saved(self) -> None:
         """Wait for the directory the last good sync is writing; a failure to write it is logged (that
         sync had succeeded: its engines hold the version; a restarted engine cannot restore it)."""
