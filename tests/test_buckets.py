@@ -89,6 +89,34 @@ def test_unpack_gives_views_into_the_flat_tensor():
     assert out["a"][0, 0] == 42
 
 
+@settings(max_examples=100, deadline=None)
+@given(named=named_tensor_lists, shift=st.integers(0, 9), padded=st.booleans())
+def test_a_byte_bucket_unpacks_to_views_of_its_bytes_wherever_it_starts(named, shift, padded):
+    """uint8 buckets (SGLang's byte form) unpack to each tensor's values as views of the bucket's own
+    bytes (one strided view of the bytes as the dtype where they are aligned for it; a slice, a
+    reinterpretation and a reshape where they are not, a copy where a tensor's start is unaligned),
+    whatever the flat tensor's own offset in its storage (`shift`); zero-size tensors included."""
+    records, offset, parts = [], 0, []
+    for name, tensor in named:
+        size = tensor.element_size()
+        gap = (-offset) % size if padded else 0  # unpadded: a tensor may start unaligned for its dtype
+        parts.append(torch.zeros(gap, dtype=torch.uint8))
+        offset += gap
+        nbytes = tensor.numel() * size
+        shape = tuple(tensor.shape)
+        records.append(FlattenedTensorMetadata(name, shape, tensor.dtype, offset, offset + nbytes, nbytes))
+        parts.append(tensor.reshape(-1).view(torch.uint8))
+        offset += nbytes
+    storage = torch.cat([torch.full((shift,), 7, dtype=torch.uint8), *parts, torch.zeros(3, dtype=torch.uint8)])
+    flat = storage[shift : shift + offset]
+    out = Bucket(flat, records).unpack()
+    for (name, tensor), meta in zip(named, records):
+        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape and torch.equal(out[name], tensor)
+        aligned = (shift + meta.start_idx) % tensor.element_size() == 0
+        if aligned and tensor.numel():
+            assert out[name].data_ptr() == flat.data_ptr() + meta.start_idx  # a view, not a copy
+
+
 def test_a_bucket_holds_one_dtype():
     with pytest.raises(ValueError, match="one dtype"):
         Bucket.pack([("a", torch.ones(2)), ("b", torch.ones(2, dtype=torch.bfloat16))])

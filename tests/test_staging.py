@@ -79,16 +79,24 @@ def test_in_flight_keeps_two_calls_and_drains_everything_even_after_an_error():
     assert order == ["a", "b", "c"] and not in_flight.calls  # call 2's work waited despite its error; 3 too
 
 
-@settings(max_examples=40, deadline=None)
-@given(numel=st.integers(0, 20000), samples=st.integers(1, 5000))
-def test_sample_view_is_strided_and_covers_the_tensor(numel, samples):
-    tensor = torch.arange(numel, dtype=torch.float32)
+@settings(max_examples=60, deadline=None)
+@given(numel=st.integers(0, 20000), samples=st.integers(1, 5000), offset=st.integers(0, 7), layout=st.integers(0, 2))
+def test_sample_view_is_strided_and_covers_the_tensor(numel, samples, offset, layout):
+    """Every numel // samples-th element in memory order of the tensor as its shape reads it: of a
+    1-D tensor, of a 2-D view that starts `offset` elements into its storage, and of a transposed
+    (non-contiguous) one, which alone is copied."""
+    storage = torch.arange(numel + offset, dtype=torch.float32)
+    tensor = storage[offset:]
+    if layout == 1 and numel % 2 == 0 and numel:
+        tensor = tensor.view(2, -1)
+    elif layout == 2 and numel % 2 == 0 and numel:
+        tensor = tensor.view(-1, 2).t()
     view = sample_view(tensor, samples)
     assert view.numel() == min(numel, samples)
-    if numel > samples:
-        assert view.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()  # a view, no copy
-        step = numel // samples
-        assert torch.equal(view, tensor[::step][:samples])
+    step = max(numel // samples, 1)
+    assert torch.equal(view, tensor.reshape(-1)[::step][:samples])
+    if numel > samples and tensor.is_contiguous():
+        assert view.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()  # a view, no copy
 
 
 def one(tensor, dtype=None, samples=4096) -> str:

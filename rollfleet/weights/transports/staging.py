@@ -178,17 +178,18 @@ class PackPlan:
         # tensors already in their wire dtype are copied as bytes; the others are cast by the copy
         # (torch._foreach_copy_ casts: one multi-tensor kernel per dtype pair, no cast copy of its own)
         copies: dict[tuple[torch.dtype, torch.dtype], tuple[list, list]] = {}
-        for (_, tensor), part, meta in zip(call, slices, self.metadata):
-            tensor = tensor.detach().reshape(-1)
-            if tensor.dtype == meta.dtype:
-                pair, part, tensor = (torch.uint8, torch.uint8), part, tensor.view(torch.uint8)
-            else:
-                pair, part = (meta.dtype, tensor.dtype), part.view(meta.dtype)
-            into, sources = copies.setdefault(pair, ([], []))
-            into.append(part)
-            sources.append(tensor)
-        for into, sources in copies.values():
-            torch._foreach_copy_(into, sources)
+        with torch.no_grad():  # the views need no detach() each: a third of this loop's dispatches
+            for (_, tensor), part, meta in zip(call, slices, self.metadata):
+                tensor = tensor.reshape(-1)
+                if tensor.dtype == meta.dtype:
+                    pair, part, tensor = (torch.uint8, torch.uint8), part, tensor.view(torch.uint8)
+                else:
+                    pair, part = (meta.dtype, tensor.dtype), part.view(meta.dtype)
+                into, sources = copies.setdefault(pair, ([], []))
+                into.append(part)
+                sources.append(tensor)
+            for into, sources in copies.values():
+                torch._foreach_copy_(into, sources)
         return Bucket(flat, self.metadata, wire=self._wire)
 
     @property
