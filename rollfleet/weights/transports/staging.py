@@ -19,6 +19,7 @@ import torch
 
 from rollfleet.wire.buckets import Bucket, FlattenedTensorMetadata
 from rollfleet.wire.fingerprint import Fingerprints, sample_positions
+from rollfleet.wire.serialize import shared_cpu_buffer
 
 ALIGN = 64  # bytes: every dtype view of a slice starts aligned
 
@@ -43,11 +44,15 @@ class DoubleBuffer:
             device = torch.device("cuda", torch.cuda.current_device())
         if buffer is None or buffer.device != device or buffer.numel() < nbytes:
             # A whole bucket on a GPU: growing would leave the old buffer alive under an unfinished
-            # transfer (three buffers). On the CPU, sized to the call and grown when needed: the first
-            # send of a CPU buffer moves it into shared memory, a cost paid per byte.
+            # transfer (three buffers). On the CPU, sized to the call and grown when needed, and made in
+            # shared memory (serializing a buffer outside it moved it there, a copy: a third of a
+            # CPU push's time under py-spy, every sync, since a push's buffers go at its end).
             size = self.bucket_bytes if device.type == "cuda" else nbytes
             self._buffers[slot] = None
-            buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
+            if device.type == "cpu":  # made in shared memory: serializing it then moves nothing
+                buffer = self._buffers[slot] = shared_cpu_buffer(size)
+            else:
+                buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
         return buffer
 
 
