@@ -171,16 +171,16 @@ class Bucket:
                 )
             if meta.name in out:
                 raise ValueError(f"{meta.name} appears twice in one bucket")
-            if by_bytes and meta.start_idx % unit == 0:
+            aligned = by_bytes and meta.start_idx % unit == 0
+            if aligned and meta.dtype not in typed:
+                typed[meta.dtype] = _typed_view(flat, meta.dtype)
+            base = typed.get(meta.dtype) if aligned else None
+            if base is not None:
                 # one strided view of the bytes viewed as the dtype (a slice, a reinterpretation and a
                 # reshape per tensor cost three times as much: an engine unpacks every tensor of a push)
-                if meta.dtype not in typed:
-                    typed[meta.dtype] = _typed_view(flat, meta.dtype)
-                if typed[meta.dtype] is not None:
-                    base = typed[meta.dtype]
-                    offset = base.storage_offset() + meta.start_idx // unit
-                    out[meta.name] = base.as_strided(meta.shape, _contiguous_strides(meta.shape), offset)
-                    continue
+                offset = base.storage_offset() + meta.start_idx // unit
+                out[meta.name] = base.as_strided(meta.shape, _contiguous_strides(meta.shape), offset)
+                continue
             piece = flat[meta.start_idx : meta.end_idx]
             if by_bytes:
                 piece = view_bytes_as(piece, meta.dtype)

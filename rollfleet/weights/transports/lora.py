@@ -56,11 +56,11 @@ from rollfleet.weights.adapter import AdapterSource, SavedAdapter, save_adapter,
 from rollfleet.weights.checkpoint import partial_of, prune_versions
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
 from rollfleet.weights.transports.disk import version_dir
-from rollfleet.weights.transports.staging import PackPlans, call_bytes, wait_all
+from rollfleet.weights.transports.staging import PackPlans, call_bytes, payload_buffer, wait_all
 from rollfleet.wire.buckets import Bucket
 from rollfleet.wire.fingerprint import Fingerprints, fingerprints
 from rollfleet.wire.handoffs import prompt_handoffs
-from rollfleet.wire.serialize import serialize, shared_cpu_buffer
+from rollfleet.wire.serialize import serialize
 
 KEEP_LAST = 2
 SAVE_POLL_S = 0.005  # how often a restore looks for a directory still being written
@@ -221,11 +221,7 @@ class LoraTransport(Transport):
             self._server_infos()
         buffer = self._buffer
         if not self._reuse or buffer is None or buffer.device != device or buffer.numel() < nbytes:
-            # on the CPU in shared memory already: serializing would move it under the directory writer
-            if device.type == "cpu":
-                buffer = shared_cpu_buffer(nbytes)
-            else:
-                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buffer = payload_buffer(nbytes, device)  # (on the CPU in shared memory: the writer reads it)
             self._buffer = buffer if self._reuse else None
         return buffer[:nbytes]
 

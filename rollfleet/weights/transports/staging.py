@@ -28,6 +28,15 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def payload_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 buffer that a sender packs and serializes: on the CPU made in shared memory, since
+    serializing a buffer outside it moves it there (a copy, a third of a CPU push under py-spy, and
+    the old memory freed under any thread still reading it: the lora transport's directory writer)."""
+    if torch.device(device).type == "cpu":
+        return shared_cpu_buffer(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 class DoubleBuffer:
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
@@ -37,22 +46,17 @@ class DoubleBuffer:
         """A 1-D uint8 tensor of at least `nbytes` on `device` from buffer `slot % 2` (a fresh one
         when the call is larger than a bucket: a decoder layer bigger than bucket_mb travels alone)."""
         if nbytes > self.bucket_bytes:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return payload_buffer(nbytes, device)
         slot %= 2
         buffer, device = self._buffers[slot], torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" never equals a tensor's "cuda:0"
             device = torch.device("cuda", torch.cuda.current_device())
         if buffer is None or buffer.device != device or buffer.numel() < nbytes:
             # A whole bucket on a GPU: growing would leave the old buffer alive under an unfinished
-            # transfer (three buffers). On the CPU, sized to the call and grown when needed, and made in
-            # shared memory (serializing a buffer outside it moved it there, a copy: a third of a
-            # CPU push's time under py-spy, every sync, since a push's buffers go at its end).
+            # transfer (three buffers). On the CPU, sized to the call and grown when needed.
             size = self.bucket_bytes if device.type == "cuda" else nbytes
             self._buffers[slot] = None
-            if device.type == "cpu":  # made in shared memory: serializing it then moves nothing
-                buffer = self._buffers[slot] = shared_cpu_buffer(size)
-            else:
-                buffer = self._buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
+            buffer = self._buffers[slot] = payload_buffer(size, device)
         return buffer
 
 
