@@ -4,6 +4,7 @@ tensor (shared memory), nccl (gloo) and disk; verified by fingerprint; bad updat
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -195,3 +196,101 @@ def test_version_mode_checks_versions_only(dense_fleet, qwen3_dir):
     assert set(left_out_problems) == {0, 1} and all("not sent" in p and name in p for p in left_out_problems.values())
     assert asyncio.run(problems(tampered, "version")) == {}  # the weaker check
     assert set(asyncio.run(problems(stale, "version"))) == {0, 1}
+
+
+class CopiedSource(ModuleSource):
+    """A source that yields one tensor as a copy (as a conversion that copies would)."""
+
+    def named_tensors(self, **kwargs):
+        for index, (name, tensor) in enumerate(super().named_tensors(**kwargs)):
+            yield (name, tensor.clone()) if index == 2 else (name, tensor)
+
+
+def test_resident_push_maps_the_parameters_once_then_sends_an_id(dense_fleet, qwen3_dir, qwen3_dir_b):
+    """A one-rank sender whose parameters stay (ModuleSource(stays=True)) maps them into both engines at
+    its first push; later pushes send the mapping's id and the engines load the parameters' current
+    values; a new storage, another sender's mapping in between, or a source whose tensors are not all
+    parameters each send tensors again (or pack), and every push is verified and served."""
+    from rollfleet.weights.transports import make_transport
+
+    def sender():
+        made = make_transport(TensorSync(), dense_fleet.weight_targets(), timeout_s=60)
+        made.connect()
+        return made
+
+    def push(transport, source, version, model_dir):
+        report = transport.send(source, version)
+        dense_fleet.verify(report)
+        outputs, versions = greedy(dense_fleet)
+        assert versions == {version}
+        assert outputs == [reference_greedy(model_dir, p, 8)[0] for p in PROMPTS]
+        return report.resident
+
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir_b, dtype=torch.float32)
+    other = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    first, second = sender(), sender()
+    try:
+        assert push(first, ModuleSource(model, stays=True), "resident-1", qwen3_dir_b) == "mapped to engines [0, 1]"
+        with torch.no_grad():  # the trainer's step: the same storages, new values
+            for mine, theirs in zip(model.parameters(), other.parameters()):
+                mine.copy_(theirs)
+        assert push(first, ModuleSource(model, stays=True), "resident-2", qwen3_dir) == "kept"
+        back = AutoModelForCausalLM.from_pretrained(qwen3_dir_b, dtype=torch.float32)
+        assert push(second, ModuleSource(back, stays=True), "resident-3", qwen3_dir_b) == "mapped to engines [0, 1]"
+        assert push(first, ModuleSource(model, stays=True), "resident-4", qwen3_dir) == "mapped to engines [0, 1]"
+        model.lm_head.weight.data = model.lm_head.weight.data.clone()  # a new storage: the mapping is stale
+        assert push(first, ModuleSource(model, stays=True), "resident-5", qwen3_dir) == "mapped to engines [0, 1]"
+        assert push(first, ModuleSource(model, stays=True), "resident-6", qwen3_dir) == "kept"
+        assert push(first, ModuleSource(model), "resident-7", qwen3_dir) is None  # may move: packed
+        packed = push(first, CopiedSource(back, stays=True), "resident-8", qwen3_dir_b)
+        assert packed.startswith("packed: 1 tensors are not parameters")
+    finally:
+        first.disconnect(), second.disconnect()
+
+
+def test_a_resident_id_the_engine_does_not_hold_is_refused_and_changes_nothing(dense_fleet, qwen3_dir):
+    from rollfleet.wire.serialize import serialize
+
+    before = every_engine(dense_fleet, "shard_fingerprints")
+    client = dense_fleet.pool
+    client.call(0, "begin_weight_update")
+    for payload, says in (
+        ({"mapping": "never-sent", "tensors": None}, "mapping 'never-sent' is not held here"),
+        (["not", "a", "mapping"], "expects each entry to be {'mapping': id, 'tensors': pairs or None}"),
+        ({"mapping": "", "tensors": None}, "must be a string of 1 to 64 characters"),
+    ):
+        with pytest.raises(Exception, match=re.escape(says)) as err:
+            client.call(0, "update_weights_from_tensor", [serialize(payload)], load_format="rollfleet_resident")
+        assert "400" in str(err.value)
+    with pytest.raises(Exception, match="refused"):
+        client.call(0, "end_weight_update")  # the session saw a refusal: nothing is committed
+    assert every_engine(dense_fleet, "shard_fingerprints") == before
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    dense_fleet.sync_weights(ModuleSource(model), "after-refused-id", transport=TRANSPORTS["tensor"])
+
+
+def test_resident_push_into_tp2_ep2(moe_fleet, moe_dir, moe_dir_b):
+    """A MoE sender asking for the resident path: transformers' conversion to per-expert checkpoint
+    tensors copies the gate/up halves out of the fused parameters, so the push says why it packed,
+    and the tp=2 ep=2 engines load it as before."""
+    from rollfleet.weights.transports import make_transport
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dir_b, dtype=torch.float32)
+    transport = make_transport(TensorSync(), moe_fleet.weight_targets(), timeout_s=60)
+    transport.connect()
+    try:
+        residents = []
+        for version, model_dir in (("moe-resident-b", moe_dir_b), ("moe-resident-a", moe_dir)):
+            with torch.no_grad():
+                fresh = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+                for mine, theirs in zip(model.parameters(), fresh.parameters()):
+                    mine.copy_(theirs)
+            report = transport.send(ModuleSource(model, stays=True), version)
+            moe_fleet.verify(report)
+            residents.append(report.resident)
+            outputs, versions = greedy(moe_fleet)
+            assert versions == {version}
+            assert outputs == [reference_greedy(model_dir, p, 8)[0] for p in PROMPTS]
+    finally:
+        transport.disconnect()
+    assert all(r.startswith("packed: 16 tensors are not parameters (model.layers.0.mlp.experts.0.") for r in residents)

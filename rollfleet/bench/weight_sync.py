@@ -67,6 +67,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="hidden size (default by size: 256 under 1 GB); a small one with --vocab 320 keeps a real model's "
         "tensor count (24 layers: --hidden 64 --size-gb 0.0049) at a size where the fixed costs show",
     )
+    parser.add_argument(
+        "--packed",
+        action="store_true",
+        help="tensor: pack every push into buckets (weight_sync.resident=false) instead of mapping the "
+        "parameters into the engine once",
+    )
     parser.add_argument("--lora-rank", type=int, default=32, help="lora: the adapter's rank")
     parser.add_argument(
         "--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"], help="lora: target modules"
@@ -114,7 +120,7 @@ def _prepare(args, scratch: Path, dtype: torch.dtype, device: str):
 
 
 def _source(args, model):
-    return LoraSource(model) if args.transport == "lora" else ModuleSource(model)
+    return LoraSource(model) if args.transport == "lora" else ModuleSource(model, stays=True)
 
 
 def _perturb(model) -> None:
@@ -148,8 +154,9 @@ def _timed_syncs(args, transport, model, url: str, checkpoint: Path) -> tuple[fl
     rows, problems = [], {}
     for repeat in range(args.repeats):
         version = str(repeat + 1)
-        if args.transport == "lora":
-            _perturb(model)  # a new adapter each step (the full-weight sends resend the same weights)
+        _perturb(model)  # new weights each step (lora: a new adapter), waited for before the timer
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         settling = time.perf_counter()
         transport.settle()  # what the last sync left running off its path (a run trains meanwhile)
         start = time.perf_counter()
@@ -168,9 +175,10 @@ def _timed_syncs(args, transport, model, url: str, checkpoint: Path) -> tuple[fl
                 "left_behind_s": start - settling,
                 "verified": not problems,
                 "phases": dict(report.phases),
+                "resident": report.resident,
             }
         )
-        _say("phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in report.phases.items()))
+        _say("phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in report.phases.items()) + f" ({report.resident})")
         if problems:
             break
     return cold, rows, problems
@@ -202,7 +210,7 @@ def _sync_phase(args, scratch: Path, model, dtype, engine_gpu: int, gpu: bool) -
         _say("starting the engine")
         engine.wait_until_up(timeout=600)
         spec = {
-            "tensor": TensorSync(bucket_mb=args.bucket_mb),
+            "tensor": TensorSync(bucket_mb=args.bucket_mb, resident=not args.packed),
             "nccl": NcclSync(bucket_mb=args.bucket_mb, join_timeout_s=60),
             "disk": DiskSync(path=str(scratch / "sync")),
             "lora": _lora_spec(args, scratch),

@@ -48,6 +48,12 @@ class TensorSync(_Bucketed):
         "by tp_rank only), and a CUDA IPC or shared-memory handle unpickled by several processes is "
         "released once too often; rollfleet has no per-stage routing for it yet"
     )
+    resident: bool = Field(
+        True,
+        description="Map a one-rank trainer's parameters into embedded engines once and send only an id "
+        "afterwards (no bucket copies); used when the trainer keeps its parameters in place between "
+        "steps (no offload); false: always pack into buckets.",
+    )
 
 
 class NcclSync(_Bucketed):

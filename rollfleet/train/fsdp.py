@@ -237,7 +237,9 @@ class PolicyTrainer:
         self._require_onloaded("weight_source")
         if self.lora:
             return LoraSource(self.model, keep=self.rank == 0 if keep is None else keep)
-        return ModuleSource(self.model, keep=self.rank == 0 if keep is None else keep, dtype=dtype)
+        # its parameters stay where they are between steps unless the trainer offloads them
+        stays = self.device.type == "cpu" or self.config.offload is False
+        return ModuleSource(self.model, keep=self.rank == 0 if keep is None else keep, dtype=dtype, stays=stays)
 
     def save_hf(self, path: str | Path, *, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> None:
         """Write an HF model directory (rank 0 writes; every rank must call).

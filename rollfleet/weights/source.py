@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rollfleet.weights.gather import ShardGather, default_gather_bytes
 from rollfleet.wire.naming import model_to_checkpoint, plain_names
@@ -34,6 +35,10 @@ _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 class WeightSource(Protocol):
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors in checkpoint naming; every rank of a sharded source must call it together."""
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def layer_key(name: str) -> str:
@@ -48,7 +53,9 @@ class ModuleSource:
     `keep`: False on ranks that take part in the gathers but do not send. `dtype`: the engines'
     dtype (None: the model's own). `gather_bytes`: about how many gathered bytes one all-gather
     carries (whole layers; a larger layer goes alone; default: by the parameters' device, see
-    rollfleet.weights.gather.GATHER_BYTES)."""
+    rollfleet.weights.gather.GATHER_BYTES). `stays`: the parameters' storages stay where they are
+    between pushes (nothing offloads or replaces them), so engines may keep them mapped
+    (rollfleet.weights.transports.resident)."""
 
     def __init__(
         self,
@@ -57,8 +64,9 @@ class ModuleSource:
         keep: bool = True,
         dtype: torch.dtype | None = None,
         gather_bytes: int | None = None,
+        stays: bool = False,
     ):
-        self.model, self.keep, self.dtype = model, keep, dtype
+        self.model, self.keep, self.dtype, self.stays = model, keep, dtype, stays
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
         self.gather_bytes = default_gather_bytes(device) if gather_bytes is None else gather_bytes
@@ -71,6 +79,10 @@ class ModuleSource:
         for group in self._layer_groups():
             for chunk in gather.full_tensors(group):
                 yield from self._convert(chunk)
+
+    def parameter_storages(self) -> set[int]:
+        """The addresses of the storages holding this rank's parameters (their local shards)."""
+        return {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
 
     def _layer_groups(self) -> Iterator[list[dict[str, torch.Tensor]]]:
         """Whole decoder layers (name -> parameter), grouped up to about `gather_bytes` gathered."""

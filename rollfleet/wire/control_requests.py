@@ -26,7 +26,7 @@ class UpdateWeightsFromDiskRequest(Lenient):
 
 class UpdateWeightsFromTensorRequest(Lenient):
     serialized_named_tensors: list[Utf8Str]  # one base64 payload per tp rank (rollfleet.wire.serialize)
-    load_format: Literal["direct", "flattened_bucket"] | None = None
+    load_format: Literal["direct", "flattened_bucket", "rollfleet_resident"] | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: Utf8Str | None = None

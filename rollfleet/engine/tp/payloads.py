@@ -1,5 +1,10 @@
 """Tensor payloads of `/update_weights_from_tensor` and `/load_lora_adapter_from_tensors`: one
-entry per tp rank, each rank decodes its own (SGLang's rule)."""
+entry per tp rank, each rank decodes its own (SGLang's rule).
+
+load_format "rollfleet_resident" (the embedded engine's own, never sent to SGLang): an entry is
+`{"mapping": id, "tensors": [(name, tensor), ...] | None}`. With tensors, the engine loads them and
+keeps them under `id` (they are the sender's own parameters, mapped once); with None it loads again
+from the tensors it keeps under `id` (rollfleet.weights.transports.resident says when a sender may)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,9 @@ import torch
 
 from rollfleet.wire.buckets import Bucket
 from rollfleet.wire.serialize import LocalSerializedTensor, safe_loads
+
+RESIDENT = "rollfleet_resident"
+MAX_MAPPING_CHARS = 64
 
 
 class PayloadError(ValueError):
@@ -60,6 +68,22 @@ def named_tensors(
         twice = sorted(name for name, count in Counter(name for name, _ in pairs).items() if count > 1)
         raise PayloadError(f"names sent twice: {', '.join(twice[:10])}")
     return tensors
+
+
+def resident_payload(payload: Any, rank: int) -> tuple[str, dict[str, torch.Tensor] | None]:
+    """A decoded "rollfleet_resident" entry -> (mapping id, its tensors or None: load the kept ones)."""
+    if type(payload) is not dict or set(payload) != {"mapping", "tensors"}:
+        keys = sorted(map(str, payload)) if isinstance(payload, dict) else type(payload).__name__
+        raise PayloadError(
+            f"load_format={RESIDENT!r} expects each entry to be {{'mapping': id, 'tensors': pairs or None}}, got {keys}"
+        )
+    mapping, pairs = payload["mapping"], payload["tensors"]
+    if type(mapping) is not str or not 0 < len(mapping) <= MAX_MAPPING_CHARS:
+        raise PayloadError(
+            f"load_format={RESIDENT!r}: mapping={str(mapping)[:80]!r} must be a string of 1 to "
+            f"{MAX_MAPPING_CHARS} characters"
+        )
+    return mapping, None if pairs is None else named_tensors(pairs, None, rank)
 
 
 def _unpacked(payload: Any) -> dict[str, torch.Tensor]:

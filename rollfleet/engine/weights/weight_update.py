@@ -21,7 +21,14 @@ import torch
 from torch import nn
 
 from rollfleet.engine.lora.lora_merge import LoraMerge
-from rollfleet.engine.tp.payloads import BucketViews, PayloadError, decode_entry, named_tensors
+from rollfleet.engine.tp.payloads import (
+    RESIDENT,
+    BucketViews,
+    PayloadError,
+    decode_entry,
+    named_tensors,
+    resident_payload,
+)
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of, shard_of
 from rollfleet.engine.weights.load_prints import LoadPrints
@@ -85,6 +92,10 @@ class WeightUpdater:
         # CUDA IPC handle costs far more than reading a few hundred MB).
         self._held_payloads: deque = deque(maxlen=2)
         self._views = BucketViews()  # the tensors of those buffers, for the same layouts again
+        # load_format "rollfleet_resident": (mapping id, checkpoint name -> the sender's own tensor),
+        # kept across syncs and releases (they are the sender's memory: holding them costs this
+        # engine nothing), replaced by the next mapping a sender sends
+        self._resident: tuple[str, dict[str, torch.Tensor]] | None = None
 
     @property
     def ready(self) -> bool:
@@ -109,6 +120,11 @@ class WeightUpdater:
         self._views.clear()
 
     @property
+    def resident_mapping(self) -> str | None:
+        """The id of the resident mapping this rank keeps (a sender may then send the id alone)."""
+        return None if self._resident is None else self._resident[0]
+
+    @property
     def held_payloads(self) -> int:
         """Decoded payloads still referenced (their sender's buffers cannot be freed while they are)."""
         return len(self._held_payloads)
@@ -125,10 +141,13 @@ class WeightUpdater:
 
     def from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None) -> list[str]:
         """Every rank decodes its own entry, `serialized_named_tensors[tp_rank]` (SGLang's rule)."""
+        mapped: list[tuple[str, dict[str, torch.Tensor]]] = []  # a resident mapping, kept once applied
 
         def decode():
             try:
                 payload = decode_entry(serialized_named_tensors, self.ranks.rank)
+                if load_format == RESIDENT:
+                    return self._resident_tensors(payload, mapped), False
                 self._held_payloads.append(payload)
                 return named_tensors(payload, load_format, self.ranks.rank, self._views), False
             except PayloadError as exc:
@@ -139,7 +158,22 @@ class WeightUpdater:
         # The sender's buffers are read here through CUDA IPC / shared memory: finish reading them
         # before answering, since the sender reuses or frees them once every engine has answered.
         self._synchronize()
+        if mapped:
+            self._resident = mapped[0]  # the last one goes: its tensors' handles are closed
         return names
+
+    def _resident_tensors(self, payload, mapped: list) -> dict[str, torch.Tensor]:
+        """A "rollfleet_resident" entry's tensors: sent (kept, in `mapped`, once applied) or kept."""
+        mapping, tensors = resident_payload(payload, self.ranks.rank)
+        if tensors is not None:
+            mapped.append((mapping, tensors))
+            return dict(tensors)
+        if self._resident is None or self._resident[0] != mapping:
+            raise PayloadError(
+                f"load_format={RESIDENT!r}: mapping {mapping!r} is not held here (held: {self.resident_mapping!r}; "
+                "a restarted engine holds none): send the mapping with its tensors"
+            )
+        return dict(self._resident[1])
 
     def from_distributed(
         self,
@@ -277,8 +311,9 @@ class WeightUpdater:
         for name, full in self.check(tensors, complete).items():
             param = params[name]
             local = local_of(param)
-            if full.device != local.device or full.dtype != param.dtype:
+            if full.device != local.device:  # cast with the move (a host checkpoint: fewer bytes moved)
                 full = full.to(device=local.device, dtype=param.dtype)
+            # on the same device a cast waits for `apply`'s copy (a sender's fp32 tensors: no temporary)
             staged.append((local, shard_of(full, param)))
         return staged
 

@@ -51,6 +51,9 @@ class SyncReport:
     lora_name: str | None = None  # a LoRA sync: the adapter the fingerprints belong to (None: base weights)
     verified: list[int] = field(default_factory=list)  # engines the fleet verified against this report
     failed: dict[int, str] = field(default_factory=dict)  # engines a restore could not load, and why
+    # the tensor transport's resident path (transports/resident.py): "kept" (an id sent), "mapped to
+    # engines [...]" (the parameters sent), or why a push that could have gone that way was packed
+    resident: str | None = None
     # which sender fed what (tensor transport): engine id -> the sender rank whose buffer each of its
     # ranks read, and per sender rank what it reported (pid, device, calls, bytes packed, ...)
     feeds: dict[int, list[int]] = field(default_factory=dict)

@@ -38,7 +38,11 @@ the source is done, or every HOLD_BYTES): they are what the trainer holds after 
 trainer that changed a tensor under the push fails verification (tests/test_fleet_sync.py); read
 from the packed buffers they would only say the engines hold what was sent. Rank 0 reads the last
 ones while the engines load the last call (`_fingerprint_meanwhile`, before it waits for call k-1)
-and hashes them all at the end, one reduction on its device (rollfleet.wire.fingerprint)."""
+and hashes them all at the end, one reduction on its device (rollfleet.wire.fingerprint).
+
+A one-rank trainer whose parameters stay in place (no offload) skips all of this after its first
+push: the engines keep its parameters mapped and each push is one call with an id
+(transports/resident.py)."""
 
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ import torch
 from rollfleet.weights.source import ModuleSource, WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
 from rollfleet.weights.transports.feed import SoloFeed
+from rollfleet.weights.transports.resident import RESIDENT_FORMAT, ResidentMapping, outside, resident_capable
 from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, PackPlans, call_bytes, wait_all
 from rollfleet.wire.handoffs import prompt_handoffs
 from rollfleet.wire.serialize import serialize
@@ -67,6 +72,8 @@ class TensorTransport(Transport):
         super().__init__(spec, targets, **kwargs)
         self.feed = feed or SoloFeed()
         self.plans = PackPlans()  # call layouts, the same every sync
+        self.mapping = ResidentMapping()  # the resident path's (resident.py)
+        self.resident_engines: set[int] | None = None  # engines that keep a mapping (read with the protocols)
         # the engine ranks this sender rank packs for: (engine id, rank in engine)
         self.mine = [
             (t.engine_id, i)
@@ -83,15 +90,78 @@ class TensorTransport(Transport):
         with timed(report), prompt_handoffs():
             begun = self._begin_meanwhile() if self.feed.is_caller else None  # waited for before call 0
             try:
-                failure = self._send_calls(source, version, report, collectors, held, begun)
+                tensors, cast_to = uncast_tensors(source)
+                if self.feed.is_caller:
+                    tensors = self._recorded(tensors, report, collectors, cast_to)
+                mapped, tensors = self._mappable(source, tensors, report)
+                if mapped is not None:
+                    failure = self._send_resident(mapped, version, report, collectors, begun)
+                else:
+                    failure = self._send_calls(tensors, cast_to, version, report, collectors, held, begun)
                 if self.feed.is_caller:
                     failure = self._end(failure, version, report, collectors)
+                if mapped is not None:
+                    self.mapping.forget() if failure else self.mapping.adopt(mapped)
             except BaseException:  # unexpected, here: the other ranks fail at the group's timeout
                 if self.feed.is_caller:
                     self._abandon()
+                self.mapping.forget()
                 raise
             self._agree(failure)
         return report
+
+    # ---- the resident path (transports/resident.py) ----------------------------------------------
+    def _server_infos(self) -> list[dict]:
+        infos = super()._server_infos()
+        self.resident_engines = {t.engine_id for t, info in zip(self.targets, infos) if resident_capable(info)}
+        return infos
+
+    def _mappable(self, source, tensors, report: SyncReport) -> tuple[list | None, object]:
+        """(the source's tensors as a list when this push goes the resident way, else None; the
+        tensors to pack otherwise). Called after the sessions were asked to open (protocols read)."""
+        engines = {t.engine_id for t in self.targets}
+        if not (
+            getattr(self.spec, "resident", False)
+            and self.feed.world_size == 1
+            and getattr(source, "stays", False)
+            and self.resident_engines is not None
+            and engines <= self.resident_engines & (self.session_engines or set())
+        ):
+            return None, tensors
+        named = list(tensors)
+        stray = outside(named, source.parameter_storages())
+        if named and not stray:
+            return named, None
+        report.resident = f"packed: {len(stray)} tensors are not parameters ({', '.join(stray[:3])})"
+        return None, iter(named)
+
+    def _send_resident(self, named: list, version: str, report: SyncReport, collectors: dict, begun):
+        """The only rank: one call per engine with the mapping's id, and its tensors where the engine
+        does not hold it (resident.py). Returns the failure, if any."""
+        with timed(report, "begin"):
+            failure = begun if isinstance(begun, BaseException) else self._attempt(begun.result)
+        if failure is not None:
+            return failure
+        chosen = [t.engine_id for t in self.targets if t.engine_id in self.session_engines]
+        held = {e: answer.get("rollfleet_resident_mapping") for e, answer in zip(chosen, begun.result())}
+        device = named[0][1].device
+        with timed(report, "serialize"):
+            entries, sent = self.mapping.entries(named, held, {t.engine_id: t.num_ranks for t in self.targets})
+        if device.type == "cuda":  # the engines read the parameters on their own streams
+            with timed(report, "pack"):
+                torch.cuda.synchronize(device)
+        options = {"load_format": RESIDENT_FORMAT, "flush_cache": False}
+        call = self._each(
+            "update_weights_from_tensor",
+            lambda t: ((entries[t.engine_id],), {**options, **self._version_argument(t, version)}),
+        )
+        failure = self._attempt(lambda: self._fingerprint_meanwhile(report, collectors, True))
+        with timed(report, "wait_engines"):
+            failure = wait_all(call) or failure  # waited for first: the engines read our memory
+        report.resident = f"mapped to engines {sent}" if sent else "kept"
+        report.senders = {0: {**self._facts(device), "calls": 1, "bytes": report.bytes}}
+        report.feeds = {t.engine_id: [0] * t.num_ranks for t in self.targets}
+        return failure
 
     @staticmethod
     def _attempt(step) -> BaseException | None:
@@ -120,14 +190,12 @@ class TensorTransport(Transport):
         with timed(report, "set_version"):
             return wait_all(*committing)
 
-    def _send_calls(self, source, version: str, report: SyncReport, collectors: dict, held: dict, begun):
+    def _send_calls(self, tensors, cast_to, version: str, report: SyncReport, collectors: dict, held: dict, begun):
         """The calls in lockstep (module docstring); returns the failure that stopped them, if any
-        (rank 0: every call it posted was answered before this returns). `begun` (rank 0): the
-        sessions' opening, answered before call 0 goes out."""
+        (rank 0: every call it posted was answered before this returns). `tensors`: the source's,
+        recorded on rank 0, cast to `cast_to` as they are packed. `begun` (rank 0): the sessions'
+        opening, answered before call 0 goes out."""
         caller = self.feed.is_caller
-        tensors, cast_to = uncast_tensors(source)
-        if caller:
-            tensors = self._recorded(tensors, report, collectors, cast_to)
         calls = iter_calls(tensors, self.spec.bucket_bytes, cast_to)
         ahead = self.feed.world_size == 1  # one sender rank: it knows itself when a slot is free
         buffers, in_flight = DoubleBuffer(self.spec.bucket_bytes), InFlight(depth=2 if ahead else 1)

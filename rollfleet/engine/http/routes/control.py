@@ -67,6 +67,8 @@ async def server_info(engine: Engine):
         "rollfleet_ordered_weight_calls": True,
         "rollfleet_weight_calls_waiting": engine.call_order.waiting,
         "rollfleet_weight_update_sessions": True,
+        # load_format "rollfleet_resident": a sender's parameters mapped once, loaded again by id
+        "rollfleet_resident_weights": True,
         # an adapter loaded from tensors is copied at load: its sender may reuse the buffer next sync
         "rollfleet_lora_copied_at_load": True,
         # adapters being unloaded (an unload, or an eviction past --max-loaded-loras): new requests naming

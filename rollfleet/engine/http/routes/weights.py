@@ -154,10 +154,14 @@ async def destroy_weights_update_group(req: DestroyWeightsUpdateGroupRequest, en
 async def begin_weight_update(engine: Engine, req: BeginWeightUpdateRequest | None = None):
     """Open a weight-update session (weight_session.py says what it guarantees)."""
     selector = (req or BeginWeightUpdateRequest()).selector
-    message = await engine.control(
-        lambda: engine.sessions.begin(selector, engine.runner.weights_released()), needs_idle=False
-    )
-    return {"success": True, "message": message}
+
+    def begin() -> tuple[str, str | None]:
+        message = engine.sessions.begin(selector, engine.runner.weights_released())
+        return message, engine.runner.weights.resident_mapping
+
+    message, mapping = await engine.control(begin, needs_idle=False)
+    # the sender's mapping this engine keeps (load_format "rollfleet_resident"): it may send the id alone
+    return {"success": True, "message": message, "rollfleet_resident_mapping": mapping}
 
 
 @router.post("/end_weight_update")
