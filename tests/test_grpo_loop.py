@@ -122,6 +122,8 @@ def test_grpo_steps_sync_verify_and_checkpoint(qwen3_dir, tmp_path, placement, t
         assert row["reward_mean"] == pytest.approx(sum(s.reward for s in samples) / len(samples))
         # every step's push carried the whole model and was verified on the engine
         assert row["sync_tensors"] == num_params and row["sync_verified_engines"] == 1
+        # a one-rank trainer maps its parameters into the engine at its first push; then only ids go
+        assert row["sync_resident"] == ("kept" if placement == "colocated" else None), row["sync_resident"]
         if placement == "colocated":  # the engine gave its weights back for the trainer's turn (CPU: their bytes)
             assert row["engine_released_bytes"] >= sum(p.numel() * 4 for p in start_params), row
             assert (row["engine_graph_captures"], row["engine_graph_capture_seconds"]) == (0, 0.0)  # CPU: no graphs

@@ -61,6 +61,8 @@ def step_metrics(
         # where the sync's time went: the sender's phases (rank 0: source/gathers, pack, the engines'
         # answers, ...) and the fleet's verification, beside the step clock's whole sync phase
         "sync_phases": {**report.phases},
+        # the tensor transport's resident path: "kept" (an id sent), "mapped to engines [...]", or why it packed
+        "sync_resident": report.resident,
         "sync_tensors": report.tensors,
         "sync_bytes": report.bytes,
         "sync_verified_engines": len(report.verified),

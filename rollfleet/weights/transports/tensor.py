@@ -91,12 +91,12 @@ class TensorTransport(Transport):
             begun = self._begin_meanwhile() if self.feed.is_caller else None  # waited for before call 0
             try:
                 tensors, cast_to = uncast_tensors(source)
-                if self.feed.is_caller:
-                    tensors = self._recorded(tensors, report, collectors, cast_to)
                 mapped, tensors = self._mappable(source, tensors, report)
                 if mapped is not None:
-                    failure = self._send_resident(mapped, version, report, collectors, begun)
+                    failure = self._send_resident(mapped, cast_to, version, report, collectors, begun)
                 else:
+                    if self.feed.is_caller:
+                        tensors = self._recorded(tensors, report, collectors, cast_to)
                     failure = self._send_calls(tensors, cast_to, version, report, collectors, held, begun)
                 if self.feed.is_caller:
                     failure = self._end(failure, version, report, collectors)
@@ -128,16 +128,18 @@ class TensorTransport(Transport):
             and engines <= self.resident_engines & (self.session_engines or set())
         ):
             return None, tensors
-        named = list(tensors)
+        with timed(report, "source"):
+            named = list(tensors)
         stray = outside(named, source.parameter_storages())
         if named and not stray:
             return named, None
         report.resident = f"packed: {len(stray)} tensors are not parameters ({', '.join(stray[:3])})"
         return None, iter(named)
 
-    def _send_resident(self, named: list, version: str, report: SyncReport, collectors: dict, begun):
+    def _send_resident(self, named: list, cast_to, version: str, report: SyncReport, collectors: dict, begun):
         """The only rank: one call per engine with the mapping's id, and its tensors where the engine
-        does not hold it (resident.py). Returns the failure, if any."""
+        does not hold it (resident.py); the fingerprints are read while the engines copy (nothing
+        changes the parameters before they answered). Returns the failure, if any."""
         with timed(report, "begin"):
             failure = begun if isinstance(begun, BaseException) else self._attempt(begun.result)
         if failure is not None:
@@ -148,14 +150,20 @@ class TensorTransport(Transport):
         with timed(report, "serialize"):
             entries, sent = self.mapping.entries(named, held, {t.engine_id: t.num_ranks for t in self.targets})
         if device.type == "cuda":  # the engines read the parameters on their own streams
-            with timed(report, "pack"):
+            with timed(report, "wait_device"):
                 torch.cuda.synchronize(device)
         options = {"load_format": RESIDENT_FORMAT, "flush_cache": False}
         call = self._each(
             "update_weights_from_tensor",
             lambda t: ((entries[t.engine_id],), {**options, **self._version_argument(t, version)}),
         )
-        failure = self._attempt(lambda: self._fingerprint_meanwhile(report, collectors, True))
+
+        def fingerprint():
+            for _ in self._recorded(iter(named), report, collectors, cast_to):
+                pass
+            self._fingerprint_meanwhile(report, collectors, True)
+
+        failure = self._attempt(fingerprint)
         with timed(report, "wait_engines"):
             failure = wait_all(call) or failure  # waited for first: the engines read our memory
         report.resident = f"mapped to engines {sent}" if sent else "kept"
