@@ -242,11 +242,11 @@ class WeightUpdater:
         self.generation += 1  # before the copy: one that fails part-way has changed values too
         clock.append(time.perf_counter())
         with torch.no_grad():
-            same_device = [(t, v) for t, v in staged if t.device == v.device and t.dtype == v.dtype]
-            if same_device:  # one multi-tensor copy instead of a kernel launch per tensor
+            same_device = [(t, v) for t, v in staged if t.device == v.device]
+            if same_device:  # one multi-tensor copy (casting where dtypes differ), not a launch per tensor
                 torch._foreach_copy_([t for t, _ in same_device], [v for _, v in same_device])
             for target, value in staged:
-                if target.device != value.device or target.dtype != value.dtype:
+                if target.device != value.device:
                     target.copy_(value)
         self.loaded_names |= set(tensors)
         self.load_prints.take(tensors, params)
