@@ -73,8 +73,11 @@ def weight_sync(records: list[tuple[str, dict]]) -> str:
                 f" - | - | - | - | - | - | {len(r['repeats'])} | {_source(name, r)} |"
             )
             continue
+        # the tensor transport's resident path (no buckets: the engine keeps the parameters mapped)
+        resident = any(row.get("resident") == "kept" for row in r["repeats"])
+        bucket = "resident" if resident else f"{c['bucket_mb']:g} MB"
         rows.append(
-            f"| {c['transport']} | {c['device']} | {s['model_gb']:.3g} GB | {c['bucket_mb']:g} MB "
+            f"| {c['transport']} | {c['device']} | {s['model_gb']:.3g} GB | {bucket} "
             f"| {_range(s['raw_gb_per_s'])} | {_range(s['sync_gb_per_s'])} | **{s['ratio_sync_to_raw']:.2f}** "
             f"| {_range(s['sync_plus_verify_gb_per_s'])} | **{s['ratio_sync_plus_verify_to_raw']:.2f}** "
             f"| {_range(s['verify_s'], '.0f', 1000)} | {s['old_method']['ratio_sync_to_raw']:.2f} "
