@@ -22,23 +22,28 @@ from rollfleet.train.fsdp import PolicyTrainer, TrainConfig
 from rollfleet.train.sharding import init_distributed
 from rollfleet.wire.net import free_port
 
+CASES = ("full", "lora+kl")
 
-def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
-    init_distributed(rank, 1, master_port=port, backend="gloo")
+
+def _worker(index: int, ports: list[int], model_dir: str, out: str) -> None:
+    """Case CASES[index], eager and compiled, as the one rank of a gloo group of its own (the two
+    cases run side by side, one process each: dynamo's tracing is single-threaded)."""
+    case = CASES[index]
+    init_distributed(0, 1, master_port=ports[index], backend="gloo")
     torch.set_num_threads(1)
     sharding.COMPILE_BACKEND = "aot_eager"
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # past the limit dynamo would run eagerly, silently
     lora = LoraTrainConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    options = {"full": {}, "lora+kl": {"lora": lora, "kl_coef": 0.1}}[case]
     try:
         result = {}
-        for case, options in {"full": {}, "lora+kl": {"lora": lora, "kl_coef": 0.1}}.items():
-            for compiled in (False, True):
-                config = TrainConfig(lr=1e-2, micro_batch_size=3, compile=compiled, **options)
-                trainer = PolicyTrainer(model_dir, config)
-                steps = [trainer.train_step(make_batch(seed, count=7)) for seed in (0, 1)]  # ragged widths
-                result[case, compiled] = {"steps": steps, "weights": full_weights(trainer)}
+        for compiled in (False, True):
+            config = TrainConfig(lr=1e-2, micro_batch_size=3, compile=compiled, **options)
+            trainer = PolicyTrainer(model_dir, config)
+            steps = [trainer.train_step(make_batch(seed, count=7)) for seed in (0, 1)]  # ragged widths
+            result[compiled] = {"steps": steps, "weights": full_weights(trainer)}
         result["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        torch.save(result, Path(out) / "result.pt")
+        torch.save(result, Path(out) / f"result-{index}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -47,16 +52,19 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 def result(tmp_path_factory):
     root = tmp_path_factory.mktemp("compile")
     model_dir = str(make_tiny_model(root / "model", "qwen3", seed=0))
-    mp.start_processes(_worker, args=(free_port(), model_dir, str(root)), nprocs=1, start_method=start_method())
-    return torch.load(root / "result.pt")
+    ports: list[int] = []
+    while len(ports) < len(CASES):  # distinct: each case's group has a store of its own
+        ports += [port for port in [free_port()] if port not in ports]
+    mp.start_processes(_worker, args=(ports, model_dir, str(root)), nprocs=len(CASES), start_method=start_method())
+    return {case: torch.load(root / f"result-{index}.pt") for index, case in enumerate(CASES)}
 
 
 @pytest.mark.parametrize("case", ["full", "lora+kl"])
 def test_compiled_layers_train_as_the_eager_ones_under_the_same_names(result, case):
     """Full weights, and a LoRA run with a KL reference (the adapter disabled: another guard for each
     layer), each with and without grad (the old log-probs), over two shapes: within dynamo's limit."""
-    eager, compiled = result[case, False], result[case, True]
-    assert result["graphs"] > 0  # dynamo captured the layers' forwards
+    eager, compiled = result[case][False], result[case][True]
+    assert result[case]["graphs"] > 0  # dynamo captured the layers' forwards
     assert list(compiled["weights"]) == list(eager["weights"])  # the checkpoint's names, no `_orig_mod.`
     for name, tensor in eager["weights"].items():
         assert torch.allclose(compiled["weights"][name], tensor, atol=1e-5, rtol=1e-4), name
