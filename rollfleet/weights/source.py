@@ -84,6 +84,11 @@ class ModuleSource:
         """The addresses of the storages holding this rank's parameters (their local shards)."""
         return {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
 
+    def parameter_layout(self) -> tuple:
+        """Where each of this rank's parameters lies (address, shape, stride, dtype): the same layout
+        of the same model yields the same tensors (views of the same memory)."""
+        return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in map(_local, self.model.parameters()))
+
     def _layer_groups(self) -> Iterator[list[dict[str, torch.Tensor]]]:
         """Whole decoder layers (name -> parameter), grouped up to about `gather_bytes` gathered."""
         group: list[dict[str, torch.Tensor]] = []

@@ -62,6 +62,22 @@ class ResidentMapping:
     def __init__(self):
         self.id: str | None = None
         self.signature: tuple | None = None
+        # the last push's (source key, tensors): a push of the same model with the same parameter
+        # layout reuses its views instead of walking the source again (5-6 ms of an FSDP2 source)
+        self._last: tuple | None = None
+
+    def tensors_of(self, source, tensors) -> tuple[list, list[str]]:
+        """`(the source's tensors as a list, the names of those that are not views of a parameter)`;
+        `tensors`, the source's iterator, is only walked when the layout changed."""
+        key = (source.model, source.dtype, source.parameter_layout())
+        if self._last is not None and self._last[0] == key:
+            return self._last[1], []
+        self._last = None
+        named = list(tensors)
+        stray = outside(named, source.parameter_storages())
+        if named and not stray:
+            self._last = (key, named)
+        return named, stray
 
     def entries(self, named: list, held: dict[int, str | None], ranks: dict[int, int]) -> tuple[dict, list[int]]:
         """Each engine's entries (one serialization per engine rank) and the engines sent tensors.
@@ -86,4 +102,4 @@ class ResidentMapping:
 
     def forget(self) -> None:
         """A push failed: the engines' state is unknown, the next push maps again."""
-        self.id, self.signature = None, None
+        self.id, self.signature, self._last = None, None, None

@@ -51,7 +51,7 @@ import torch
 from rollfleet.weights.source import ModuleSource, WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
 from rollfleet.weights.transports.feed import SoloFeed
-from rollfleet.weights.transports.resident import RESIDENT_FORMAT, ResidentMapping, outside, resident_capable
+from rollfleet.weights.transports.resident import RESIDENT_FORMAT, ResidentMapping, resident_capable
 from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, PackPlans, call_bytes, wait_all
 from rollfleet.wire.handoffs import prompt_handoffs
 from rollfleet.wire.serialize import serialize
@@ -129,8 +129,7 @@ class TensorTransport(Transport):
         ):
             return None, tensors
         with timed(report, "source"):
-            named = list(tensors)
-        stray = outside(named, source.parameter_storages())
+            named, stray = self.mapping.tensors_of(source, tensors)
         if named and not stray:
             return named, None
         report.resident = f"packed: {len(stray)} tensors are not parameters ({', '.join(stray[:3])})"
