@@ -235,7 +235,7 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
         "rollout.probe_timeout_s=1",
         "rollout.probe_failures=3",
         "rollout.restore_timeout_s=20",
-        "rollout.startup_timeout_s=60",  # (c)'s replacement may hang before its worker saw it up
+        "rollout.startup_timeout_s=25",  # (c)'s replacement may hang before its worker saw it up: caught at this limit
     )
     faults, bad_answers = [], []
     rng = chaos_rng()
