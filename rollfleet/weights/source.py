@@ -38,6 +38,8 @@ class WeightSource(Protocol):
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (the engine has its own, engine/tp/shards.local_of: the
+    layers keep weights/ from importing the engine)."""
     return param._local_tensor if isinstance(param, DTensor) else param
 
 

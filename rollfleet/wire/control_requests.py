@@ -24,6 +24,11 @@ class UpdateWeightsFromDiskRequest(Lenient):
     flush_cache: bool = True
 
 
+# the embedded engine's own load_format (never sent to SGLang): a sender's parameters mapped once, then
+# loaded again by id (rollfleet.weights.transports.resident, rollfleet.engine.tp.payloads)
+RESIDENT_LOAD_FORMAT = "rollfleet_resident"
+
+
 class UpdateWeightsFromTensorRequest(Lenient):
     serialized_named_tensors: list[Utf8Str]  # one base64 payload per tp rank (rollfleet.wire.serialize)
     load_format: Literal["direct", "flattened_bucket", "rollfleet_resident"] | None = None

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from rollfleet.wire.buckets import Bucket
+from rollfleet.wire.control_requests import RESIDENT_LOAD_FORMAT
 from rollfleet.wire.serialize import LocalSerializedTensor, safe_loads
 
-RESIDENT = "rollfleet_resident"
 MAX_MAPPING_CHARS = 64
 
 
@@ -75,12 +75,13 @@ def resident_payload(payload: Any, rank: int) -> tuple[str, dict[str, torch.Tens
     if type(payload) is not dict or set(payload) != {"mapping", "tensors"}:
         keys = sorted(map(str, payload)) if isinstance(payload, dict) else type(payload).__name__
         raise PayloadError(
-            f"load_format={RESIDENT!r} expects each entry to be {{'mapping': id, 'tensors': pairs or None}}, got {keys}"
+            f"load_format={RESIDENT_LOAD_FORMAT!r} expects each entry to be "
+            f"{{'mapping': id, 'tensors': pairs or None}}, got {keys}"
         )
     mapping, pairs = payload["mapping"], payload["tensors"]
     if type(mapping) is not str or not 0 < len(mapping) <= MAX_MAPPING_CHARS:
         raise PayloadError(
-            f"load_format={RESIDENT!r}: mapping={str(mapping)[:80]!r} must be a string of 1 to "
+            f"load_format={RESIDENT_LOAD_FORMAT!r}: mapping={str(mapping)[:80]!r} must be a string of 1 to "
             f"{MAX_MAPPING_CHARS} characters"
         )
     return mapping, None if pairs is None else named_tensors(pairs, None, rank)

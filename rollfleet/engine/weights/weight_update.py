@@ -22,7 +22,6 @@ from torch import nn
 
 from rollfleet.engine.lora.lora_merge import LoraMerge
 from rollfleet.engine.tp.payloads import (
-    RESIDENT,
     BucketViews,
     PayloadError,
     decode_entry,
@@ -33,6 +32,7 @@ from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of, shard_of
 from rollfleet.engine.weights.load_prints import LoadPrints
 from rollfleet.engine.weights.weight_groups import WeightGroups, WeightUpdateError, parse_specs
+from rollfleet.wire.control_requests import RESIDENT_LOAD_FORMAT
 from rollfleet.wire.hf_files import CheckpointReadError, read_checkpoint
 from rollfleet.wire.naming import checkpoint_to_model, model_to_checkpoint, plain_names
 
@@ -146,7 +146,7 @@ class WeightUpdater:
         def decode():
             try:
                 payload = decode_entry(serialized_named_tensors, self.ranks.rank)
-                if load_format == RESIDENT:
+                if load_format == RESIDENT_LOAD_FORMAT:
                     return self._resident_tensors(payload, mapped), False
                 self._held_payloads.append(payload)
                 return named_tensors(payload, load_format, self.ranks.rank, self._views), False
@@ -170,8 +170,8 @@ class WeightUpdater:
             return dict(tensors)
         if self._resident is None or self._resident[0] != mapping:
             raise PayloadError(
-                f"load_format={RESIDENT!r}: mapping {mapping!r} is not held here (held: {self.resident_mapping!r}; "
-                "a restarted engine holds none): send the mapping with its tensors"
+                f"load_format={RESIDENT_LOAD_FORMAT!r}: mapping {mapping!r} is not held here "
+                f"(held: {self.resident_mapping!r}; a restarted engine holds none): send the mapping with its tensors"
             )
         return dict(self._resident[1])
 

@@ -36,8 +36,6 @@ import torch
 
 from rollfleet.wire.serialize import serialize
 
-RESIDENT_FORMAT = "rollfleet_resident"  # rollfleet.engine.tp.payloads.RESIDENT
-
 
 def resident_capable(server_info: dict) -> bool:
     return server_info.get("rollfleet_resident_weights") is True

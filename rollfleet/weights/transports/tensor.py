@@ -51,8 +51,9 @@ import torch
 from rollfleet.weights.source import ModuleSource, WeightSource
 from rollfleet.weights.transports.base import SyncReport, Transport, iter_calls, register, timed
 from rollfleet.weights.transports.feed import SoloFeed
-from rollfleet.weights.transports.resident import RESIDENT_FORMAT, ResidentMapping, resident_capable
+from rollfleet.weights.transports.resident import ResidentMapping, resident_capable
 from rollfleet.weights.transports.staging import DoubleBuffer, InFlight, PackPlans, call_bytes, wait_all
+from rollfleet.wire.control_requests import RESIDENT_LOAD_FORMAT
 from rollfleet.wire.handoffs import prompt_handoffs
 from rollfleet.wire.serialize import serialize
 
@@ -151,7 +152,7 @@ class TensorTransport(Transport):
         if device.type == "cuda":  # the engines read the parameters on their own streams
             with timed(report, "wait_device"):
                 torch.cuda.synchronize(device)
-        options = {"load_format": RESIDENT_FORMAT, "flush_cache": False}
+        options = {"load_format": RESIDENT_LOAD_FORMAT, "flush_cache": False}
         call = self._each(
             "update_weights_from_tensor",
             lambda t: ((entries[t.engine_id],), {**options, **self._version_argument(t, version)}),
