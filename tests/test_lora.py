@@ -557,8 +557,8 @@ def test_bad_adapters_change_nothing(servers, adapter, qwen3_dir, tmp_path):
 
 
 def test_a_refused_sync_leaves_no_adapter_directory(servers, adapter, qwen3_dir, tmp_path):
-    """The directory is written while the engines load: a sync they refuse removes it again (a restore
-    must not find a version that never loaded); one a successful sync of that version left stays."""
+    """The directory is written once the engines took the version: a sync they refuse writes none (a
+    restore must not find a version that never loaded); one a successful sync of that version left stays."""
     peft_model, _ = adapter
     proc = servers["tp2"]
     spec = LoraSync(path=str(tmp_path / "adapters"))
@@ -573,6 +573,32 @@ def test_a_refused_sync_leaves_no_adapter_directory(servers, adapter, qwen3_dir,
     sent = get_peft_model_state_dict(peft_model)
     assert kept.keys() == sent.keys() and all(torch.equal(kept[k], sent[k]) for k in sent)
     assert list(loaded(proc)) == []  # the resend unloaded its own name first (a retry), then was refused
+
+
+def test_a_sync_returns_with_its_directory_under_way(servers, adapter, tmp_path):
+    """The directory is written after the sync, in the transport's writing thread; its `.partial` is
+    made before the sync returns, so a restore asking right after waits for it instead of finding no
+    adapter. The thread is held busy here: the write has not begun when the sync returns."""
+    peft_model, _ = adapter
+    spec = LoraSync(path=str(tmp_path / "adapters"))
+    transport = make_transport(
+        spec, [EngineTarget(engine_id=0, url=servers["tp2"].url, num_ranks=2, rank_offset=0)], timeout_s=60
+    )
+    held = threading.Event()
+    try:
+        transport._writing().submit(held.wait)
+        report = transport.send(LoraSource(peft_model), "7")
+        assert LoraTransport.writing_adapter(spec, "7") and LoraTransport.saved_adapter(spec, "7") is None
+        held.set()
+        directory = LoraTransport.saved_adapter(spec, "7", wait_s=60)
+        kept = load_file(Path(directory) / SavedAdapter.WEIGHTS_FILE)
+        sent = get_peft_model_state_dict(peft_model)
+        assert kept.keys() == sent.keys() and all(torch.equal(kept[k], sent[k]) for k in sent)
+        assert report.lora_name in loaded(servers["tp2"])
+    finally:
+        held.set()
+        transport.disconnect()
+        call(servers["tp2"], "unload_lora_adapter", lora_transport.served_name(spec.adapter_name, "7"))
 
 
 def test_adapter_fingerprints_cover_every_rank(servers, adapter):

@@ -163,17 +163,19 @@ def adapter_config_dict(config) -> dict:
     return json.loads(json.dumps(config.to_dict(), default=plain))
 
 
-def save_adapter(named_tensors: Iterable[tuple[str, torch.Tensor]], config_dict: dict, directory: str | Path) -> Path:
+def save_adapter(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], config_dict: dict, directory: str | Path, *, begun: bool = False
+) -> Path:
     """Write a peft adapter directory, under a temporary name renamed at the end (a reader never
-    sees a half-written adapter)."""
+    sees a half-written adapter; `begun`: `atomic_directory`'s)."""
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
-    with atomic_directory(directory) as partial:
+    with atomic_directory(directory, begun=begun) as partial:
         save_file(tensors, partial / WEIGHTS_FILE, metadata={"format": "pt"})
         (partial / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2, sort_keys=True))
     return Path(directory)
 
 
-def save_packed_adapter(bucket: Bucket, config_dict: dict, directory: str | Path) -> Path:
+def save_packed_adapter(bucket: Bucket, config_dict: dict, directory: str | Path, *, begun: bool = False) -> Path:
     """`save_adapter` of the tensors packed in `bucket` (rollfleet.weights.transports.lora): the whole
     bucket copied to the host at once, not one device copy per tensor (336 for rank 32 on every
     linear layer of the benches' model: 168 targets, each a synchronous copy), and written from views
@@ -182,7 +184,7 @@ def save_packed_adapter(bucket: Bucket, config_dict: dict, directory: str | Path
     pushed; the trainer's parameters may have stepped since. On the CPU the views are of the bucket
     itself: its buffer must not be repacked before this returns (the lora transport waits for it)."""
     tensors = Bucket(host_copy(bucket.flattened_tensor), bucket.metadata).unpack()
-    return save_adapter(tensors.items(), config_dict, directory)
+    return save_adapter(tensors.items(), config_dict, directory, begun=begun)
 
 
 def host_copy(flat: torch.Tensor) -> torch.Tensor:

@@ -35,14 +35,22 @@ def partial_of(directory: str | Path) -> Path:
     return final.with_name(final.name + PARTIAL)
 
 
-@contextmanager
-def atomic_directory(directory: str | Path) -> Iterator[Path]:
-    """A fresh temporary sibling (`partial_of`: `<name>.partial`) to write into; when the block ends
-    without an error it replaces `directory`, so a reader never sees a half-written directory and a
-    crash leaves none that looks complete."""
-    final, partial = Path(directory), partial_of(directory)
+def begin_partial(directory: str | Path) -> Path:
+    """`directory`'s temporary sibling, fresh (what a crashed write left is removed)."""
+    partial = partial_of(directory)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
+    return partial
+
+
+@contextmanager
+def atomic_directory(directory: str | Path, *, begun: bool = False) -> Iterator[Path]:
+    """A fresh temporary sibling (`partial_of`: `<name>.partial`) to write into; when the block ends
+    without an error it replaces `directory`, so a reader never sees a half-written directory and a
+    crash leaves none that looks complete. `begun`: the caller made it already (`begin_partial`), so
+    that a reader sees the write under way from then on, before a thread that writes it starts."""
+    final = Path(directory)
+    partial = partial_of(directory) if begun else begin_partial(directory)
     yield partial
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)

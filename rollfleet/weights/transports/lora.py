@@ -25,14 +25,16 @@ in /get_server_info: the embedded engine, which keeps the last payload reference
 CUDA IPC handle stays open there), else into a fresh one (an engine that reads a loaded adapter in
 place needs the old version's buffer unchanged while it is loaded); the fingerprint samples are
 gathered from the bucket before the load and hashed while the engines load; the adapter directory
-is written in a thread while the engines load and finished off the sync's path, from the packed
-bucket (one copy to the host: `save_packed_adapter`), which holds the values as pushed while the
-trainer may step its parameters as soon as the sync returns, and which is repacked only after that
-write ended (the next sync waits for it first, `_wait_saved`, and a restore that asks for it meanwhile waits, within its
-deadline, for its partial directory's rename: `saved_adapter`; on an H100 the write of a 135 MB
-adapter, 43-45 ms, was most of the in-loop sync once the engine's load took 5 ms); a failed sync
-waits for it and removes it, so a failed version leaves no directory; a version resent over its own
-directory replaces it only after the engines took it); the listing of loaded adapters is asked for
+is written in a thread once every engine took the version, off the sync's path (the train step
+runs meanwhile), from the packed bucket (one copy to the host: `save_packed_adapter`), which holds
+the values as pushed while the trainer may step its parameters as soon as the sync returns, and
+which is repacked only after that write ended (the next sync waits for it first, `_wait_saved`; a
+restore that asks for it meanwhile waits, within its deadline, for its partial directory's rename:
+`saved_adapter`, the partial being made before the sync returns). On an H100 the write of a 135 MB
+adapter, 43-45 ms, was most of the in-loop sync when it was inline, and when it ran beside the
+engines' load it shared the sender's process (its GIL, its host copies) with the push. A failed
+sync writes nothing; a version resent over its own directory replaces it only after the engines
+took it. The listing of loaded adapters is asked for
 first and waited for after the pack and serialization; it names, besides a copy of this version
 left by a failed sync, the old versions, unloaded at once with the version call (one round trip).
 `SyncReport.phases` has save (the wait for the last sync's directory; with source=directory the
@@ -47,13 +49,13 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from rollfleet.weights.adapter import AdapterSource, SavedAdapter, save_adapter, save_packed_adapter
-from rollfleet.weights.checkpoint import partial_of, prune_versions
+from rollfleet.weights.checkpoint import begin_partial, partial_of, prune_versions
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
 from rollfleet.weights.transports.disk import version_dir
 from rollfleet.weights.transports.staging import PackPlans, call_bytes, payload_buffer, wait_all
@@ -131,7 +133,6 @@ class LoraTransport(Transport):
         report = SyncReport(
             version=version, transport=self.name, engine_ids=[t.engine_id for t in self.targets], lora_name=name
         )
-        saving: Future | None = None  # this version's new directory, being written
         with timed(report), prompt_handoffs():
             with timed(report, "save"):  # the last sync's directory (written long ago, as a rule)
                 self._wait_saved()
@@ -141,39 +142,28 @@ class LoraTransport(Transport):
             report.tensors = len(tensors)
             report.bytes = sum(t.numel() * t.element_size() for _, t in tensors)
             listing = self._each("loaded_lora_adapters", lambda t: ((), {}))  # answered while this rank packs
-            try:
-                if source.directory is not None:  # a saved adapter (a restore): the engines read it
-                    self._fingerprint(report, tensors)
-                    self._unload_retried(listing, name, report)
-                    self._load_directory(name, source.directory, report)
-                elif self.spec.source == "directory":
-                    self._fingerprint(report, tensors)
-                    self._unload_retried(listing, name, report)
-                    with timed(report, "save"):
-                        directory = save_adapter(tensors, config, version_dir(self.spec.path, version))
-                    self._load_directory(name, directory, report)
-                else:
-                    bucket, prints = self._packed(report, tensors)
-                    saving = self._save_meanwhile(bucket, config, version)  # what a restarted engine restores from
-                    with timed(report, "serialize"):  # one dict per entry, serialized once per engine rank
-                        payload = bucket.to_payload()
-                        entries = {t.engine_id: [serialize(payload) for _ in range(t.num_ranks)] for t in self.targets}
-                    self._unload_retried(listing, name, report)
-                    self._load_tensors(name, entries, config, prints, report)
-                with timed(report, "versions"):
-                    self._set_version_and_unload_old(name, version, listing.result())
-                if saving is None and source.directory is None and self.spec.source == "tensors":
-                    # a resent version: its directory is replaced now that the engines took it
-                    saving = self._writing().submit(
-                        save_packed_adapter, bucket, config, version_dir(self.spec.path, version)
-                    )
-                if saving is not None:  # finished off the sync's path: the next sync (or a restore) waits for it
-                    self._saving = (version, saving)
-            except BaseException:
-                if saving is not None:  # a failed version leaves no directory
-                    wait([saving])  # (its own error, if any, is not the one raised here)
-                    shutil.rmtree(version_dir(self.spec.path, version), ignore_errors=True)
-                raise
+            bucket = None
+            if source.directory is not None:  # a saved adapter (a restore): the engines read it
+                self._fingerprint(report, tensors)
+                self._unload_retried(listing, name, report)
+                self._load_directory(name, source.directory, report)
+            elif self.spec.source == "directory":
+                self._fingerprint(report, tensors)
+                self._unload_retried(listing, name, report)
+                with timed(report, "save"):
+                    directory = save_adapter(tensors, config, version_dir(self.spec.path, version))
+                self._load_directory(name, directory, report)
+            else:
+                bucket, prints = self._packed(report, tensors)
+                with timed(report, "serialize"):  # one dict per entry, serialized once per engine rank
+                    payload = bucket.to_payload()
+                    entries = {t.engine_id: [serialize(payload) for _ in range(t.num_ranks)] for t in self.targets}
+                self._unload_retried(listing, name, report)
+                self._load_tensors(name, entries, config, prints, report)
+            with timed(report, "versions"):
+                self._set_version_and_unload_old(name, version, listing.result())
+            if bucket is not None:  # what a restarted engine restores from, written off the sync's path
+                self._save_after(bucket, config, version)
         if source.directory is None:  # off the sync's path: after this version's directory, in the same thread
             self._writing().submit(_prune, Path(self.spec.path))
         return report
@@ -225,13 +215,20 @@ class LoraTransport(Transport):
             self._buffer = buffer if self._reuse else None
         return buffer[:nbytes]
 
-    def _save_meanwhile(self, bucket: Bucket, config: dict, version: str) -> Future | None:
-        """Write this version's adapter directory in a thread, unless a sync of this version left one
-        (it is replaced only once the engines took the new one, as a failed sync must leave it)."""
+    def _save_after(self, bucket: Bucket, config: dict, version: str) -> None:
+        """This version's adapter directory, written from `bucket` in the writing thread once every
+        engine took the version (a failed sync leaves none; a version resent over its own directory
+        replaces it only now). Its `.partial` is made here, before this returns, so that a restore
+        asking for it from now on waits for the rename (`saved_adapter`). A write that cannot start
+        is logged: the sync has succeeded, only a restarted engine cannot restore this version."""
         directory = version_dir(self.spec.path, version)
-        if directory.exists():
-            return None
-        return self._writing().submit(save_packed_adapter, bucket, config, directory)
+        try:
+            begin_partial(directory)
+        except OSError as exc:
+            log.warning("writing the adapter directory of version %s failed: %s", version, exc)
+            return
+        saving = self._writing().submit(save_packed_adapter, bucket, config, directory, begun=True)
+        self._saving = (version, saving)  # the next sync (or a restore) waits for it
 
     def _writing(self) -> ThreadPoolExecutor:
         """The one thread that writes adapter directories and prunes old ones, in the order asked."""
