@@ -32,7 +32,7 @@ from rollfleet.engine.process.launch import EngineProcess
 from rollfleet.engine.process.server_args import build_parser, check_args
 from rollfleet.fleet.fleet import Fleet
 from rollfleet.tiny_models import tiny_config
-from rollfleet.weights.adapter import _PLANS, LoraSource, SavedAdapter, save_adapter
+from rollfleet.weights.adapter import _PLANS, LoraSource, SavedAdapter, adapter_config_dict, save_adapter
 from rollfleet.weights.transports import EngineTarget, make_transport
 from rollfleet.weights.transports import lora as lora_transport
 from rollfleet.weights.transports.base import transport_class
@@ -793,6 +793,19 @@ def test_the_adapter_plan_gives_peft_state_dict_until_the_model_changes(qwen3_di
     layer.lora_B = torch.nn.ModuleDict({"moved": lora_b["default"]})  # the same parameter under another name
     assert not _PLANS[peft_model]["default"].holds(peft_model)
     layer.lora_B = lora_b
+    # the config, compared by its fields: a change shows in the plan and in what a sync sends
+    assert list(LoraSource(peft_model).named_tensors()) and _PLANS[peft_model]["default"].holds(peft_model)
+    config = peft_model.peft_config["default"]
+    sent = LoraSource(peft_model).config_dict()
+    assert sent == adapter_config_dict(config)
+    config.lora_alpha += 1
+    assert not _PLANS[peft_model]["default"].holds(peft_model)
+    assert LoraSource(peft_model).config_dict() == {**sent, "lora_alpha": sent["lora_alpha"] + 1}
+    config.rank_pattern["q_proj"] = 2  # a nested field
+    assert LoraSource(peft_model).config_dict()["rank_pattern"] == {"q_proj": 2}
+    config.lora_alpha -= 1
+    config.rank_pattern.clear()
+    assert LoraSource(peft_model).config_dict() == sent and _PLANS[peft_model]["default"].holds(peft_model)
     peft_model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj"]))
     assert same(list(LoraSource(peft_model).named_tensors()), peft_state())
     assert _PLANS[peft_model]["default"].adapters == ("default", "other")

@@ -76,6 +76,11 @@ class ShardGather:
             return tensor
         return tensor.to(self.dtype)
 
+    def _one_rank(self, local: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """A row-sharded parameter's detached shard on a mesh of one rank, as its full tensor."""
+        full = local if self.dtype is None or self.defer_cast or not local.is_floating_point() else local.to(self.dtype)
+        return full if full.shape == shape else full.view(shape)
+
     def full_tensors(self, layers: list[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor | None]]:
         """Each layer's full tensors (name -> tensor, in the layer's order), the row-sharded ones of
         all `layers` gathered together first."""
@@ -110,8 +115,8 @@ class ShardGather:
         out: dict[tuple[int, str], torch.Tensor | None] = {}
         for (_, dtype, _), members in groups.items():
             mesh = members[0][2].device_mesh
-            if mesh.size() == 1:
-                fulls = [self.cast(local, local=True).view(p.shape) if self.keep else None for *_, p, local in members]
+            if mesh.size() == 1:  # (`local` is detached: a second detach and a same-shape view were 2 dispatches each)
+                fulls = [self._one_rank(local, p.shape) if self.keep else None for *_, p, local in members]
             else:
                 fulls = _all_gather_rows([(p.shape, local) for _, _, p, local in members], mesh, self.keep, dtype)
             out.update({(index, name): full for (index, name, _, _), full in zip(members, fulls)})
