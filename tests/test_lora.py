@@ -285,6 +285,95 @@ def test_one_transport_packs_every_version_into_one_buffer_and_each_arrives(serv
         transport.disconnect()
 
 
+def test_a_reused_buffer_is_mapped_once_then_named_by_its_id(servers, adapter, tmp_path):
+    """Embedded engines keep the sender's buffer under an id (load_format "rollfleet_resident"); later
+    loads name the id alone and the engines read the values packed into it since. An engine that
+    loaded another sender's adapter in between no longer holds the id: it refuses, and is sent the
+    buffer again in the same sync. The values served are the last ones packed (greedy = peft's)."""
+    peft_model, want = copy.deepcopy(adapter[0]), adapter[1]
+    engines = {0: servers["tp1"], 1: servers["tp2"]}
+    targets = [
+        EngineTarget(engine_id=e, url=p.url, num_ranks=r, rank_offset=0) for (e, p), r in zip(engines.items(), (1, 2))
+    ]
+    transport = make_transport(LoraSync(source="tensors", path=str(tmp_path / "adapters")), targets, timeout_s=60)
+    sent: list[dict] = []
+    real_each = transport._each
+
+    def each(verb, make_args, engine_ids=None):  # records what each load carried (the real call goes on)
+        if verb == "load_lora_adapter_from_tensors":
+            for t in transport.targets:
+                if engine_ids is None or t.engine_id in engine_ids:
+                    (_, _, parts), kwargs = make_args(t)
+                    sent.append({"engine": t.engine_id, "format": kwargs["load_format"], "bytes": len(parts[0])})
+        return real_each(verb, make_args, engine_ids)
+
+    transport._each = each
+
+    def lora_b(delta: float) -> None:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.add_(delta)
+
+    try:
+        first = transport.send(LoraSource(peft_model), "map-1")
+        assert {s["format"] for s in sent} == {"rollfleet_resident"} and transport.mapping.holding == {0, 1}
+        carried = {s["engine"]: s["bytes"] for s in sent}
+        lora_b(0.25)
+        sent.clear()
+        second = transport.send(LoraSource(peft_model), "map-2")
+        assert [s["engine"] for s in sent] == [0, 1] and all(s["bytes"] < carried[s["engine"]] / 4 for s in sent)
+        assert first.fingerprints != second.fingerprints and unverified(second, engines) == {}
+        # another sender's load on tp1: its buffer is not ours
+        source = LoraSource(adapter[0])
+        call(
+            engines[0],
+            "load_lora_adapter_from_tensors",
+            "other",
+            source.config_dict(),
+            tensors_payload(dict(source.named_tensors()), 1),
+        )
+        call(engines[0], "unload_lora_adapter", "other")
+        lora_b(-0.25)
+        sent.clear()
+        third = transport.send(LoraSource(peft_model), "map-3")
+        assert [(s["engine"], s["bytes"] < carried[s["engine"]] / 4) for s in sent] == [
+            (0, True),
+            (1, True),
+            (0, False),
+        ]
+        assert transport.mapping.holding == {0, 1} and unverified(third, engines) == {}
+        for proc in engines.values():
+            assert list(loaded(proc)) == [third.lora_name]
+            assert_matches(generate(proc, [third.lora_name, third.lora_name])[:1], want[:1])
+    finally:
+        transport.disconnect()
+        for proc in engines.values():
+            unload_all(proc)
+
+
+def test_a_mapping_id_the_engine_does_not_hold_is_refused(servers):
+    """An id alone, or a malformed "rollfleet_resident" entry, is a 400 naming the field; nothing loads."""
+    proc = servers["tp1"]
+    before = loaded(proc)
+    for entry, offender in (
+        ({"mapping": "never-sent", "tensors": None}, "mapping 'never-sent' is not held by this engine"),
+        ({"mapping": 7, "tensors": None}, "mapping='7' must be a string"),
+        ({"id": "x"}, "expects each entry to be {'mapping': id, 'tensors': pairs or None}"),
+    ):
+        with pytest.raises(EngineError) as err:
+            call(
+                proc,
+                "load_lora_adapter_from_tensors",
+                "resident",
+                {"r": 2, "lora_alpha": 4},
+                [serialize(entry)],
+                load_format="rollfleet_resident",
+            )
+        assert err.value.status_code == 400 and offender in err.value.message, err.value.message
+        assert loaded(proc) == before
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's streams (the GPU checks run it)")
 def test_the_directory_writers_host_copy_is_the_packed_bucket_in_pinned_memory():
     """The writer copies a bucket on a GPU to pinned host memory on a side stream, after what the

@@ -255,7 +255,7 @@ def test_a_resident_id_the_engine_does_not_hold_is_refused_and_changes_nothing(d
     client = dense_fleet.pool
     client.call(0, "begin_weight_update")
     for payload, says in (
-        ({"mapping": "never-sent", "tensors": None}, "mapping 'never-sent' is not held here"),
+        ({"mapping": "never-sent", "tensors": None}, "mapping 'never-sent' is not held by this engine"),
         (["not", "a", "mapping"], "expects each entry to be {'mapping': id, 'tensors': pairs or None}"),
         ({"mapping": "", "tensors": None}, "must be a string of 1 to 64 characters"),
     ):

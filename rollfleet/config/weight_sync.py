@@ -98,6 +98,12 @@ class LoraSync(_WeightSync):
         description="Modules adapters may target (--lora-target-modules, e.g. [q_proj, v_proj]); None: any "
         "nn.Linear on the embedded engine (SGLang needs them listed).",
     )
+    resident: bool = Field(
+        True,
+        description="source=tensors to embedded engines: map the sender's reused adapter buffer into them "
+        "once and name it by id afterwards (nothing serialized per sync); false: send the bucket's "
+        "handles every sync.",
+    )
 
 
 WeightSyncConfig = Annotated[TensorSync | NcclSync | DiskSync | LoraSync, Field(discriminator="transport")]

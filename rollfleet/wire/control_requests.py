@@ -27,6 +27,9 @@ class UpdateWeightsFromDiskRequest(Lenient):
 # the embedded engine's own load_format (never sent to SGLang): a sender's parameters mapped once, then
 # loaded again by id (rollfleet.weights.transports.resident, rollfleet.engine.tp.payloads)
 RESIDENT_LOAD_FORMAT = "rollfleet_resident"
+# what an engine's refusal of an id it does not hold says (a restarted engine holds none): the sender
+# then sends what the id stands for again
+MAPPING_NOT_HELD = "is not held by this engine"
 
 
 class UpdateWeightsFromTensorRequest(Lenient):
@@ -120,7 +123,7 @@ class LoadLoraAdapterFromTensorsRequest(Lenient):
     config_dict: dict[Utf8Str, Any]  # the peft LoraConfig as saved in adapter_config.json
     serialized_named_tensors: list[Utf8Str] | None = None
     serialized_tensors: Utf8Str | None = None
-    load_format: Literal["direct", "flattened_bucket"] | None = None
+    load_format: Literal["direct", "flattened_bucket", "rollfleet_resident"] | None = None
     pinned: bool = False
 
     @model_validator(mode="after")

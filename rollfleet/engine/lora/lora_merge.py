@@ -32,9 +32,10 @@ from rollfleet.engine.lora.lora import (
     read_adapter_dir,
 )
 from rollfleet.engine.lora.parse_plan import AdapterPlans
-from rollfleet.engine.tp.payloads import BucketViews, PayloadError, decode_entry, named_tensors
+from rollfleet.engine.tp.payloads import BucketViews, PayloadError, decode_entry, named_tensors, resident_entry
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of, shard_of
+from rollfleet.wire.control_requests import MAPPING_NOT_HELD, RESIDENT_LOAD_FORMAT
 
 log = logging.getLogger("rollfleet.engine")
 SYNC_TIMING = os.environ.get("ROLLFLEET_SYNC_TIMING") == "1"  # as weights/weight_update.py: log each load's phases
@@ -65,6 +66,8 @@ class LoraMerge:
         # buffer (it may: adapters are copied at load) then finds it mapped still, and the next load
         # opens no CUDA IPC handle (weight_update.py keeps its payloads for the same reason)
         self._held_payload = None
+        # its id where it came as load_format "rollfleet_resident": a sender's next load may name it alone
+        self._mapping: str | None = None
         self._views = BucketViews(limit=1)  # the tensors of that buffer, for the same layout again
         self.plans = AdapterPlans()  # and what their last parse found, for the same adapter again
 
@@ -197,10 +200,11 @@ class LoraMerge:
             except PayloadError as exc:
                 raise LoraError(str(exc)) from exc
             try:
+                mapping, payload, load_format = self._mapped(payload, load_format)
                 tensors = named_tensors(payload, load_format, self._ranks.rank, self._views)
             except PayloadError as exc:
                 raise LoraError(f"adapter {lora_name!r} refused, nothing changed: {exc}") from exc
-            self._held_payload = payload
+            self._held_payload, self._mapping = payload, mapping
             config = config_dict
         tensors_at = time.perf_counter()
         if lora_path is not None:
@@ -208,6 +212,21 @@ class LoraMerge:
         else:
             adapter = self.plans.parse(lora_name, config, tensors, self._model, self.targetable, limits)
         return adapter, {"tensors": tensors_at - began, "parse": time.perf_counter() - tensors_at}
+
+    def _mapped(self, payload, load_format: str | None) -> tuple[str | None, object, str | None]:
+        """A "rollfleet_resident" entry -> (its mapping id, the bucket it carries or the one held under
+        that id, "flattened_bucket"); any other entry -> (None, itself, its format)."""
+        if load_format != RESIDENT_LOAD_FORMAT:
+            return None, payload, load_format
+        mapping, bucket = resident_entry(payload)
+        if bucket is None:
+            if self._mapping != mapping:
+                raise PayloadError(
+                    f"load_format={RESIDENT_LOAD_FORMAT!r}: mapping {mapping!r} {MAPPING_NOT_HELD} (held: "
+                    f"{self._mapping!r}; a restarted engine holds none): send the mapping with its bucket"
+                )
+            bucket = self._held_payload
+        return mapping, bucket, "flattened_bucket"
 
     def _require_enabled(self) -> LoraLimits:
         if self.limits is None:

@@ -4,7 +4,9 @@ entry per tp rank, each rank decodes its own (SGLang's rule).
 load_format "rollfleet_resident" (the embedded engine's own, never sent to SGLang): an entry is
 `{"mapping": id, "tensors": [(name, tensor), ...] | None}`. With tensors, the engine loads them and
 keeps them under `id` (they are the sender's own parameters, mapped once); with None it loads again
-from the tensors it keeps under `id` (rollfleet.weights.transports.resident says when a sender may)."""
+from the tensors it keeps under `id` (rollfleet.weights.transports.resident says when a sender may).
+A LoRA load's entry carries the sender's bucket instead of pairs (its reused buffer, mapped once:
+rollfleet.weights.transports.lora)."""
 
 from __future__ import annotations
 
@@ -72,6 +74,13 @@ def named_tensors(
 
 def resident_payload(payload: Any, rank: int) -> tuple[str, dict[str, torch.Tensor] | None]:
     """A decoded "rollfleet_resident" entry -> (mapping id, its tensors or None: load the kept ones)."""
+    mapping, pairs = resident_entry(payload)
+    return mapping, None if pairs is None else named_tensors(pairs, None, rank)
+
+
+def resident_entry(payload: Any) -> tuple[str, Any]:
+    """A decoded "rollfleet_resident" entry, checked -> (mapping id, what it carries or None). A LoRA
+    load's carries a bucket (`{"flattened_tensor", "metadata"}`), a weight update's (name, tensor) pairs."""
     if type(payload) is not dict or set(payload) != {"mapping", "tensors"}:
         keys = sorted(map(str, payload)) if isinstance(payload, dict) else type(payload).__name__
         raise PayloadError(
@@ -84,7 +93,7 @@ def resident_payload(payload: Any, rank: int) -> tuple[str, dict[str, torch.Tens
             f"load_format={RESIDENT_LOAD_FORMAT!r}: mapping={str(mapping)[:80]!r} must be a string of 1 to "
             f"{MAX_MAPPING_CHARS} characters"
         )
-    return mapping, None if pairs is None else named_tensors(pairs, None, rank)
+    return mapping, pairs
 
 
 def _unpacked(payload: Any) -> dict[str, torch.Tensor]:

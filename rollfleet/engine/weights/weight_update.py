@@ -32,7 +32,7 @@ from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of, shard_of
 from rollfleet.engine.weights.load_prints import LoadPrints
 from rollfleet.engine.weights.weight_groups import WeightGroups, WeightUpdateError, parse_specs
-from rollfleet.wire.control_requests import RESIDENT_LOAD_FORMAT
+from rollfleet.wire.control_requests import MAPPING_NOT_HELD, RESIDENT_LOAD_FORMAT
 from rollfleet.wire.hf_files import CheckpointReadError, read_checkpoint
 from rollfleet.wire.naming import checkpoint_to_model, model_to_checkpoint, plain_names
 
@@ -170,7 +170,7 @@ class WeightUpdater:
             return dict(tensors)
         if self._resident is None or self._resident[0] != mapping:
             raise PayloadError(
-                f"load_format={RESIDENT_LOAD_FORMAT!r}: mapping {mapping!r} is not held here "
+                f"load_format={RESIDENT_LOAD_FORMAT!r}: mapping {mapping!r} {MAPPING_NOT_HELD} "
                 f"(held: {self.resident_mapping!r}; a restarted engine holds none): send the mapping with its tensors"
             )
         return dict(self._resident[1])

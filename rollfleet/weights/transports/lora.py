@@ -20,29 +20,30 @@ With tensors they are sampled from the packed bucket (one gather per dtype, `sta
 Fixed costs, kept small: the adapter's tensors are read by a plan made once per model and adapter
 (weights/adapter.py: peft's state dict walks every module, 12 ms per sync on the CPU); the bucket's
 layout is planned once per run (`PackPlans`) and packed in one multi-tensor copy, into the last
-sync's buffer where every engine says it copies adapters at load (`rollfleet_lora_copied_at_load`
-in /get_server_info: the embedded engine, which keeps the last payload referenced, so the buffer's
-CUDA IPC handle stays open there), else into a fresh one (an engine that reads a loaded adapter in
-place needs the old version's buffer unchanged while it is loaded); the fingerprint samples are
-gathered from the bucket before the load and hashed while the engines load; the adapter directory
-is written in a thread once every engine took the version, off the sync's path (the train step
-runs meanwhile), from the packed bucket (one copy to the host: `save_packed_adapter`), which holds
-the values as pushed while the trainer may step its parameters as soon as the sync returns, and
-which is repacked only after that write ended (the next sync waits for it first, `_wait_saved`; a
-restore that asks for it meanwhile waits, within its deadline, for its partial directory's rename:
-`saved_adapter`, the partial being made before the sync returns). On an H100 the write of a 135 MB
-adapter, 43-45 ms, was most of the in-loop sync when it was inline, and when it ran beside the
-engines' load it shared the sender's process (its GIL, its host copies) with the push. A failed
-sync writes nothing; a version resent over its own directory replaces it only after the engines
-took it. The listing of loaded adapters is asked for
-first and waited for after the pack and serialization; it names, besides a copy of this version
-left by a failed sync, the old versions, unloaded at once with the version call (one round trip).
-`SyncReport.phases` has save (the wait for the last sync's directory; with source=directory the
-write itself, which the engines read), source, pack, fingerprint, serialize, unload_retried (the
-wait for the listing, and the unload of a retried copy), load, versions (version, unloads). The old
-versions' directories are pruned after the sync returns, in the writing thread (46-120 ms of the
-sync on an H200's disk when it was inline).
-"""
+sync's buffer where every engine says it copies adapters at load (`rollfleet_lora_copied_at_load` in
+/get_server_info: the embedded engine, which keeps the last payload referenced, so the buffer's CUDA
+IPC handle stays open there), else into a fresh one (an engine that reads a loaded adapter in place
+needs the old version's buffer unchanged while it is loaded); where every engine also says
+`rollfleet_lora_resident`, that buffer is mapped into them once and later loads name its id alone
+(adapter_mapping.py: nothing serialized per sync; a restarted engine is sent the buffer again); the
+fingerprint samples are gathered from the bucket before the load and hashed while the engines load;
+the adapter directory is written in a thread once every engine took the version, off the sync's path
+(the train step runs meanwhile), from the packed bucket (one copy to the host:
+`save_packed_adapter`), which holds the values as pushed while the trainer may step its parameters
+as soon as the sync returns, and which is repacked only after that write ended (the next sync waits
+for it first, `_wait_saved`; a restore that asks for it meanwhile waits, within its deadline, for
+its partial directory's rename: `saved_adapter`, the partial being made before the sync returns). On
+an H100 the write of a 135 MB adapter, 43-45 ms, was most of the in-loop sync when it was inline,
+and when it ran beside the engines' load it shared the sender's process (its GIL, its host copies)
+with the push. A failed sync writes nothing; a version resent over its own directory replaces it
+only after the engines took it. The listing of loaded adapters is asked for first and waited for
+after the pack and serialization; it names, besides a copy of this version left by a failed sync,
+the old versions, unloaded at once with the version call (one round trip). `SyncReport.phases` has
+save (the wait for the last sync's directory; with source=directory the write itself, which the
+engines read), source, pack, fingerprint, serialize, unload_retried (the wait for the listing, and
+the unload of a retried copy), load, versions (version, unloads). The old versions' directories are
+pruned after the sync returns, in the writing thread (46-120 ms of the sync on an H200's disk when
+it was inline)."""
 
 from __future__ import annotations
 
@@ -56,13 +57,13 @@ import torch
 
 from rollfleet.weights.adapter import AdapterSource, SavedAdapter, save_adapter, save_packed_adapter
 from rollfleet.weights.checkpoint import begin_partial, partial_of, prune_versions
+from rollfleet.weights.transports.adapter_mapping import AdapterMapping
 from rollfleet.weights.transports.base import SyncReport, Transport, register, timed
 from rollfleet.weights.transports.disk import version_dir
-from rollfleet.weights.transports.staging import PackPlans, call_bytes, payload_buffer, wait_all
+from rollfleet.weights.transports.staging import PackPlan, PackPlans, call_bytes, payload_buffer, wait_all
 from rollfleet.wire.buckets import Bucket
 from rollfleet.wire.fingerprint import Fingerprints, fingerprints
 from rollfleet.wire.handoffs import prompt_handoffs
-from rollfleet.wire.serialize import serialize
 
 KEEP_LAST = 2
 SAVE_POLL_S = 0.005  # how often a restore looks for a directory still being written
@@ -108,6 +109,8 @@ class LoraTransport(Transport):
         self.plans = PackPlans()  # the adapter's layout, the same every sync
         self._buffer: torch.Tensor | None = None  # reused while every engine copies adapters at load
         self._reuse = False
+        self._resident = False  # and every engine takes the buffer's mapping once, then its id (adapter_mapping.py)
+        self.mapping = AdapterMapping()
         self._writer: ThreadPoolExecutor | None = None  # writes the adapter directory while engines load
         self._saving: tuple[str, Future] | None = None  # the last good sync's directory, maybe still being written
 
@@ -121,6 +124,9 @@ class LoraTransport(Transport):
     def _server_infos(self) -> list[dict]:
         infos = super()._server_infos()
         self._reuse = all(info.get("rollfleet_lora_copied_at_load") is True for info in infos)
+        self._resident = (
+            self._reuse and self.spec.resident and all(info.get("rollfleet_lora_resident") is True for info in infos)
+        )
         return infos
 
     def send(self, source: AdapterSource, version: str) -> SyncReport:
@@ -154,12 +160,11 @@ class LoraTransport(Transport):
                     directory = save_adapter(tensors, config, version_dir(self.spec.path, version))
                 self._load_directory(name, directory, report)
             else:
-                bucket, prints = self._packed(report, tensors)
-                with timed(report, "serialize"):  # one dict per entry, serialized once per engine rank
-                    payload = bucket.to_payload()
-                    entries = {t.engine_id: [serialize(payload) for _ in range(t.num_ranks)] for t in self.targets}
+                bucket, prints, plan = self._packed(report, tensors)
+                with timed(report, "serialize"):  # one dict per entry, serialized once per engine rank, or an id
+                    entries = self.mapping.entries(bucket, self._buffer, plan, self.targets, self._resident)
                 self._unload_retried(listing, name, report)
-                self._load_tensors(name, entries, config, prints, report)
+                self._load_tensors(name, entries, config, prints, report, bucket)
             with timed(report, "versions"):
                 self._set_version_and_unload_old(name, version, listing.result())
             if bucket is not None:  # what a restarted engine restores from, written off the sync's path
@@ -188,7 +193,7 @@ class LoraTransport(Transport):
             prints = fingerprints(tensors)
         report.fingerprints = {t.engine_id: dict(prints) for t in self.targets}
 
-    def _packed(self, report: SyncReport, tensors) -> tuple[Bucket, Fingerprints]:
+    def _packed(self, report: SyncReport, tensors) -> tuple[Bucket, Fingerprints, PackPlan]:
         """The adapter as one flattened bucket in a fresh buffer (the trainer's own parameter storages
         never become shared memory), and its fingerprint samples, gathered from the bucket (hashed
         while the engines load it: `_load_tensors`)."""
@@ -202,7 +207,7 @@ class LoraTransport(Transport):
             plan.fingerprint(bucket, prints)
             if device.type == "cuda":  # the pack is finished before an engine reads the bucket
                 torch.cuda.current_stream(device).synchronize()
-        return bucket, prints
+        return bucket, prints, plan
 
     def _take_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """The bucket's memory: the last sync's again where every engine copies adapters at load
@@ -240,22 +245,32 @@ class LoraTransport(Transport):
         with timed(report, "load"):
             self._each("load_lora_adapter", lambda t: ((name, str(Path(directory).resolve())), {})).result()
 
-    def _load_tensors(self, name: str, entries: dict, config: dict, prints: Fingerprints, report: SyncReport) -> None:
-        """`entries`: engine id -> one serialized dict per rank, as SGLang's tp worker indexes it
-        (`data["flattened_tensor"]`); the fingerprints are hashed while the engines load."""
-        loading = self._each(
-            "load_lora_adapter_from_tensors",
-            lambda t: ((name, config, entries[t.engine_id]), {"load_format": "flattened_bucket"}),
-        )
+    def _load_tensors(self, name: str, entries: dict, config: dict, prints: Fingerprints, report, bucket) -> None:
+        """`entries`: engine id -> (load_format, one serialized dict per rank, as SGLang's tp worker
+        indexes it: `data["flattened_tensor"]`, or the adapter mapping's entries); the fingerprints
+        are hashed while the engines load (an engine that does not hold the mapping it was named is
+        sent the bucket under it: `AdapterMapping.answered`)."""
+
+        def load(engine_id: int, how: tuple[str, list[str]]) -> Future:
+            return self._each(
+                "load_lora_adapter_from_tensors",
+                lambda t: ((name, config, how[1]), {"load_format": how[0]}),
+                [engine_id],
+            )
+
+        loading = {engine_id: load(engine_id, how) for engine_id, how in entries.items()}
         with timed(report, "fingerprint"):
             try:
                 digests = prints.digests()
             except BaseException:
-                wait_all(loading)  # no call left in flight behind the error
+                wait_all(*loading.values())  # no call left in flight behind the error
                 raise
         report.fingerprints = {t.engine_id: dict(digests) for t in self.targets}
         with timed(report, "load"):
-            loading.result()
+            targets = {t.engine_id: t for t in self.targets}
+            error = self.mapping.answered(loading, entries, lambda e: load(e, self.mapping.carried(bucket, targets[e])))
+        if error is not None:
+            raise error
 
     def _set_version_and_unload_old(self, name: str, version: str, listed: list[dict]) -> None:
         """The version on every engine, and the run's other versions unloaded, all at once. `listed`:

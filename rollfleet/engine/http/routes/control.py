@@ -71,6 +71,8 @@ async def server_info(engine: Engine):
         "rollfleet_resident_weights": True,
         # an adapter loaded from tensors is copied at load: its sender may reuse the buffer next sync
         "rollfleet_lora_copied_at_load": True,
+        # load_format "rollfleet_resident" for adapters: that buffer mapped once, named by id after
+        "rollfleet_lora_resident": True,
         # adapters being unloaded (an unload, or an eviction past --max-loaded-loras): new requests naming
         # them get 400 while the requests already using them finish
         "rollfleet_lora_unloading": sorted(engine.unloading),
