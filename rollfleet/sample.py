@@ -50,7 +50,7 @@ class Sample:
             sample_index=sample_index,
             prompt_ids=prompt_ids,
             output_ids=list(out["output_ids"]),
-            logprobs=[e[0] for e in meta.get("output_token_logprobs", [])],
+            logprobs=output_logprobs(meta),
             text=out.get("text", ""),
             finish_reason=meta["finish_reason"],
             weight_version=str(meta.get("weight_version", "")),
@@ -58,3 +58,12 @@ class Sample:
             engine_id=engine_id,
             routed_experts=meta.get("routed_experts"),
         )
+
+
+def output_logprobs(meta: dict) -> list[float]:
+    """The output tokens' logprobs of an answer's meta_info: SGLang's `output_token_logprobs` triples,
+    or the embedded engine's one list (`output_token_logprob_values`, asked with return_logprob_values)."""
+    values = meta.get("output_token_logprob_values")
+    if values is not None:
+        return list(values)
+    return [entry[0] for entry in meta.get("output_token_logprobs", [])]

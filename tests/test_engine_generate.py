@@ -62,6 +62,51 @@ def test_sampled_logprobs_match_a_forward_pass_in_a_padded_batch(server, qwen3_d
         assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4
 
 
+def test_logprob_values_are_the_triples_values_as_one_list(server):
+    """return_logprob_values (the embedded engine's, for rollfleet's own driver): the same logprobs as
+    SGLang's triples, one list per sample, in a seeded batch with n and a stream; with
+    return_text_in_logprobs (texts it cannot carry) a 400 naming both fields."""
+    sampling = {"max_new_tokens": 9, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True, "n": 2}
+    prompts = [[5, 6, 7], [8, 9]]
+    triples = call(server, "generate", input_ids=prompts, sampling_params=sampling, return_logprob=True)
+    values = call(
+        server, "generate", input_ids=prompts, sampling_params=sampling, return_logprob=True, return_logprob_values=True
+    )
+    assert [o["output_ids"] for o in values] == [o["output_ids"] for o in triples]
+    for got, want in zip(values, triples):
+        meta = got["meta_info"]
+        assert "output_token_logprobs" not in meta and meta["output_token_logprobs_length"] == 9
+        assert meta["output_token_logprob_values"] == [e[0] for e in want["meta_info"]["output_token_logprobs"]]
+    stream = run(
+        _events(
+            server,
+            input_ids=prompts[0],
+            sampling_params={**sampling, "n": 1},
+            return_logprob=True,
+            return_logprob_values=True,
+        )
+    )
+    assert (
+        stream[-1]["meta_info"]["output_token_logprob_values"] == values[0]["meta_info"]["output_token_logprob_values"]
+    )
+    with pytest.raises(Exception) as err:
+        call(
+            server,
+            "generate",
+            input_ids=prompts[0],
+            sampling_params=GREEDY,
+            return_logprob=True,
+            return_logprob_values=True,
+            return_text_in_logprobs=True,
+        )
+    assert err.value.status_code == 400 and "return_text_in_logprobs" in err.value.message
+
+
+async def _events(server, **fields) -> list[dict]:
+    async with client_for(server) as client:
+        return [event async for event in client.generate_stream(**fields)]
+
+
 def test_batch_with_n_groups_results_by_prompt(server):
     outs = call(
         server,

@@ -36,7 +36,7 @@ from rollfleet.agents.markup import TurnMarkup
 from rollfleet.config.agent import AgentConfig
 from rollfleet.envs.base import Done, Observation, Turn
 from rollfleet.fleet.sampling_seeds import derive_seed
-from rollfleet.sample import Sample
+from rollfleet.sample import Sample, output_logprobs
 from rollfleet.wire.errors import EngineError
 
 log = logging.getLogger("rollfleet.agents")
@@ -66,7 +66,7 @@ class Episode:
         start = len(s.output_ids)
         s.output_ids += ids
         s.loss_mask += [1] * len(ids)
-        s.logprobs += [entry[0] for entry in meta.get("output_token_logprobs", [])][: len(ids)]
+        s.logprobs += output_logprobs(meta)[: len(ids)]
         version = str(meta.get("weight_version", ""))
         spans = meta.get("weight_versions") or [{"version": version, "start": 0, "end": len(ids)}]
         s.weight_versions += [{**sp, "start": sp["start"] + start, "end": sp["end"] + start} for sp in spans if ids]

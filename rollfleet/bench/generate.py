@@ -127,6 +127,8 @@ def run_worker(engine: str, args, scratch: Path, case: tuple[int, int, int] | No
     command += ["--model", str(scratch / "model"), "--copy-gb", str(args.copy_gb), "--timeout-s", str(args.timeout_s)]
     if case:
         command += ["--prompts", str(prompts), "--n", str(case[1]), "--new-tokens", str(case[2])]
+    if args.logprob_values:
+        command.append("--logprob-values")
     print(f"  {name} ...", flush=True)
     code = run_worker_process(name, command, log, args.timeout_s)
     if code is None:
@@ -266,6 +268,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=300, help="one engine on one case, start to end")
     p.add_argument("--seed", type=int, default=0, help="of the weights and the prompts")
     p.add_argument("--json", default=None, help="write the record (rollfleet/bench/record.py) to this file")
+    p.add_argument(
+        "--logprob-values",
+        action="store_true",
+        help="embedded: ask for the logprobs as one list per sample (return_logprob_values, as rollfleet's "
+        "GRPO driver does) instead of SGLang's [logprob, id, text] triples",
+    )
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.copy_gb = args.copy_gb or (2.0 if args.device == "cuda" else 0.2)

@@ -8,7 +8,8 @@ ENGINE is one of:
 - embedded: `python -m rollfleet.engine.process.server` started from here (forked from a shared zygote where
   the environment names one, else spawned), driven over HTTP as a GRPO step drives it: one /generate
   per prompt with `input_ids`, sampling_params n, max_new_tokens, temperature 1, ignore_eos, and
-  return_logprob, all sent at once so the engine batches them;
+  return_logprob, all sent at once so the engine batches them (with --logprob-values the logprobs come
+  as one list a sample, return_logprob_values, as rollfleet's GRPO driver asks for them);
 - embedded_batch: the same server and sampling, ONE /generate of every prompt (`input_ids` a list):
   what the per-request path costs beyond the same tokens asked for at once;
 - embedded_waits: embedded with `--disable-overlap-schedule`, each decode step waiting for its draws;
@@ -44,6 +45,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from rollfleet.sample import output_logprobs
 
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # transformers: sampling from the whole distribution
 
@@ -104,17 +107,14 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args, shapes: tup
         # SGLang's defaults are top_k -1 and top_p 1 (no filter)
         return {"n": n, "max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
 
+    asked = {"return_logprob": True, "return_logprob_values": True if args.logprob_values else None}
+
     async def outputs(client, new_tokens: int, batched: bool) -> list[dict]:
         if batched:
-            answer = await client.generate(
-                input_ids=prompts, sampling_params=params(args.n, new_tokens), return_logprob=True
-            )
+            answer = await client.generate(input_ids=prompts, sampling_params=params(args.n, new_tokens), **asked)
             return answer if isinstance(answer, list) else [answer]
         answers = await asyncio.gather(
-            *(
-                client.generate(input_ids=p, sampling_params=params(args.n, new_tokens), return_logprob=True)
-                for p in prompts
-            )
+            *(client.generate(input_ids=p, sampling_params=params(args.n, new_tokens), **asked) for p in prompts)
         )
         return [o for a in answers for o in (a if isinstance(a, list) else [a])]
 
@@ -124,7 +124,7 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args, shapes: tup
         begin = time.perf_counter()
         outs = await outputs(client, args.new_tokens, batched)
         seconds = time.perf_counter() - begin
-        logprobs = sum(len(o["meta_info"].get("output_token_logprobs") or []) for o in outs)
+        logprobs = sum(len(output_logprobs(o["meta_info"])) for o in outs)
         tokens = sum(len(o["output_ids"]) for o in outs)
         info = await client.get_server_info()
         after = info["scheduler_stats"]
@@ -298,6 +298,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600, help="one HTTP answer (embedded)")
     p.add_argument("--start-timeout-s", type=float, default=600, help="the engine server's start (embedded)")
     p.add_argument("--out", required=True)
+    p.add_argument("--logprob-values", action="store_true", help="embedded: return_logprob_values (one list a sample)")
     return p.parse_args(argv)
 
 

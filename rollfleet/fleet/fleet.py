@@ -132,6 +132,8 @@ class Fleet:
         if seeds is not None and len(seeds) != len(prompt_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts: give one seed per prompt, or None")
         request = {"sampling_params": params, "return_logprob": True}
+        if self.rollout.backend == "embedded":  # the logprobs as one list per sample (wire/protocol.py)
+            request["return_logprob_values"] = True
         if routed_experts:
             request["return_routed_experts"] = True
         if self.lora_name is not None:  # a LoRA run: the adapter the last verified sync loaded

@@ -36,12 +36,14 @@ class GenerationRoutes:
         routed_experts_start_len: int | None = None,
         rid: str | list[str] | None = None,
         lora_path: str | list[str | None] | None = None,
+        return_logprob_values: bool | None = None,
         timeout: float | None = None,
     ) -> dict | list[dict]:
         """SGLang's /generate; a field left None is not sent (the server's default applies).
         `logprob_start_len` >= 0 adds `input_token_logprobs` from that prompt position;
         `top_logprobs_num` / `token_ids_logprob` add `*_top_logprobs` / `*_token_ids_logprob`;
-        `return_routed_experts` asks a MoE engine for `meta_info.routed_experts`;
+        `return_routed_experts` asks a MoE engine for `meta_info.routed_experts`; `return_logprob_values`
+        (the embedded engine's, never for SGLang) answers `output_token_logprob_values` instead of the triples;
         `sampling_params` carries SGLang's sampling fields as they are (`no_stop_trim`, `stop`, `n`, ...)."""
         payload = generate_payload(
             text=text,
@@ -56,6 +58,7 @@ class GenerationRoutes:
             routed_experts_start_len=routed_experts_start_len,
             rid=rid,
             lora_path=lora_path,
+            return_logprob_values=return_logprob_values,
         )
         return await self._call("POST", "/generate", payload, timeout=timeout)
 

@@ -118,6 +118,11 @@ class GenerateRequest(Lenient):
     # meta_info.routed_experts (rollfleet.wire.routed_experts), positions [routed_experts_start_len, seqlen - 1)
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # rollfleet extension (the embedded engine says `rollfleet_logprob_values` in /get_server_info; never
+    # sent to SGLang, whose /generate refuses unknown fields): the output tokens' logprobs as ONE list,
+    # meta_info.output_token_logprob_values, instead of output_token_logprobs' [logprob, id, None]
+    # triples (the ids are output_ids): a client reads 512 x 256 of them as 512 lists, not 131,072
+    return_logprob_values: bool = False
 
     _texts_are_utf8 = field_validator("text", "rid", "lora_path")(utf8_texts)
 

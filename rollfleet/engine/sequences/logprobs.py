@@ -33,6 +33,7 @@ class LogprobAsk:
     top_n: int = 0
     token_ids: tuple[int, ...] | None = None
     with_text: bool = False
+    values_only: bool = False  # return_logprob_values (rollfleet.wire.protocol): output logprobs as one list
 
     @property
     def wants_input(self) -> bool:
@@ -99,11 +100,12 @@ def meta_fields(
     def rows(rows_):
         return [None if row is None else triples(*_columns(row)) for row in rows_]
 
-    meta: dict[str, Any] = {
-        "input_token_logprobs": triples(record.input_values, record.input_ids),
-        "output_token_logprobs": triples(values, tokens),
-    }
-    meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+    meta: dict[str, Any] = {"input_token_logprobs": triples(record.input_values, record.input_ids)}
+    if ask.values_only:  # the values alone, one list (the ids are the answer's output_ids)
+        meta["output_token_logprob_values"] = values
+    else:
+        meta["output_token_logprobs"] = triples(values, tokens)
+    meta["output_token_logprobs_length"] = len(values)
     if ask.top_n > 0:
         meta["input_top_logprobs"] = rows(record.input_top)
         meta["output_top_logprobs"] = rows(record.output_top[:upto])

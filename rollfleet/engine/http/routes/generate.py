@@ -189,8 +189,15 @@ def logprob_ask(engine: EngineService, req: GenerateRequest, prompts: list[list[
                 f"positions of a {vocab}-token vocabulary, more than this server computes per request "
                 f"({MAX_INPUT_LOGPROB_VALUES} values): raise logprob_start_len or send fewer prompts per request"
             )
+    if req.return_logprob_values and req.return_text_in_logprobs:
+        raise BadRequest(
+            "return_logprob_values=true answers the output logprobs as values alone, without the tokens' "
+            "texts that return_text_in_logprobs=true asks for: drop one of them"
+        )
     token_ids = tuple(req.token_ids_logprob) if req.token_ids_logprob is not None else None
-    return LogprobAsk(req.logprob_start_len, req.top_logprobs_num, token_ids, req.return_text_in_logprobs)
+    return LogprobAsk(
+        req.logprob_start_len, req.top_logprobs_num, token_ids, req.return_text_in_logprobs, req.return_logprob_values
+    )
 
 
 def routes_start_of(engine: EngineService, req: GenerateRequest, prompts: list[list[int]]) -> int | None:
