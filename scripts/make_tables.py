@@ -160,6 +160,9 @@ GENERATE_ENGINES = ("embedded", "embedded_batch", "generate", "generate_batch")
 GENERATE_RATIOS = ("embedded/embedded_batch", "embedded/generate", "embedded/generate_batch")
 
 
+LOGPROB_VALUES = "; the logprobs as one list a sample (--logprob-values)"
+
+
 def generate(records: list[tuple[str, dict]]) -> str:
     """Per `rollfleet bench generate` record: one row per case, each engine's output tokens/s beside
     the roofline of the case's decode steps, and the ratios."""
@@ -169,7 +172,8 @@ def generate(records: list[tuple[str, dict]]) -> str:
         out.append(
             ("\n" if out else "") + f"hidden {c['hidden']}, {c['layers']} layers, vocab {c['vocab']:,} "
             f"({s['model']['weights_bytes'] / 1e9:.2f} GB {c['dtype']}), prompts of {c['prompt_tokens']} tokens, "
-            f"on {c['device']}; device copy {_range(s['copy_gb_per_s'], '.0f')} GB/s; output tokens/s, median "
+            f"on {c['device']}{LOGPROB_VALUES if c.get('logprob_values') else ''}; "
+            f"device copy {_range(s['copy_gb_per_s'], '.0f')} GB/s; output tokens/s, median "
             f"(min-max) of {c['repeats']} passes; ms / step = wall time / new tokens; record {_source(name, r)}:\n\n"
         )
         heads = [f"{e} tok/s" for e in GENERATE_ENGINES] + ["embedded ms / step"]
