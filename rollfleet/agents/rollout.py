@@ -143,6 +143,8 @@ class AgentRollout:
         if seed is not None:
             params["sampling_seed"] = seed
         request = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+        if self.fleet.rollout.backend == "embedded":  # the logprobs as one list (rollfleet.wire.protocol)
+            request["return_logprob_values"] = True
         if self.fleet.lora_name is not None:  # a LoRA run: the adapter the last verified sync loaded
             request["lora_path"] = self.fleet.lora_name
         return request
