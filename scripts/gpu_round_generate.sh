@@ -27,7 +27,8 @@ rm -f "$OUT/decode-trace.json"  # tens of MB: the profile's summary (decode-prof
 phase paged-check 90 env -u OUT python scripts/gpu_check_paged.py  # its JSON lines in its log
 # GRPO-shaped requests against transformers' generate warm (the 4 x target), then the long outputs
 # (on an H100 at 0567b87: the first 220 s with transformers' slow first passes, the second 130 s)
+# (--logprob-values: the logprobs as one list a sample, as the main job's fleet asks for them since 2b7748a)
 phase generate 240 python -m rollfleet bench generate --cases 64x8x256,16x8x32,1x1x256 --engines embedded,generate \
-    --repeats 2 --timeout-s 120 --json "$OUT/generate.json"  # a worker stuck past 120 s: its log printed, the next case goes on
+    --repeats 2 --timeout-s 120 --logprob-values --json "$OUT/generate.json"  # a worker stuck past 120 s: its log printed, the next case goes on
 phase generate-long $((590 - SECONDS)) python -m rollfleet bench generate --cases 32x8x2048 --engines embedded \
     --repeats 1 --json "$OUT/generate-32x8x2048.json"
