@@ -71,7 +71,8 @@ class LoraSource(AdapterSource):
 
     def config_dict(self) -> dict:
         """The adapter's peft config as adapter_config.json holds it (JSON types only); the plan's copy
-        while the config is unchanged (peft's `to_dict` and the JSON round trip: 0.4 ms a call here)."""
+        while the config is unchanged (peft's `to_dict` and the JSON round trip: 0.06 ms a call on this
+        project's CPU, 0.004 ms from the plan)."""
         config = self.model.peft_config[self.adapter_name]
         plan = _PLANS.get(self.model, {}).get(self.adapter_name)
         if plan is not None and plan.same_config(config):

@@ -71,14 +71,16 @@ class ShardGather:
 
     def cast(self, tensor: torch.Tensor, *, local: bool = False) -> torch.Tensor:
         """`tensor` in `dtype`; `local`: a tensor that needs no collective (see `defer_cast`)."""
-        tensor = tensor.detach()
+        return self._cast_detached(tensor.detach(), local)
+
+    def _cast_detached(self, tensor: torch.Tensor, local: bool) -> torch.Tensor:
         if self.dtype is None or (local and self.defer_cast) or not tensor.is_floating_point():
             return tensor
         return tensor.to(self.dtype)
 
     def _one_rank(self, local: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """A row-sharded parameter's detached shard on a mesh of one rank, as its full tensor."""
-        full = local if self.dtype is None or self.defer_cast or not local.is_floating_point() else local.to(self.dtype)
+        full = self._cast_detached(local, local=True)
         return full if full.shape == shape else full.view(shape)
 
     def full_tensors(self, layers: list[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor | None]]:

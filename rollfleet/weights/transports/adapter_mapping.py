@@ -28,8 +28,6 @@ from rollfleet.wire.client import EngineError
 from rollfleet.wire.control_requests import MAPPING_NOT_HELD, RESIDENT_LOAD_FORMAT
 from rollfleet.wire.serialize import serialize
 
-FLATTENED = "flattened_bucket"
-
 
 class AdapterMapping:
     """Which buffer and layout the id stands for, and which engines hold it."""
@@ -37,17 +35,17 @@ class AdapterMapping:
     def __init__(self):
         self.id: str | None = None
         self.holding: set[int] = set()  # engine ids whose last load was of this id
-        self._of: tuple = ()  # (buffer, plan): kept referenced, so neither object's id is reused meanwhile
+        self._of: tuple | None = None  # (buffer, plan): kept referenced, so neither object's id is reused meanwhile
 
     def entries(self, bucket: Bucket, buffer, plan, targets, resident: bool) -> dict[int, tuple[str, list[str]]]:
         """engine id -> (load_format, one serialized entry per rank) for a load of `bucket`, packed
         by `plan` into `buffer`."""
         if not resident:
-            self.id, self._of = None, ()
+            self.id, self._of = None, None
             self.holding.clear()
             payload = bucket.to_payload()
-            return {t.engine_id: (FLATTENED, [serialize(payload) for _ in range(t.num_ranks)]) for t in targets}
-        if len(self._of) != 2 or self._of[0] is not buffer or self._of[1] is not plan:
+            return {t.engine_id: ("flattened_bucket", _each_rank(payload, t)) for t in targets}
+        if self._of is None or self._of[0] is not buffer or self._of[1] is not plan:
             self.id, self._of = uuid.uuid4().hex, (buffer, plan)
             self.holding.clear()
         named = serialize({"mapping": self.id, "tensors": None})
@@ -60,8 +58,7 @@ class AdapterMapping:
 
     def carried(self, bucket: Bucket, target) -> tuple[str, list[str]]:
         """The entries that map the bucket under the id (each rank's handles serialized for it)."""
-        payload = {"mapping": self.id, "tensors": bucket.to_payload()}
-        return RESIDENT_LOAD_FORMAT, [serialize(payload) for _ in range(target.num_ranks)]
+        return RESIDENT_LOAD_FORMAT, _each_rank({"mapping": self.id, "tensors": bucket.to_payload()}, target)
 
     def answered(self, loading: dict[int, Future], entries: dict, resend: Callable[[int], Future]) -> Exception | None:
         """Wait for every engine's load (`loading`, of `entries`); one sent the id alone that does not
@@ -88,3 +85,8 @@ class AdapterMapping:
                 error = error or exc
         self.holding = {e for e in taken if entries[e][0] == RESIDENT_LOAD_FORMAT}
         return error
+
+
+def _each_rank(payload: dict, target) -> list[str]:
+    """`payload` serialized once per rank of `target` (each rank unpickles its own handles)."""
+    return [serialize(payload) for _ in range(target.num_ranks)]
