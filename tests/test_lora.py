@@ -652,7 +652,8 @@ def test_a_refused_sync_leaves_no_adapter_directory(servers, adapter, qwen3_dir,
     proc = servers["tp2"]
     spec = LoraSync(path=str(tmp_path / "adapters"))
     report = sync(spec, LoraSource(peft_model), "kept", {0: proc}, ranks={0: 2})
-    assert {"source", "pack", "fingerprint", "serialize", "load", "versions", "save"} <= set(report.phases)
+    assert {"source", "pack", "fingerprint", "serialize", "load", "save"} <= set(report.phases)
+    assert "versions" not in report.phases  # one engine: the load's call set the version
     big = LoraSource(make_adapter(qwen3_dir, ["q_proj"], r=16))  # rank 16 > --max-lora-rank 8
     for version in ("refused", "kept"):
         with pytest.raises(EngineError, match="rank 16 > --max-lora-rank 8"):
@@ -688,6 +689,88 @@ def test_a_sync_returns_with_its_directory_under_way(servers, adapter, tmp_path)
         held.set()
         transport.disconnect()
         call(servers["tp2"], "unload_lora_adapter", lora_transport.served_name(spec.adapter_name, "7"))
+
+
+def test_a_sync_to_one_engine_sets_the_version_and_unloads_the_old_in_its_load(servers, adapter, tmp_path):
+    """To one embedded engine the load's call carries the version and the old versions to unload (one
+    round trip, no versions phase); to two, each keeps the old version until both loaded (versions)."""
+    peft_model = copy.deepcopy(adapter[0])
+    spec = LoraSync(path=str(tmp_path / "adapters"))
+    engines = {0: servers["tp2"], 1: servers["tp1"]}
+    for proc in engines.values():
+        unload_all(proc)
+    verbs: list[str] = []
+    for count, versions in ((1, ("one-1", "one-2")), (2, ("two-1", "two-2"))):
+        targets = [
+            EngineTarget(engine_id=e, url=engines[e].url, num_ranks=(2, 1)[e], rank_offset=0) for e in range(count)
+        ]
+        transport = make_transport(spec, targets, timeout_s=60)
+        transport._each = recording(transport._each, verbs)
+        try:
+            for version in versions:
+                verbs.clear()
+                report = transport.send(LoraSource(peft_model), version)
+            folded = count == 1
+            assert ("versions" not in report.phases) == folded, report.phases
+            assert ({"update_weight_version", "unload_lora_adapter"} & set(verbs) == set()) == folded, verbs
+            assert unverified(report, {e: engines[e] for e in range(count)}) == {}
+            for e in range(count):
+                assert list(loaded(engines[e])) == [report.lora_name]
+                assert call(engines[e], "get_server_info")["weight_version"] == versions[-1]
+        finally:
+            transport.disconnect()
+    for proc in engines.values():
+        unload_all(proc)
+
+
+def recording(each, verbs: list[str]):
+    """A transport's `_each` that notes each verb it is called with (the real call goes on)."""
+
+    def recorded(verb, make_args, engine_ids=None):
+        verbs.append(verb)
+        return each(verb, make_args, engine_ids)
+
+    return recorded
+
+
+def test_a_load_refuses_adapters_to_unload_after_it_before_loading(servers, adapter):
+    """rollfleet_unload_lora_names names loaded adapters, once each, never the one loaded; else a 400
+    naming the field, and nothing loads, unloads or changes version."""
+    proc = servers["tp1"]
+    unload_all(proc)
+    source = LoraSource(adapter[0])
+    payload = tensors_payload(dict(source.named_tensors()), 1)
+    call(proc, "load_lora_adapter_from_tensors", "kept", source.config_dict(), payload)
+    version = call(proc, "get_server_info")["weight_version"]
+    for names, why in (
+        (["new"], "is the adapter this call loads"),
+        (["gone"], "is not loaded"),
+        (["kept"] * 2, "named twice"),
+    ):
+        with pytest.raises(EngineError) as err:
+            call(
+                proc,
+                "load_lora_adapter_from_tensors",
+                "new",
+                source.config_dict(),
+                payload,
+                weight_version="never",
+                unload_lora_names=names,
+            )
+        assert err.value.status_code == 400 and "rollfleet_unload_lora_names=" in err.value.message
+        assert why in err.value.message, err.value.message
+        assert list(loaded(proc)) == ["kept"] and call(proc, "get_server_info")["weight_version"] == version
+    call(
+        proc,
+        "load_lora_adapter_from_tensors",
+        "new",
+        source.config_dict(),
+        payload,
+        weight_version="v-new",
+        unload_lora_names=["kept"],
+    )
+    assert list(loaded(proc)) == ["new"] and call(proc, "get_server_info")["weight_version"] == "v-new"
+    unload_all(proc)
 
 
 def test_adapter_fingerprints_cover_every_rank(servers, adapter):

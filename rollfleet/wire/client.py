@@ -164,21 +164,26 @@ class EngineClient(GenerationRoutes, WeightRoutes):
         *,
         load_format: str | None = None,
         pinned: bool = False,
+        weight_version: str | None = None,
+        unload_lora_names: list[str] | None = None,
     ) -> dict:
         """One payload per tp rank (its own `rollfleet.wire.serialize.serialize` call) of (peft key,
         tensor) pairs, or flattened buckets with load_format="flattened_bucket"; `config_dict` is the
-        peft config as adapter_config.json holds it. The sender keeps its tensors alive until this returns."""
-        return await self._call(
-            "POST",
-            "/load_lora_adapter_from_tensors",
-            {
-                "lora_name": lora_name,
-                "config_dict": config_dict,
-                "serialized_named_tensors": serialized_named_tensors,
-                "load_format": load_format,
-                "pinned": pinned,
-            },
-        )
+        peft config as adapter_config.json holds it. The sender keeps its tensors alive until this returns.
+        `weight_version`, `unload_lora_names`: set and unloaded once it loaded, in the same call (the
+        embedded engine's extension, `rollfleet_lora_load_then_version`; never sent to SGLang)."""
+        body = {
+            "lora_name": lora_name,
+            "config_dict": config_dict,
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "pinned": pinned,
+        }
+        if weight_version is not None:
+            body["rollfleet_weight_version"] = weight_version
+        if unload_lora_names is not None:
+            body["rollfleet_unload_lora_names"] = unload_lora_names
+        return await self._call("POST", "/load_lora_adapter_from_tensors", body)
 
     async def unload_lora_adapter(self, lora_name: str) -> dict:
         return await self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})

@@ -125,6 +125,11 @@ class LoadLoraAdapterFromTensorsRequest(Lenient):
     serialized_tensors: Utf8Str | None = None
     load_format: Literal["direct", "flattened_bucket", "rollfleet_resident"] | None = None
     pinned: bool = False
+    # rollfleet extension (`rollfleet_lora_load_then_version` in /get_server_info): once loaded, set
+    # this weight version and unload these adapters, as /update_weight_version and /unload_lora_adapter
+    # would: a one-engine sync in one round trip
+    rollfleet_weight_version: Utf8Str | None = None
+    rollfleet_unload_lora_names: list[Utf8Str] | None = None
 
     @model_validator(mode="after")
     def _one_payload_field(self) -> LoadLoraAdapterFromTensorsRequest:

@@ -43,7 +43,10 @@ save (the wait for the last sync's directory; with source=directory the write it
 engines read), source, pack, fingerprint, serialize, unload_retried (the wait for the listing, and
 the unload of a retried copy), load, versions (version, unloads). The old versions' directories are
 pruned after the sync returns, in the writing thread (46-120 ms of the sync on an H200's disk when
-it was inline)."""
+it was inline). A sync to ONE engine that says `rollfleet_lora_load_then_version` (the embedded
+engine) has no versions phase: its load call carries the version and the old names, applied once
+the adapter is loaded (one round trip instead of two); with several engines each keeps the old
+version until every one has loaded, so a sync that fails part-way leaves them all serving it."""
 
 from __future__ import annotations
 
@@ -110,6 +113,7 @@ class LoraTransport(Transport):
         self._buffer: torch.Tensor | None = None  # reused while every engine copies adapters at load
         self._reuse = False
         self._resident = False  # and every engine takes the buffer's mapping once, then its id (adapter_mapping.py)
+        self._folds = False  # one engine, which sets the version and unloads the old ones in the load's call
         self.mapping = AdapterMapping()
         self._writer: ThreadPoolExecutor | None = None  # writes the adapter directory while engines load
         self._saving: tuple[str, Future] | None = None  # the last good sync's directory, maybe still being written
@@ -127,6 +131,7 @@ class LoraTransport(Transport):
         self._resident = (
             self._reuse and self.spec.resident and all(info.get("rollfleet_lora_resident") is True for info in infos)
         )
+        self._folds = len(infos) == 1 and infos[0].get("rollfleet_lora_load_then_version") is True
         return infos
 
     def send(self, source: AdapterSource, version: str) -> SyncReport:
@@ -148,7 +153,7 @@ class LoraTransport(Transport):
             report.tensors = len(tensors)
             report.bytes = sum(t.numel() * t.element_size() for _, t in tensors)
             listing = self._each("loaded_lora_adapters", lambda t: ((), {}))  # answered while this rank packs
-            bucket = None
+            bucket, then = None, None
             if source.directory is not None:  # a saved adapter (a restore): the engines read it
                 self._fingerprint(report, tensors)
                 self._unload_retried(listing, name, report)
@@ -164,9 +169,12 @@ class LoraTransport(Transport):
                 with timed(report, "serialize"):  # one dict per entry, serialized once per engine rank, or an id
                     entries = self.mapping.entries(bucket, self._buffer, plan, self.targets, self._resident)
                 self._unload_retried(listing, name, report)
-                self._load_tensors(name, entries, config, prints, report, bucket)
-            with timed(report, "versions"):
-                self._set_version_and_unload_old(name, version, listing.result())
+                if self._folds:  # the load's call sets the version and unloads the old ones (one round trip)
+                    then = {"weight_version": version, "unload_lora_names": self._old(name, listing.result()[0])}
+                self._load_tensors(name, entries, config, prints, report, bucket, then)
+            if then is None:
+                with timed(report, "versions"):
+                    self._set_version_and_unload_old(name, version, listing.result())
             if bucket is not None:  # what a restarted engine restores from, written off the sync's path
                 self._save_after(bucket, config, version)
         if source.directory is None:  # off the sync's path: after this version's directory, in the same thread
@@ -245,16 +253,17 @@ class LoraTransport(Transport):
         with timed(report, "load"):
             self._each("load_lora_adapter", lambda t: ((name, str(Path(directory).resolve())), {})).result()
 
-    def _load_tensors(self, name: str, entries: dict, config: dict, prints: Fingerprints, report, bucket) -> None:
+    def _load_tensors(self, name: str, entries: dict, config: dict, prints: Fingerprints, report, bucket, then) -> None:
         """`entries`: engine id -> (load_format, one serialized dict per rank, as SGLang's tp worker
         indexes it: `data["flattened_tensor"]`, or the adapter mapping's entries); the fingerprints
         are hashed while the engines load (an engine that does not hold the mapping it was named is
-        sent the bucket under it: `AdapterMapping.answered`)."""
+        sent the bucket under it: `AdapterMapping.answered`). `then`: what the one engine does once it
+        loaded (the version, the old adapters to unload), or None."""
 
         def load(engine_id: int, how: tuple[str, list[str]]) -> Future:
             return self._each(
                 "load_lora_adapter_from_tensors",
-                lambda t: ((name, config, how[1]), {"load_format": how[0]}),
+                lambda t: ((name, config, how[1]), {"load_format": how[0], **(then or {})}),
                 [engine_id],
             )
 
@@ -280,12 +289,15 @@ class LoraTransport(Transport):
         unloading = [
             self._each("unload_lora_adapter", lambda t, n=old: ((n,), {}), engine_ids=[target.engine_id])
             for target, names in zip(self.targets, listed)
-            for old in names
-            if old != name and is_version_of(old, self.spec.adapter_name)
+            for old in self._old(name, names)
         ]
         error = wait_all(setting, *unloading)
         if error is not None:
             raise error
+
+    def _old(self, name: str, listed) -> list[str]:
+        """The run's other versions among an engine's `listed` adapters: unloaded once `name` is loaded."""
+        return [old for old in listed if old != name and is_version_of(old, self.spec.adapter_name)]
 
     def _unload_retried(self, listing: Future, name: str, report: SyncReport) -> None:
         """Unload a copy of `name` wherever `listing` (each engine's loaded adapters, /v1/models as

@@ -73,6 +73,8 @@ async def server_info(engine: Engine):
         "rollfleet_lora_copied_at_load": True,
         # load_format "rollfleet_resident" for adapters: that buffer mapped once, named by id after
         "rollfleet_lora_resident": True,
+        # a load from tensors may carry the version to set and the adapters to unload once it loaded
+        "rollfleet_lora_load_then_version": True,
         # /generate's return_logprob_values: output logprobs as one list of values (wire/protocol.py)
         "rollfleet_logprob_values": True,
         # adapters being unloaded (an unload, or an eviction past --max-loaded-loras): new requests naming

@@ -180,13 +180,20 @@ async def end_weight_update(engine: Engine, req: EndWeightUpdateRequest | None =
 
 @router.post("/update_weight_version")
 async def update_weight_version(req: UpdateWeightVersionRequest, engine: Engine):
-    def set_version() -> bool:
-        engine.lockstep(Action.DROP_HELD_PAYLOADS)  # a version marks the end of a sync
-        return engine.sessions.set_version(req.new_version)
-
-    applied = await engine.control(set_version, abort_first=req.abort_all_requests)
+    applied = await set_weight_version(engine, req.new_version, abort_first=req.abort_all_requests)
     message = "weight version updated" if applied else "weight version held: it applies at end_weight_update"
     return {"success": True, "message": message, "new_version": req.new_version}
+
+
+async def set_weight_version(engine: EngineService, version: str, *, abort_first: bool = False) -> bool:
+    """The weight version, once no batch runs (the end of a sync): applied now (True), or held for a
+    session's end (False). Also what a LoRA load that carries `rollfleet_weight_version` does."""
+
+    def set_version() -> bool:
+        engine.lockstep(Action.DROP_HELD_PAYLOADS)  # a version marks the end of a sync
+        return engine.sessions.set_version(version)
+
+    return await engine.control(set_version, abort_first=abort_first)
 
 
 @router.api_route("/get_weights_by_name", methods=["GET", "POST"])
