@@ -15,6 +15,8 @@ are checked before anything loads.
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
@@ -63,14 +65,16 @@ async def load_lora_adapter_from_tensors(req: LoadLoraAdapterFromTensorsRequest,
         reply = await load_and_evict_locked(engine, req.lora_name, req.pinned, **source)
         if isinstance(reply, JSONResponse):
             return reply
+        # queued together, as a sender calling the two routes would: the engine thread runs them back to back
+        then = [
+            unload(engine, name)
+            for name in req.rollfleet_unload_lora_names or ()
+            if name in engine.runner.lora.adapters
+        ]
         if req.rollfleet_weight_version is not None:
-            await set_weight_version(engine, req.rollfleet_weight_version)
-        for name in req.rollfleet_unload_lora_names or ():
-            if name in engine.runner.lora.adapters:  # (evicted by this load otherwise)
-                reply = await unload(engine, name)
-                if isinstance(reply, JSONResponse):
-                    return reply
-        return lora_reply(engine)
+            then.append(set_weight_version(engine, req.rollfleet_weight_version))
+        refused = [reply for reply in await asyncio.gather(*then) if isinstance(reply, JSONResponse)]
+        return refused[0] if refused else lora_reply(engine)
 
 
 def then_refusal(engine: EngineService, req: LoadLoraAdapterFromTensorsRequest) -> str | None:
