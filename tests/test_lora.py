@@ -742,33 +742,29 @@ def test_a_load_refuses_adapters_to_unload_after_it_before_loading(servers, adap
     payload = tensors_payload(dict(source.named_tensors()), 1)
     call(proc, "load_lora_adapter_from_tensors", "kept", source.config_dict(), payload)
     version = call(proc, "get_server_info")["weight_version"]
+
+    def load_new(then_version: str, names: list[str]):
+        return call(
+            proc,
+            "load_lora_adapter_from_tensors",
+            "new",
+            source.config_dict(),
+            payload,
+            weight_version=then_version,
+            unload_lora_names=names,
+        )
+
     for names, why in (
         (["new"], "is the adapter this call loads"),
         (["gone"], "is not loaded"),
         (["kept"] * 2, "named twice"),
     ):
         with pytest.raises(EngineError) as err:
-            call(
-                proc,
-                "load_lora_adapter_from_tensors",
-                "new",
-                source.config_dict(),
-                payload,
-                weight_version="never",
-                unload_lora_names=names,
-            )
+            load_new("never", names)
         assert err.value.status_code == 400 and "rollfleet_unload_lora_names=" in err.value.message
         assert why in err.value.message, err.value.message
         assert list(loaded(proc)) == ["kept"] and call(proc, "get_server_info")["weight_version"] == version
-    call(
-        proc,
-        "load_lora_adapter_from_tensors",
-        "new",
-        source.config_dict(),
-        payload,
-        weight_version="v-new",
-        unload_lora_names=["kept"],
-    )
+    load_new("v-new", ["kept"])
     assert list(loaded(proc)) == ["new"] and call(proc, "get_server_info")["weight_version"] == "v-new"
     unload_all(proc)
 

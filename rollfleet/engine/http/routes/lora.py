@@ -82,20 +82,18 @@ def then_refusal(engine: EngineService, req: LoadLoraAdapterFromTensorsRequest) 
     before anything loads: each must be loaded now, named once, and not the one being loaded."""
     names, loaded = req.rollfleet_unload_lora_names or [], engine.runner.lora.adapters
     for name in names:
-        why = (
-            "the adapter this call loads"
-            if name == req.lora_name
-            else "not loaded"
-            if name not in loaded
-            else "named twice"
-            if names.count(name) > 1
-            else None
+        if name == req.lora_name:
+            why = "the adapter this call loads"
+        elif name not in loaded:
+            why = "not loaded"
+        elif names.count(name) > 1:
+            why = "named twice"
+        else:
+            continue
+        return (
+            f"rollfleet_unload_lora_names={names!r}: {name!r} is {why} (loaded: {sorted(loaded)}); "
+            "name each loaded adapter to unload once, never the one being loaded"
         )
-        if why is not None:
-            return (
-                f"rollfleet_unload_lora_names={names!r}: {name!r} is {why} (loaded: {sorted(loaded)}); "
-                "name each loaded adapter to unload once, never the one being loaded"
-            )
     return None
 
 
