@@ -145,3 +145,45 @@ def test_a_port_another_engine_serves_is_not_taken_for_ours(qwen3_server, qwen3_
     finally:
         late.stop()
     assert qwen3_server.is_alive()
+
+
+# a stand-in engine that never listens: it says when its SIGTERM handler (uvicorn has one) is set, in
+# capitals (the launcher's line in the log holds this source)
+NEVER_UP = (
+    "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); "
+    "print('ready'.upper(), flush=True); time.sleep(600)"
+)
+
+
+def _stopped_never_up(tmp_path):
+    import os
+    import signal
+
+    from waits import wait_until
+
+    from rollfleet.engine.process.launch import EngineProcess
+    from rollfleet.wire.net import free_port
+
+    log = tmp_path / "engine.log"
+    proc = EngineProcess([sys.executable, "-c", NEVER_UP], port=free_port(), log_path=log)
+    wait_until(lambda: "READY" in log.read_text(), what="the stand-in's SIGTERM handler set")
+    os.kill(proc.pid, signal.SIGSTOP)
+    wait_until(proc.is_stopped, what="the stand-in stopped")
+    return proc
+
+
+def test_an_engine_stopped_before_it_is_up_is_killed_without_waiting_for_its_stacks(tmp_path):
+    """A stopped process runs no handler: no stacks come, so the launcher does not wait for them
+    (it waited 10 s), says why there are none, and kills it (a stop would wait out its grace)."""
+    from rollfleet.engine.process.launch import EngineStartError
+
+    proc = _stopped_never_up(tmp_path)
+    with pytest.raises(EngineStartError, match=r"not up after 0 s; .*\(stopped \(SIGSTOP or a debugger\): no stacks\)"):
+        proc.wait_until_up(timeout=0.2)
+    assert proc.proc.returncode == -9
+
+
+def test_a_stop_continues_a_stopped_engine_so_it_ends_through_its_own_handler(tmp_path):
+    proc = _stopped_never_up(tmp_path)
+    proc.stop(grace=120)
+    assert proc.proc.returncode == 3  # its SIGTERM handler ran: not killed at the grace's end

@@ -254,12 +254,28 @@ class EngineProcess:
                 except httpx.TransportError:
                     pass
                 time.sleep(poll_s)
-        self._dump_stacks()
-        self.stop()
+        stopped = self.is_stopped()
+        if not stopped:
+            self._dump_stacks()
+        # killed, not stopped politely: an engine that never came up has nothing to shut down, and one
+        # that hangs would hold the restart for the whole grace
+        self.kill()
+        stacks = "with its processes' stacks at the timeout"
+        if stopped:
+            stacks = "stopped (SIGSTOP or a debugger): no stacks"
         raise EngineStartError(
-            f"engine not up after {timeout:.0f} s; last lines of {self.log_path} (with its processes' stacks "
-            f"at the timeout):\n{log_tail(self.log_path, lines=STACK_TAIL_LINES)}"
+            f"engine not up after {timeout:.0f} s; last lines of {self.log_path} ({stacks}):\n"
+            f"{log_tail(self.log_path, lines=STACK_TAIL_LINES)}"
         )
+
+    def is_stopped(self) -> bool:
+        """Whether the engine's process is stopped (state T: SIGSTOP, or a debugger's trace): it runs
+        no signal handler until continued."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except OSError:  # gone, or no /proc (macOS)
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
 
     def _dump_stacks(self) -> None:
         """Ask every process of the engine for its threads' stacks (SIGUSR1: the server registers it
@@ -303,6 +319,7 @@ class EngineProcess:
         if not self.is_alive():
             return
         self._signal_group(signal.SIGTERM)
+        self._signal_group(signal.SIGCONT)  # a stopped process acts on the SIGTERM only once continued
         try:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
