@@ -354,6 +354,23 @@ def test_a_fifo_named_safetensors_is_refused_without_freezing(server, tmp_path):
     assert_still_serving(server)
 
 
+@pytest.mark.parametrize(
+    "path, needle",
+    [
+        ("m" * 400, "... (400 characters) cannot be read (File name too long)"),  # a name past 255 bytes
+        ("d/" * 2100, "... (4200 characters) cannot be read (File name too long)"),  # a path past PATH_MAX
+        ("a\u0000b", "is not a directory"),  # a NUL byte: no such path
+    ],
+)
+def test_a_model_path_the_filesystem_refuses_gets_400_naming_it(server, path, needle):
+    """A name too long (ENAMETOOLONG) raised out of the route as a bare 500."""
+    response = post(server, "/update_weights_from_disk", {"model_path": path}, timeout=30)
+    assert response.status_code == 400, response.text
+    message = response.json()["message"]
+    assert message.startswith("model_path=") and needle in message and "give a HF model directory" in message
+    assert_still_serving(server)
+
+
 # ---- released weights ----------------------------------------------------------------------------
 RELEASED = "weights are released: call /resume_memory_occupation with tags ['weights'] first"
 WEIGHT_READS = [
@@ -549,6 +566,34 @@ def test_health_is_503_with_the_reason_when_the_engine_loop_has_died(engine_part
     health, update = asyncio.run(probe())
     assert health.status_code == 503 and "no device for the engine thread" in health.json()["message"]
     assert update.status_code == 503 and "the engine loop has stopped" in update.json()["message"]
+
+
+def test_a_routes_own_failure_answers_a_json_500_not_a_dropped_connection(engine_parts, qwen3_dir):
+    """Bad input is a 4xx before a route fails; a route's bug (one was a name too long) dropped the
+    connection with no answer. Routes added here raise, in the server's app as built."""
+    parser = build_parser()
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu"])
+    check_args(parser, args)
+    runner, tokenizer = engine_parts
+    app = create_app(EngineService(args, runner, Lockstep(runner, None), _scheduler(engine_parts), tokenizer))
+
+    def boom():
+        raise OSError(36, "File name too long")
+
+    for path in ("/rollfleet/boom", "/v1/boom"):
+        app.add_api_route(path, boom, methods=["POST"])
+
+    async def ask():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # uvicorn logs it and goes on
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+            return await client.post("/rollfleet/boom"), await client.post("/v1/boom")
+
+    ours, openai = asyncio.run(ask())
+    assert ours.status_code == 500 and ours.json()["success"] is False
+    said = ours.json()["message"]
+    assert said.startswith("POST /rollfleet/boom: internal error (OSError: [Errno 36] File name too long)"), said
+    assert openai.status_code == 500 and openai.json()["type"] == "InternalServerError"  # OpenAI's error shape
+    assert openai.json()["message"].startswith("POST /v1/boom: internal error")
 
 
 # ---- fuzzing /generate ---------------------------------------------------------------------------

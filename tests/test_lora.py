@@ -619,6 +619,8 @@ def _bad_adapters(peft_model, qwen3_dir, tmp_path):
         ("policy-vgood", ("tensors", config, good), "lora_name='policy-vgood' is already loaded"),
         ("dora", ("directory", str(dora)), "use_dora=True"),
         ("missing", ("directory", str(tmp_path / "nope")), "is not a directory"),
+        # a name the filesystem refuses (ENAMETOOLONG) raised out of the route: the client's connection dropped
+        ("long-path", ("directory", "x" * 400), "... (400 characters) cannot be read (File name too long)"),
         # a null pattern value raised TypeError on every rank, outside the refusal path: the engine stopped
         ("null-alpha", ("tensors", {**config, "alpha_pattern": {"q_proj": None}}, good), "{'q_proj': None}: each"),
         ("list-pattern", ("tensors", {**config, "rank_pattern": ["q_proj"]}, good), "must be a dict"),

@@ -24,8 +24,8 @@ def safetensors_files(path: str | Path) -> list[Path]:
     Regular files only (a link to one counts): opening a FIFO blocks until someone writes to it, and
     the reader does not let go of the interpreter meanwhile, so one FIFO would freeze the server."""
     directory = Path(path)
-    if not directory.is_dir():
-        raise CheckpointReadError(f"model_path={str(path)!r} is not a directory: give a HF model directory")
+    if problem := dir_problem(directory):
+        raise CheckpointReadError(f"model_path={shown(path)} {problem}: give a HF model directory")
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointReadError(
@@ -43,6 +43,23 @@ def safetensors_files(path: str | Path) -> list[Path]:
                 "directory holds the files save_pretrained wrote; remove or rename it"
             )
     return files
+
+
+def dir_problem(path: str | Path) -> str | None:
+    """Why a path from a request is not a directory to read ("is not a directory", or the error of a
+    name too long or not permitted); None when it is one."""
+    try:
+        if Path(path).is_dir():
+            return None
+    except (OSError, ValueError) as exc:  # ENAMETOOLONG, EACCES, a NUL byte
+        return f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+    return "is not a directory"
+
+
+def shown(path: str | Path, limit: int = 200) -> str:
+    """A path from a request as an error message quotes it: repr'd, cut to `limit` characters."""
+    text = str(path)
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _file_kind(mode: int) -> str:

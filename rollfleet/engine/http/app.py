@@ -27,6 +27,7 @@ def create_app(engine: EngineService) -> FastAPI:
     app.exception_handler(RequestValidationError)(on_invalid_request)
     app.exception_handler(BadRequest)(on_bad_request)
     app.exception_handler(StarletteHTTPException)(on_http_error)
+    app.exception_handler(Exception)(on_unexpected_error)
     return app
 
 
@@ -86,6 +87,19 @@ async def on_http_error(request: Request, exc: StarletteHTTPException):
     response = fail(message, exc.status_code)
     response.headers.update(exc.headers or {})
     return response
+
+
+async def on_unexpected_error(request: Request, exc: Exception):
+    """A route's own failure (a bug: bad input is a 4xx before it): the client gets a JSON 500 naming
+    the route and the error instead of a dropped connection; the traceback goes to the server's log
+    (Starlette re-raises after this answer) and the server goes on serving."""
+    message = (
+        f"{request.method} {request.url.path}: internal error ({type(exc).__name__}: {str(exc)[:300]}); "
+        "the server goes on serving: report it with the traceback in the engine's log"
+    )
+    if request.url.path.startswith("/v1/"):
+        return JSONResponse(error_body(message, 500), status_code=500)
+    return fail(message, 500)
 
 
 async def on_bad_request(_request: Request, exc: BadRequest):

@@ -28,6 +28,7 @@ from rollfleet.engine.lora.host_copies import owned_copies
 from rollfleet.wire.fingerprint import DEFAULT_SAMPLES, Fingerprints, fingerprints
 from rollfleet.wire.hf_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
 from rollfleet.wire.hf_files import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
+from rollfleet.wire.hf_files import dir_problem, shown
 
 KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
 TENSORS_PATH = "__tensor__"  # the `path` of an adapter loaded from tensors (SGLang registers the same)
@@ -143,9 +144,9 @@ def why_not_targetable(model: nn.Module, module_path: str) -> str:
 def read_adapter_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, tensors) of a peft adapter directory (adapter_config.json + adapter_model.safetensors)."""
     directory = Path(path)
-    if not directory.is_dir():
+    if problem := dir_problem(directory):
         raise LoraError(
-            f"lora_path={path!r} is not a directory: give a peft adapter directory "
+            f"lora_path={shown(path)} {problem}: give a peft adapter directory "
             f"(save_pretrained), holding {CONFIG_FILE} and {WEIGHTS_FILE}"
         )
     config_file, weights_file = directory / CONFIG_FILE, directory / WEIGHTS_FILE
