@@ -498,6 +498,15 @@ def _scheduler(engine_parts, **kwargs) -> Scheduler:
     )
 
 
+def _app(engine_parts, qwen3_dir, scheduler: Scheduler):
+    """The server's app, as the server builds it, over `scheduler`."""
+    parser = build_parser()
+    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu"])
+    check_args(parser, args)
+    runner, tokenizer = engine_parts
+    return create_app(EngineService(args, runner, Lockstep(runner, None), scheduler, tokenizer))
+
+
 def _result(seq):
     return seq.future.result(timeout=120)
 
@@ -551,11 +560,7 @@ def test_health_is_503_with_the_reason_when_the_engine_loop_has_died(engine_part
     scheduler = _scheduler(engine_parts, thread_setup=no_device)
     scheduler.start()
     scheduler.stop()
-    parser = build_parser()
-    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu"])
-    check_args(parser, args)
-    runner, tokenizer = engine_parts
-    app = create_app(EngineService(args, runner, Lockstep(runner, None), scheduler, tokenizer))
+    app = _app(engine_parts, qwen3_dir, scheduler)
 
     async def probe():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine") as client:
@@ -571,11 +576,7 @@ def test_health_is_503_with_the_reason_when_the_engine_loop_has_died(engine_part
 def test_a_routes_own_failure_answers_a_json_500_not_a_dropped_connection(engine_parts, qwen3_dir):
     """Bad input is a 4xx before a route fails; a route's bug (one was a name too long) dropped the
     connection with no answer. Routes added here raise, in the server's app as built."""
-    parser = build_parser()
-    args = parser.parse_args(["--model-path", qwen3_dir, "--device", "cpu"])
-    check_args(parser, args)
-    runner, tokenizer = engine_parts
-    app = create_app(EngineService(args, runner, Lockstep(runner, None), _scheduler(engine_parts), tokenizer))
+    app = _app(engine_parts, qwen3_dir, _scheduler(engine_parts))
 
     def boom():
         raise OSError(36, "File name too long")

@@ -148,10 +148,10 @@ def test_a_port_another_engine_serves_is_not_taken_for_ours(qwen3_server, qwen3_
 
 
 # a stand-in engine that never listens: it says when its SIGTERM handler (uvicorn has one) is set, in
-# capitals (the launcher's line in the log holds this source)
+# capitals (the launcher's line in the log holds this source), then waits for a signal
 NEVER_UP = (
-    "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); "
-    "print('ready'.upper(), flush=True); time.sleep(600)"
+    "import signal, sys; signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); "
+    "print('ready'.upper(), flush=True); signal.pause()"
 )
 
 

@@ -51,8 +51,8 @@ def dir_problem(path: str | Path) -> str | None:
     try:
         if Path(path).is_dir():
             return None
-    except (OSError, ValueError) as exc:  # ENAMETOOLONG, EACCES, a NUL byte
-        return f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+    except OSError as exc:  # ENAMETOOLONG, EACCES (is_dir answers False itself for ENOENT or a NUL byte)
+        return f"cannot be read ({exc.strerror or exc})"
     return "is not a directory"
 
 

@@ -60,13 +60,21 @@ class RequireApiKey:
         await answer(scope, receive, send)
 
 
+def error_answer(request: Request, message: str, status_code: int, headers=None) -> JSONResponse:
+    """An error in the shape of the route's protocol: OpenAI's error object on /v1/, SGLang's
+    `{"success": false, "message"}` elsewhere."""
+    if request.url.path.startswith("/v1/"):
+        return JSONResponse(error_body(message, status_code), status_code=status_code, headers=headers)
+    response = fail(message, status_code)
+    response.headers.update(headers or {})
+    return response
+
+
 async def on_invalid_request(request: Request, exc: RequestValidationError):
     message = f"invalid request: {validation_message(exc)}"
-    if request.url.path.startswith("/v1/"):  # the OpenAI routes answer in OpenAI's error shape
-        return JSONResponse(error_body(message), status_code=400)
     if request.url.path in weights.UPDATE_ROUTES:  # a refused call fails an open weight-update session
         request.app.state.engine.sessions.after_refusal(request.url.path, message)
-    return fail(message)
+    return error_answer(request, message, 400)
 
 
 HTTP_FIXES = {
@@ -82,11 +90,7 @@ async def on_http_error(request: Request, exc: StarletteHTTPException):
     allow = (exc.headers or {}).get("Allow")
     fix = f"use {allow}" if exc.status_code == 405 and allow else HTTP_FIXES.get(exc.status_code)
     message = f"{request.method} {request.url.path}: {exc.detail}" + (f": {fix}" if fix else "")
-    if request.url.path.startswith("/v1/"):
-        return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
-    response = fail(message, exc.status_code)
-    response.headers.update(exc.headers or {})
-    return response
+    return error_answer(request, message, exc.status_code, exc.headers)
 
 
 async def on_unexpected_error(request: Request, exc: Exception):
@@ -97,9 +101,7 @@ async def on_unexpected_error(request: Request, exc: Exception):
         f"{request.method} {request.url.path}: internal error ({type(exc).__name__}: {str(exc)[:300]}); "
         "the server goes on serving: report it with the traceback in the engine's log"
     )
-    if request.url.path.startswith("/v1/"):
-        return JSONResponse(error_body(message, 500), status_code=500)
-    return fail(message, 500)
+    return error_answer(request, message, 500)
 
 
 async def on_bad_request(_request: Request, exc: BadRequest):
