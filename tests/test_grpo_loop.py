@@ -235,7 +235,9 @@ def test_chaos_engines_killed_during_a_run(qwen3_dir, tmp_path):
         "rollout.probe_timeout_s=1",
         "rollout.probe_failures=3",
         "rollout.restore_timeout_s=20",
-        "rollout.startup_timeout_s=25",  # (c)'s replacement may hang before its worker saw it up: caught at this limit
+        # (c)'s replacement may hang before its worker saw it up: then it listens and stays silent, given up on
+        # after the probes' allowance (3 x 1 s); this limit is for a first start on a loaded machine
+        "rollout.startup_timeout_s=25",
     )
     faults, bad_answers = [], []
     rng = chaos_rng()

@@ -183,6 +183,30 @@ def test_an_engine_stopped_before_it_is_up_is_killed_without_waiting_for_its_sta
     assert proc.proc.returncode == -9
 
 
+# a stand-in that binds its port and never answers (as a server hung after its bind): the kernel takes
+# the connections into the listen backlog, and nothing reads them; its stacks on SIGUSR1, as the server's
+SILENT = (
+    "import faulthandler, socket, sys, signal; faulthandler.register(signal.SIGUSR1); s = socket.socket(); "
+    "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', int(sys.argv[1]))); "
+    "s.listen(64)\nwhile True: signal.pause()"
+)
+
+
+def test_an_engine_that_listens_but_never_answers_is_given_up_on_after_its_silent_polls(tmp_path):
+    """Our server binds its port when it is ready to answer: one that takes connections and leaves
+    them unanswered is hung, and is killed after the health probes' allowance, not at the start
+    timeout (minutes on a GPU: the replacement would wait that long). The error says which."""
+    from rollfleet.engine.process.launch import STACK_HEADER, EngineProcess, EngineStartError
+    from rollfleet.wire.net import free_port
+
+    port = free_port()
+    proc = EngineProcess([sys.executable, "-c", SILENT, str(port)], port=port, log_path=tmp_path / "engine.log")
+    with pytest.raises(EngineStartError, match=r"engine listens but left 3 polls unanswered \(0.2 s each\)") as err:
+        proc.wait_until_up(timeout=3600, answer_timeout=0.2, silent_polls=3)
+    assert STACK_HEADER in str(err.value)  # where it hung: its stack, in the log's tail
+    assert proc.proc.returncode == -9  # killed, as at the start timeout
+
+
 def test_a_stop_continues_a_stopped_engine_so_it_ends_through_its_own_handler(tmp_path):
     proc = _stopped_never_up(tmp_path)
     proc.stop(grace=120)

@@ -128,8 +128,15 @@ class RolloutConfig(_Section):
     probe_interval_s: float = Field(
         2.0, gt=0.0, description="Seconds between health probes of each ACTIVE or AWAITING_WEIGHTS engine."
     )
-    probe_timeout_s: float = Field(5.0, gt=0.0, description="A probe slower than this counts as failed.")
-    probe_failures: int = Field(3, ge=1, description="Consecutive failed probes that mark an engine INACTIVE.")
+    probe_timeout_s: float = Field(
+        5.0, gt=0.0, description="A probe slower than this counts as failed (so does a listening engine's start poll)."
+    )
+    probe_failures: int = Field(
+        3,
+        ge=1,
+        description="Consecutive failed probes that mark an engine INACTIVE; as many unanswered polls of an engine "
+        "that listens while it starts fail its start.",
+    )
     auto_restart: bool = Field(
         True, description="Restart INACTIVE engines in the background (see Fleet.restart_inactive)."
     )

@@ -81,7 +81,11 @@ class RolloutWorker:
                 zygote_wait_s=self.rollout.startup_timeout_s,
             )
             try:
-                self.engine.wait_until_up(self.rollout.startup_timeout_s)
+                self.engine.wait_until_up(
+                    self.rollout.startup_timeout_s,  # and silent while listening: as long as the health probes allow
+                    answer_timeout=self.rollout.probe_timeout_s,
+                    silent_polls=self.rollout.probe_failures,
+                )
                 break
             except PortInUse:
                 if attempt == PORT_ATTEMPTS - 1:

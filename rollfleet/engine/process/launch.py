@@ -239,32 +239,50 @@ class EngineProcess:
     def is_alive(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_until_up(self, timeout: float, poll_s: float = UP_POLL_S) -> None:
-        """Block until /health answers; raise EngineStartError with the log's tail if the process dies."""
-        deadline = time.monotonic() + timeout
+    def wait_until_up(
+        self, timeout: float, poll_s: float = UP_POLL_S, *, answer_timeout: float = 2.0, silent_polls: int = 3
+    ) -> None:
+        """Block until /health answers; raise EngineStartError with the log's tail if the process dies,
+        if it is not up by `timeout`, or if it listens but leaves `silent_polls` polls in a row
+        unanswered for `answer_timeout` each (the fleet passes its health probes' settings). Our server
+        binds its port last, when it is ready to answer: one that takes the connection and stays
+        silent is hung (a stopped process too: the kernel still takes connections for it), and waiting
+        out the start timeout (minutes on a GPU) would only delay its replacement."""
+        deadline, silent = time.monotonic() + timeout, 0
         # One client for every poll: `httpx.get` builds a client (and its SSL context) per call, tens
         # to hundreds of milliseconds of CPU that a starting engine on the same cores also needs.
-        with httpx.Client(timeout=2) as client:
+        with httpx.Client(timeout=answer_timeout) as client:
             while time.monotonic() < deadline:
                 self._raise_if_dead()
                 try:
                     if client.get(f"{self.url}/health").status_code in (200, 401) and self._serves_the_port(client):
                         self.up_after_s = time.monotonic() - self._spawned
                         return
-                except httpx.TransportError:
-                    pass
+                    silent = 0
+                except httpx.ReadTimeout:  # connected, asked, no answer
+                    silent += 1
+                    if silent >= silent_polls:
+                        self._fail_start(f"listens but left {silent} polls unanswered ({answer_timeout:g} s each)")
+                    continue
+                except httpx.TransportError:  # not listening yet
+                    silent = 0
                 time.sleep(poll_s)
+        self._fail_start(f"not up after {timeout:.0f} s")
+
+    def _fail_start(self, why: str) -> None:
+        """Kill an engine that did not come up and raise EngineStartError saying `why`, with the log's
+        tail and, unless the process is stopped, its processes' stacks."""
         stopped = self.is_stopped()
         if not stopped:
             self._dump_stacks()
         # killed, not stopped politely: an engine that never came up has nothing to shut down, and one
         # that hangs would hold the restart for the whole grace
         self.kill()
-        stacks = "with its processes' stacks at the timeout"
+        stacks = "with its processes' stacks"
         if stopped:
             stacks = "stopped (SIGSTOP or a debugger): no stacks"
         raise EngineStartError(
-            f"engine not up after {timeout:.0f} s; last lines of {self.log_path} ({stacks}):\n"
+            f"engine {why}; last lines of {self.log_path} ({stacks}):\n"
             f"{log_tail(self.log_path, lines=STACK_TAIL_LINES)}"
         )
 
