@@ -170,6 +170,9 @@ def test_invalid_yaml(tmp_path):
         ("rollout.use_gpu=maybe", "rollout.use_gpu='maybe'"),
         ("trainer.world_size=0", "trainer.world_size=0: must be >= 1"),
         ("ray.num_gpus=-1", "ray.num_gpus=-1: must be >= 0"),
+        # built in memory before anything starts: 10**12 digits hung `rollfleet train` there
+        ("grpo.synthetic_digits=1000000000000", "grpo.synthetic_digits=1000000000000: must be <= 10000"),
+        ("grpo.synthetic_prompts=10000000000", "grpo.synthetic_prompts=10000000000: must be <= 1000000"),
     ],
 )
 def test_each_error_names_field_value_and_fix(override, expected):

@@ -22,8 +22,9 @@ class GrpoConfig(Section):
         description="'synthetic' (the bundled copy task), 'arithmetic' (the agent demo's sums) or a JSONL path of "
         "{prompt, answer}.",
     )
-    synthetic_prompts: int = Field(512, ge=1, description="Size of the synthetic dataset.")
-    synthetic_digits: int = Field(3, ge=1, description="Digits per synthetic prompt.")
+    # bounded: the dataset is built in memory before anything starts (10**12 digits hung the run there)
+    synthetic_prompts: int = Field(512, ge=1, le=1_000_000, description="Size of the synthetic dataset.")
+    synthetic_digits: int = Field(3, ge=1, le=10_000, description="Digits per synthetic prompt.")
     reward: str = Field(
         "rollfleet.rewards.basic:copy_digits", description="Reward function, 'package.module:function'."
     )
