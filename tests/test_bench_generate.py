@@ -83,6 +83,15 @@ def test_generate_benchmark_writes_a_complete_record(generate_run):
     pass_s = case["engines"]["embedded"]["seconds"]["median"]
     assert 0 < steps["outside_steps_s"] < pass_s and 0 < steps["outside_steps_share"] < 1
     assert "of the pass)" in out.stdout
+    # and where it went, by the engine's clock (passes of one batch): before, between, after the steps
+    for one in (r for r in record["repeats"] if "clock" in r.get("scheduler", {})):
+        clock, scheduler = one["scheduler"]["clock"], one["scheduler"]
+        outside = one["seconds"] - scheduler["prefill_seconds"] - scheduler["decode_seconds"]
+        parts = ("before_steps_s", "between_steps_s", "answering_s", "delivery_s")
+        assert sum(clock[key] for key in parts) == pytest.approx(outside, abs=2e-3)
+        assert all(clock[key] >= 0 for key in parts if key != "between_steps_s")
+        assert 0 <= clock["of_which_retire_s"] + clock["of_which_texts_s"] <= clock["answering_s"]
+        assert "before steps" in out.stdout and "delivery" in out.stdout
     assert "| 2x2x8 | embedded steps | prefill 1.00 x the prompts' tokens;" in out.stdout
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 from conftest import call, client_for, reference_greedy, run, scheduler_stats_when
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollfleet.engine.runtime.finishing import TEXTS_THREAD_TOKENS
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -245,3 +248,21 @@ def test_a_step_moves_the_sampled_ids_and_asked_logprobs_to_the_host_never_the_l
     call(server, "generate", input_ids=[5, 6, 7], sampling_params=sampling, return_logprob=True, top_logprobs_num=3)
     after = stats()
     assert after["host_bytes"] - middle["host_bytes"] == 4 * 16 * (8 + 4 + 3 * (4 + 8))
+
+
+def test_a_wave_ending_at_once_gets_its_texts_from_the_texts_thread_and_the_clock_orders_its_end(server, qwen3_dir):
+    """A GRPO wave: TEXTS_THREAD_TOKENS finished tokens at one step, decoded on the texts thread while
+    the engine thread retires them: each text is the tokenizer's decode of its output ids (SGLang's
+    skip_special_tokens default). The scheduler's clock (time.monotonic, the bench's split of a pass)
+    reads, within the call: first step, last step's end, retired, decoded, answered, in that order."""
+    sampling = {"max_new_tokens": 256, "temperature": 1.0, "n": 8, "ignore_eos": True}
+    began = time.monotonic()
+    outs = call(server, "generate", input_ids=[[5, 6, 7], [8, 9], [10, 11, 12], [13]], sampling_params=sampling)
+    ended = time.monotonic()
+    assert sum(len(o["output_ids"]) for o in outs) == 4 * 8 * 256 == TEXTS_THREAD_TOKENS
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    assert [o["text"] for o in outs] == [tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in outs]
+    stats = call(server, "get_server_info")["scheduler_stats"]
+    order = ["batch_began_at", "steps_ended_at", "retired_at", "decoded_at", "answered_at"]
+    assert began < stats[order[0]] and stats[order[-1]] < ended
+    assert [stats[key] for key in order] == sorted(stats[key] for key in order)

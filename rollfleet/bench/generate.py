@@ -180,6 +180,9 @@ def engine_steps(passes: list[dict], prompt_tokens: int, prompts: int) -> dict:
         outside = [p["seconds"] - p["scheduler"]["prefill_seconds"] - p["scheduler"]["decode_seconds"] for p in timed]
         split["outside_steps_s"] = statistics.median(outside)
         split["outside_steps_share"] = statistics.median(o / p["seconds"] for o, p in zip(outside, timed))
+    clocked = [p["scheduler"]["clock"] for p in passes if "clock" in (p.get("scheduler") or {})]
+    if clocked:  # where that time went (generate_engines.outside_split), passes of one batch
+        split["outside_split_s"] = {key: statistics.median(c[key] for c in clocked) for key in clocked[0]}
     return split
 
 
@@ -248,6 +251,10 @@ def _steps_row(name: str, engine: str, f: dict) -> str:
         split += f"; {f['decode_ms_per_step']:.2f} ms a decode step, {f['decode_over_roofline']:.1f} x the roofline's"
     if "outside_steps_s" in f:
         split += f"; outside steps {f['outside_steps_s']:.2f} s ({f['outside_steps_share']:.0%} of the pass)"
+    if "outside_split_s" in f:
+        parts = f["outside_split_s"]
+        split += ": " + ", ".join(f"{key.removesuffix('_s').replace('_', ' ')} {parts[key] * 1e3:.0f}" for key in parts)
+        split += " ms"
     return f"| {name} | {engine} steps | {split} | | | |"
 
 

@@ -121,9 +121,9 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args, shapes: tup
     async def one_pass(client, batched: bool) -> dict:
         await client.flush_cache()  # each pass prefills its prompts (no pages cached by the last one)
         before = (await client.get_server_info())["scheduler_stats"]
-        begin = time.perf_counter()
+        begin, begin_at = time.perf_counter(), time.monotonic()
         outs = await outputs(client, args.new_tokens, batched)
-        seconds = time.perf_counter() - begin
+        seconds, end_at = time.perf_counter() - begin, time.monotonic()
         logprobs = sum(len(output_logprobs(o["meta_info"])) for o in outs)
         tokens = sum(len(o["output_ids"]) for o in outs)
         info = await client.get_server_info()
@@ -135,6 +135,8 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args, shapes: tup
             + ("arrival_holds", "arrival_hold_seconds")
             if key in after
         }
+        if engine.get("batches") == 1 and "answered_at" in after:
+            engine["clock"] = outside_split(after, engine, begin_at, end_at)
         graphs = (info.get("rollfleet_kv_cache") or {}).get("cuda_graphs")
         if graphs:  # captured so far (a capture inside a pass is part of its time)
             engine["graph_captures"], engine["graph_capture_s"] = graphs["captures"], graphs["capture_s"]
@@ -151,6 +153,24 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args, shapes: tup
             done = {batched: await one_pass(client, batched) for batched in order}
             passes.append([done[batched] for batched in shapes] if len(shapes) > 1 else done[shapes[0]])
         return passes
+
+
+def outside_split(clock: dict, steps: dict, begin_at: float, end_at: float) -> dict[str, float]:
+    """A one-batch pass's time outside its steps, by the engine's clock (time.monotonic, one clock for
+    the host's processes): before its first step (the requests sent, read, queued, the arrival hold),
+    between its steps (the engine thread's own work: admission, retiring, locks), answering (the last
+    step's finished requests retired, their texts decoded, their answers built, on the engine thread)
+    and delivery (the server's event loop
+    woken, the answers written and sent, the client's reading of them)."""
+    span = clock["steps_ended_at"] - clock["batch_began_at"]
+    return {
+        "before_steps_s": clock["batch_began_at"] - begin_at,
+        "between_steps_s": span - steps["prefill_seconds"] - steps["decode_seconds"],
+        "answering_s": clock["answered_at"] - clock["steps_ended_at"],
+        "of_which_retire_s": clock["retired_at"] - clock["steps_ended_at"],
+        "of_which_texts_s": clock["decoded_at"] - clock["retired_at"],
+        "delivery_s": end_at - clock["answered_at"],
+    }
 
 
 # ---- transformers -------------------------------------------------------------------------------------

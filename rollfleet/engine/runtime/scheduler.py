@@ -62,6 +62,8 @@ log = logging.getLogger("rollfleet.engine")
 STATS = ("batches", "joined", "largest_batch", "generated_tokens", "recomputed_prefixes", "host_bytes")
 STATS += ("preempted", "prefill_tokens")  # the paged pool's: pages run out; tokens fed by prefill steps
 STATS += ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds")  # steps, and their wall time
+# time.monotonic() at the last batch's first step, last step's end, retire, texts, answers (finishing.py)
+CLOCK = ("batch_began_at", "steps_ended_at", "retired_at", "decoded_at", "answered_at")
 IDLE_WAKE_S = 0.5  # an idle engine thread looks again this often (a notify wakes it first)
 
 
@@ -112,6 +114,7 @@ class Scheduler(Aborts, Finishing, Overlapping, Pausing, Stepping):
         parts = {"lockstep": lockstep, "sampler": self.sampler, "stops": self.stops, "read_routes": read_routes}
         self.batches = (batches or DenseBatches)(**parts)  # how a step runs, who joins, how KV is kept
         self.stats = dict.fromkeys(STATS, 0)
+        self.clock = dict.fromkeys(CLOCK, 0.0)
         self._wakeup = threading.Condition()
         self.arrivals = Arrivals(self._wakeup, arrival_wait_s)
         self._thread = threading.Thread(target=self._loop, name="rollfleet-engine", daemon=True)
@@ -204,7 +207,7 @@ class Scheduler(Aborts, Finishing, Overlapping, Pausing, Stepping):
             # waves an idle engine held back for requests still being read, and for how long (arrivals.py)
             arrivals = {"arrival_holds": self.arrivals.holds, "arrival_hold_seconds": self.arrivals.held_s}
             arrivals["arriving_requests"] = self.arrivals.reading  # being read by the HTTP side now
-            return {**self.stats, **arrivals, **now, "queued_controls": len(self.controls), **halts}
+            return {**self.stats, **self.clock, **arrivals, **now, "queued_controls": len(self.controls), **halts}
 
     @property
     def dead_reason(self) -> str | None:
@@ -276,6 +279,7 @@ class Scheduler(Aborts, Finishing, Overlapping, Pausing, Stepping):
             self.batch_lora, self.running, self.waiting = batch
             self.needs_prefill = self.batches.joins_recompute
             self.stats["batches"] += 1
+            self.clock["batch_began_at"] = time.monotonic()
             return self._step
         return None
 
@@ -319,6 +323,7 @@ class Scheduler(Aborts, Finishing, Overlapping, Pausing, Stepping):
         kind = "prefill" if outcome.prefill else "decode"
         self.stats[f"{kind}_steps"] += outcome.launched
         self.stats[f"{kind}_seconds"] += time.perf_counter() - began
+        self.clock["steps_ended_at"] = time.monotonic()
         self.stats["host_bytes"] += outcome.host_bytes
         self.stats["generated_tokens"] += outcome.sampled
         self.stats["recomputed_prefixes"] += outcome.recomputed
