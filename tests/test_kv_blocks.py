@@ -90,6 +90,30 @@ def test_prefix_cache_matches_full_pages_and_leaves_a_token_to_compute():
     assert pool.match([*prompt, 99], "lora:None") == []
 
 
+def test_a_finished_sample_on_its_recorded_prompt_records_what_a_fresh_chain_would():
+    """A sample's prompt pages were recorded at its prefill (its n siblings share them): its finish
+    hashes only the pages after them, chained on the last recorded one, and records the same pages
+    under the same hashes as a pool that hashes the whole chain."""
+    prompt, outputs = list(range(10, 22)), [list(range(40 + s, 52 + s)) for s in range(3)]
+    pools, tables = [], []
+    for recorded_prompt in (True, False):
+        pool = BlockPool(num_pages=32, page_size=4)
+        shared = pool.allocate(3)
+        if recorded_prompt:
+            pool.register(prompt, shared, "root")  # the leader's prefill
+        for output in outputs:  # three samples: the prompt's pages held by each, their own after them
+            pool.hold(shared)
+            pool.register([*prompt, *output], shared + pool.allocate(3), "root")
+        pools.append(pool)
+        tables.append(sorted(pool.page_of.items()))
+    assert tables[0] == tables[1] and len(tables[0]) == 3 + 3 * 3
+    assert page_hashes([*prompt, *outputs[0]], 4, "root")[3:] == page_hashes(
+        [*prompt, *outputs[0]], 4, "root", start=3, previous=page_hashes(prompt, 4, "root")[-1]
+    )
+    for pool in pools:  # and what is recorded is found again from the tokens alone
+        assert len(pool.match([*prompt, *outputs[1], 0], "root")) == 6
+
+
 def test_idle_cached_pages_are_reused_oldest_first_when_the_pool_runs_out():
     pool = BlockPool(num_pages=5, page_size=2)  # 4 usable
     a, b = pool.allocate(2), pool.allocate(2)

@@ -26,15 +26,25 @@ class OutOfPages(RuntimeError):
     """Fewer free pages than asked for: the caller preempts or waits; nothing was allocated."""
 
 
-def page_hashes(tokens: list[int], page_size: int, root: str, limit: int | None = None) -> list[bytes]:
-    """The chained hash of each full page of `tokens` (at most `limit` pages), over the tokens as
-    64-bit integers (one conversion for all pages: 512 finished sequences of 320 tokens registered in
-    8 ms, as each page's repr 18)."""
+def page_hashes(
+    tokens: list[int],
+    page_size: int,
+    root: str,
+    limit: int | None = None,
+    start: int = 0,
+    previous: bytes | None = None,
+) -> list[bytes]:
+    """The chained hash of each full page of `tokens` (at most `limit` pages) from page `start` on,
+    chained on `previous` (page `start - 1`'s hash; None: the root's), over the tokens as 64-bit
+    integers (one conversion for all pages: 512 finished sequences of 320 tokens registered in 8 ms,
+    as each page's repr 18)."""
     full = len(tokens) // page_size if limit is None else min(limit, len(tokens) // page_size)
-    data, width = array("q", tokens[: full * page_size]).tobytes(), 8 * page_size
-    hashes, previous = [], hashlib.blake2b(root.encode(), digest_size=16).digest()
-    for start in range(0, full * width, width):
-        previous = hashlib.blake2b(previous + data[start : start + width], digest_size=16).digest()
+    data, width = array("q", tokens[start * page_size : full * page_size]).tobytes(), 8 * page_size
+    hashes = []
+    if previous is None:
+        previous = hashlib.blake2b(root.encode(), digest_size=16).digest()
+    for offset in range(0, (full - start) * width, width):
+        previous = hashlib.blake2b(previous + data[offset : offset + width], digest_size=16).digest()
         hashes.append(previous)
     return hashes
 
@@ -114,7 +124,15 @@ class BlockPool:
         """Record the full pages of a sequence whose KV of `tokens` is written in `pages`."""
         if not self.prefix_cache:
             return
-        for page, digest in zip(pages, page_hashes(tokens, self.page_size, root)):
+        # its leading recorded pages (its prompt's, recorded at its prefill and shared by its n samples)
+        # are not hashed again: a page it holds has its content's hash, and the chain goes on from it
+        known = 0
+        while known < len(pages) and pages[known] in self.hash_of:
+            known += 1
+        previous = self.hash_of[pages[known - 1]] if known else None
+        for page, digest in zip(
+            pages[known:], page_hashes(tokens, self.page_size, root, start=known, previous=previous)
+        ):
             if digest in self.page_of or page in self.hash_of:
                 continue  # the same content is recorded under another page already, or this page is
             self.hash_of[page], self.page_of[digest] = digest, page
