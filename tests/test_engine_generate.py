@@ -255,11 +255,11 @@ def test_a_wave_ending_at_once_gets_its_texts_from_the_texts_thread_and_the_cloc
     the engine thread retires them: each text is the tokenizer's decode of its output ids (SGLang's
     skip_special_tokens default). The scheduler's clock (time.monotonic, the bench's split of a pass)
     reads, within the call: first step, last step's end, retired, decoded, answered, in that order."""
-    sampling = {"max_new_tokens": 256, "temperature": 1.0, "n": 8, "ignore_eos": True}
+    sampling = {"max_new_tokens": 128, "temperature": 1.0, "n": 16, "ignore_eos": True}
     began = time.monotonic()
     outs = call(server, "generate", input_ids=[[5, 6, 7], [8, 9], [10, 11, 12], [13]], sampling_params=sampling)
     ended = time.monotonic()
-    assert sum(len(o["output_ids"]) for o in outs) == 4 * 8 * 256 == TEXTS_THREAD_TOKENS
+    assert sum(len(o["output_ids"]) for o in outs) == 4 * 16 * 128 == TEXTS_THREAD_TOKENS
     tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
     assert [o["text"] for o in outs] == [tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in outs]
     stats = call(server, "get_server_info")["scheduler_stats"]
