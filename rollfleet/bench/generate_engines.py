@@ -160,8 +160,8 @@ def outside_split(clock: dict, steps: dict, begin_at: float, end_at: float) -> d
     the host's processes): before its first step (the requests sent, read, queued, the arrival hold),
     between its steps (the engine thread's own work: admission, retiring, locks), answering (the last
     step's finished requests retired, their texts decoded, their answers built, on the engine thread)
-    and delivery (the server's event loop
-    woken, the answers written and sent, the client's reading of them)."""
+    and delivery (the server's event loop woken, the answers written and sent, the client's reading
+    of them)."""
     span = clock["steps_ended_at"] - clock["batch_began_at"]
     return {
         "before_steps_s": clock["batch_began_at"] - begin_at,
