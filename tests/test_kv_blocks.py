@@ -114,6 +114,35 @@ def test_a_finished_sample_on_its_recorded_prompt_records_what_a_fresh_chain_wou
         assert len(pool.match([*prompt, *outputs[1], 0], "root")) == 6
 
 
+def test_pages_recorded_as_decode_fills_them_are_those_the_whole_chain_records():
+    """A running sample's pages recorded one by one as its steps fill them (`record_filled`) carry the
+    hashes a whole chain gives them; a page whose page before is not recorded (its content is held by
+    another page) is left, and `register` at the end records it as a fresh pool would."""
+    prompt, output = list(range(10, 20)), list(range(40, 54))  # 10 + 14 tokens: 6 pages of 4
+    tokens = [*prompt, *output]
+    whole = BlockPool(num_pages=32, page_size=4)
+    whole.register(tokens, whole.allocate(6), "root")
+    pool = BlockPool(num_pages=32, page_size=4)
+    pages = pool.allocate(6)
+    pool.register(prompt, pages[:3], "root")  # the prefill: its 2 full pages
+    for filled in range(3, 7):  # decode steps fill pages 3 to 6
+        pool.record_filled([(pages, filled, tokens[4 * filled - 4 : 4 * filled], "root")])
+    assert [pool.hash_of[page] for page in pages] == [whole.hash_of[page] for page in sorted(whole.hash_of)]
+    assert pool.match([*tokens, 0], "root") == pages and pool.refs[pages[0]] == 2
+
+    twin = pool.allocate(6)  # the same tokens in other pages: nothing of it is recorded as it fills
+    for filled in range(1, 7):
+        pool.record_filled([(twin, filled, tokens[4 * filled - 4 : 4 * filled], "root")])
+    assert not set(twin) & set(pool.hash_of)
+    other = [*tokens[:8], 0, 1, 2, 3, *tokens[12:]]  # page 3 differs: its pages after it chain on its own hash
+    late = pool.allocate(6)
+    pool.record_filled([(late, 1, other[:4], "root")])  # page 1 duplicates a recorded one: not recorded
+    pool.record_filled([(late, 4, other[12:16], "root")])  # its page before is not recorded: left for later
+    assert not set(late) & set(pool.hash_of)
+    pool.register(other, late, "root")  # its end: the pages no other one holds
+    assert pool.match([*other, 0], "root") == [*pages[:2], *late[2:]]
+
+
 def test_idle_cached_pages_are_reused_oldest_first_when_the_pool_runs_out():
     pool = BlockPool(num_pages=5, page_size=2)  # 4 usable
     a, b = pool.allocate(2), pool.allocate(2)

@@ -218,6 +218,33 @@ def test_a_request_joins_a_running_one_without_recomputing_it(small_pool_server,
     assert after["recomputed_prefixes"] == before["recomputed_prefixes"]  # the dense cache re-prefills both
 
 
+@pytest.mark.parametrize("server", ["small", "waits"])
+def test_a_running_sequence_pages_are_cached_as_its_decode_steps_fill_them(small_pool_servers, qwen3_dir, server):
+    """A page a decode step filled is recorded once that step is read back, not at the sequence's end:
+    a request that starts with a running one's prompt and output so far reuses them (and gets the
+    tokens of a plain forward), with the overlapped decode step and without it."""
+    prompt = [14, 3, 15, 9, 2, 6, 5, 35, 8, 9]  # 10 tokens: 2 full pages of 4, recorded at its prefill
+    served = small_pool_servers[server]
+    call(served, "flush_cache")
+    so_far = reference_greedy(qwen3_dir, prompt, 9)[0]
+
+    async def go():
+        async with client_for(served) as client:
+            # 9 tokens each: 18 of KV (its 9th output is not fed yet), pages 3 and 4 filled by decode steps
+            first = await held_in_flight(client, steps=9, input_ids=prompt, sampling_params=_greedy(16))
+            second = asyncio.create_task(
+                client.generate(input_ids=[*prompt, *so_far[:8], 1], sampling_params=_greedy(2))
+            )
+            await scheduler_stats_when(client, lambda s: s["waiting_requests"] == 1, task=second)
+            await client.continue_generation()  # the first is still running when the second prefills
+            return await first, await second
+
+    first, second = run(go())
+    assert second["meta_info"]["cached_tokens"] == 16  # 8 at the first's prefill, 8 more from its decode steps
+    assert second["output_ids"] == reference_greedy(qwen3_dir, [*prompt, *so_far[:8], 1], 2)[0]
+    assert first["output_ids"] == reference_greedy(qwen3_dir, prompt, 16)[0]
+
+
 def test_a_request_the_whole_pool_cannot_hold_is_refused_and_the_engine_goes_on(small_pool_server):
     answer = call(small_pool_server, "generate", input_ids=list(range(1, 120)), sampling_params=_greedy(4))
     reason = answer["meta_info"]["finish_reason"]

@@ -42,6 +42,7 @@ from rollfleet.engine.tp.lockstep import Action
 class InFlight:
     seqs: list[Sequence]  # the step's rows, in order
     drawn: Drawn | Joined  # their draws, on the device
+    written: list[int]  # each row's tokens of KV once the step has run
 
 
 class Overlap:
@@ -98,12 +99,12 @@ class Overlap:
         drawn = self.sampler.launch(logits, [seq.sampling_row(self.stops.stop_ids, ahead=1) for seq in going])
         for seq in going:
             seq.kv_len += 1
-        return InFlight(going, drawn)
+        return InFlight(going, drawn, [seq.kv_len for seq in going])
 
     def _draw(self, samplers: list[Sequence], rows: torch.Tensor, outcome, fly: bool = False) -> None:
         """Sample `samplers` from their logits `rows`; recorded now, or left in flight (`fly`)."""
         asks = [seq.sampling_row(self.stops.stop_ids) for seq in samplers]
-        step = InFlight(samplers, self.sampler.launch(rows, asks))
+        step = InFlight(samplers, self.sampler.launch(rows, asks), [seq.kv_len for seq in samplers])
         if fly:
             self.inflight = step
         else:
@@ -111,13 +112,19 @@ class Overlap:
 
     def _record(self, step: InFlight, outcome) -> None:
         """The step's draws on the host, recorded for every row still running (one retired or dropped
-        since it was launched has its draw thrown away)."""
+        since it was launched has its draw thrown away); the pages it filled go in the prefix cache:
+        read back, the step has written their KV (a step that failed records none)."""
         sampled = step.drawn.collect()
-        recorded = 0
+        recorded, page, filled = 0, self.blocks.page_size if self.blocks.prefix_cache else 0, []
         for i, seq in enumerate(step.seqs):
             if seq.finish is None and seq.pages:
+                written = step.written[i]
+                if page and written % page == 0:
+                    filled.append(_filled(seq, written // page, page))
                 record_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i], sampled.chosen[i], self.stops)
                 recorded += 1
+        if filled:
+            self.blocks.record_filled(filled)
         outcome.host_bytes += sampled.host_bytes
         outcome.sampled += recorded
 
@@ -128,3 +135,14 @@ class Overlap:
         for seq in previous.seqs if previous is not None else ():
             if seq.pages and seq.kv_len:
                 seq.kv_len -= 1
+
+
+def _filled(seq: Sequence, pages: int, page_size: int) -> tuple[list[int], int, list[int], str]:
+    """`seq`'s pages, how many are full, the tokens of the last full one, its root (BlockPool.record_filled)."""
+    end, prompt = pages * page_size, len(seq.prompt_ids)
+    start = end - page_size
+    if start >= prompt:
+        window = seq.output_ids[start - prompt : end - prompt]
+    else:
+        window = seq.prompt_ids[start:end] + seq.output_ids[: max(0, end - prompt)]
+    return seq.pages, pages, window, seq.kv_root
