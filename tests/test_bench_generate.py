@@ -79,6 +79,9 @@ def test_generate_benchmark_writes_a_complete_record(generate_run):
     # are the first one sampled by the prefill step and 7 decode steps at least
     steps = case["engines"]["embedded"]
     assert steps["prefill_of_prompts"] == 1.0 and steps["decode_steps"] >= 7 and steps["prefill_steps"] >= 1
+    # on a CPU the host is the device: no step's draws are ever waited for (a GPU's are, draws.py)
+    assert steps["device_waits"] == 0 and steps["device_wait_seconds"] == 0
+    assert "the host waited for the device at 0 steps (0.00 s)" in out.stdout
     # the pass's time outside the steps: what is left of it beside the steps' own seconds
     pass_s = case["engines"]["embedded"]["seconds"]["median"]
     assert 0 < steps["outside_steps_s"] < pass_s and 0 < steps["outside_steps_share"] < 1

@@ -172,7 +172,10 @@ def engine_steps(passes: list[dict], prompt_tokens: int, prompts: int) -> dict:
     if not stats:
         return {}
     split = {"prefill_of_prompts": statistics.median(s["prefill_tokens"] for s in stats) / (prompts * prompt_tokens)}
-    for key in ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds", "graph_captures"):
+    for key in ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds", "graph_captures") + (
+        "device_waits",
+        "device_wait_seconds",
+    ):
         if all(key in s for s in stats):
             split[key] = statistics.median(s[key] for s in stats)
     timed = [p for p in passes if "decode_seconds" in (p.get("scheduler") or {})]
@@ -249,6 +252,8 @@ def _steps_row(name: str, engine: str, f: dict) -> str:
         )
     if "decode_over_roofline" in f:
         split += f"; {f['decode_ms_per_step']:.2f} ms a decode step, {f['decode_over_roofline']:.1f} x the roofline's"
+    if "device_waits" in f:  # at these steps the device was still busy when the host came for the draws
+        split += f"; the host waited for the device at {f['device_waits']:.0f} steps ({f['device_wait_seconds']:.2f} s)"
     if "outside_steps_s" in f:
         split += f"; outside steps {f['outside_steps_s']:.2f} s ({f['outside_steps_share']:.0%} of the pass)"
     if "outside_split_s" in f:

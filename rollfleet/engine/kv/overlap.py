@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from rollfleet.engine.sequences.device_copy import to_device
+from rollfleet.engine.sequences.draws import Drawn, Joined
 from rollfleet.engine.sequences.next_token import record_token
-from rollfleet.engine.sequences.sampling import Drawn, Joined
 from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.engine.tp.lockstep import Action
 
@@ -114,6 +114,7 @@ class Overlap:
         """The step's draws on the host, recorded for every row still running (one retired or dropped
         since it was launched has its draw thrown away); the pages it filled go in the prefix cache:
         read back, the step has written their KV (a step that failed records none)."""
+        outcome.device_wait += step.drawn.wait()
         sampled = step.drawn.collect()
         recorded, page, filled = 0, self.blocks.page_size if self.blocks.prefix_cache else 0, []
         for i, seq in enumerate(step.seqs):

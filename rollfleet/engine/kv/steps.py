@@ -55,7 +55,17 @@ class StepOutcome:
     prefill_tokens: int = 0  # tokens fed by prefill steps (a prompt's n samples feed it once)
     prefill: bool = False  # a prefill step (eager), not a decode step (a CUDA graph where captured)
     launched: bool = True  # a step ran on the device (not so when only the step in flight was recorded)
+    device_wait: float = 0.0  # seconds the host blocked for the recorded step's draws (draws.py)
     preempted: list[Sequence] = field(default_factory=list)  # back to the head of the queue, in order
+
+    def add_to(self, stats: dict) -> None:
+        """Its figures into the scheduler's cumulative stats (scheduler.py's STATS)."""
+        stats["host_bytes"] += self.host_bytes
+        stats["generated_tokens"] += self.sampled
+        stats["recomputed_prefixes"] += self.recomputed
+        stats["prefill_tokens"] += self.prefill_tokens
+        stats["device_wait_seconds"] += self.device_wait  # with the overlapped step, the device ran the next
+        stats["device_waits"] += self.device_wait > 0
 
 
 @dataclass

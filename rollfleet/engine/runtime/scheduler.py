@@ -62,6 +62,7 @@ log = logging.getLogger("rollfleet.engine")
 STATS = ("batches", "joined", "largest_batch", "generated_tokens", "recomputed_prefixes", "host_bytes")
 STATS += ("preempted", "prefill_tokens")  # the paged pool's: pages run out; tokens fed by prefill steps
 STATS += ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds")  # steps, and their wall time
+STATS += ("device_wait_seconds", "device_waits")  # the host blocked for a step's draws: seconds, steps
 # time.monotonic() at the last batch's first step, last step's end, retire, texts, answers (finishing.py)
 CLOCK = ("batch_began_at", "steps_ended_at", "retired_at", "decoded_at", "answered_at")
 IDLE_WAKE_S = 0.5  # an idle engine thread looks again this often (a notify wakes it first)
@@ -324,10 +325,7 @@ class Scheduler(Aborts, Finishing, Overlapping, Pausing, Stepping):
         self.stats[f"{kind}_steps"] += outcome.launched
         self.stats[f"{kind}_seconds"] += time.perf_counter() - began
         self.clock["steps_ended_at"] = time.monotonic()
-        self.stats["host_bytes"] += outcome.host_bytes
-        self.stats["generated_tokens"] += outcome.sampled
-        self.stats["recomputed_prefixes"] += outcome.recomputed
-        self.stats["prefill_tokens"] += outcome.prefill_tokens
+        outcome.add_to(self.stats)
         with self._wakeup:
             if outcome.preempted:  # out of KV pages: they wait again, first in line, their KV recomputed
                 gone = {id(seq) for seq in outcome.preempted}

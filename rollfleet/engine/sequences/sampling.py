@@ -31,15 +31,14 @@ from __future__ import annotations
 
 import functools
 import secrets
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from rollfleet.engine.sequences import sample_kernel
-from rollfleet.engine.sequences.device_copy import to_device, to_host_soon
+from rollfleet.engine.sequences.device_copy import to_device
+from rollfleet.engine.sequences.draws import Drawn, Joined, Sampled
 from rollfleet.wire.protocol import SamplingParams
 
 MASK32 = 0xFFFFFFFF
@@ -93,60 +92,6 @@ class SampleRow(NamedTuple):
     top_n: int = 0
     token_ids: tuple[int, ...] | None = None
     wants_logprob: bool = True
-
-
-@dataclass
-class Sampled:
-    """One step's result on the host: per row the token, its logprob (None where not asked), and the
-    asked top-k / chosen-id rows as [(logprob, token id)]."""
-
-    tokens: list[int]
-    logprobs: list[float | None]
-    top: list[list[tuple[float, int]] | None]
-    chosen: list[list[tuple[float, int]] | None]
-    host_bytes: int
-
-
-class Drawn:
-    """One step's draws, still on the device. `tokens` ([rows] int64) may feed the next step before
-    the host has read them (the overlapped decode step, kv/overlap.py). On a GPU the copies of what
-    the host needs start at once, into pinned memory, and `collect()` waits for them alone, with
-    the GIL released (`tolist` would hold it through the wait, and the HTTP thread, starved for a
-    whole step, would let requests join one a step)."""
-
-    def __init__(self, tokens: torch.Tensor, parts: dict[str, torch.Tensor], assemble: Callable[..., Sampled]):
-        self.tokens, self._assemble = tokens, assemble
-        self._host = {name: to_host_soon(tensor) for name, tensor in parts.items()}
-        self._nbytes = sum(tensor.nbytes for tensor in parts.values())
-        self._copied = None
-        if tokens.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(tokens.device))
-
-    def collect(self) -> Sampled:
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._assemble({name: tensor.tolist() for name, tensor in self._host.items()}, self._nbytes)
-
-
-class Joined:
-    """A step's draws made in parts (`[(row indices, Drawn)]`), read as one `Drawn`."""
-
-    def __init__(self, count: int, parts: list[tuple[list[int], Drawn]]):
-        self._count, self._parts = count, parts
-        self.tokens = torch.empty(count, dtype=torch.int64, device=parts[0][1].tokens.device)
-        for index, drawn in parts:
-            self.tokens[_at(index, self.tokens.device)] = drawn.tokens
-
-    def collect(self) -> Sampled:
-        out = Sampled([0] * self._count, [None] * self._count, [None] * self._count, [None] * self._count, 0)
-        for index, drawn in self._parts:
-            part = drawn.collect()
-            for j, i in enumerate(index):
-                out.tokens[i], out.logprobs[i] = part.tokens[j], part.logprobs[j]
-                out.top[i], out.chosen[i] = part.top[j], part.chosen[j]
-            out.host_bytes += part.host_bytes
-        return out
 
 
 def _assemble(rows: Seq[SampleRow], asked: list[int], host: dict[str, list], nbytes: int, every=False) -> Sampled:
