@@ -431,6 +431,8 @@ def test_overlapped_decode_steps_answer_as_steps_that_wait(small_pool_servers):
     for overlapped, waited in zip(answers["small"], answers["waits"]):
         for one, other in zip(overlapped, waited):
             assert one["output_ids"] == other["output_ids"]
+            if "output_top_logprobs" in one["meta_info"]:  # each of the n samples its own rows (a fork's record)
+                assert len(one["meta_info"]["output_top_logprobs"]) == len(one["output_ids"])
             assert one["text"] == other["text"]
             assert one["meta_info"]["finish_reason"] == other["meta_info"]["finish_reason"]
             for field in ("output_token_logprobs", "output_top_logprobs"):

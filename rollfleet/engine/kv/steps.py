@@ -29,7 +29,6 @@ pages) within one step, in an order the step alone keeps.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -326,7 +325,7 @@ class PagedBatches(PagedAdmission, Overlap):
                 self.copies.append((leader.pages[full], seq.pages[-1]))
             seq.kv_len = seq.cached_tokens = leader.kv_len
             seq.kv_root = leader.kv_root
-            seq.record = copy.deepcopy(leader.record)
+            seq.record = leader.record.fork()
             seq.routes = list(leader.routes)
             forked.append(seq)
         return forked
