@@ -19,6 +19,8 @@ log = logging.getLogger("rollfleet.engine")
 # finished tokens from which their texts are decoded on the texts thread, beside the retire: 512 answers
 # of 256 tokens (a GRPO wave) took 26 ms to decode and 15 to retire here (2-core CPU), one after the other
 TEXTS_THREAD_TOKENS = 8192
+# tokens of texts the thread decodes a call: the first part's answers go out while the next decodes
+TEXTS_PART_TOKENS = 4096
 
 
 class Finishing:
@@ -31,32 +33,51 @@ class Finishing:
         """Finished sequences leave the running set (their pages go back, or stay cached), then are
         answered: a client that has its answer finds nothing of it left on the engine (its next
         /flush_cache or memory release is not refused for "requests running"). Many finished tokens
-        (a GRPO wave's last step) are decoded on the texts thread while this one retires them: the
-        tokenizer's Rust backend decodes without the GIL, the prefix cache's page hashes need it."""
+        (a GRPO wave's last step) are decoded on the texts thread while this one retires them (the
+        tokenizer's Rust backend decodes without the GIL), in parts whose answers go out as each is in."""
         keep = [row for row, seq in enumerate(self.running) if seq.finish is None]
         if len(keep) == len(self.running):
             return
         done = [seq for seq in self.running if seq.finish is not None]
-        texts = self._texts_of(done)
+        parts = self._texts_of(done)
         try:
             self.batches.retire(self.running, keep)
             self.running = [self.running[row] for row in keep]
         finally:  # a retire that failed still answers them (the batch then fails as a whole: _fail_batch)
             retired = time.monotonic()
-            texts = texts.result() if isinstance(texts, Future) else texts
-            decoded = time.monotonic()
-            for seq, text in zip(done, texts):
-                self._finish(seq, seq.finish, text)
-            self.clock.update(retired_at=retired, decoded_at=decoded, answered_at=time.monotonic())
+            waited = self._answer(parts)
+            self.clock.update(retired_at=retired, decoded_at=retired + waited, answered_at=time.monotonic())
 
-    def _texts_of(self, done: list[Sequence]) -> list[str] | Future:
-        """The finished texts of `done` (one batch decode for all), or their Future on the texts thread
-        when they hold at least TEXTS_THREAD_TOKENS tokens (fewer: the hand-off costs more than it saves)."""
+    def _texts_of(self, done: list[Sequence]) -> list[tuple[list[Sequence], list[str] | Future]]:
+        """`done` in parts, each with its finished texts (one batch decode a part): decoded here in one
+        part, or from TEXTS_THREAD_TOKENS finished tokens (fewer: the hand-off costs more than it saves)
+        on the texts thread, a part of about TEXTS_PART_TOKENS a call, in order."""
         if sum(len(seq.output_ids) for seq in done) < TEXTS_THREAD_TOKENS:
-            return finished_texts(done, self.tokenizer) if done else []
+            return [(done, finished_texts(done, self.tokenizer) if done else [])]
         if self._texts_thread is None:
             self._texts_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollfleet-texts")
-        return self._texts_thread.submit(finished_texts, done, self.tokenizer)
+        parts, part, tokens = [], [], 0
+        for seq in done:
+            part.append(seq)
+            tokens += len(seq.output_ids)
+            if tokens >= TEXTS_PART_TOKENS or seq is done[-1]:
+                parts.append((part, self._texts_thread.submit(finished_texts, part, self.tokenizer)))
+                part, tokens = [], 0
+        return parts
+
+    def _answer(self, parts: list[tuple[list[Sequence], list[str] | Future]]) -> float:
+        """Answer each part once its texts are in: its answers go out (the event loop writes them)
+        while the texts thread decodes the next part (the tokenizer's Rust backend drops the GIL).
+        The seconds this thread waited for texts."""
+        waited = 0.0
+        for seqs, texts in parts:
+            if isinstance(texts, Future):
+                began = time.monotonic()
+                texts = texts.result()
+                waited += time.monotonic() - began
+            for seq, text in zip(seqs, texts):
+                self._finish(seq, seq.finish, text)
+        return waited
 
     def _fail_batch(self, exc: Exception) -> None:
         log.exception("a batch of %d requests failed; they finish as aborted, the engine goes on", len(self.running))
