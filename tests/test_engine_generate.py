@@ -251,10 +251,11 @@ def test_a_step_moves_the_sampled_ids_and_asked_logprobs_to_the_host_never_the_l
 
 
 def test_a_wave_ending_at_once_gets_its_texts_from_the_texts_thread_and_the_clock_orders_its_end(server, qwen3_dir):
-    """A GRPO wave: TEXTS_THREAD_TOKENS finished tokens at one step, decoded on the texts thread while
-    the engine thread retires them: each text is the tokenizer's decode of its output ids (SGLang's
-    skip_special_tokens default). The scheduler's clock (time.monotonic, the bench's split of a pass)
-    reads, within the call: first step, last step's end, retired, decoded, answered, in that order."""
+    """A GRPO wave: TEXTS_THREAD_TOKENS finished tokens at one step, decoded on the texts thread (in
+    TEXTS_PARTS parts) while the engine thread retires and answers them: each text is the tokenizer's
+    decode of its output ids (SGLang's skip_special_tokens default). The scheduler's clock
+    (time.monotonic, the bench's split of a pass) reads, within the call: first step, last step's end,
+    retired, decoded, answered, in that order."""
     sampling = {"max_new_tokens": 128, "temperature": 1.0, "n": 16, "ignore_eos": True}
     began = time.monotonic()
     outs = call(server, "generate", input_ids=[[5, 6, 7], [8, 9], [10, 11, 12], [13]], sampling_params=sampling)

@@ -19,8 +19,10 @@ log = logging.getLogger("rollfleet.engine")
 # finished tokens from which their texts are decoded on the texts thread, beside the retire: 512 answers
 # of 256 tokens (a GRPO wave) took 26 ms to decode and 15 to retire here (2-core CPU), one after the other
 TEXTS_THREAD_TOKENS = 8192
-# tokens of texts the thread decodes a call: the first part's answers go out while the next decodes
-TEXTS_PART_TOKENS = 4096
+# the texts thread decodes a wave's texts in this many calls: the first part's answers go out while the
+# next decodes; the first decodes beside the retire. Parts of 4,096 tokens (32 for 512 x 256) gave the
+# last answer no sooner on the 2-core CPU (each part's return waits for the GIL)
+TEXTS_PARTS = 4
 
 
 class Finishing:
@@ -51,16 +53,17 @@ class Finishing:
     def _texts_of(self, done: list[Sequence]) -> list[tuple[list[Sequence], list[str] | Future]]:
         """`done` in parts, each with its finished texts (one batch decode a part): decoded here in one
         part, or from TEXTS_THREAD_TOKENS finished tokens (fewer: the hand-off costs more than it saves)
-        on the texts thread, a part of about TEXTS_PART_TOKENS a call, in order."""
-        if sum(len(seq.output_ids) for seq in done) < TEXTS_THREAD_TOKENS:
+        on the texts thread, in TEXTS_PARTS calls (in order)."""
+        total = sum(len(seq.output_ids) for seq in done)
+        if total < TEXTS_THREAD_TOKENS:
             return [(done, finished_texts(done, self.tokenizer) if done else [])]
         if self._texts_thread is None:
             self._texts_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollfleet-texts")
-        parts, part, tokens = [], [], 0
+        parts, part, tokens, size = [], [], 0, -(-total // TEXTS_PARTS)
         for seq in done:
             part.append(seq)
             tokens += len(seq.output_ids)
-            if tokens >= TEXTS_PART_TOKENS or seq is done[-1]:
+            if tokens >= size or seq is done[-1]:
                 parts.append((part, self._texts_thread.submit(finished_texts, part, self.tokenizer)))
                 part, tokens = [], 0
         return parts
