@@ -14,12 +14,15 @@ mkdir -p "$OUT"
 . scripts/gpu_site.sh
 export ROLLFLEET_SYNC_TIMING=1  # the engines log each load's phases (a few lines a step)
 runs=${*:-full lora agent}
+exits=""  # "name code" of each run, printed last
 phase() {  # phase NAME SECONDS COMMAND...: output into $OUT/NAME.log, its end on stdout
     local name=$1 limit=$2
     shift 2
     # the third push of the run under torch.profiler (rollfleet/train/sync_profile.py), its tables into the log
     ROLLFLEET_SYNC_PROFILE=/tmp/run-$name/sync-profile timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "$name: exit $? at $SECONDS s"
+    local code=$?
+    exits="$exits $name $code"
+    echo "$name: exit $code at $SECONDS s"
     grep -h "memory plan\|^step \|Error\|error:" "$OUT/$name.log" | cut -c1-400 | tail -12
     # what the engines' fast path took (fused kernels, or why not), from their logs (rollout.log_dir)
     grep -h "fused\|CUDA graphs off" logs/engines/*.log 2>/dev/null | sed 's/^.* rollfleet.engine //' | sort | uniq -c
@@ -60,3 +63,5 @@ case " $runs " in *" agent "*)
     phase agent 150 python3 -m rollfleet.demo examples/cpu-agent.yaml rollout.use_gpu=true rollout.gpus_per_worker=0.5 \
         grpo.steps=3 grpo.output_dir=/tmp/run-agent rollout.model_path=/tmp/run-agent/tiny-qwen3 ray.num_cpus=16;;
 esac
+# last, so that a caller's tail of the output keeps it (a device call returns its last 12,000 characters)
+echo "exits:$exits"
