@@ -143,8 +143,8 @@ class BlockPool:
         """Record a page of each of `filled`: (a running sequence's pages, how many of them are full,
         the last full one's tokens, its root): a step just filled it. Chained on the page before it;
         one whose page before is not recorded (another page holds that content) is left to `register`
-        at the sequence's end. A wave's decode steps fill its pages together, so its end hashes
-        nothing (512 samples of 256 tokens: 28 ms of a pass's end on an H100, before this)."""
+        at the sequence's end. A wave's decode steps fill its pages together, so its end hashes next
+        to nothing (the retire of 512 samples of 256 tokens on an H100: 40.5 -> 8.9 ms)."""
         if not self.prefix_cache:
             return
         hash_of, page_of = self.hash_of, self.page_of
