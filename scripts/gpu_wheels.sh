@@ -15,7 +15,6 @@ if [ "${1:-}" = "--spy" ]; then
     spy=$(mkdir -p "${2:-.gpuw-spy}" && cd "${2:-.gpuw-spy}" && pwd)
     test -d "$here/.gpuw" || bash "$0" "$here/.gpuw"
     cp "$here"/.gpuw/*.whl "$spy"/
-    rm -f "$spy"/torch_memory_saver-*.whl  # the bench's engine runs without it
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
         -d "$spy" py-spy==0.4.3
