@@ -44,11 +44,21 @@ def page_hashes(
     data, width = array("q", tokens[start * page_size : full * page_size]).tobytes(), 8 * page_size
     hashes = []
     if previous is None:
-        previous = hashlib.blake2b(root.encode(), digest_size=16).digest()
+        previous = _root_hash(root)
     for offset in range(0, (full - start) * width, width):
-        previous = hashlib.blake2b(previous + data[offset : offset + width], digest_size=16).digest()
+        previous = _chained(previous, data[offset : offset + width])
         hashes.append(previous)
     return hashes
+
+
+def _root_hash(root: str) -> bytes:
+    """What the first page of a chain is chained on."""
+    return hashlib.blake2b(root.encode(), digest_size=16).digest()
+
+
+def _chained(previous: bytes, page: bytes) -> bytes:
+    """A page's hash: its tokens (as 64-bit integers) chained on the page before's hash."""
+    return hashlib.blake2b(previous + page, digest_size=16).digest()
 
 
 class BlockPool:
@@ -150,15 +160,10 @@ class BlockPool:
         hash_of, page_of = self.hash_of, self.page_of
         for pages, full, window, root in filled:
             page = pages[full - 1]
-            if full > 1:
-                previous = hash_of.get(pages[full - 2])
-                if previous is None:
-                    continue
-            else:
-                previous = hashlib.blake2b(root.encode(), digest_size=16).digest()
-            if page in hash_of:
+            previous = hash_of.get(pages[full - 2]) if full > 1 else _root_hash(root)
+            if previous is None or page in hash_of:
                 continue
-            digest = hashlib.blake2b(previous + array("q", window).tobytes(), digest_size=16).digest()
+            digest = _chained(previous, array("q", window).tobytes())
             if digest not in page_of:  # else the same content is recorded under another page
                 hash_of[page], page_of[digest] = digest, page
 

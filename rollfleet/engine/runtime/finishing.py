@@ -56,7 +56,7 @@ class Finishing:
         on the texts thread, in TEXTS_PARTS calls (in order)."""
         total = sum(len(seq.output_ids) for seq in done)
         if total < TEXTS_THREAD_TOKENS:
-            return [(done, finished_texts(done, self.tokenizer) if done else [])]
+            return [(done, finished_texts(done, self.tokenizer))]
         if self._texts_thread is None:
             self._texts_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollfleet-texts")
         parts, part, tokens, size = [], [], 0, -(-total // TEXTS_PARTS)
