@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rollfleet.engine.kv.blocks import TRASH_PAGE, BlockPool, OutOfPages, page_hashes
 from rollfleet.engine.kv.graphs import graph_width, width_bucket
-from rollfleet.engine.kv.tables import TableMirror
+from rollfleet.engine.kv.tables import TableMirror, step_inputs
 
 
 def _accounted(pool: BlockPool, held: dict[int, int]) -> None:
@@ -179,12 +179,16 @@ def test_a_graph_width_holds_the_rows_and_reuses_a_wider_capture(pages, coarse):
     assert graph_width([pages - 1] if pages > 1 else [], pages, coarse) == width  # too narrow: a new one
 
 
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 7), st.sampled_from(["grow", "replace", "leave", "join"])), max_size=50))
+MIRROR_ACTIONS = ["grow", "replace", "leave", "join", "swap", "cut", "same", "same"]
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.sampled_from(MIRROR_ACTIONS)), max_size=50))
 def test_the_table_mirror_equals_the_table_built_from_scratch(script):
     """The running rows grow by appending, get new lists (forks, preemptions), leave (the rows after
-    them move up) or join at the end; after every step the mirror holds exactly each row's pages
-    and zeros past them, and rows past the step's are all zeros."""
+    them move up), join at the end, swap places, are cut short in place, or stay as they were (the
+    steady step); after every step the mirror holds exactly each row's pages and zeros past them,
+    and rows past the step's are all zeros."""
     width, batch = 24, 8
     mirror, running, page = TableMirror(batch, width, pin=False), [[1]], iter(range(2, 10**6))
     for row, action in script:
@@ -197,8 +201,37 @@ def test_the_table_mirror_equals_the_table_built_from_scratch(script):
             del running[row]
         elif action == "join" and len(running) < batch:
             running.append([next(page) for _ in range(row % 3)])
+        elif action == "swap" and running:
+            running[0], running[row] = running[row], running[0]
+        elif action == "cut" and running:
+            del running[row][row % 2 :]  # in place: the same list, shorter
         table = mirror.update(running)
         want = torch.zeros(batch, width, dtype=torch.long)
         for i, pages in enumerate(running):
             want[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
         assert torch.equal(table, want), (running, table)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 900)), min_size=1, max_size=8), st.booleans())
+def test_a_graph_step_s_host_inputs_are_each_row_s_token_position_slot_and_keys(rows, fed):
+    """`step_inputs`: per row its fed token (or zeros when the tokens are on the device), position,
+    the slot of that position in its pages, and its key count; padded rows feed token 0 at position 0
+    into slot 0 (the trash page) over one key."""
+    size, batch, fresh = 4, 8, iter(range(1, 10**6))
+    steps = [(start, [token], [next(fresh) for _ in range(start // size + 1 + start % 2)]) for start, token in rows]
+    host, table = step_inputs(steps, size, TableMirror(batch, 16, pin=False), fed=fed)
+    pad = batch - len(steps)
+    want = [
+        [token if fed else 0 for _, (token,), _ in steps] + [0] * pad,
+        [start for start, _, _ in steps] + [0] * pad,
+        [pages[start // size] * size + start % size for start, _, pages in steps] + [0] * pad,
+        [start + 1 for start, _, _ in steps] + [1] * pad,
+    ]
+    assert host.tolist() == want
+    assert all(table[i, : len(pages)].tolist() == pages for i, (_, _, pages) in enumerate(steps))
+
+
+def test_a_graph_step_whose_row_has_no_page_for_its_position_is_refused():
+    with pytest.raises(RuntimeError, match="decode row 1 writes at position 8 past its pages"):
+        step_inputs([(0, [5], [3]), (8, [6], [4, 7])], 4, TableMirror(2, 4, pin=False))

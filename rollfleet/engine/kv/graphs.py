@@ -32,7 +32,7 @@ import torch
 
 from rollfleet.engine.kv.attention import PagedInputs
 from rollfleet.engine.kv.saver import CUDA_GRAPH_TAG, PausableMemory
-from rollfleet.engine.kv.tables import TableMirror
+from rollfleet.engine.kv.tables import TableMirror, step_inputs
 
 log = logging.getLogger("rollfleet.engine")
 
@@ -119,19 +119,13 @@ class DecodeGraphs:
     def _fill(self, graph: Graph, rows, ids: torch.Tensor | None) -> None:
         """The step's inputs into the graph's static buffers, queued behind the device's work (from
         pinned memory: nothing here waits for the step before, which may still run, kv/overlap.py)."""
-        size, batch = self.kv.page_size, graph.ids.shape[1]
-        pad = batch - len(rows)
-        fed = [0] * batch if ids is not None else [tokens[0] for _, tokens, _ in rows] + [0] * pad
-        positions = [start for start, _, _ in rows] + [0] * pad
-        slots = [pages[start // size] * size + start % size for start, _, pages in rows] + [0] * pad
-        lens = [start + 1 for start, _, _ in rows] + [1] * pad
-        host = torch.tensor([fed, positions, slots, lens], dtype=torch.long, pin_memory=True)
+        graph.copied.synchronize()  # the last step's copy has left the host table (normally long ago)
+        host, table = step_inputs(rows, self.kv.page_size, graph.table, fed=ids is None)
         graph.ids.copy_(host[0:1], non_blocking=True), graph.positions.copy_(host[1:2], non_blocking=True)
         graph.inputs.slots.copy_(host[2], non_blocking=True), graph.inputs.lens.copy_(host[3], non_blocking=True)
         if ids is not None:
             graph.ids[0, : len(rows)].copy_(ids)
-        graph.copied.synchronize()  # the last step's copy has left the host table (normally long ago)
-        graph.inputs.table.copy_(graph.table.update([pages for _, _, pages in rows]), non_blocking=True)
+        graph.inputs.table.copy_(table, non_blocking=True)
         graph.copied.record()
 
     def _capture(self, batch: int, width: int) -> Graph:
