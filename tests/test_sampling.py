@@ -168,3 +168,22 @@ def test_only_the_sampled_ids_and_asked_logprobs_leave_the_device():
     out = Sampler().sample(logits, asked)
     assert out.host_bytes == rows * 12 + 5 * (4 + 8) + 2 * 4
     assert out.host_bytes < vocab * 4  # less than one row of float32 logits for the whole batch
+
+
+def test_the_fused_kernel_s_row_facts_are_kept_while_the_rows_params_are_the_same_objects():
+    """`Sampler._known` (the fused kernel's inverse temperatures and greedy flags, made once for a
+    steady decode's rows): kept while each row has the same params object as last step; made again
+    when a row's params change, a row leaves, or the vocabulary does."""
+    warm, cold, topk = SamplingParams(temperature=0.5), SamplingParams(temperature=0.0), SamplingParams(top_k=3)
+    rows = [SampleRow(warm, None, 0), SampleRow(cold, None, 0), SampleRow(topk, None, 0)]
+    sampler, cpu = Sampler(), torch.device("cpu")
+    first = sampler._known(rows, 10, cpu)
+    assert first.plain == [True, True, False]
+    assert first.inverse.tolist() == [2.0, 1.0, 1.0] and first.greedy.tolist() == [False, True, False]
+    later = [SampleRow(p, None, 5) for p in (warm, cold, topk)]  # the next step: new rows, the same params
+    assert sampler._known(later, 10, cpu) is first
+    assert sampler._known(later, 3, cpu) is not first  # top_k 3 of a 3-token vocabulary keeps everything
+    assert sampler._known(later, 3, cpu).plain == [True, True, True]
+    hotter = [SampleRow(SamplingParams(temperature=2.0), None, 6), *later[1:]]
+    assert sampler._known(hotter, 3, cpu).inverse.tolist() == [0.5, 1.0, 1.0]
+    assert sampler._known(later[:2], 3, cpu).inverse.tolist() == [2.0, 1.0]

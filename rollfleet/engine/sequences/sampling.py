@@ -30,6 +30,7 @@ are the same bits whatever its neighbours ask (the two paths round a logprob dif
 from __future__ import annotations
 
 import functools
+import operator
 import secrets
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
@@ -97,11 +98,14 @@ class SampleRow(NamedTuple):
 def _assemble(rows: Seq[SampleRow], asked: list[int], host: dict[str, list], nbytes: int, every=False) -> Sampled:
     """The step's `Sampled` from the host's lists: `values` holds the logprobs of the rows `asked`
     (of every row when `every`), `top_*` and `chosen` those of the rows that asked them."""
-    logprobs: list[float | None] = [None] * len(rows)
-    for j, i in enumerate(asked):
-        logprobs[i] = host["values"][i if every else j]
+    if len(asked) == len(rows) and (every or asked == list(range(len(rows)))):  # every row: the values as they are
+        logprobs: list[float | None] = list(host["values"])
+    else:
+        logprobs = [None] * len(rows)
+        for j, i in enumerate(asked):
+            logprobs[i] = host["values"][i if every else j]
     top: list[list[tuple[float, int]] | None] = [None] * len(rows)
-    for j, i in enumerate(i for i, r in enumerate(rows) if r.top_n > 0 and "top_values" in host):
+    for j, i in enumerate(i for i, r in enumerate(rows) if r.top_n > 0) if "top_values" in host else ():
         values, ids = host["top_values"][j], host["top_ids"][j]
         n = min(rows[i].top_n, len(values))
         top[i] = list(zip(values[:n], ids[:n]))
@@ -122,6 +126,7 @@ class Sampler:
         self._seed = secrets.randbits(63) if seed is None else seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._fuses = fused
+        self._last: _Known | None = None  # the last fused step's rows' params and what they give the kernel
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -137,15 +142,27 @@ class Sampler:
         """The draws of every row of `logits`, queued on the device: nothing waits for the device here."""
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         fuses = sample_kernel.available(logits.device) if self._fuses is None else self._fuses
-        plain = [i for i, r in enumerate(rows) if _plain(r, logits.shape[1])] if fuses else []
+        if not fuses:
+            return self._general(logits, rows)
+        known = self._known(rows, logits.shape[1], logits.device)
+        plain = [i for i, (ok, r) in enumerate(zip(known.plain, rows)) if ok and not r.top_n and r.token_ids is None]
         if len(plain) == len(rows):
-            return self._fused(logits, rows)
+            return self._fused(logits, rows, known)
         if plain:  # plain rows fused, the rest general: a row's draw and logprob never depend on its neighbours'
             rest = sorted(set(range(len(rows))) - set(plain))
-            fused = self._fused(logits[_at(plain, logits.device)], [rows[i] for i in plain])
+            some, at = [rows[i] for i in plain], _at(plain, logits.device)
+            fused = self._fused(logits[at], some, _Known.of(some, logits.shape[1], logits.device))
             general = self._general(logits[_at(rest, logits.device)], [rows[i] for i in rest])
             return Joined(len(rows), [(plain, fused), (rest, general)])
         return self._general(logits, rows)
+
+    def _known(self, rows: Seq[SampleRow], vocab: int, device: torch.device) -> _Known:
+        """What the fused kernel needs of the rows' params, kept while a step's rows have the same
+        params objects as the last step's (a steady decode: no per-row lists, no copies to the device)."""
+        last, params = self._last, [r.params for r in rows]
+        if last is None or last.vocab != vocab or last.device != device or not _same(params, last.params):
+            self._last = last = _Known.of(rows, vocab, device)
+        return last
 
     def _general(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> Drawn:
         """Any rows (top-k, top-p, min-p, top-k or chosen-id logprobs), in passes of torch ops."""
@@ -188,17 +205,15 @@ class Sampler:
             parts.update(_top(logprobs, rows), **_chosen(logprobs, rows))
         return Drawn(tokens, parts, functools.partial(_assemble, rows, asked))
 
-    def _fused(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> Drawn:
-        """Every row plain (`_plain`): the token and its logprob in one pass (sample_kernel.py)."""
-        params, device = [r.params for r in rows], logits.device
-        inverse = to_device([1.0 if p.is_greedy else 1.0 / p.temperature for p in params], torch.float32, device)
-        greedy = to_device([p.is_greedy for p in params], torch.bool, device)
+    def _fused(self, logits: torch.Tensor, rows: Seq[SampleRow], known: _Known) -> Drawn:
+        """Every row plain (greedy or temperature alone, seeded or not; no top-k or chosen ids): the
+        token and its logprob in one pass (sample_kernel.py)."""
         seed = int(torch.randint(2**31 - 1, (1,), generator=self._generator(torch.device("cpu"))))
         keys = None  # seeded rows: their step keys (the general path's hashed noise, in the kernel)
         if any(r.key is not None for r in rows):
             keys = [-1 if r.key is None else step_key(r.key, r.position) for r in rows]
-            keys = to_device(keys, torch.int64, device)
-        tokens, values = sample_kernel.fused_sample(_ban(logits, rows), inverse, greedy, seed, keys)
+            keys = to_device(keys, torch.int64, logits.device)
+        tokens, values = sample_kernel.fused_sample(_ban(logits, rows), known.inverse, known.greedy, seed, keys)
         asked = [i for i, r in enumerate(rows) if r.wants_logprob]
         parts = {"tokens": tokens, "values": values} if asked else {"tokens": tokens}
         return Drawn(tokens, parts, functools.partial(_assemble, rows, asked, every=True))
@@ -224,6 +239,33 @@ class Sampler:
         return torch.argmax(kept - noise, dim=-1)  # -log(Exp(1)) is Gumbel(0, 1)
 
 
+class _Known(NamedTuple):
+    """Per-row facts of a step's params for the fused kernel (`Sampler._known`)."""
+
+    params: list[SamplingParams]  # held: the identity check needs them alive
+    vocab: int
+    device: torch.device
+    plain: list[bool]  # whether each row's params sample plainly (greedy or temperature alone)
+    inverse: torch.Tensor  # 1 / temperature (1 for greedy rows), on the device
+    greedy: torch.Tensor
+
+    @staticmethod
+    def of(rows: Seq[SampleRow], vocab: int, device: torch.device) -> _Known:
+        params = [r.params for r in rows]
+        return _Known(
+            params,
+            vocab,
+            device,
+            [p.is_greedy or not filters(p, vocab) for p in params],
+            to_device([1.0 if p.is_greedy else 1.0 / p.temperature for p in params], torch.float32, device),
+            to_device([p.is_greedy for p in params], torch.bool, device),
+        )
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 def _ban(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
     pairs = [(i, token) for i, r in enumerate(rows) for token in r.banned if token < logits.shape[1]]
     if pairs:
@@ -231,11 +273,6 @@ def _ban(logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
         logits = logits.clone()  # the model's own logits stay as they are
         logits[index[:, 0], index[:, 1]] = float("-inf")
     return logits
-
-
-def _plain(row: SampleRow, vocab: int) -> bool:
-    """A row the fused kernel samples: greedy or plain temperature (seeded or not), no top-k / chosen ids."""
-    return (row.params.is_greedy or not filters(row.params, vocab)) and not row.top_n and row.token_ids is None
 
 
 def filters(params: SamplingParams, vocab: int) -> bool:
