@@ -27,6 +27,7 @@ beside anything, but the same code runs, so CPU tests check its bookkeeping.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -72,8 +73,9 @@ class Overlap:
         """Step t+1 of `running`, fed the draws of step t (`previous`, still on the device); None when
         it cannot run before they are read: a row not in step t, a row out of pages, or no row that
         goes on after step t."""
-        where = {id(seq): row for row, seq in enumerate(previous.seqs)}
-        if any(id(seq) not in where for seq in running):
+        same = len(running) == len(previous.seqs) and all(map(operator.is_, running, previous.seqs))
+        where = None if same else {id(seq): row for row, seq in enumerate(previous.seqs)}
+        if where is not None and any(id(seq) not in where for seq in running):
             return None
         going = [seq for seq in running if not self.stops.ends_by_length(seq, ahead=1)]
         page = self.blocks.page_size
@@ -82,10 +84,12 @@ class Overlap:
                 return None  # recorded first; the next step preempts (kv/steps.py)
         if not going:
             return None
-        index = [where[id(seq)] for seq in going]
         ids = previous.drawn.tokens
-        if index != list(range(len(previous.seqs))):
-            ids = ids[to_device(index, torch.long, ids.device)]
+        if not same or len(going) != len(running):  # the steady step feeds every row of the last, in order
+            where = where if where is not None else {id(seq): row for row, seq in enumerate(previous.seqs)}
+            index = [where[id(seq)] for seq in going]
+            if index != list(range(len(previous.seqs))):
+                ids = ids[to_device(index, torch.long, ids.device)]
         copies, self.copies = self.copies, []
         logits = self.lockstep(
             Action.STEP,
@@ -97,9 +101,11 @@ class Overlap:
             ids=ids,
         )
         drawn = self.sampler.launch(logits, [seq.sampling_row(self.stops.stop_ids, ahead=1) for seq in going])
+        written = []
         for seq in going:
             seq.kv_len += 1
-        return InFlight(going, drawn, [seq.kv_len for seq in going])
+            written.append(seq.kv_len)
+        return InFlight(going, drawn, written)
 
     def _draw(self, samplers: list[Sequence], rows: torch.Tensor, outcome, fly: bool = False) -> None:
         """Sample `samplers` from their logits `rows`; recorded now, or left in flight (`fly`)."""
@@ -117,12 +123,12 @@ class Overlap:
         outcome.device_wait += step.drawn.wait()
         sampled = step.drawn.collect()
         recorded, page, filled = 0, self.blocks.page_size if self.blocks.prefix_cache else 0, []
-        for i, seq in enumerate(step.seqs):
+        rows = zip(step.seqs, step.written, sampled.tokens, sampled.logprobs, sampled.top, sampled.chosen)
+        for seq, written, token, logprob, top, chosen in rows:
             if seq.finish is None and seq.pages:
-                written = step.written[i]
                 if page and written % page == 0:
                     filled.append(_filled(seq, written // page, page))
-                record_token(seq, sampled.tokens[i], sampled.logprobs[i], sampled.top[i], sampled.chosen[i], self.stops)
+                record_token(seq, token, logprob, top, chosen, self.stops)
                 recorded += 1
         if filled:
             self.blocks.record_filled(filled)

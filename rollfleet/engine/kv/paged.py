@@ -124,11 +124,11 @@ class PagedModel:
         self.lora.use(lora_name)
         self.pool.copy_pages(list(copies))
         self.last_routes = None
-        decode = all(len(tokens) == 1 for _, tokens, _ in rows)
+        decode = ids is not None or all(len(tokens) == 1 for _, tokens, _ in rows)  # fed `ids`: a decode step
         if decode and not capture_routes and self.graphs is not None and self.graphs.usable(len(rows)):
             logits = self.graphs.run(rows, ids)
             if logits is not None:  # a decode step's logits_at is every row, in order (no copy)
-                identity = len(logits_at) == len(rows) and all(at == row for row, at in enumerate(logits_at))
+                identity = len(logits_at) == len(rows) and logits_at == list(range(len(rows)))
                 return logits if identity else logits[torch.tensor(logits_at, device=logits.device)]
         if capture_routes:
             self.route_capture.start()

@@ -50,6 +50,7 @@ class Sequence:
     cached_tokens: int = 0
     fork_of: Sequence | None = None
     stop_ids: frozenset[int] | None = None  # the token ids that end it (next_token.StopRules.stop_ids)
+    out_limit: int | None = None  # the output tokens at which it ends by length (StopRules.out_limit)
 
     @property
     def prefill_ids(self) -> list[int]:
