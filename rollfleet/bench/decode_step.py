@@ -100,9 +100,12 @@ def _line(batch: int, eager: float, graph: float, roof: float, eager_logits, gra
 
 
 def host_step_ms(batch: int, steps: int = 48) -> tuple[float, float]:
-    """(median, min) ms of the host's work of one decode step of `batch` rows (`--host-only`)."""
+    """(median, min) ms of the host's work of one decode step of `batch` rows (`--host-only`): the
+    overlapped step as a GPU engine runs it (kv/overlap.py: launch t+1, record t) and the graph's
+    inputs on the host (kv/tables.py `step_inputs`), the forward replaced by fixed logits."""
     from rollfleet.engine.kv.blocks import BlockPool
     from rollfleet.engine.kv.steps import PagedBatches
+    from rollfleet.engine.kv.tables import TableMirror, step_inputs
     from rollfleet.engine.sequences.logprobs import LogprobAsk
     from rollfleet.engine.sequences.next_token import StopRules
     from rollfleet.engine.sequences.sampling import Sampler
@@ -110,24 +113,31 @@ def host_step_ms(batch: int, steps: int = 48) -> tuple[float, float]:
     from rollfleet.wire.protocol import SamplingParams
 
     logits = torch.randn(batch, 32)
+    mirror = TableMirror(batch, -(-(64 + steps + 2) // 16) + 1, pin=False)
+
+    def step(action, rows, logits_at, ids=None, **_):
+        if all(len(tokens) == 1 for _, tokens, _ in rows):  # a decode step: its graph's inputs
+            step_inputs(rows, 16, mirror, fed=ids is None)
+        return logits[: len(logits_at)]
+
     blocks = BlockPool(num_pages=batch * (64 + steps) // 16 + 2 * batch, page_size=16, prefix_cache=True)
     batches = PagedBatches(
-        blocks, lockstep=lambda action, rows, logits_at, **_: logits[: len(logits_at)], sampler=Sampler(),
-        stops=StopRules(frozenset(), 4096, None), read_routes=lambda: None, kv_epoch=lambda: 0,
-        weights_generation=lambda: 0, adapter_identity=lambda name: "base", chunk_tokens=None,
+        blocks, lockstep=step, sampler=Sampler(), stops=StopRules(frozenset(), 4096, None), read_routes=lambda: None,
+        kv_epoch=lambda: 0, weights_generation=lambda: 0, adapter_identity=lambda name: "base", chunk_tokens=None,
     )  # fmt: skip
-    params = SamplingParams(temperature=1.0, max_new_tokens=steps + 2, ignore_eos=True, n=8)
+    batches.overlap = True
+    params = SamplingParams(temperature=1.0, max_new_tokens=steps + 4, ignore_eos=True, n=8)
     running = []
     for prompt in range(-(-batch // 8)):
         running += sample_group(
             [1 + (prompt * 7 + i) % 900 for i in range(64)], params, f"r{prompt}", True, None, LogprobAsk()
         )
     running = running[:batch]
-    batches.advance(running, recompute=False, lora_name=None)  # the prefill
+    batches.advance(running, recompute=False, lora_name=None, overlap=True)  # the prefill
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        batches.advance(running, recompute=False, lora_name=None)
+        batches.advance(running, recompute=False, lora_name=None, overlap=True)
         times.append(time.perf_counter() - start)
     times.sort()
     return times[len(times) // 2] * 1e3, times[0] * 1e3
