@@ -24,7 +24,7 @@ fi
 dir=$(mkdir -p "${1:-.gpuw}" && cd "${1:-.gpuw}" && pwd)
 names="ray transformers peft fastapi starlette uvicorn pydantic pydantic_core annotated-types annotated-doc
 typing-extensions typing-inspection opentelemetry-api jsonschema jsonschema-specifications referencing rpds-py
-aiohttp aiohappyeyeballs aiosignal attrs frozenlist idna multidict propcache yarl orjson httptools uvloop"
+aiohttp aiohappyeyeballs aiosignal attrs frozenlist idna multidict propcache yarl orjson"
 pins=()
 for name in $names; do
     pin=$(grep -i "^${name//[-_]/[-_]}==" "$here/requirements.txt") || { echo "$name: not in requirements.txt" >&2; exit 1; }
