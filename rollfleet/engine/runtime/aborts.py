@@ -17,6 +17,10 @@ from rollfleet.wire.protocol import FinishReason
 class Aborts:
     """Needs from the scheduler: `_wakeup` (its condition), `waiting`, `running`, `_retire_finished`, `_finish`."""
 
+    # set (under `_wakeup`) when a request is marked, cleared once the running ones are finished: a
+    # step with nothing marked skips the scans of the running set for marks (several a step)
+    aborts_marked: bool = False
+
     def abort(self, rid: str = "", abort_all: bool = False, message: str = "aborted by request") -> int:
         def matches(seq: Sequence) -> bool:
             return abort_all or seq.rid == rid or seq.rid.startswith(f"{rid}-")
@@ -36,9 +40,10 @@ class Aborts:
 
     def _drop_aborted_running(self) -> None:
         with self._wakeup:
-            for seq in self.running:
+            for seq in self.running if self.aborts_marked else ():
                 if seq.abort_message is not None:
                     seq.finish = FinishReason(type="abort", message=seq.abort_message)
+            self.aborts_marked = False  # the waiting ones left when they were marked (_abort_matching)
             if any(seq.finish for seq in self.running):
                 self._retire_finished()
 
@@ -53,5 +58,6 @@ class Aborts:
             if matches(seq) and seq.abort_message is None:
                 seq.abort_message = message
                 count += 1
+        self.aborts_marked = self.aborts_marked or count > 0
         self._drop_aborted_waiting()
         return count

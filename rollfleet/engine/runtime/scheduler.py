@@ -285,7 +285,7 @@ class Scheduler(Aborts, Finishing, Overlapping, Pausing, Stepping):
         return None
 
     def _aborted_running(self) -> bool:
-        return any(seq.abort_message is not None for seq in self.running)
+        return self.aborts_marked and any(seq.abort_message is not None for seq in self.running)
 
     def _joiners(self) -> list[Sequence]:
         return self.batches.joiners(self.running, self.waiting, self.batch_lora, self.max_running_requests)
