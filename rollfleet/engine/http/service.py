@@ -228,7 +228,9 @@ class EngineService:
         )
 
 
-def service_of(request: Request) -> EngineService:
+async def service_of(request: Request) -> EngineService:
+    """The app's engine, for every route (`Engine`). A coroutine: FastAPI runs a plain function
+    dependency in its thread pool, a hop to a worker thread and back for every request."""
     return request.app.state.engine
 
 
