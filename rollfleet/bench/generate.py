@@ -172,10 +172,8 @@ def engine_steps(passes: list[dict], prompt_tokens: int, prompts: int) -> dict:
     if not stats:
         return {}
     split = {"prefill_of_prompts": statistics.median(s["prefill_tokens"] for s in stats) / (prompts * prompt_tokens)}
-    for key in ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds", "graph_captures") + (
-        "device_waits",
-        "device_wait_seconds",
-    ):
+    steps = ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds", "graph_captures")
+    for key in steps + ("device_waits", "device_wait_seconds"):
         if all(key in s for s in stats):
             split[key] = statistics.median(s[key] for s in stats)
     timed = [p for p in passes if "decode_seconds" in (p.get("scheduler") or {})]

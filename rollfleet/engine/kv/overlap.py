@@ -27,7 +27,6 @@ beside anything, but the same code runs, so CPU tests check its bookkeeping.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,7 @@ import torch
 from rollfleet.engine.sequences.device_copy import to_device
 from rollfleet.engine.sequences.draws import Drawn, Joined
 from rollfleet.engine.sequences.next_token import record_token
+from rollfleet.engine.sequences.sampling import same_objects
 from rollfleet.engine.sequences.sequence import Sequence
 from rollfleet.engine.tp.lockstep import Action
 
@@ -73,7 +73,7 @@ class Overlap:
         """Step t+1 of `running`, fed the draws of step t (`previous`, still on the device); None when
         it cannot run before they are read: a row not in step t, a row out of pages, or no row that
         goes on after step t."""
-        same = len(running) == len(previous.seqs) and all(map(operator.is_, running, previous.seqs))
+        same = same_objects(running, previous.seqs)
         where = None if same else {id(seq): row for row, seq in enumerate(previous.seqs)}
         if where is not None and any(id(seq) not in where for seq in running):
             return None
@@ -86,7 +86,7 @@ class Overlap:
             return None
         ids = previous.drawn.tokens
         if not same or len(going) != len(running):  # the steady step feeds every row of the last, in order
-            where = where if where is not None else {id(seq): row for row, seq in enumerate(previous.seqs)}
+            where = where or {id(seq): row for row, seq in enumerate(previous.seqs)}
             index = [where[id(seq)] for seq in going]
             if index != list(range(len(previous.seqs))):
                 ids = ids[to_device(index, torch.long, ids.device)]

@@ -21,6 +21,8 @@ import operator
 
 import torch
 
+from rollfleet.engine.sequences.sampling import same_objects
+
 
 class TableMirror:
     def __init__(self, batch: int, width: int, pin: bool):
@@ -35,10 +37,15 @@ class TableMirror:
         moved (a sequence before it left), only the pages it gained written; others written whole.
         The steady step (the same lists in the same rows) only compares lengths."""
         lengths = list(map(len, tables))
-        if len(tables) == len(self._lists) and all(map(operator.is_, tables, self._lists)):
-            changed = list(itertools.compress(range(len(tables)), map(operator.ne, lengths, self._lengths)))
-            shrunk = [row for row in changed if lengths[row] < self._lengths[row]]
-            self._write(tables, [], [], shrunk, [row for row in changed if row not in shrunk] if shrunk else changed)
+        if same_objects(tables, self._lists):
+            changed = itertools.compress(range(len(tables)), map(operator.ne, lengths, self._lengths))
+            grown, fresh = {}, []
+            for row in changed:  # a list cut in place (shorter) is written whole
+                if lengths[row] > self._lengths[row]:
+                    grown[row] = self._lengths[row]
+                else:
+                    fresh.append(row)
+            self._write(tables, [], [], fresh, grown)
         else:
             self._rebuild(tables)
         self._lists, self._lengths = list(tables), lengths
@@ -46,36 +53,31 @@ class TableMirror:
 
     def _rebuild(self, tables: list[list[int]]) -> None:
         where = {id(pages): row for row, pages in enumerate(self._lists)}
-        moved_to, moved_from, fresh, grown = [], [], [], []
+        moved_to, moved_from, fresh, grown = [], [], [], {}
         for row, pages in enumerate(tables):
             seen = where.get(id(pages))
             if seen is not None and len(pages) >= self._lengths[seen]:
-                grown.append(row)
+                grown[row] = self._lengths[seen]
                 if seen != row:
                     moved_to.append(row), moved_from.append(seen)
             else:
                 fresh.append(row)
-        before = {row: self._lengths[where[id(tables[row])]] for row in grown}
-        used, self._lengths = len(self._lists), [before.get(row, 0) for row in range(len(tables))]
         self._write(tables, moved_to, moved_from, fresh, grown)
-        if used > len(tables):  # after the moves: a row may move up from there
-            self.host[len(tables) : used] = 0
+        if len(self._lists) > len(tables):  # after the moves: a row may move up from there
+            self.host[len(tables) : len(self._lists)] = 0
 
-    def _write(self, tables, moved_to: list[int], moved_from: list[int], fresh: list[int], grown: list[int]) -> None:
-        """Rows `moved_from` copied to `moved_to`, `fresh` rows zeroed and written whole, `grown` rows'
-        pages past `self._lengths` written; every write one tensor operation."""
+    def _write(
+        self, tables, moved_to: list[int], moved_from: list[int], fresh: list[int], grown: dict[int, int]
+    ) -> None:
+        """Rows `moved_from` copied to `moved_to`, `fresh` rows zeroed and written whole, each `grown`
+        row's pages past the count it had (its value) written; every write one tensor operation."""
         if moved_to:  # the right side is a copy: rows may move into rows that move on
             self.host[moved_to] = self.host[moved_from]
         if fresh:
             self.host[fresh] = 0
         at_rows, at_cols, values = [], [], []
-        for row in fresh:
+        for row, start in itertools.chain(((row, 0) for row in fresh), grown.items()):
             pages = tables[row]
-            at_rows += [row] * len(pages)
-            at_cols += range(len(pages))
-            values += pages
-        for row in grown:
-            pages, start = tables[row], self._lengths[row]
             if len(pages) > start:
                 at_rows += [row] * (len(pages) - start)
                 at_cols += range(start, len(pages))
@@ -94,8 +96,9 @@ def step_inputs(rows, page_size: int, mirror: TableMirror, fed: bool = True) -> 
     host = torch.zeros(4, batch, dtype=torch.long, pin_memory=mirror.pinned)
     starts = torch.tensor([start for start, _, _ in rows], dtype=torch.long)
     pages = table[:count].gather(1, (starts // page_size)[:, None])[:, 0]
-    if bool((pages == 0).any()):  # a row's table holds no page for its position (its pages did not grow)
-        row = int((pages == 0).nonzero()[0, 0])
+    missing = (pages == 0).nonzero()  # a row's table holds no page for its position (its pages did not grow)
+    if len(missing):
+        row = int(missing[0, 0])
         raise RuntimeError(f"decode row {row} writes at position {int(starts[row])} past its pages {rows[row][2]}")
     if fed:
         host[0, :count] = torch.tensor([tokens[0] for _, tokens, _ in rows], dtype=torch.long)

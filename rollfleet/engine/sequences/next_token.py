@@ -29,20 +29,20 @@ class StopRules:
     def finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Why `seq` finishes with `token`, its newest output token (None: it goes on). A matched stop
         string also sets the sample's text."""
-        if token in (seq.stop_ids if seq.stop_ids is not None else self.stop_ids(seq)):
+        if token in self.stop_ids(seq):
             return FinishReason(type="stop", matched=token)
         if seq.params.stop is not None and seq.params.stop_strings and (stop := self.new_stop_string(seq)) is not None:
             text = decode_ids(self.tokenizer, seq.output_ids, seq.params.skip_special_tokens)
             # SGLang cuts the text at the stop string, or after it with no_stop_trim (one whole decode, at the end)
             seq.text = text[: text.index(stop) + (len(stop) if seq.params.no_stop_trim else 0)]
             return FinishReason(type="stop", matched=stop)
-        if len(seq.output_ids) >= (seq.out_limit if seq.out_limit is not None else self.out_limit(seq)):
+        if self.ends_by_length(seq):
             return FinishReason(type="length", length=len(seq.output_ids))
         return None
 
     def ends_by_length(self, seq: Sequence, ahead: int = 0) -> bool:
         """Whether `seq` reaches `max_new_tokens` or the context length once `ahead` more tokens are in."""
-        return len(seq.output_ids) + ahead >= (seq.out_limit if seq.out_limit is not None else self.out_limit(seq))
+        return len(seq.output_ids) + ahead >= self.out_limit(seq)
 
     def out_limit(self, seq: Sequence) -> int:
         """The output tokens at which `seq` ends by length: `max_new_tokens`, or fewer where the context

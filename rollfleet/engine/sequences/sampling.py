@@ -98,7 +98,7 @@ class SampleRow(NamedTuple):
 def _assemble(rows: Seq[SampleRow], asked: list[int], host: dict[str, list], nbytes: int, every=False) -> Sampled:
     """The step's `Sampled` from the host's lists: `values` holds the logprobs of the rows `asked`
     (of every row when `every`), `top_*` and `chosen` those of the rows that asked them."""
-    if len(asked) == len(rows) and (every or asked == list(range(len(rows)))):  # every row: the values as they are
+    if len(asked) == len(rows):  # every row asked (in order): the values as they are
         logprobs: list[float | None] = list(host["values"])
     else:
         logprobs = [None] * len(rows)
@@ -160,7 +160,7 @@ class Sampler:
         """What the fused kernel needs of the rows' params, kept while a step's rows have the same
         params objects as the last step's (a steady decode: no per-row lists, no copies to the device)."""
         last, params = self._last, [r.params for r in rows]
-        if last is None or last.vocab != vocab or last.device != device or not _same(params, last.params):
+        if last is None or last.vocab != vocab or last.device != device or not same_objects(params, last.params):
             self._last = last = _Known.of(rows, vocab, device)
         return last
 
@@ -262,7 +262,8 @@ class _Known(NamedTuple):
         )
 
 
-def _same(a: list, b: list) -> bool:
+def same_objects(a: list, b: list) -> bool:
+    """Whether `a` and `b` hold the same objects in the same order (a steady step's rows, kv/overlap.py)."""
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
