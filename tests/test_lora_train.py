@@ -26,7 +26,7 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 
 
 def lora_trainer(model_dir, **overrides) -> PolicyTrainer:
-    config = TrainConfig(lr=1e-2, micro_batch_size=4, lora=LoraTrainConfig(**LORA), **overrides)
+    config = TrainConfig(**{"lr": 1e-2, "micro_batch_size": 4, "lora": LoraTrainConfig(**LORA), **overrides})
     return PolicyTrainer(model_dir, config)
 
 
@@ -119,6 +119,28 @@ def test_a_matrices_learn_at_their_share_of_the_lr(qwen3_dir, gloo_world_of_one)
             assert torch.allclose(step_scaled, step * 0.0625, rtol=1e-3, atol=1e-9)
 
 
+def test_orthonormal_a_init(qwen3_dir, gloo_world_of_one):
+    """train.lora.a_init=orthonormal: every A's rows orthonormal (peft's default A is not), B still 0 (the
+    adapter starts as the base model), the same A for the same train.seed (every rank draws the same)."""
+
+    def a_matrices(trainer):
+        return {k: v for k, v in adapter(trainer).items() if ".lora_A." in k}
+
+    def eye_gap(a):  # rows orthonormal: A A^T = I
+        return (a @ a.T - torch.eye(a.shape[0])).abs().max().item()
+
+    ortho = lora_trainer(qwen3_dir, seed=3, lora=LoraTrainConfig(**LORA, a_init="orthonormal"))
+    again = lora_trainer(qwen3_dir, seed=3, lora=LoraTrainConfig(**LORA, a_init="orthonormal"))
+    default = lora_trainer(qwen3_dir, seed=3)
+    assert all(eye_gap(a) < 1e-5 for a in a_matrices(ortho).values())
+    assert all(eye_gap(a) > 0.1 for a in a_matrices(default).values())
+    assert all(torch.equal(a, b) for a, b in zip(a_matrices(ortho).values(), a_matrices(again).values()))
+    assert all(not b.any() for k, b in adapter(ortho).items() if ".lora_B." in k)
+    ids = torch.tensor([make_batch(0)[0]["prompt_ids"]])
+    base = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    assert torch.allclose(base_logits(ortho.model, ids), base_logits(base, ids), atol=1e-5)
+
+
 def test_targets_checked_against_the_model(qwen3_dir, moe_dir, tmp_path):
     check_targets(LoraTrainConfig(target_modules=["q_proj", "down_proj"]), qwen3_dir)
     with pytest.raises(ConfigError, match=r"train\.lora\.target_modules=.*'qproj'.*no module of that name.*fix"):
@@ -149,6 +171,11 @@ def test_targets_checked_against_the_model(qwen3_dir, moe_dir, tmp_path):
             ],
             "rollout.release_weights=True",
             "set rollout.release_weights=false",
+        ),
+        (
+            ["weight_sync.transport=lora", "train.lora.rank=4", "train.lora.a_init=kaiming"],
+            "train.lora.a_init",
+            "orthonormal",
         ),
         (
             ["weight_sync.transport=lora", "train.lora.rank=4", "grpo.recovery_checkpoint_every=1"],

@@ -6,6 +6,8 @@ when the config is read."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from rollfleet.config.errors import FieldProblem
@@ -23,6 +25,15 @@ class LoraTrainConfig(Section):
         description="The A matrices' learning rate as a share of train.lr (which B and everything else take). "
         "Below 1 is LoRA+ (Hayou et al., 2024; their lr_B / lr_A = 16 is 0.0625): A stays near its random init "
         "while B learns on it, so the update's directions grow side by side instead of the strongest alone.",
+    )
+    a_init: Literal["peft", "orthonormal"] = Field(
+        "peft",
+        description="How the A matrices start (B starts at 0 either way, so the adapter starts as the base model). "
+        "peft: its default (Kaiming-uniform). orthonormal: A's rows orthonormal (its columns where rank > in "
+        "features): every direction A spans learns at one rate. At rank = a layer's width peft's A is a random "
+        "square matrix whose smallest singular values are near 0, so B barely learns along those input "
+        "directions; orthonormal A with alpha = rank makes B's Adam steps move the weight as a full run's would, "
+        "in a rotated basis (docs/benchmarks.md, `make demo-lora`).",
     )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input while training.")
     target_modules: list[str] = Field(

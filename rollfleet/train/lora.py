@@ -40,10 +40,17 @@ def check_targets(lora: LoraTrainConfig, model_path: str | Path) -> None:
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
-    """The model as a peft model with a fresh adapter (B = 0: it starts as the base model), before sharding."""
+    """The model as a peft model with a fresh adapter (B = 0: it starts as the base model), before sharding;
+    A orthonormal where train.lora.a_init says so (torch's RNG, seeded by the trainer: every rank the same)."""
     from peft import get_peft_model  # imported here: peft takes seconds to import
 
-    return get_peft_model(model, config.lora.peft_config())
+    peft_model = get_peft_model(model, config.lora.peft_config())
+    if config.lora.a_init == "orthonormal":
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if ".lora_A." in name:
+                    torch.nn.init.orthogonal_(param)  # rows orthonormal (columns where rank > in features)
+    return peft_model
 
 
 def param_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict]:
