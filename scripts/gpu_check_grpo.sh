@@ -2,10 +2,10 @@
 # GPU check of the main job on one GPU (run it in every session that changes engine/, train/ or
 # fleet/): GRPO with examples/gpu-1x.yaml's defaults (colocated, 64 prompts x 8 x 512 tokens; the
 # memory plan picks the engine's share and what moves at a turn) on the benches' 2.08B Qwen3 shape
-# (vocab 151,936), the same as a LoRA run (rank 32, every linear layer), and the calculator agent's
-# episodes on the GPU, 3 steps each. Each run's output lands in $OUT as it runs (a call cut by its
-# limit still returns what finished), its memory plan and metrics appended; printed: each run's exit
-# code, memory plan and step lines.
+# (vocab 151,936), the same as a LoRA run (rank 32, every linear layer, A orthonormal), and the
+# calculator agent's episodes on the GPU, 3 steps each. Each run's output lands in $OUT as it runs (a
+# call cut by its limit still returns what finished), its memory plan and metrics appended; printed:
+# each run's exit code, memory plan and step lines.
 #   bash scripts/gpu_check_grpo.sh [full] [lora] [agent]     (all three when none is named)
 # Ray, FastAPI, ... carried as wheels in .gpuw (scripts/gpu_wheels.sh), installed by scripts/gpu_site.sh.
 set -u
@@ -54,7 +54,8 @@ import yaml
 cfg = yaml.safe_load(open("examples/gpu-1x.yaml"))
 cfg["weight_sync"] = {"transport": "lora"}
 linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-cfg["train"]["lora"] = {"rank": 32, "alpha": 64, "a_lr_scale": 0.0625, "target_modules": linear}
+# A orthonormal (train.lora.a_init, since 73c9bff; peft's default A ran here at every check before it)
+cfg["train"]["lora"] = {"rank": 32, "alpha": 64, "a_lr_scale": 0.0625, "a_init": "orthonormal", "target_modules": linear}
 yaml.safe_dump(cfg, open("/tmp/gpu-1x-lora.yaml", "w"))
 PY
     phase lora 220 python3 -m rollfleet train /tmp/gpu-1x-lora.yaml $common grpo.output_dir=/tmp/run-lora;;
