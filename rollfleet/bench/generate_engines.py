@@ -141,6 +141,9 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args, shapes: tup
         graphs = (info.get("rollfleet_kv_cache") or {}).get("cuda_graphs")
         if graphs:  # captured so far (a capture inside a pass is part of its time)
             engine["graph_captures"], engine["graph_capture_s"] = graphs["captures"], graphs["capture_s"]
+        prefill = (info.get("rollfleet_kv_cache") or {}).get("prefill_graphs")
+        if prefill:  # small prefills' graphs (kv/prefill_graphs.py), so far: replays say a pass's prefill used one
+            engine["prefill_graph_captures"], engine["prefill_graph_replays"] = prefill["captures"], prefill["replays"]
         return {"seconds": seconds, "tokens": tokens, "rows": len(outs), "logprobs": logprobs, "scheduler": engine}
 
     async with EngineClient(url, timeout=args.timeout_s) as client:

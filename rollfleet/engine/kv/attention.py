@@ -41,7 +41,7 @@ class PagedInputs:
     lens: torch.Tensor  # [rows]: each row's KV length once this step's tokens are in
     decode: bool  # one token per row
     kernel: bool = False  # decode reads the pages in place (kv/decode_kernel.py) instead of gathering them
-    q_index: torch.Tensor | None = None  # [T]: packed token -> row * longest + index in row (not decode)
+    q_index: torch.Tensor | None = None  # [T]: packed token -> row * longest + index in row (None: T is rows x longest)
     q_pos: torch.Tensor | None = None  # [rows, longest]: each padded query's position (0 for padding)
     riders: PagedInputs | None = None  # a prefill step's trailing one-token rows, in the decode layout
     ride_from: int = 0  # the packed index of the riders' first token
@@ -119,13 +119,16 @@ def _attend(q: torch.Tensor, paged: PagedInputs, layer: int, scaling: float | No
         out = _over_pages(grouped, pool_k, pool_v, paged, group, scaling)
         return out.reshape(tokens, heads, head_dim).to(q.dtype)
     longest = paged.q_pos.shape[1]
-    padded = grouped.new_zeros(rows * longest, kv_heads, group, head_dim)
-    padded[paged.q_index] = grouped
+    padded = grouped  # q_index None: the step feeds the padded layout itself (kv/prefill_graphs.py)
+    if paged.q_index is not None:
+        padded = grouped.new_zeros(rows * longest, kv_heads, group, head_dim)
+        padded[paged.q_index] = grouped
     padded = padded.view(rows, longest, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     padded = padded.reshape(rows, kv_heads, longest * group, head_dim)
     out = _over_pages(padded, pool_k, pool_v, paged, group, scaling)
     out = out.view(rows, kv_heads, longest, group, head_dim).permute(0, 2, 1, 3, 4)
-    return out.reshape(rows * longest, heads, head_dim)[paged.q_index].to(q.dtype)
+    out = out.reshape(rows * longest, heads, head_dim)
+    return (out if paged.q_index is None else out[paged.q_index]).to(q.dtype)
 
 
 def _over_pages(queries, pool_k, pool_v, paged: PagedInputs, group: int, scaling) -> torch.Tensor:

@@ -88,6 +88,7 @@ class DecodeGraphs:
         self.pool = None
         self.buckets: list[int] = []
         self.captures, self.capture_s = 0, 0.0  # since start, for the benchmarks
+        self.prefill = None  # the prefill graphs beside these (kv/prefill_graphs.py), dropped with them
 
     def configure(self, pool, max_batch: int) -> None:
         self.kv, self.buckets = pool, batch_buckets(max_batch) if max_batch > 0 else []
@@ -165,6 +166,8 @@ class DecodeGraphs:
     def drop(self) -> None:
         self.graphs.clear()
         self.pool = None
+        if self.prefill is not None:
+            self.prefill.drop()
 
     def pause(self) -> None:
         """Release the cuda_graph tag: with the saver its memory is unmapped and the graphs kept;

@@ -3,8 +3,9 @@ feeds the same rows in the same order.
 
 A step names its rows: `(start, tokens, pages)` each, the tokens fed at positions start.. of a
 sequence whose KV lives in `pages`, and which packed positions' logits to return. Decode steps (one
-token a row) replay a CUDA graph of their batch-size bucket when graphs are on (kv/graphs.py);
-every other step runs eagerly.
+token a row) replay a CUDA graph of their batch-size bucket when graphs are on (kv/graphs.py); small
+prefill steps that want only their rows' last logits replay one of the padded layout
+(kv/prefill_graphs.py); every other step runs eagerly.
 
 On CPU a step's rows are at least as many as this CPU's BLAS needs to round every row of a product
 alike whatever the number of rows (kv/cpu_rows.py measures it for the model's linear widths at the
@@ -31,6 +32,7 @@ from rollfleet.engine.kv.fused_projections import fuse_projections
 from rollfleet.engine.kv.graphs import DecodeGraphs
 from rollfleet.engine.kv.norm_kernel import fuse_rms_norms
 from rollfleet.engine.kv.pool import KVPool, KVShape
+from rollfleet.engine.kv.prefill_graphs import PrefillGraphs
 from rollfleet.engine.kv.qkv_kernel import FUSABLE, fuse_attention_inputs
 from rollfleet.engine.kv.saver import CUDA_GRAPH_TAG, KV_CACHE_TAG, PausableMemory
 from rollfleet.engine.sequences.device_copy import to_device
@@ -91,6 +93,7 @@ class PagedModel:
         self.saver = PausableMemory() if memory_saver and device.type == "cuda" else None
         on_gpu = graphs and device.type == "cuda"
         self.graphs = DecodeGraphs(self._forward, device, self.kernel, self.saver) if on_gpu else None
+        self.prefill_graphs = PrefillGraphs(self.graphs) if on_gpu else None  # small prefills (kv/prefill_graphs.py)
         self.last_routes: torch.Tensor | None = None
         self.cpu_rows: int | None = None  # measured at the first CPU step, on the engine's threads
 
@@ -130,6 +133,10 @@ class PagedModel:
             if logits is not None:  # a decode step's logits_at is every row, in order (no copy)
                 identity = len(logits_at) == len(rows) and logits_at == list(range(len(rows)))
                 return logits if identity else logits[torch.tensor(logits_at, device=logits.device)]
+        if not decode and not (capture_routes or riders) and self.prefill_graphs is not None:
+            logits = self.prefill_graphs.run(rows, logits_at)
+            if logits is not None:
+                return logits
         if capture_routes:
             self.route_capture.start()
         wanted, split = len(logits_at), len(rows) - riders if riders else None
