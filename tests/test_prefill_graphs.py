@@ -18,6 +18,8 @@ from rollfleet.engine.kv.prefill_graphs import (
     padded_inputs,
     padded_shape,
 )
+from rollfleet.engine.kv.setup import paged_options
+from rollfleet.engine.process.server_args import build_parser
 from rollfleet.tiny_models import tiny_config
 
 
@@ -118,3 +120,15 @@ def test_a_prefill_graph_replays_the_eager_steps_logits():
         assert torch.allclose(got, want, rtol=0, atol=1e-4), (round_, (got - want).abs().max())
     prefill = graphed.prefill_graphs
     assert (prefill.captures, prefill.replays, prefill.disabled) == (1, 3, None)
+
+
+@pytest.mark.parametrize(
+    "flags, decode, prefill",
+    [([], True, True), (["--disable-prefill-cuda-graph"], True, False), (["--disable-decode-cuda-graph"], False, True)]
+    + [(["--disable-cuda-graph"], False, False)],
+)
+def test_sglangs_graph_flags_switch_decode_and_prefill_graphs_apart(flags, decode, prefill):
+    """SGLang 0.5.23's spellings: --disable-decode-cuda-graph, --disable-prefill-cuda-graph, and
+    --disable-cuda-graph for both."""
+    options = paged_options(build_parser().parse_args(["--model-path", "m", *flags]))
+    assert (options["graphs"], options["prefill_graphs"]) == (decode, prefill)

@@ -217,7 +217,9 @@ class EngineService:
             report["cuda_graphs"] = {"captured": len(graphs.graphs), "captures": graphs.captures}
             report["cuda_graphs"].update(capture_s=round(graphs.capture_s, 3), disabled=graphs.disabled)
             report["cuda_graphs"]["paused"] = graphs.paused  # cuda_graph released with the saver: decode runs eagerly
-            prefill = paged.prefill_graphs  # small prefills' graphs (kv/prefill_graphs.py)
+            if not paged.decode_graphs:
+                report["cuda_graphs"]["disabled"] = "--disable-decode-cuda-graph"
+        if (prefill := paged.prefill_graphs) is not None:  # small prefills' graphs (kv/prefill_graphs.py)
             report["prefill_graphs"] = {"captured": len(prefill.graphs), "captures": prefill.captures}
             report["prefill_graphs"].update(capture_s=round(prefill.capture_s, 3), replays=prefill.replays)
             report["prefill_graphs"]["disabled"] = prefill.disabled

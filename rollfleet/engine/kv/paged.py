@@ -75,6 +75,7 @@ class PagedModel:
         device: torch.device,
         page_size: int,
         graphs: bool,
+        prefill_graphs: bool = True,
         kernel=True,
         fuse_inputs: bool = True,
         memory_saver: bool = False,
@@ -91,9 +92,13 @@ class PagedModel:
         self.pool: KVPool | None = None
         # chosen once at start (kv/saver.py): the KV pool and graphs pause in place, or are freed
         self.saver = PausableMemory() if memory_saver and device.type == "cuda" else None
-        on_gpu = graphs and device.type == "cuda"
-        self.graphs = DecodeGraphs(self._forward, device, self.kernel, self.saver) if on_gpu else None
-        self.prefill_graphs = PrefillGraphs(self.graphs) if on_gpu else None  # small prefills (kv/prefill_graphs.py)
+        on_gpu = device.type == "cuda"
+        # `graphs`: decode steps replay graphs; `prefill_graphs`: small prefills do (kv/prefill_graphs.py),
+        # in the decode graphs' pool and memory region (so DecodeGraphs exists for either)
+        self.decode_graphs = graphs and on_gpu
+        either = on_gpu and (graphs or prefill_graphs)
+        self.graphs = DecodeGraphs(self._forward, device, self.kernel, self.saver) if either else None
+        self.prefill_graphs = PrefillGraphs(self.graphs) if on_gpu and prefill_graphs else None
         self.last_routes: torch.Tensor | None = None
         self.cpu_rows: int | None = None  # measured at the first CPU step, on the engine's threads
 
@@ -128,7 +133,7 @@ class PagedModel:
         self.pool.copy_pages(list(copies))
         self.last_routes = None
         decode = ids is not None or all(len(tokens) == 1 for _, tokens, _ in rows)  # fed `ids`: a decode step
-        if decode and not capture_routes and self.graphs is not None and self.graphs.usable(len(rows)):
+        if decode and not capture_routes and self.decode_graphs and self.graphs.usable(len(rows)):
             logits = self.graphs.run(rows, ids)
             if logits is not None:  # a decode step's logits_at is every row, in order (no copy)
                 identity = len(logits_at) == len(rows) and logits_at == list(range(len(rows)))

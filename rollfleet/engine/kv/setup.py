@@ -44,8 +44,13 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache across requests")
     for flag in ("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs"):
         p.add_argument(flag, type=int, help=f"largest decode batch a CUDA graph covers ({DEFAULT_GRAPH_MAX_BATCH})")
-    for flag in ("--disable-decode-cuda-graph", "--disable-cuda-graph"):
-        p.add_argument(flag, action="store_true", help="decode steps run eagerly")
+    p.add_argument("--disable-decode-cuda-graph", action="store_true", help="decode steps run eagerly")
+    p.add_argument(
+        "--disable-prefill-cuda-graph",
+        action="store_true",
+        help="prefill steps run eagerly (default: small ones replay CUDA graphs, kv/prefill_graphs.py)",
+    )
+    p.add_argument("--disable-cuda-graph", action="store_true", help="decode and prefill steps run eagerly")
     p.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
@@ -92,6 +97,7 @@ def paged_options(args: argparse.Namespace) -> dict | None:
     return {
         "page_size": args.page_size,
         "graphs": not (args.disable_decode_cuda_graph or args.disable_cuda_graph),
+        "prefill_graphs": not (args.disable_prefill_cuda_graph or args.disable_cuda_graph),
         "kernel": args.attention_backend != "torch_native",  # where Triton runs (kv/decode_kernel.py)
         "memory_saver": args.rollfleet_memory_saver == "on",  # resolved at start (kv/saver.py)
     }
