@@ -11,6 +11,7 @@ from conftest import call, client_for, reference_greedy, run, scheduler_stats_wh
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollfleet.engine.runtime.finishing import TEXTS_THREAD_TOKENS
+from rollfleet.engine.sequences.texts_ahead import AHEAD_TOKENS
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -267,3 +268,16 @@ def test_a_wave_ending_at_once_gets_its_texts_from_the_texts_thread_and_the_cloc
     order = ["batch_began_at", "steps_ended_at", "retired_at", "decoded_at", "answered_at"]
     assert began < stats[order[0]] and stats[order[-1]] < ended
     assert [stats[key] for key in order] == sorted(stats[key] for key in order)
+
+
+def test_a_long_waves_texts_decoded_ahead_in_pieces_are_the_decodes_of_their_ids(server, qwen3_dir):
+    """64 samples of 256 tokens: every AHEAD_TOKENS new tokens the running samples' texts are decoded
+    ahead in pieces (sequences/texts_ahead.py); each text is still the tokenizer's decode of its ids,
+    whose random draws cut UTF-8 sequences between the byte-level tokens."""
+    before = call(server, "get_server_info")["scheduler_stats"]["texts_ahead_pieces"]
+    sampling = {"max_new_tokens": 256, "temperature": 1.0, "n": 16, "ignore_eos": True}
+    outs = call(server, "generate", input_ids=[[5, 6, 7], [8, 9], [10, 11, 12], [13]], sampling_params=sampling)
+    assert sum(len(o["output_ids"]) for o in outs) == 64 * 256 >= 2 * AHEAD_TOKENS
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    assert [o["text"] for o in outs] == [tokenizer.decode(o["output_ids"], skip_special_tokens=True) for o in outs]
+    assert call(server, "get_server_info")["scheduler_stats"]["texts_ahead_pieces"] > before

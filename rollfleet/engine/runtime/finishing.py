@@ -13,6 +13,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from rollfleet.engine.sequences.sequence import Sequence, finished_texts, wire_result
+from rollfleet.engine.sequences.texts_ahead import TextsAhead, decodes_ahead
 from rollfleet.wire.protocol import FinishReason
 
 log = logging.getLogger("rollfleet.engine")
@@ -27,9 +28,10 @@ TEXTS_PARTS = 4
 
 class Finishing:
     """Needs from the scheduler: `_wakeup` (its condition), `running`, `batches`, `tokenizer`,
-    `weight_version`, `clock`."""
+    `weight_version`, `clock`, `stats`."""
 
     _texts_thread: ThreadPoolExecutor | None = None  # made on first use
+    _ahead: TextsAhead | bool | None = None  # False: this tokenizer's texts do not decode ahead
 
     def _retire_finished(self) -> None:
         """Finished sequences leave the running set (their pages go back, or stay cached), then are
@@ -54,19 +56,34 @@ class Finishing:
         """`done` in parts, each with its finished texts (one batch decode a part): decoded here in one
         part, or from TEXTS_THREAD_TOKENS finished tokens (fewer: the hand-off costs more than it saves)
         on the texts thread, in TEXTS_PARTS calls (in order)."""
-        total = sum(len(seq.output_ids) for seq in done)
+        total = sum(len(seq.output_ids) - seq.ahead_upto for seq in done)  # what is left to decode
         if total < TEXTS_THREAD_TOKENS:
             return [(done, finished_texts(done, self.tokenizer))]
-        if self._texts_thread is None:
-            self._texts_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollfleet-texts")
         parts, part, tokens, size = [], [], 0, -(-total // TEXTS_PARTS)
         for seq in done:
             part.append(seq)
-            tokens += len(seq.output_ids)
+            tokens += len(seq.output_ids) - seq.ahead_upto
             if tokens >= size or seq is done[-1]:
-                parts.append((part, self._texts_thread.submit(finished_texts, part, self.tokenizer)))
+                parts.append((part, self._texts_executor().submit(finished_texts, part, self.tokenizer)))
                 part, tokens = [], 0
         return parts
+
+    def _texts_executor(self) -> ThreadPoolExecutor:
+        if self._texts_thread is None:
+            self._texts_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollfleet-texts")
+        return self._texts_thread
+
+    def _decode_ahead(self, prefill: bool) -> None:
+        """After a decode step: the running samples' texts so far decode on the texts thread every
+        AHEAD_TOKENS new tokens, where the tokenizer's pieces join exactly (sequences/texts_ahead.py),
+        so that the wave's end has only their last tokens to decode."""
+        if prefill or not self.running:
+            return
+        if self._ahead is None:
+            self._ahead = TextsAhead(self.tokenizer, self._texts_executor()) if decodes_ahead(self.tokenizer) else False
+        if self._ahead:
+            self._ahead.step(self.running)
+            self.stats["texts_ahead_pieces"] = self._ahead.pieces
 
     def _answer(self, parts: list[tuple[list[Sequence], list[str] | Future]]) -> float:
         """Answer each part once its texts are in: its answers go out (the event loop writes them)

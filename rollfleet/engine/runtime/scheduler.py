@@ -63,6 +63,7 @@ STATS = ("batches", "joined", "largest_batch", "generated_tokens", "recomputed_p
 STATS += ("preempted", "prefill_tokens")  # the paged pool's: pages run out; tokens fed by prefill steps
 STATS += ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds")  # steps, and their wall time
 STATS += ("device_wait_seconds", "device_waits")  # the host blocked for a step's draws: seconds, steps
+STATS += ("texts_ahead_pieces",)  # samples' texts decoded in pieces before their end (finishing.py)
 # time.monotonic() at the last batch's first step, last step's end, retire, texts, answers (finishing.py)
 CLOCK = ("batch_began_at", "steps_ended_at", "retired_at", "decoded_at", "answered_at")
 IDLE_WAKE_S = 0.5  # an idle engine thread looks again this often (a notify wakes it first)
@@ -333,6 +334,7 @@ class Scheduler(Aborts, Finishing, Overlapping, Pausing, Stepping):
                 self.waiting.extendleft(reversed(outcome.preempted))
                 self.stats["preempted"] += len(outcome.preempted)
             self._retire_finished()
+        self._decode_ahead(outcome.prefill)
 
     def _raise_if_dead(self) -> None:
         if self.failure is not None:

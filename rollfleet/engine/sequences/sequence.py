@@ -12,6 +12,7 @@ import torch
 
 from rollfleet.engine.sequences.logprobs import LogprobAsk, LogprobRecord, meta_fields
 from rollfleet.engine.sequences.sampling import SampleRow, seed_key
+from rollfleet.engine.sequences.texts_ahead import piece_texts, rows_from
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 from rollfleet.wire.routed_experts import encode_routed_experts
 
@@ -50,6 +51,8 @@ class Sequence:
     cached_tokens: int = 0
     fork_of: Sequence | None = None
     stop_ids: frozenset[int] | None = None  # the token ids that end it (next_token.StopRules.stop_ids)
+    ahead_upto: int = 0  # output tokens whose text is decoded ahead (texts_ahead.py): `ahead_text`
+    ahead_text: str = ""
     out_limit: int | None = None  # the output tokens at which it ends by length (StopRules.out_limit)
 
     @property
@@ -110,11 +113,27 @@ def finished_texts(seqs: list[Sequence], tokenizer) -> list[str]:
             continue
         ids = [seqs[row].text_ids() for row in rows]
         if batched:
-            decoded = tokenizer._tokenizer.decode_batch(ids, skip_special_tokens=skip)
+            decoded = _joined_texts(tokenizer, [seqs[row] for row in rows], ids, skip)
         else:
             decoded = [decode_ids(tokenizer, one, skip) for one in ids]
         for row, text in zip(rows, decoded):
             texts[row] = text
+    return texts
+
+
+def _joined_texts(tokenizer, seqs: list[Sequence], ids: list[list[int]], skip: bool) -> list[str]:
+    """Each text: its part decoded ahead (texts_ahead.py) and the rest, in one call of the Rust backend;
+    a text whose rest cannot join its part (or whose part reaches past `ids`) is decoded whole."""
+    rows = [
+        rows_from(seq.ahead_upto if seq.ahead_upto <= len(one) else 0, one, len(one)) for seq, one in zip(seqs, ids)
+    ]
+    rests = piece_texts(tokenizer._tokenizer, rows, skip, at_end=True)
+    texts = []
+    for seq, one, (_, ahead), rest in zip(seqs, ids, rows, rests):
+        if rest is None:  # the rest's context failed its check (a row without context never does at the end)
+            texts.append(decode_ids(tokenizer, one, skip))
+        else:
+            texts.append(seq.ahead_text + rest if ahead else rest)
     return texts
 
 
