@@ -133,7 +133,7 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args, shapes: tup
             key: after[key] - before[key]
             for key in ("batches", "joined", "recomputed_prefixes", "host_bytes", "prefill_tokens", "preempted")
             + ("prefill_steps", "decode_steps", "prefill_seconds", "decode_seconds")
-            + ("device_wait_seconds", "device_waits", "arrival_holds", "arrival_hold_seconds")
+            + ("device_wait_seconds", "device_waits", "arrival_holds", "arrival_hold_seconds", "texts_ahead_pieces")
             if key in after
         }
         if engine.get("batches") == 1 and "answered_at" in after:
