@@ -36,7 +36,7 @@ def _joined(tokenizer, ids: list[int], cuts: list[int], skip: bool) -> str:
     return text + rest if rest is not None else tokenizer.decode(ids, skip_special_tokens=skip)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(
     tokenizer=st.sampled_from([BYTE_LEVEL, WORDS]),
     ids=st.lists(st.integers(0, 319), min_size=0, max_size=40),

@@ -10,12 +10,14 @@ from the token before at most: ByteLevel (GPT-2, Qwen, Llama 3: bytes per token,
 Metaspace (SentencePiece's U+2581 as a space, the first token's stripped). A piece of ids[a:b] is
 decoded with the token before it as context, ids[a-1:b], and kept as that text past the context's
 own text, where the context's text is not empty (a skipped special token gives none: the token
-after it would decode as a first token), is a prefix of the whole, and neither ends in U+FFFD (a
-UTF-8 sequence cut between tokens: its bytes join the next piece's). Otherwise the piece is not
-kept, and the sample's next piece (or its end) starts from the same place. At the end the tail is
-decoded the same way; if its context fails the check, the whole text is decoded afresh. Other
-decoders, and tokenizers whose decode does more than the Rust backend's (`backend_decodes_alone`),
-decode at the end as before.
+after it would decode as a first token) and is a prefix of the whole, and the piece does not end in
+U+FFFD (a UTF-8 sequence cut between tokens: its bytes join the next piece's), so every kept piece
+ends where a character ends and the next piece's context is exactly the bytes before it (a context
+token that ends a character begun earlier decodes alone to U+FFFD, as its own prefix of the whole).
+Otherwise the piece is not kept, and the sample's next piece (or its end) starts from the same place.
+At the end the tail is decoded the same way; if its context fails the check, the whole text is
+decoded afresh. Other decoders, and tokenizers whose decode does more than the Rust backend's
+(`backend_decodes_alone`), decode at the end as before.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def piece_texts(backend, rows: list[tuple[list[int], bool]], skip: bool, at_end:
         whole, head = decoded[index], ""
         if context:
             head, head_at = decoded[head_at], head_at + 1
-            if not head or head.endswith(CUT) or not whole.startswith(head):
+            if not head or not whole.startswith(head):
                 texts.append(None)
                 continue
         texts.append(None if whole.endswith(CUT) and not at_end else whole[len(head) :])
