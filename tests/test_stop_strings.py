@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollfleet.engine.sequences.next_token import StopRules
-from rollfleet.engine.sequences.sequence import Sequence, backend_decodes_alone, decode_ids, finished_texts
+from rollfleet.engine.sequences.sequence import Sequence, decode_ids, finished_texts
+from rollfleet.engine.sequences.texts_ahead import backend_decodes_alone
 from rollfleet.tiny_models import make_tokenizer, make_word_tokenizer
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 

@@ -12,7 +12,7 @@ import torch
 
 from rollfleet.engine.sequences.logprobs import LogprobAsk, LogprobRecord, meta_fields
 from rollfleet.engine.sequences.sampling import SampleRow, seed_key
-from rollfleet.engine.sequences.texts_ahead import piece_texts, rows_from
+from rollfleet.engine.sequences.texts_ahead import backend_decodes_alone, piece_texts, rows_from
 from rollfleet.wire.protocol import FinishReason, SamplingParams
 from rollfleet.wire.routed_experts import encode_routed_experts
 
@@ -135,18 +135,6 @@ def _joined_texts(tokenizer, seqs: list[Sequence], ids: list[list[int]], skip: b
         else:
             texts.append(seq.ahead_text + rest if ahead else rest)
     return texts
-
-
-def backend_decodes_alone(tokenizer) -> bool:
-    """Whether `tokenizer._decode(ids)` is its Rust backend's `decode(ids)` and nothing more."""
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    return (
-        isinstance(tokenizer, TokenizersBackend)
-        and type(tokenizer)._decode is TokenizersBackend._decode
-        and not tokenizer.clean_up_tokenization_spaces
-        and hasattr(getattr(tokenizer, "_tokenizer", None), "decode_batch")
-    )
 
 
 def sample_group(

@@ -34,11 +34,21 @@ CUT = "\ufffd"  # what a UTF-8 sequence cut between tokens decodes to
 
 def decodes_ahead(tokenizer) -> bool:
     """Whether pieces of `tokenizer`'s texts join into the text of the whole (module docstring)."""
-    from rollfleet.engine.sequences.sequence import backend_decodes_alone
-
     if tokenizer is None or not backend_decodes_alone(tokenizer):
         return False
     return type(tokenizer._tokenizer.decoder).__name__ in LOCAL_DECODERS
+
+
+def backend_decodes_alone(tokenizer) -> bool:
+    """Whether `tokenizer._decode(ids)` is its Rust backend's `decode(ids)` and nothing more."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return (
+        isinstance(tokenizer, TokenizersBackend)
+        and type(tokenizer)._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+        and hasattr(getattr(tokenizer, "_tokenizer", None), "decode_batch")
+    )
 
 
 def piece_texts(backend, rows: list[tuple[list[int], bool]], skip: bool, at_end: bool) -> list[str | None]:
