@@ -97,7 +97,12 @@ class TextsAhead:
     def _submit(self, running: list) -> None:
         jobs = []
         for skip in (False, True):
-            seqs = [s for s in running if s.finish is None and bool(s.params.skip_special_tokens) == skip]
+            # a streamed sample's text goes out as it grows already (http/streaming.py): not twice
+            seqs = [
+                s
+                for s in running
+                if s.finish is None and s.on_token is None and bool(s.params.skip_special_tokens) == skip
+            ]
             ends = [(seq, len(seq.output_ids)) for seq in seqs if len(seq.output_ids) > seq.ahead_upto]
             rows = [rows_from(seq.ahead_upto, seq.output_ids, end) for seq, end in ends]
             if ends:
