@@ -19,7 +19,8 @@ runs each case in a process of its own (rollfleet/bench/generate_engines.py says
 - generate: transformers `model.generate` on one left-padded batch, num_return_sequences n;
 - generate_batch: transformers continuous batching (`model.generate_batch`, TRL's GRPO path).
 Every engine first runs the case's batch for a few tokens, then (transformers' engines, and the embedded
-engine in its first shape) for the case's whole length, both untimed, then `--repeats` timed passes.
+engine in its first shape) for the case's whole length (the embedded engine: at most 2,048 tokens), both
+untimed, then `--repeats` timed passes.
 
 Roofline: one forward per new token; the forward for token t reads the weights (all but the input
 embedding table, of which it reads a row per sequence) and the KV cache live at that step, rows x

@@ -24,13 +24,14 @@ ENGINE is one of:
   GRPO step does;
 - copy: no model; the device-to-device copy bandwidth the benchmark's roofline divides by.
 Every engine first runs the case's batch for WARM_UP_TOKENS tokens (warm-up, untimed); the embedded
-engine's first shape runs the case's whole length once more, untimed: its decode graphs are captured
-per block-table width, and a batch that grows past a width captures the next one in the pass that
-gets there first (on the H200, 1.4 s of a 3.9 s pass of 64 x 8 x 256, and the per-request / batched
-ratio read 0.85 where the warm passes gave 0.95-0.99). transformers' engines run the whole length once
-more too (untimed): on an H100 at 0567b87 `generate`'s first full pass of 64 x 8 x 256 took 14.5 s and
-its second 5.6 s, and the median of those two had the embedded engine at 4.68 x where warm against
-warm gave 3.25. The answer (JSON at --out): each timed pass's seconds, output tokens and rows.
+engine's first shape runs the case's whole length (at most WHOLE_WARM_UP_MAX tokens) once more, untimed:
+its decode graphs are captured per block-table width, and a batch that grows past a width captures the
+next one in the pass that gets there first (on the H200, 1.4 s of a 3.9 s pass of 64 x 8 x 256, and the
+per-request / batched ratio read 0.85 where the warm passes gave 0.95-0.99). transformers' engines run
+the whole length once more too (untimed): on an H100 at 0567b87 `generate`'s first full pass of 64 x 8 x
+256 took 14.5 s and its second 5.6 s, and the median of those two had the embedded engine at 4.68 x
+where warm against warm gave 3.25. The answer (JSON at --out): each timed pass's seconds, output tokens
+and rows.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # transformers: sampl
 
 
 WARM_UP_TOKENS = 8
+# the embedded engine's whole-length warm-up stops here: 16 x 8 x 8192's would take as long as its timed
+# pass (an H100 call at 8327bf3 ran out of its 200 s case limit in the two)
+WHOLE_WARM_UP_MAX = 2048
 
 
 def _sync(device: str) -> None:
@@ -149,7 +153,9 @@ async def _embedded_passes(url: str, prompts: list[list[int]], args, shapes: tup
     async with EngineClient(url, timeout=args.timeout_s) as client:
         for batched in shapes:  # warm-up: the case's batch, a few tokens (first-use costs of its shapes)
             await outputs(client, WARM_UP_TOKENS, batched)
-        await outputs(client, args.new_tokens, shapes[0])  # and its whole length: every graph width captured
+        # and its whole length (every graph width captured), up to WHOLE_WARM_UP_MAX tokens: a longer
+        # case's wider graphs are captured in its first timed pass (tens of ms in a pass of minutes)
+        await outputs(client, min(args.new_tokens, WHOLE_WARM_UP_MAX), shapes[0])
         gc.collect(), gc.freeze()  # the client out of the collector's scans, as the GRPO driver (train/loop.py)
         passes = []
         for index in range(args.repeats):
