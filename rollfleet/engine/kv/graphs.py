@@ -145,23 +145,30 @@ class DecodeGraphs:
         )
         ids, positions = zeros.clone()[None], zeros.clone()[None]
         keep = torch.arange(batch, device=dev)
+        graph, logits = self.capture_forward(ids, positions, inputs, keep)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - start
+        table = TableMirror(batch, width, pin=True)
+        return Graph(graph, ids, positions, inputs, keep, logits, table, torch.cuda.Event())
+
+    def capture_forward(self, ids, positions, inputs: PagedInputs, keep) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """A graph of the forward over these static inputs, and its logits: one warm-up on a side stream
+        (lazy inits happen outside the capture), then the capture into the shared pool, inside the
+        saver's cuda_graph region (it routes this thread's allocations, the capture's included)."""
+        dev = self.device
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            self.forward(ids, positions, inputs, keep)  # warm-up: lazy inits happen outside the capture
+            self.forward(ids, positions, inputs, keep)
         torch.cuda.current_stream(dev).wait_stream(side)
         inputs.forget_masks()  # built again inside the capture, from the static buffers
         graph = torch.cuda.CUDAGraph()
-        # the saver's region routes this thread's allocations, the capture's included, to its pool
         region = self.saver.region(CUDA_GRAPH_TAG) if self.saver is not None else contextlib.nullcontext()
         with region, torch.cuda.graph(graph, pool=self.pool):
             logits = self.forward(ids, positions, inputs, keep)
-        self.captures += 1
-        self.capture_s += time.perf_counter() - start
-        table = TableMirror(batch, width, pin=True)
-        return Graph(graph, ids, positions, inputs, keep, logits, table, torch.cuda.Event())
+        return graph, logits
 
     def drop(self) -> None:
         self.graphs.clear()

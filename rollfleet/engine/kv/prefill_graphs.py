@@ -21,7 +21,6 @@ and memory-saver region (kv/graphs.py: paused, resumed and dropped with them), a
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ import torch
 from rollfleet.engine.kv.attention import PagedInputs
 from rollfleet.engine.kv.blocks import TRASH_PAGE
 from rollfleet.engine.kv.graphs import DecodeGraphs, width_bucket
-from rollfleet.engine.kv.saver import CUDA_GRAPH_TAG
 
 log = logging.getLogger("rollfleet.engine")
 
@@ -155,23 +153,11 @@ class PrefillGraphs:
         return graph.logits[torch.tensor(picked, device=graph.logits.device)]
 
     def _capture(self, shape: Shape) -> PrefillGraph:
-        start, decode, dev = time.perf_counter(), self.decode, self.decode.device
+        start, decode = time.perf_counter(), self.decode
         count, _, width = shape
         rows = [(0, [0], [TRASH_PAGE] * width)] * count  # any valid layout: replays refill every input
-        flat = padded_host(rows, shape, decode.kv.page_size).to(dev)
-        ids, positions, inputs, keep = padded_inputs(flat, shape, decode.kv)
-        if decode.pool is None:
-            decode.pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            decode.forward(ids, positions, inputs, keep)  # warm-up: lazy inits happen outside the capture
-        torch.cuda.current_stream(dev).wait_stream(side)
-        inputs.forget_masks()  # built again inside the capture, from the static buffers
-        graph = torch.cuda.CUDAGraph()
-        region = decode.saver.region(CUDA_GRAPH_TAG) if decode.saver is not None else contextlib.nullcontext()
-        with region, torch.cuda.graph(graph, pool=decode.pool):
-            logits = decode.forward(ids, positions, inputs, keep)
+        flat = padded_host(rows, shape, decode.kv.page_size).to(decode.device)
+        graph, logits = decode.capture_forward(*padded_inputs(flat, shape, decode.kv))
         self.captures += 1
         self.capture_s += time.perf_counter() - start
         return PrefillGraph(graph, flat, logits)

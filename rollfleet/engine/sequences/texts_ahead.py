@@ -1,7 +1,7 @@
 """Running samples' texts decoded ahead of their end, on the texts thread, beside the decode steps.
 
 A GRPO wave's samples end together, and their texts were all decoded at that last step: 512 x 256
-tokens, 19-22 ms of the engine thread waiting for the texts thread on an H100 host, the largest part
+tokens, 14-22 ms of the engine thread waiting for the texts thread on an H100 host, the largest part
 of the time from the last step to every answer. Decoded as they grow, in pieces, only the last
 few tokens of each are left for the end.
 
