@@ -27,7 +27,8 @@ from waits import fleet_state, wait_until
 
 from rollfleet.config import LoraSync, TensorSync, load_config
 from rollfleet.engine.lora.host_copies import host_copies
-from rollfleet.engine.lora.lora import TENSORS_PATH, LoraError, LoraLimits, linear_targets, parse_adapter
+from rollfleet.engine.lora.lora import TENSORS_PATH, LoraError, LoraLimits, parse_adapter
+from rollfleet.engine.lora.targets import lora_targets
 from rollfleet.engine.process.launch import EngineProcess
 from rollfleet.engine.process.server_args import build_parser, check_args
 from rollfleet.fleet.fleet import Fleet
@@ -611,11 +612,17 @@ def _bad_adapters(peft_model, qwen3_dir, tmp_path):
         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 2),
     }
     dora = save_adapter(good.items(), {**config, "use_dora": True}, tmp_path / "dora")
+    embed_source = LoraSource(make_adapter(qwen3_dir, ["embed_tokens", "q_proj"]))
     return [
         ("wrong-shape", ("tensors", config, wrong_shape), f"{q_a}: shape (4, 63), expected (r, 64)"),
         ("unknown", ("tensors", config, unknown), "module 'model.layers.0.self_attn.qq_proj' cannot be a LoRA target"),
         ("big", ("tensors", big_source.config_dict(), dict(big_source.named_tensors())), "rank 16 > --max-lora-rank 8"),
         ("mismatch", ("tensors", config, rank_mismatch), "rank 2 differs from the config's r=4"),
+        (  # an input embedding's adapter: served at tp 1 only
+            "embed",
+            ("tensors", embed_source.config_dict(), dict(embed_source.named_tensors())),
+            "module 'model.embed_tokens' cannot be a LoRA target: an embedding target is served at tp 1 only",
+        ),
         ("policy-vgood", ("tensors", config, good), "lora_name='policy-vgood' is already loaded"),
         ("dora", ("directory", str(dora)), "use_dora=True"),
         ("missing", ("directory", str(tmp_path / "nope")), "is not a directory"),
@@ -900,7 +907,7 @@ def test_scale_follows_rslora_and_patterns(qwen3_dir):
     tensors = dict(source.named_tensors())
     params = dict(model.named_parameters(remove_duplicate=False))
     parsed = parse_adapter(
-        "p", "__tensor__", source.config_dict(), tensors, model, linear_targets(model, params), LoraLimits()
+        "p", "__tensor__", source.config_dict(), tensors, model, lora_targets(model, params), LoraLimits()
     )
     scales = {t.module: t.scale for t in parsed.targets}
     layers = {
@@ -921,18 +928,18 @@ def test_scale_follows_rslora_and_patterns(qwen3_dir):
             source.config_dict(),
             tensors,
             model,
-            linear_targets(model, params),
+            lora_targets(model, params),
             LoraLimits(target_modules=frozenset({"q_proj"})),
         )
     for change in [{"lora_alpha": float("nan")}, {"alpha_pattern": {"q_proj": float("inf")}}]:  # NaN weights
         with pytest.raises(LoraError, match="must be a finite number"):
             config = {**source.config_dict(), **change}
-            parse_adapter("p", "__tensor__", config, tensors, model, linear_targets(model, params), LoraLimits())
+            parse_adapter("p", "__tensor__", config, tensors, model, lora_targets(model, params), LoraLimits())
     tied = AutoModelForCausalLM.from_config(
         tiny_config("qwen3", vocab_size=model.config.vocab_size, tie_word_embeddings=True)
     )
     tied_params = dict(tied.named_parameters(remove_duplicate=False))
-    assert "lm_head" not in linear_targets(tied, tied_params) and "lm_head" in linear_targets(model, params)
+    assert "lm_head" not in lora_targets(tied, tied_params) and "lm_head" in lora_targets(model, params)
 
 
 def test_the_adapter_plan_gives_peft_state_dict_until_the_model_changes(qwen3_dir):
@@ -992,7 +999,7 @@ def test_the_engine_reserves_room_for_a_merged_adapters_saved_weights(qwen3_dir)
     assert runner.lora.merge_bytes() == sum(w.nbytes for w in covered) > 0
     every = ModelRunner(qwen3_dir, lora=LoraLimits())  # no --lora-target-modules: any targetable weight
     assert every.lora.merge_bytes() == sum(
-        m.weight.nbytes for m in every.model.modules() if isinstance(m, torch.nn.Linear)
+        m.weight.nbytes for m in every.model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
     )
 
 
@@ -1053,7 +1060,7 @@ def test_adapter_fingerprints_taken_at_load_are_the_stored_tensors(qwen3_dir):
     sent = [(k, t.detach().clone()) for k, t in source.named_tensors()]
     bucket = PackPlan(sent).pack(sent, torch.empty(call_bytes(sent), dtype=torch.uint8))
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
-    targets = linear_targets(model, dict(model.named_parameters(remove_duplicate=False)))
+    targets = lora_targets(model, dict(model.named_parameters(remove_duplicate=False)))
     parsed = parse_adapter("p", TENSORS_PATH, source.config_dict(), bucket.unpack(), model, targets, LoraLimits())
     bucket.flattened_tensor.fill_(0)  # the sender reuses its buffer before anyone verifies
     want = fingerprints(sent)

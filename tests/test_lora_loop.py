@@ -20,9 +20,9 @@ from rollfleet.weights.adapter import LoraSource
 from rollfleet.wire.client import EngineError
 
 pytestmark = pytest.mark.usefixtures("local_ray")
-TARGETS = ["q_proj", "v_proj", "lm_head"]
+TARGETS = ["q_proj", "v_proj", "lm_head", "embed_tokens"]
 LORA = ("weight_sync.transport=lora", "train.lora.rank=4", "train.lora.alpha=8", "weight_sync.max_lora_rank=8")
-ADAPTER_TENSORS = 2 * 2 * 2 + 2  # A and B of q_proj and v_proj in 2 layers, and of lm_head
+ADAPTER_TENSORS = 2 * 2 * 2 + 2 + 2  # A and B of q_proj and v_proj in 2 layers, of lm_head and of embed_tokens
 
 
 def lora_run(model_dir, out, *overrides):
@@ -52,7 +52,8 @@ def test_lora_grpo_run_pushes_only_the_adapter_and_resume_continues_it(qwen3_dir
         saved = load_file(tmp_path / "checkpoints" / "adapter-step-2" / "adapter_model.safetensors")
         pushed = load_file(tmp_path / "adapters" / "version-2" / "adapter_model.safetensors")
         assert len(saved) == ADAPTER_TENSORS and all(torch.equal(saved[k], pushed[k]) for k in saved)
-        assert any(saved[k].abs().sum() > 0 for k in saved if "lora_B" in k)  # it trained (B starts at 0)
+        # it trained: the factors peft starts at 0 (B of a linear target, A of the embedding) moved
+        assert all(saved[k].abs().sum() > 0 for k in saved if "lora_B" in k or "lora_embedding_A" in k)
         shutil.rmtree(tmp_path / "adapters" / "version-2")  # the resumed run must push it again, from its state
         cfg, temp2 = lora_run(qwen3_dir, tmp_path, "rollout.num_engines=2", "grpo.steps=3")
         recorder = Recorder(qwen3_dir)

@@ -67,7 +67,7 @@ def test_a_lora_adapters_count_is_peft_s():
     from peft import LoraConfig, get_peft_model
 
     config = tiny_config("qwen3")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]
     model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=8, target_modules=targets))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert ModelShape.from_config(config.to_dict()).lora_parameters(8, targets) == trainable
@@ -76,7 +76,7 @@ def test_a_lora_adapters_count_is_peft_s():
 def test_the_weights_an_adapters_targets_cover_are_the_models():
     config = tiny_config("qwen3")
     model = AutoModelForCausalLM.from_config(config)
-    targets = ["q_proj", "v_proj", "down_proj", "lm_head"]
+    targets = ["q_proj", "v_proj", "down_proj", "lm_head", "embed_tokens"]
     covered = sum(m.weight.numel() for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets)
     assert ModelShape.from_config(config.to_dict()).lora_target_weights(targets) == covered
 

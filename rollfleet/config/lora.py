@@ -22,25 +22,31 @@ class LoraTrainConfig(Section):
     a_lr_scale: float = Field(
         1.0,
         gt=0.0,
-        description="The A matrices' learning rate as a share of train.lr (which B and everything else take). "
-        "Below 1 is LoRA+ (Hayou et al., 2024; their lr_B / lr_A = 16 is 0.0625): A stays near its random init "
-        "while B learns on it, so the update's directions grow side by side instead of the strongest alone.",
+        description="The random factors' learning rate as a share of train.lr (which the zero-initialised factors "
+        "and everything else take). Below 1 is LoRA+ (Hayou et al., 2024; their lr_B / lr_A = 16 is 0.0625): the "
+        "random factor stays near its init while the other learns on it, so the update's directions grow side by "
+        "side instead of the strongest alone. The random factor is A of a linear target and B of embed_tokens "
+        "(peft's Embedding swaps the roles: A [r, vocab] starts at 0, B [dim, r] random).",
     )
     a_init: Literal["peft", "orthonormal"] = Field(
         "peft",
-        description="How the A matrices start (B starts at 0 either way, so the adapter starts as the base model). "
-        "peft: its default (Kaiming-uniform). orthonormal: A's rows orthonormal (its columns where rank > in "
-        "features): every direction A spans learns at one rate. At rank = a layer's width peft's A is a random "
-        "square matrix whose smallest singular values are near 0, so B barely learns along those input "
-        "directions; orthonormal A with alpha = rank makes B's Adam steps move the weight as a full run's would, "
-        "in a rotated basis (docs/benchmarks.md, `make demo-lora`).",
+        description="How the random factors start: A of a linear target, B of embed_tokens (the other factor starts "
+        "at 0 either way, so the adapter starts as the base model). peft: its default (A Kaiming-uniform; "
+        "embed_tokens' B standard normal). orthonormal: A's rows orthonormal (its columns where rank > in "
+        "features), embed_tokens' B's columns orthonormal (its rows where rank > hidden size): every direction "
+        "the factor spans learns at one rate. At rank = a layer's width peft's A is a random square matrix whose "
+        "smallest singular values are near 0, so B barely learns along those input directions; orthonormal A "
+        "with alpha = rank makes B's Adam steps move the weight as a full run's would, in a rotated basis "
+        "(docs/benchmarks.md, `make demo-lora`); so does an orthonormal B for the embedding's rows.",
     )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input while training.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         min_length=1,
-        description="Names of the nn.Linear modules that get an adapter (the last part of a module's name, e.g. "
-        "q_proj); checked against the model when the run starts (not tied lm_head, not fused MoE experts).",
+        description="Names of the modules that get an adapter (the last part of a module's name, e.g. q_proj): "
+        "nn.Linear modules, and embed_tokens (the input embedding; peft saves its factors as lora_embedding_A/B); "
+        "checked against the model when the run starts (not tied lm_head or embed_tokens, not fused MoE "
+        "experts). embed_tokens needs rollout.tp_size 1 on the embedded engine.",
     )
 
     def peft_config(self):
@@ -76,6 +82,7 @@ def check_lora_run(cfg) -> None:
             field="train.lora.rank",
             value=lora.rank,
         )
+    _check_embedding_target(cfg)
     outside = sorted(set(lora.target_modules) - set(sync.lora_target_modules or lora.target_modules))
     if outside:
         raise FieldProblem(
@@ -86,6 +93,18 @@ def check_lora_run(cfg) -> None:
             value=lora.target_modules,
         )
     _check_memory_moves(cfg)
+
+
+def _check_embedding_target(cfg) -> None:
+    """The embedded engine serves an embed_tokens adapter at tp 1 only (engine/lora/targets.py)."""
+    lora, rollout = cfg.train.lora, cfg.rollout
+    if "embed_tokens" in lora.target_modules and rollout.backend == "embedded" and rollout.tp_size > 1:
+        raise FieldProblem(
+            f"the embedded engine serves an adapter on embed_tokens at tp 1 only (rollout.tp_size={rollout.tp_size})",
+            "drop embed_tokens from train.lora.target_modules, or set rollout.tp_size=1, or rollout.backend=sglang",
+            field="train.lora.target_modules",
+            value=lora.target_modules,
+        )
 
 
 def _check_memory_moves(cfg) -> None:

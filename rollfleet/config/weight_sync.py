@@ -95,8 +95,9 @@ class LoraSync(_WeightSync):
     max_lora_rank: int = Field(64, ge=1, description="Largest adapter rank the engines accept (--max-lora-rank).")
     lora_target_modules: list[str] | None = Field(
         None,
-        description="Modules adapters may target (--lora-target-modules, e.g. [q_proj, v_proj]); None: any "
-        "nn.Linear on the embedded engine (SGLang needs them listed).",
+        description="Modules adapters may target (--lora-target-modules, e.g. [q_proj, v_proj, embed_tokens]); "
+        "None: any nn.Linear, and an untied embed_tokens at tp 1, on the embedded engine (SGLang needs them "
+        "listed).",
     )
     resident: bool = Field(
         True,

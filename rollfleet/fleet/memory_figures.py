@@ -109,13 +109,15 @@ class ModelShape:
 
     def lora_parameters(self, rank: int, targets: list[str]) -> int:
         """A rank-`rank` adapter's parameters on `targets` (A: rank x in, B: out x rank) in every layer;
-        the MLP targets only where the layer is dense (fused experts take no adapter)."""
-        return sum(count * rank * (fan_in + fan_out) for count, fan_in, fan_out in self._lora_targets(targets))
+        the MLP targets only where the layer is dense (fused experts take no adapter); lm_head and
+        embed_tokens once each (rank x (vocab + hidden))."""
+        ends = rank * (self.vocab + self.hidden) * sum(name in targets for name in ("lm_head", "embed_tokens"))
+        return ends + sum(count * rank * (fan_in + fan_out) for count, fan_in, fan_out in self._lora_targets(targets))
 
     def lora_target_weights(self, targets: list[str]) -> int:
-        """Parameters of the base weights `targets` cover, lm_head included: an engine that merges an
-        adapter keeps a copy of each beside the weights, to restore the base (engine/lora/lora_merge.py)."""
-        head = self.vocab * self.hidden if "lm_head" in targets else 0
+        """Parameters of the base weights `targets` cover, lm_head and embed_tokens included: an engine that
+        merges an adapter keeps a copy of each beside the weights, to restore the base (engine/lora/lora_merge.py)."""
+        head = self.vocab * self.hidden * sum(name in targets for name in ("lm_head", "embed_tokens"))
         return head + sum(count * fan_in * fan_out for count, fan_in, fan_out in self._lora_targets(targets))
 
     def _lora_targets(self, targets: list[str]):

@@ -15,18 +15,19 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rollfleet.config import ConfigError, TrainConfig
 from rollfleet.config.lora import LoraTrainConfig
-from rollfleet.engine.lora.lora import linear_targets, why_not_targetable
+from rollfleet.engine.lora.targets import lora_targets, why_not_targetable
 from rollfleet.weights.adapter import LoraSource, save_adapter
 
 
 def check_targets(lora: LoraTrainConfig, model_path: str | Path) -> None:
-    """Every target names at least one nn.Linear of the model that an engine can serve an adapter on
-    (its own weight: not tied, not fused experts). Built on the meta device: nothing is read."""
+    """Every target names at least one module of the model that an engine can serve an adapter on: an
+    nn.Linear with its own weight (not tied, not fused experts), or an input embedding not tied to the
+    output head. Built on the meta device: nothing is read."""
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     params = dict(model.named_parameters(remove_duplicate=False))
-    targetable = linear_targets(model, params)
+    targetable = lora_targets(model, params)
     short_names = {path.rsplit(".", 1)[-1] for path in targetable}
     for target in lora.target_modules:
         if target in short_names:
@@ -40,28 +41,36 @@ def check_targets(lora: LoraTrainConfig, model_path: str | Path) -> None:
 
 
 def wrap(model: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
-    """The model as a peft model with a fresh adapter (B = 0: it starts as the base model), before sharding;
-    A orthonormal where train.lora.a_init says so (torch's RNG, seeded by the trainer: every rank the same)."""
+    """The model as a peft model with a fresh adapter (the learning factor at 0: it starts as the base
+    model), before sharding; the random factor orthonormal where train.lora.a_init says so (torch's RNG,
+    seeded by the trainer: every rank the same)."""
     from peft import get_peft_model  # imported here: peft takes seconds to import
 
     peft_model = get_peft_model(model, config.lora.peft_config())
     if config.lora.a_init == "orthonormal":
         with torch.no_grad():
             for name, param in peft_model.named_parameters():
-                if ".lora_A." in name:
-                    torch.nn.init.orthogonal_(param)  # rows orthonormal (columns where rank > in features)
+                if is_random_factor(name):  # rows orthonormal (columns where rank > in features)
+                    torch.nn.init.orthogonal_(param)  # an embedding's B [dim, r]: its columns (rows where r > dim)
     return peft_model
+
+
+def is_random_factor(name: str) -> bool:
+    """Whether a peft parameter is the factor peft draws at random (the other starts at 0 and learns): a
+    linear target's A; an embedding's B (peft's Embedding swaps the roles: A [r, num_embeddings] is 0,
+    B [dim, r] normal), which stays the map of each token's code to the embedding's directions."""
+    return ".lora_A." in name or ".lora_embedding_B." in name
 
 
 def param_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict]:
     """The optimizer's groups: everything that trains at train.lr, except (LoRA with a_lr_scale != 1)
-    the A matrices at train.lr * train.lora.a_lr_scale."""
+    the random factors (`is_random_factor`: linear targets' A, an embedding's B) at train.lr * a_lr_scale."""
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if config.lora is None or config.lora.a_lr_scale == 1.0:  # one group: what a full run's state holds
         return [{"params": [p for _, p in trained]}]
-    a_matrices = [p for name, p in trained if ".lora_A." in name]
-    rest = [p for name, p in trained if ".lora_A." not in name]
-    return [{"params": rest}, {"params": a_matrices, "lr": config.lr * config.lora.a_lr_scale}]
+    random = [p for name, p in trained if is_random_factor(name)]
+    rest = [p for name, p in trained if not is_random_factor(name)]
+    return [{"params": rest}, {"params": random, "lr": config.lr * config.lora.a_lr_scale}]
 
 
 def save_adapter_dir(model: torch.nn.Module, path: str | Path, *, keep: bool) -> None:

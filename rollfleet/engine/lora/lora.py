@@ -1,11 +1,10 @@
 """LoRA adapters in the embedded engine: read a peft adapter, check it against the model, and the
 arithmetic of merge on activation.
 
-An adapter is kept as it arrived (peft's saved naming `base_model.model.<module>.lora_A.weight`,
-tensors on the CPU) plus, per targeted nn.Linear, its (A [r, in], B [out, r], scale). The runner
-serves it by merging: see ModelRunner's LoRA section. Only plain nn.Linear modules whose weight
-is not tied to another parameter can be targets; fused MoE experts (one parameter holding every
-expert) cannot.
+An adapter is kept as it arrived (peft's saved naming `base_model.model.<module>.lora_A.weight`, an
+embedding's `.lora_embedding_A`; tensors on the CPU) plus, per target, its (A, B, scale). The runner
+serves it by merging: see ModelRunner's LoRA section. What may be a target (plain nn.Linear modules
+and an untied input embedding at tp 1, never fused MoE experts): targets.py.
 
 Every check runs before anything changes, and a refusal names the key or field, the value and
 the fix (LoraError, a ValueError: HTTP 400).
@@ -25,12 +24,16 @@ from safetensors.torch import load_file
 from torch import nn
 
 from rollfleet.engine.lora.host_copies import owned_copies
+from rollfleet.engine.lora.targets import LoraTarget, factor_keys, is_embedding, why_not_targetable
 from rollfleet.wire.fingerprint import DEFAULT_SAMPLES, Fingerprints, fingerprints
 from rollfleet.wire.hf_files import ADAPTER_CONFIG_FILE as CONFIG_FILE
 from rollfleet.wire.hf_files import ADAPTER_WEIGHTS_FILE as WEIGHTS_FILE
 from rollfleet.wire.hf_files import dir_problem, shown
 
-KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
+# a linear target's factors `lora_A.weight`, an embedding's `lora_embedding_A` (peft's names for each)
+KEY = re.compile(
+    r"^base_model\.model\.(?P<module>.+)\.(?:lora_(?P<half>[AB])\.weight|lora_(?P<embedding>embedding_)(?P<ehalf>[AB]))$"
+)
 TENSORS_PATH = "__tensor__"  # the `path` of an adapter loaded from tensors (SGLang registers the same)
 # peft features that change the arithmetic W + scale * B @ A, refused rather than served wrong
 UNSUPPORTED = {
@@ -59,33 +62,6 @@ class LoraLimits:
 
 
 @dataclass
-class LoraTarget:
-    module: str  # in-memory module path, e.g. model.layers.0.self_attn.q_proj
-    lora_a: torch.Tensor  # [r, in_features]
-    lora_b: torch.Tensor  # [out_features, r]
-    scale: float
-
-    def delta(
-        self,
-        device: torch.device,
-        lora_a: torch.Tensor | None = None,
-        lora_b: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ):
-        """scale * B @ A as a full float32 [out, in] tensor (peft's get_delta_weight, in float32). `lora_a`,
-        `lora_b`: this target's halves where they were copied already (default: its own); `out`: a float32
-        [out, in] tensor to write it into (the same product: `mm` is `mm_out` into a new tensor)."""
-        lora_a = self.lora_a if lora_a is None else lora_a
-        lora_b = self.lora_b if lora_b is None else lora_b
-        return torch.matmul(lora_b.to(device, torch.float32), lora_a.to(device, torch.float32), out=out).mul_(
-            self.scale
-        )
-
-    def halves(self) -> dict[str, torch.Tensor]:
-        return {"A": self.lora_a, "B": self.lora_b}
-
-
-@dataclass
 class LoraAdapter:
     name: str
     path: str  # the directory it was read from, or TENSORS_PATH
@@ -109,36 +85,6 @@ class LoraAdapter:
         if self._prints is None:
             self._prints = self.load_prints.digests()
         return {name: self._prints[name] for name in (names or self.tensors)}
-
-
-def linear_targets(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
-    """Module path -> full (out, in) weight shape of every nn.Linear an adapter may target: its
-    weight is one parameter of its own (not tied, not fused)."""
-    names_of: dict[int, int] = {}
-    for param in params.values():
-        names_of[id(param)] = names_of.get(id(param), 0) + 1
-    return {
-        name: tuple(module.weight.shape)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and names_of.get(id(module.weight)) == 1
-    }
-
-
-def why_not_targetable(model: nn.Module, module_path: str) -> str:
-    try:
-        module = model.get_submodule(module_path)
-    except AttributeError:
-        return "the model has no such module"
-    kind = type(module).__name__
-    if "expert" in module_path.split(".")[-1].lower() or "Experts" in kind:
-        return (
-            f"it is a fused MoE expert module ({kind}: one parameter holds every expert), which the embedded "
-            "engine cannot target; target attention projections (q_proj, k_proj, v_proj, o_proj) or serve "
-            "expert LoRA with SGLang"
-        )
-    if isinstance(module, nn.Linear):
-        return "its weight is tied to another parameter (e.g. lm_head tied to the embeddings)"
-    return f"it is a {kind}, not an nn.Linear"
 
 
 def read_adapter_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -186,24 +132,19 @@ def parse_adapter(
     problems, unreadable = _config_problems(config), _pattern_problems(config)
     if unreadable:  # every target reads the patterns
         raise LoraError(f"adapter {name!r} refused, nothing changed: {'; '.join(problems + unreadable)}")
-    modules: dict[str, dict[str, torch.Tensor]] = {}
+    modules: dict[str, dict[str, torch.Tensor]] = {}  # module -> {"A", "B", or "embedding A", "embedding B"}
     for key, tensor in tensors.items():
         match = KEY.match(key)
         if match is None:
-            hint = (
-                " (the adapter name is inside the key: save with get_peft_model_state_dict or save_pretrained, "
-                "which drop it)"
-                if ".lora_A." in key or ".lora_B." in key
-                else ""
-            )
             problems.append(
                 f"key {key!r} is not a LoRA weight: expected base_model.model.<module>.lora_A.weight "
-                f"or .lora_B.weight{hint}"
+                f"or .lora_B.weight (an embedding's: .lora_embedding_A or .lora_embedding_B){_hint(key)}"
             )
         elif not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             problems.append(f"{key}: {getattr(tensor, 'dtype', type(tensor).__name__)} is not a floating tensor")
         else:
-            modules.setdefault(match["module"], {})[match["half"]] = tensor
+            half = f"embedding {match['ehalf']}" if match["embedding"] else match["half"]
+            modules.setdefault(match["module"], {})[half] = tensor
     if not tensors:
         problems.append("the adapter holds no tensors")
     targets = []
@@ -220,9 +161,23 @@ def parse_adapter(
     prints.flush()  # gathered now: the sender's memory may go
     owned = owned_copies(tensors)  # no sender memory kept; on the GPU it came from, or the CPU
     for target in targets:
-        prefix = f"base_model.model.{target.module}"
-        target.lora_a, target.lora_b = owned[f"{prefix}.lora_A.weight"], owned[f"{prefix}.lora_B.weight"]
+        target.lora_a, target.lora_b = (owned[key] for key in target.keys)
     return LoraAdapter(name, path, config, owned, targets, load_prints=prints)
+
+
+def _hint(key: str) -> str:
+    """Why a key that looks like a LoRA weight is not read, and the fix."""
+    if key.endswith(".base_layer.weight"):
+        return (
+            " (peft saved the targeted base layer with the adapter, as save_pretrained does for embeddings "
+            "unless save_embedding_layers=False: the engine holds the base; save without it)"
+        )
+    if ".lora_A." in key or ".lora_B." in key or ".lora_embedding_" in key:
+        return (
+            " (the adapter name is inside the key: save with get_peft_model_state_dict or save_pretrained, "
+            "which drop it)"
+        )
+    return ""
 
 
 def _config_numbers(config: dict) -> tuple[int, float]:
@@ -287,12 +242,12 @@ def _target(
     problems: list[str],
 ) -> LoraTarget | None:
     key = f"base_model.model.{module}"
-    missing = [f"lora_{h}" for h in "AB" if h not in halves]
-    if missing:
-        problems.append(f"{key}: has no {' or '.join(missing)}.weight: every target needs both halves")
-        return None
     if module not in targetable:
         problems.append(f"{key}: module {module!r} cannot be a LoRA target: {why_not_targetable(model, module)}")
+        return None
+    embedding = is_embedding(model, module)
+    if problem := _naming_problem(key, halves, embedding):
+        problems.append(problem)
         return None
     short = module.rsplit(".", 1)[-1]
     if limits.target_modules is not None and short not in limits.target_modules:
@@ -301,21 +256,11 @@ def _target(
             f"train without it or start the engine with {short} in --lora-target-modules"
         )
         return None
-    lora_a, lora_b = halves["A"], halves["B"]
-    out_features, in_features = targetable[module]
-    r = lora_a.shape[0] if lora_a.dim() == 2 else None
-    if lora_a.dim() != 2 or lora_a.shape[1] != in_features:
-        problems.append(
-            f"{key}.lora_A.weight: shape {tuple(lora_a.shape)}, expected (r, {in_features}) = "
-            f"[r, in_features] of {module} (full, unsharded size)"
-        )
+    lora_a, lora_b = (halves[f"embedding {h}"] if embedding else halves[h] for h in "AB")
+    if problem := _shape_problem(module, lora_a, lora_b, targetable[module], embedding):
+        problems.append(problem)
         return None
-    if tuple(lora_b.shape) != (out_features, r):
-        problems.append(
-            f"{key}.lora_B.weight: shape {tuple(lora_b.shape)}, expected ({out_features}, {r}) = "
-            f"[out_features, r] of {module} (full, unsharded size)"
-        )
-        return None
+    r = lora_a.shape[0]
     expected_rank = _pattern_value(config.get("rank_pattern"), module, rank)
     if r != expected_rank:
         problems.append(
@@ -331,7 +276,44 @@ def _target(
         return None
     module_alpha = float(_pattern_value(config.get("alpha_pattern"), module, alpha))
     scale = module_alpha / math.sqrt(r) if config.get("use_rslora") else module_alpha / r
-    return LoraTarget(module, lora_a, lora_b, scale)
+    return LoraTarget(module, lora_a, lora_b, scale, embedding=embedding)
+
+
+def _naming_problem(key: str, halves: dict[str, torch.Tensor], embedding: bool) -> str | None:
+    """Both factors under the names peft gives this kind of target, or what is wrong and the fix."""
+    if embedding:
+        names = {"embedding A": "lora_embedding_A", "embedding B": "lora_embedding_B"}
+    else:
+        names = {"A": "lora_A.weight", "B": "lora_B.weight"}
+    if set(halves) - set(names):
+        kind = "an nn.Embedding" if embedding else "an nn.Linear"
+        return (
+            f"{key}: {kind} target's factors are {' and '.join(names.values())} (peft's names), got "
+            f"{sorted(halves)}: save the adapter with peft (get_peft_model_state_dict or save_pretrained)"
+        )
+    missing = [name for half, name in names.items() if half not in halves]
+    if missing:
+        return f"{key}: has no {' or '.join(missing)}: every target needs both halves"
+    return None
+
+
+def _shape_problem(module: str, lora_a, lora_b, shape: tuple[int, int], embedding: bool) -> str | None:
+    """A [r, a_dim] and B [b_dim, r] of the full (unsharded) weight: a linear's [out, in] takes A [r, in],
+    B [out, r]; an embedding's [num_embeddings, dim] takes A [r, num_embeddings], B [dim, r]."""
+    key_a, key_b = factor_keys(module, embedding)
+    b_dim, a_dim = (shape[1], shape[0]) if embedding else shape
+    a_names, b_names = ("[r, num_embeddings]", "[dim, r]") if embedding else ("[r, in_features]", "[out_features, r]")
+    if lora_a.dim() != 2 or lora_a.shape[1] != a_dim:
+        return (
+            f"{key_a}: shape {tuple(lora_a.shape)}, expected (r, {a_dim}) = {a_names} of {module} (full, unsharded "
+            "size): send the adapter trained on this model"
+        )
+    if tuple(lora_b.shape) != (b_dim, lora_a.shape[0]):
+        return (
+            f"{key_b}: shape {tuple(lora_b.shape)}, expected ({b_dim}, {lora_a.shape[0]}) = {b_names} of {module} "
+            "(full, unsharded size): send the adapter trained on this model"
+        )
+    return None
 
 
 def _pattern_value(patterns: dict | None, module: str, default):

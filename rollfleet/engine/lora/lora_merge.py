@@ -3,7 +3,8 @@
 A batch runs with one adapter or none. `use(name)` (at the start of every prefill and decode)
 makes the weights match it: restore the base values of the previous adapter's targets from saved
 copies (a copy back, never a subtraction, so the base is exact), save copies of the new
-adapter's targets and set W = W_base + scale * B @ A there. The delta is a full [out, in] tensor
+adapter's targets and set W = W_base + scale * B @ A there (an input embedding's [num_embeddings,
+dim] weight: + scale * (B @ A).T, targets.py). The delta is a full tensor of the weight's shape,
 sliced to this rank's shard (`shard_of`), as weight updates are sliced, so tp and ep engines need
 nothing else and no rank talks to another.
 
@@ -23,15 +24,9 @@ import torch
 from torch import nn
 
 from rollfleet.engine.lora.host_copies import copies_on
-from rollfleet.engine.lora.lora import (
-    LoraAdapter,
-    LoraError,
-    LoraLimits,
-    linear_targets,
-    parse_adapter,
-    read_adapter_dir,
-)
+from rollfleet.engine.lora.lora import LoraAdapter, LoraError, LoraLimits, parse_adapter, read_adapter_dir
 from rollfleet.engine.lora.parse_plan import AdapterPlans
+from rollfleet.engine.lora.targets import lora_targets
 from rollfleet.engine.tp.payloads import BucketViews, PayloadError, decode_entry, named_tensors, resident_entry
 from rollfleet.engine.tp.ranks import Ranks
 from rollfleet.engine.tp.shards import local_of, shard_of
@@ -55,7 +50,7 @@ class LoraMerge:
     ):
         self._model, self._params, self._ranks = model, params, ranks
         self.limits = limits  # None: LoRA is off (no --enable-lora)
-        self.targetable = linear_targets(model, params)
+        self.targetable = lora_targets(model, params, ranks.size)
         self.adapters: dict[str, LoraAdapter] = {}
         self._loads = 0  # adapters loaded since start: each load's number names its weights (`identity`)
         self._load_of: dict[str, int] = {}

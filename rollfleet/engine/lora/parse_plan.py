@@ -26,7 +26,8 @@ import copy
 import torch
 
 from rollfleet.engine.lora.host_copies import SPAN_ALIGN
-from rollfleet.engine.lora.lora import TENSORS_PATH, LoraAdapter, LoraLimits, LoraTarget, parse_adapter
+from rollfleet.engine.lora.lora import TENSORS_PATH, LoraAdapter, LoraLimits, parse_adapter
+from rollfleet.engine.lora.targets import LoraTarget, factor_keys
 from rollfleet.wire.fingerprint import DEFAULT_SAMPLES, Fingerprints, sample_positions
 
 
@@ -36,7 +37,7 @@ class AdapterPlan:
         values = list(tensors.values())
         self.keys, self.sources = list(tensors), values
         self.config, self.limits = copy.deepcopy(config), limits
-        self.targets = [(t.module, t.scale) for t in adapter.targets]
+        self.targets = [(t.module, t.scale, t.embedding) for t in adapter.targets]
         self.device = values[0].device
         offsets = [t.storage_offset() * t.element_size() for t in values]
         self.start = min(offsets) // SPAN_ALIGN * SPAN_ALIGN
@@ -100,13 +101,9 @@ class AdapterPlan:
         if self.device.type == "cuda":  # the sender reuses its buffer once the engine answered
             torch.cuda.current_stream(self.device).synchronize()
         targets = [
-            LoraTarget(
-                module,
-                owned[f"base_model.model.{module}.lora_A.weight"],
-                owned[f"base_model.model.{module}.lora_B.weight"],
-                scale,
-            )
-            for module, scale in self.targets
+            LoraTarget(module, owned[key_a], owned[key_b], scale, embedding=embedding)
+            for module, scale, embedding in self.targets
+            for key_a, key_b in [factor_keys(module, embedding)]
         ]
         return LoraAdapter(name, TENSORS_PATH, config, owned, targets, load_prints=prints)
 

@@ -62,14 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-lora",
         action="store_true",
-        help="serve LoRA adapters (merged into the weights for the batches that use them; nn.Linear targets only)",
+        help="serve LoRA adapters (merged into the weights for the batches that use them; nn.Linear targets, "
+        "and an untied embed_tokens at --tp-size 1)",
     )
     p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank accepted (default: any)")
     p.add_argument(
         "--lora-target-modules",
         nargs="+",
         default=None,
-        help="module names adapters may target (q_proj v_proj ...; 'all' or unset: any nn.Linear)",
+        help="module names adapters may target (q_proj v_proj embed_tokens ...; 'all' or unset: any targetable)",
     )
     p.add_argument("--max-loaded-loras", type=int, default=None, help="most adapters loaded at once (default: any)")
     p.add_argument("--enable-memory-saver", action="store_true", help="accepted; release/resume always works here")

@@ -16,6 +16,10 @@ class Ranks:
     def rank(self) -> int:
         return dist.get_rank(self.group) if self.group is not None else 0
 
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group) if self.group is not None else 1
+
     def gather(self, value) -> list:
         """`value` of every rank, in rank order (a collective: every rank calls it)."""
         if self.group is None:
