@@ -38,6 +38,9 @@ from fastapi import Body, FastAPI  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.entrypoints.openai.protocol import ModelCard, ModelList  # noqa: E402
+from sglang.srt.layers.utils import get_layer_id  # noqa: E402
+from sglang.srt.lora.lora import LoRAAdapter  # noqa: E402
+from sglang.srt.lora.lora_config import LoRAConfig  # noqa: E402
 from sglang.srt.lora.lora_registry import LoRARef, LoRARegistry  # noqa: E402
 from sglang.srt.managers import io_struct as req  # noqa: E402
 from sglang.srt.managers import tp_worker as tp_worker_module  # noqa: E402
@@ -85,8 +88,29 @@ scheduler_side.get_model = runner_side.get_model  # read by its release/resume o
 
 
 def record_lora(ref, tensors, config_dict, added_tokens_config):
-    adapters[ref.lora_name] = {"tensors": {k: describe(v) for k, v in tensors.items()}, "config": config_dict}
+    adapters[ref.lora_name] = {
+        "tensors": {k: describe(v) for k, v in tensors.items()},
+        "config": config_dict,
+        "parsed": sglang_parse(tensors, config_dict, added_tokens_config),
+    }
     return req.LoRAUpdateOutput(success=True, loaded_adapters={name: "__tensor__" for name in adapters})
+
+
+def sglang_parse(tensors, config_dict, added_tokens_config) -> dict:
+    """What SGLang's LoRAAdapter makes of the tensors (its lora manager's load from tensors, on a model
+    of as many layers as the keys name): the embedding layers it keeps (embed_tokens, lm_head) and the
+    names of each layer's weights after its normalisation (q, k, v stacked into qkv_proj)."""
+    layers = 1 + max((i for i in map(get_layer_id, tensors) if i is not None), default=0)
+    base = SimpleNamespace(num_hidden_layers=layers, vocab_size=None)
+    adapter = LoRAAdapter("recorded", LoRAConfig.from_dict(config_dict, added_tokens_config), base, None, None)
+    try:
+        adapter.initialize_weights_from_tensors(tensors)
+    except KeyError as exc:  # 0.5.23's normalize_qkv_proj needs v_proj beside q_proj: a q_proj-only adapter fails
+        return {"error": f"KeyError: {exc}"}
+    return {
+        "embedding_layers": {k: describe(v) for k, v in adapter.embedding_layers.items()},
+        "layer_weights": [sorted(layer.weights) for layer in adapter.layers],
+    }
 
 
 class MemorySaver:

@@ -21,11 +21,13 @@ import httpx
 import pytest
 import torch
 
-from rollfleet.config import DiskSync, LoraSync, NcclSync, TensorSync
+from rollfleet.config import DiskSync, LoraSync, NcclSync, TensorSync, load_config
+from rollfleet.config.lora import engine_sync_spec
 from rollfleet.fleet.colocation import RESUME_AFTER_PUSH, release_tags
 from rollfleet.fleet.sampling_seeds import derive_seed, seeded_payload
 from rollfleet.weights.adapter import LoraSource
 from rollfleet.weights.transports.base import EngineTarget, make_transport
+from rollfleet.weights.transports.lora import LoraTransport
 from rollfleet.wire.client import SUPPORTED_SGLANG, EngineClient, UnsupportedEngine, check_supported
 from tests.conftest import call
 
@@ -182,6 +184,59 @@ def test_lora_transport_loads_one_bucket_dict_through_sglangs_tp_worker(sglang_u
         assert recorded["unloaded"] == ([] if version == "2" else ["policy-v2"])  # after the new one loaded
     cards = httpx.get(f"{sglang_url}/v1/models").json()["data"]
     assert [(c["id"], c["root"], c["parent"]) for c in cards[1:]] == [("policy-v3", "__tensor__", "recording")]
+
+
+def test_an_embedding_adapter_reaches_sglangs_lora_adapter_as_peft_saved_it(sglang_url, qwen3_dir, tmp_path):
+    """An adapter on embed_tokens as the lora transport sends it: SGLang's LoRAAdapter keeps its factors
+    (peft's keys, lora_embedding_A [r, vocab] and lora_embedding_B [hidden, r], bit for bit) among its
+    embedding layers for its memory pool, the linear targets in their layers; and SGLang's own server
+    arguments accept the engines' --lora-target-modules with embed_tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    targets = ["embed_tokens", "q_proj", "v_proj"]  # SGLang stacks q with v (its normalize_qkv_proj needs v)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(qwen3_dir), LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    )
+    source = LoraSource(peft_model)
+    sent = dict(source.named_tensors())
+    recorded = _send(sglang_url, LoraSync(adapter_name="policy", path=str(tmp_path)), "1", source)
+    parsed = recorded["adapters"]["policy-v1"]["parsed"]
+    embedding = {k: describe(t) for k, t in sent.items() if "embed_tokens" in k}
+    vocab, hidden = peft_model.get_input_embeddings().weight.shape
+    assert parsed["embedding_layers"] == embedding and [shape for _, shape, _ in embedding.values()] == [
+        [4, vocab],
+        [hidden, 4],
+    ]
+    assert all(
+        names == [f"base_model.model.model.layers.{i}.self_attn.qkv_proj.lora_{h}.weight" for h in "AB"]
+        for i, names in enumerate(parsed["layer_weights"])
+    )
+    cfg = load_config(
+        None, ["rollout.model_path=m", "weight_sync.transport=lora", f"train.lora.target_modules=[{','.join(targets)}]"]
+    )
+    flags = LoraTransport.server_args(engine_sync_spec(cfg))
+    done = subprocess.run(
+        [sys.executable, "-c", SGLANG_FLAGS, json.dumps(flags)],
+        capture_output=True,
+        text=True,
+        env=sglang_env(),
+        cwd=ROOT,
+        timeout=START_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == targets
+
+
+SGLANG_FLAGS = """
+import argparse, json, sys
+sys.path.insert(0, "tests")
+import sglang_stubs  # noqa: F401  (before any sglang module)
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+print(json.dumps(parser.parse_args(["--model-path", "m", *json.loads(sys.argv[1])]).lora_target_modules))
+"""
 
 
 @pytest.mark.parametrize("load_format", ["flattened_bucket", "direct"])
