@@ -44,16 +44,34 @@ CASES = [
     ),
     *(
         (
-            f"decode-split-{dtype[1:]}",
+            f"decode-split-{dtype[1:]}-prefix-{prefix}",
             "rollfleet.engine.kv.decode_kernel",
             "_split_kernel",
             {
                 **dict.fromkeys(["q_ptr", "k_ptr", "v_ptr"], dtype),
-                **dict.fromkeys(["table_ptr", "lens_ptr"], "*i64"),
+                **dict.fromkeys(["table_ptr", "lens_ptr", "skip_ptr"], "*i64"),
                 **dict.fromkeys(["part_ptr", "lse_ptr"], "*fp32"),
                 "scale": "fp32",
             },
-            {"GROUP": 2, "GROUP_PAD": 16, "DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK": 32, "PRECISION": precision},
+            {"GROUP": 2, "GROUP_PAD": 16, "DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK": 32, "PRECISION": precision}
+            | {"HAS_PREFIX": prefix},
+        )
+        for dtype, precision in ((BF16, "tf32"), ("*fp32", "ieee"))
+        for prefix in (False, True)
+    ),
+    *(
+        (
+            f"decode-prefix-{dtype[1:]}",
+            "rollfleet.engine.kv.decode_kernel",
+            "_prefix_kernel",
+            {
+                **dict.fromkeys(["q_ptr", "k_ptr", "v_ptr"], dtype),
+                **dict.fromkeys(["table_ptr", "prefix_ptr"], "*i64"),
+                **dict.fromkeys(["part_ptr", "lse_ptr"], "*fp32"),
+                "scale": "fp32",
+            },
+            {"MEMBERS": 16, "QUERIES": 64, "GROUP": 4, "GROUP_PAD": 16, "DIM": 128, "DIM_PAD": 128, "PAGE": 16}
+            | {"BLOCK": 32, "PRECISION": precision},
         )
         for dtype, precision in ((BF16, "tf32"), ("*fp32", "ieee"))
     ),

@@ -84,3 +84,40 @@ def test_splits_depend_on_the_shape_alone_and_cover_the_table():
         assert per_split % decode_kernel.BLOCK_N == 0
         assert (splits - 1) * per_split < width * page <= splits * per_split
         assert (splits, per_split) == decode_kernel.splits_for(rows, kv_heads, width, page)
+
+
+@pytest.mark.parametrize(
+    "requests, samples, prompt, heads, kv_heads, dim, page",
+    [
+        (3, 8, 64, 16, 4, 128, 16),  # GRPO's shape: each request's samples over its prompt's pages
+        (2, 5, 33, 8, 8, 64, 4),  # a prompt that ends inside a page: that page is the samples' own
+        (1, 20, 48, 14, 2, 32, 16),  # a group larger than one tile of the prefix kernel (9 rows of 7 heads)
+        (4, 1, 32, 4, 1, 32, 16),  # no group: the prefix pass writes nothing
+    ],
+)
+def test_the_prefix_pass_equals_reading_every_row_whole(requests, samples, prompt, heads, kv_heads, dim, page):
+    from rollfleet.engine.kv.prefix_groups import MAX_MEMBERS, prefix_groups
+
+    gen = random.Random(requests * samples)
+    tables, lens, fresh = [], [], 1
+    for _ in range(requests):
+        shared = list(range(fresh, fresh + prompt // page))
+        fresh += len(shared)
+        for _ in range(samples):
+            length = prompt + gen.randint(1, 40)
+            own = -(-length // page) - len(shared)
+            tables.append(shared + list(range(fresh, fresh + own)))
+            fresh += own
+            lens.append(length)
+    width = max(map(len, tables)) + 1
+    table = torch.tensor([pages + [0] * (width - len(pages)) for pages in tables], device=DEVICE)
+    torch.manual_seed(requests)
+    pool_k, pool_v = (torch.randn(fresh * page, kv_heads, dim, dtype=DTYPE, device=DEVICE) for _ in range(2))
+    q = torch.randn(len(tables), heads, dim, dtype=DTYPE, device=DEVICE)
+    lens_t = torch.tensor(lens, device=DEVICE)
+    prefix = torch.tensor(prefix_groups(tables, lens, page, MAX_MEMBERS), device=DEVICE)
+    assert (prefix[0] > 1).sum() == (requests if samples > 1 and prompt >= page else 0)
+    whole = decode_kernel.decode_attention(q, pool_k, pool_v, table, lens_t, page, dim**-0.5)
+    shared = decode_kernel.decode_attention(q, pool_k, pool_v, table, lens_t, page, dim**-0.5, prefix=prefix)
+    tolerance = 2e-2 if DTYPE == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(shared.float(), whole.float(), atol=tolerance, rtol=tolerance)

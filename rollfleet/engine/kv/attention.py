@@ -43,6 +43,7 @@ class PagedInputs:
     kernel: bool = False  # decode reads the pages in place (kv/decode_kernel.py) instead of gathering them
     q_index: torch.Tensor | None = None  # [T]: packed token -> row * longest + index in row (None: T is rows x longest)
     q_pos: torch.Tensor | None = None  # [rows, longest]: each padded query's position (0 for padding)
+    prefix: torch.Tensor | None = None  # [2, rows]: decode rows that share leading pages (kv/prefix_groups.py)
     riders: PagedInputs | None = None  # a prefill step's trailing one-token rows, in the decode layout
     ride_from: int = 0  # the packed index of the riders' first token
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -111,7 +112,7 @@ def _attend(q: torch.Tensor, paged: PagedInputs, layer: int, scaling: float | No
     if paged.decode and paged.kernel:
         scale = head_dim**-0.5 if scaling is None else scaling
         out = decode_kernel.decode_attention(
-            q.to(pool_k.dtype), pool_k, pool_v, paged.table, paged.lens, paged.page_size, scale
+            q.to(pool_k.dtype), pool_k, pool_v, paged.table, paged.lens, paged.page_size, scale, paged.prefix
         )
         return out.to(q.dtype)
     grouped = q.reshape(tokens, kv_heads, group, head_dim)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from rollfleet.engine.kv.attention import PagedInputs
+from rollfleet.engine.kv.prefix_groups import PrefixGroups
 from rollfleet.engine.kv.saver import CUDA_GRAPH_TAG, PausableMemory
 from rollfleet.engine.kv.tables import TableMirror, step_inputs
 
@@ -73,7 +74,7 @@ class Graph:
     copied: torch.cuda.Event  # recorded after each copy of `table` to the device (the host waits on it)
 
 
-class DecodeGraphs:
+class DecodeGraphs:  # graphs by (batch bucket, width, with the prefix pass)
     def __init__(
         self,
         forward: Callable[..., torch.Tensor],
@@ -89,9 +90,11 @@ class DecodeGraphs:
         self.buckets: list[int] = []
         self.captures, self.capture_s = 0, 0.0  # since start, for the benchmarks
         self.prefill = None  # the prefill graphs beside these (kv/prefill_graphs.py), dropped with them
+        self.groups: PrefixGroups | None = None  # rows sharing leading pages (the decode kernel's prefix pass)
 
     def configure(self, pool, max_batch: int) -> None:
         self.kv, self.buckets = pool, batch_buckets(max_batch) if max_batch > 0 else []
+        self.groups = PrefixGroups(pool.page_size, pin=True) if self.kernel else None
         if not self.buckets:
             self.disabled = "CUDA graphs are off (--disable-cuda-graph or a max batch of 0)"
 
@@ -103,21 +106,23 @@ class DecodeGraphs:
         or None when this model cannot be captured: run it eagerly."""
         batch = next(b for b in self.buckets if b >= len(rows))
         need = max(len(pages) for _, _, pages in rows)
-        width = graph_width([w for b, w in self.graphs if b == batch], need, coarse=self.kernel)
-        graph = self.graphs.get((batch, width))
+        groups = self.groups.of(rows, batch) if self.groups is not None else None
+        shared = groups is not None  # graphs with the prefix pass are apart: steps without groups skip it
+        width = graph_width([w for b, w, s in self.graphs if b == batch and s == shared], need, coarse=self.kernel)
+        graph = self.graphs.get((batch, width, shared))
         if graph is None:
             try:
-                graph = self._capture(batch, width)
+                graph = self._capture(batch, width, shared)
             except Exception as exc:  # noqa: BLE001 - any capture failure means: run this model eagerly
                 self.disabled = f"capture failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 log.warning("CUDA graphs off for this engine, decode runs eagerly (%s)", self.disabled)
                 return None
-            self.graphs[(batch, width)] = graph
-        self._fill(graph, rows, ids)
+            self.graphs[(batch, width, shared)] = graph
+        self._fill(graph, rows, ids, groups)
         graph.graph.replay()
         return graph.logits[: len(rows)]
 
-    def _fill(self, graph: Graph, rows, ids: torch.Tensor | None) -> None:
+    def _fill(self, graph: Graph, rows, ids: torch.Tensor | None, groups: torch.Tensor | None) -> None:
         """The step's inputs into the graph's static buffers, queued behind the device's work (from
         pinned memory: nothing here waits for the step before, which may still run, kv/overlap.py)."""
         graph.copied.synchronize()  # the last step's copy has left the host table (normally long ago)
@@ -127,9 +132,11 @@ class DecodeGraphs:
         if ids is not None:
             graph.ids[0, : len(rows)].copy_(ids)
         graph.inputs.table.copy_(table, non_blocking=True)
+        if groups is not None:
+            graph.inputs.prefix.copy_(groups, non_blocking=True)
         graph.copied.record()
 
-    def _capture(self, batch: int, width: int) -> Graph:
+    def _capture(self, batch: int, width: int, shared: bool) -> Graph:
         start = time.perf_counter()
         dev = self.device
         zeros = torch.zeros(batch, dtype=torch.long, device=dev)
@@ -142,6 +149,7 @@ class DecodeGraphs:
             lens=torch.ones(batch, dtype=torch.long, device=dev),
             decode=True,
             kernel=self.kernel,
+            prefix=torch.zeros(2, batch, dtype=torch.long, device=dev) if shared else None,
         )
         ids, positions = zeros.clone()[None], zeros.clone()[None]
         keep = torch.arange(batch, device=dev)
