@@ -318,6 +318,7 @@ def test_prefills_that_only_wait_on_each_other_for_pages_preempt_the_last_admitt
         (["--page-size", "0"], "--page-size 0"),
         (["--max-total-tokens", "8", "--page-size", "16"], "--max-total-tokens 8"),
         (["--chunked-prefill-size", "0"], "--chunked-prefill-size 0"),
+        (["--rollfleet-shared-prefix-keys", "-1"], "--rollfleet-shared-prefix-keys -1"),
     ],
 )
 def test_kv_flags_that_cannot_work_are_refused_naming_the_flag(qwen3_dir, flags, named, capsys):

@@ -217,6 +217,9 @@ class EngineService:
             report["cuda_graphs"] = {"captured": len(graphs.graphs), "captures": graphs.captures}
             report["cuda_graphs"].update(capture_s=round(graphs.capture_s, 3), disabled=graphs.disabled)
             report["cuda_graphs"]["paused"] = graphs.paused  # cuda_graph released with the saver: decode runs eagerly
+            # decode graphs with the kernel's prefix pass (rows sharing >= this many keys, kv/prefix_groups.py)
+            report["cuda_graphs"]["prefix_pass"] = sum(1 for key in graphs.graphs if key[2])
+            report["cuda_graphs"]["shared_prefix_keys"] = graphs.shared_prefix_keys if graphs.groups else 0
             if not paged.decode_graphs:
                 report["cuda_graphs"]["disabled"] = "--disable-decode-cuda-graph"
         if (prefill := paged.prefill_graphs) is not None:  # small prefills' graphs (kv/prefill_graphs.py)

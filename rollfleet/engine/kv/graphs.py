@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from rollfleet.engine.kv.attention import PagedInputs
-from rollfleet.engine.kv.prefix_groups import PrefixGroups
+from rollfleet.engine.kv.prefix_groups import MIN_SHARED_KEYS, PrefixGroups
 from rollfleet.engine.kv.saver import CUDA_GRAPH_TAG, PausableMemory
 from rollfleet.engine.kv.tables import TableMirror, step_inputs
 
@@ -81,8 +81,10 @@ class DecodeGraphs:  # graphs by (batch bucket, width, with the prefix pass)
         device: torch.device,
         kernel: bool = False,
         saver: PausableMemory | None = None,
+        shared_prefix_keys: int = MIN_SHARED_KEYS,
     ):
         self.forward, self.device, self.kernel, self.saver = forward, device, kernel, saver
+        self.shared_prefix_keys = shared_prefix_keys  # 0: no prefix pass
         self.paused = False  # the cuda_graph tag is released (saver only): no replay until resumed
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.disabled: str | None = None
@@ -94,7 +96,8 @@ class DecodeGraphs:  # graphs by (batch bucket, width, with the prefix pass)
 
     def configure(self, pool, max_batch: int) -> None:
         self.kv, self.buckets = pool, batch_buckets(max_batch) if max_batch > 0 else []
-        self.groups = PrefixGroups(pool.page_size, pin=True) if self.kernel else None
+        if self.kernel and self.shared_prefix_keys > 0:
+            self.groups = PrefixGroups(pool.page_size, pin=True, min_keys=self.shared_prefix_keys)
         if not self.buckets:
             self.disabled = "CUDA graphs are off (--disable-cuda-graph or a max batch of 0)"
 

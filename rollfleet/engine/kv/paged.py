@@ -33,6 +33,7 @@ from rollfleet.engine.kv.graphs import DecodeGraphs
 from rollfleet.engine.kv.norm_kernel import fuse_rms_norms
 from rollfleet.engine.kv.pool import KVPool, KVShape
 from rollfleet.engine.kv.prefill_graphs import PrefillGraphs
+from rollfleet.engine.kv.prefix_groups import MIN_SHARED_KEYS
 from rollfleet.engine.kv.qkv_kernel import FUSABLE, fuse_attention_inputs
 from rollfleet.engine.kv.saver import CUDA_GRAPH_TAG, KV_CACHE_TAG, PausableMemory
 from rollfleet.engine.sequences.device_copy import to_device
@@ -79,6 +80,7 @@ class PagedModel:
         kernel=True,
         fuse_inputs: bool = True,
         memory_saver: bool = False,
+        shared_prefix_keys: int = MIN_SHARED_KEYS,
     ):
         self.model, self.lora, self.route_capture = model, lora, route_capture
         self.device, self.page_size = device, page_size
@@ -97,7 +99,9 @@ class PagedModel:
         # in the decode graphs' pool and memory region (so DecodeGraphs exists for either)
         self.decode_graphs = graphs and on_gpu
         either = on_gpu and (graphs or prefill_graphs)
-        self.graphs = DecodeGraphs(self._forward, device, self.kernel, self.saver) if either else None
+        self.graphs = None
+        if either:  # the decode kernel's prefix pass runs inside decode graphs (kv/prefix_groups.py)
+            self.graphs = DecodeGraphs(self._forward, device, self.kernel, self.saver, shared_prefix_keys)
         self.prefill_graphs = PrefillGraphs(self.graphs) if on_gpu and prefill_graphs else None
         self.last_routes: torch.Tensor | None = None
         self.cpu_rows: int | None = None  # measured at the first CPU step, on the engine's threads

@@ -16,6 +16,7 @@ from rollfleet.engine.kv.capacity import (
     activation_reserve_bytes,
 )
 from rollfleet.engine.kv.pool import DEFAULT_PAGE_SIZE, pool_tokens
+from rollfleet.engine.kv.prefix_groups import MIN_SHARED_KEYS
 from rollfleet.engine.kv.steps import PagedBatches
 from rollfleet.engine.tp.lockstep import Action
 
@@ -42,15 +43,7 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
         help="most prompt tokens one prefill step takes (longer prompts go in chunks); -1: no limit",
     )
     p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache across requests")
-    for flag in ("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs"):
-        p.add_argument(flag, type=int, help=f"largest decode batch a CUDA graph covers ({DEFAULT_GRAPH_MAX_BATCH})")
-    p.add_argument("--disable-decode-cuda-graph", action="store_true", help="decode steps run eagerly")
-    p.add_argument(
-        "--disable-prefill-cuda-graph",
-        action="store_true",
-        help="prefill steps run eagerly (default: small ones replay CUDA graphs, kv/prefill_graphs.py)",
-    )
-    p.add_argument("--disable-cuda-graph", action="store_true", help="decode and prefill steps run eagerly")
+    _add_graph_flags(p)
     p.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
@@ -73,6 +66,13 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
         "is installed (pip install 'rollfleet[gpu]'), on requires it; decided at start, see /get_server_info",
     )
     p.add_argument(
+        "--rollfleet-shared-prefix-keys",
+        type=int,
+        default=MIN_SHARED_KEYS,
+        help="decode rows that share at least this many keys of leading pages (a request's samples over its "
+        "prompt) read them once, together (the decode kernel's prefix pass, kv/prefix_groups.py); 0: never",
+    )
+    p.add_argument(
         "--attention-backend",
         default=None,
         help="triton (the default on a GPU with Triton): decode attention reads the pages in place and each "
@@ -81,11 +81,27 @@ def add_kv_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_graph_flags(p: argparse.ArgumentParser) -> None:
+    """SGLang's CUDA graph flags (decode and prefill)."""
+    for flag in ("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs"):
+        p.add_argument(flag, type=int, help=f"largest decode batch a CUDA graph covers ({DEFAULT_GRAPH_MAX_BATCH})")
+    p.add_argument("--disable-decode-cuda-graph", action="store_true", help="decode steps run eagerly")
+    p.add_argument(
+        "--disable-prefill-cuda-graph",
+        action="store_true",
+        help="prefill steps run eagerly (default: small ones replay CUDA graphs, kv/prefill_graphs.py)",
+    )
+    p.add_argument("--disable-cuda-graph", action="store_true", help="decode and prefill steps run eagerly")
+
+
 def check_kv_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.page_size < 1:
         parser.error(f"--page-size {args.page_size}: must be >= 1 (16 is a good size)")
     if args.max_total_tokens is not None and args.max_total_tokens < 2 * args.page_size:
         parser.error(f"--max-total-tokens {args.max_total_tokens}: must hold at least two pages of --page-size")
+    if args.rollfleet_shared_prefix_keys < 0:
+        keys = args.rollfleet_shared_prefix_keys
+        parser.error(f"--rollfleet-shared-prefix-keys {keys}: give a number of keys >= 0 (0: never)")
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         parser.error(f"--chunked-prefill-size {args.chunked_prefill_size}: give a number of tokens, or -1 for no limit")
 
@@ -100,6 +116,7 @@ def paged_options(args: argparse.Namespace) -> dict | None:
         "prefill_graphs": not (args.disable_prefill_cuda_graph or args.disable_cuda_graph),
         "kernel": args.attention_backend != "torch_native",  # where Triton runs (kv/decode_kernel.py)
         "memory_saver": args.rollfleet_memory_saver == "on",  # resolved at start (kv/saver.py)
+        "shared_prefix_keys": args.rollfleet_shared_prefix_keys,
     }
 
 
