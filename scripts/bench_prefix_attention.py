@@ -7,7 +7,7 @@ Prints ms a step (the 24 layers replayed from a CUDA graph, mean of 20) for each
              serve the group's later rows)
   scattered  the same pages, the batch's rows shuffled (a group's rows apart in the grid)
   prefix     shared, with the prefix pass (the group's prompt pages read once for its rows)
-and the largest difference of the prefix pass's output from the plain kernel's (bf16). GPU only.
+and the largest difference of the prefix pass's output from the plain kernel's (bf16), as a table. GPU only.
 
     python scripts/bench_prefix_attention.py
 """
@@ -74,9 +74,8 @@ def run(prompt: int, out: int, layout: str, dev: torch.device) -> None:
     read = ROWS * length * KV_HEADS * DIM * 2 * 2 * LAYERS  # K and V of every row's keys, bf16
     distinct = pages * PAGE * KV_HEADS * DIM * 2 * 2 * LAYERS
     print(
-        f"prompt {prompt:5d} + {out:3d} out, {layout:9s}: {ms:6.3f} ms a step ({LAYERS} layers); "
-        f"{read / ms / 1e9:5.2f} TB/s of the rows' keys, {distinct / ms / 1e9:5.2f} TB/s of the distinct pages; "
-        f"prefix pass - plain: {err.max().item():.2e}",
+        f"| {prompt} + {out} | {layout} | {ms:.3f} | {read / ms / 1e9:.2f} | {distinct / ms / 1e9:.2f} "
+        f"| {err.max().item():.1e} |",
         flush=True,
     )
 
@@ -84,6 +83,8 @@ def run(prompt: int, out: int, layout: str, dev: torch.device) -> None:
 def main() -> None:
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(dev))
+    print("| prompt + output | layout | ms a step | TB/s, rows' keys | TB/s, distinct pages | prefix - plain |")
+    print("|---|---|---|---|---|---|")
     for prompt, out in CASES:
         for layout in ("distinct", "shared", "scattered", "prefix"):
             run(prompt, out, layout, dev)

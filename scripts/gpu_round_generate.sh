@@ -21,6 +21,8 @@ phase() {  # phase NAME SECONDS COMMAND...: its output into $OUT/NAME.log, a lin
 }
 phase kernels 90 python -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_decode_kernel.py \
     tests/test_sample_kernel.py tests/test_norm_kernel.py tests/test_qkv_kernel.py
+# decode attention alone with shared prompts: the kernel's prefix pass against reading every row whole
+phase prefix-attention 90 python scripts/bench_prefix_attention.py
 # the step from its graph at each batch, and the largest batch's replays under torch.profiler
 phase decode-step 120 python -m rollfleet bench decode-step --batches 1,64,256,512 --repeats 10 --profile "$OUT"
 rm -f "$OUT/decode-trace.json"  # tens of MB: the profile's summary (decode-profile.txt) comes back
