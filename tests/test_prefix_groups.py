@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rollfleet.engine.kv.prefix_groups import MIN_SHARED_KEYS, PrefixGroups, prefix_groups
+from rollfleet.engine.kv.prefix_groups import MAX_MEMBERS, MIN_SHARED_KEYS, PrefixGroups, prefix_groups
 
 PAGE = 4
 
@@ -85,3 +85,14 @@ def test_groups_share_at_least_min_keys_or_are_none():
     assert PrefixGroups(16, pin=False).of(rows, batch=8) is None
     long_prompt = [(MIN_SHARED_KEYS + 40, [0], pages) for pages in _samples(1, MIN_SHARED_KEYS // 16, [3] * 8)]
     assert PrefixGroups(16, pin=False).of(long_prompt, batch=8).tolist()[0] == [8] + [0] * 7
+
+
+def test_the_decode_benchs_shared_prompt_rows_form_the_groups_it_asks_for():
+    from rollfleet.bench.decode_step import decode_rows
+
+    rows, pages = decode_rows(20, context=300, page_size=16, shared=128, samples=8)
+    counts, shared = prefix_groups([p for _, _, p in rows], [start + 1 for start, _, _ in rows], 16, MAX_MEMBERS)
+    assert counts[0::8] == [8, 8, 4] and sum(counts) == 20 and set(shared) == {128}
+    assert pages == 1 + 3 * 8 + 20 * (19 - 8)  # 19 pages a row of 301 keys, 8 of them a group's
+    rows, _ = decode_rows(4, context=300, page_size=16, shared=0, samples=8)
+    assert prefix_groups([p for _, _, p in rows], [301] * 4, 16, MAX_MEMBERS)[0] == [0] * 4

@@ -12,6 +12,10 @@ bandwidth measured in the same run. Prints one line per batch size as it goes.
 (the GPU's busy share of the wall time, the host's time per step, the kernels by GPU time) and a
 Chrome trace, DIR/decode-trace.json.
 
+`--shared-prompt 1024 [--samples 8]`: each 8 rows share their first 1,024 tokens' pages, as a GRPO
+step's samples share their prompt; with `--shared-prefix-keys 0` the decode kernel reads them once a
+row, by default once a group (its prefix pass, kv/prefix_groups.py): run both for the difference.
+
 `--host-only` (any machine): the host's work of a decode step alone, the scheduler's
 (kv/steps.py: feeds, rows, sampling rows, token records, stop checks) over GRPO-shaped rows (8
 samples a prompt of 64 tokens, temperature 1, output logprobs), the forward replaced by fixed logits
@@ -21,6 +25,7 @@ of a 32-token vocabulary: what a GPU step pays on its host besides the replay.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 import time
@@ -29,6 +34,7 @@ from pathlib import Path
 import torch
 
 from rollfleet.bench.shapes import add_vocab_flag, write_model
+from rollfleet.engine.kv.prefix_groups import MIN_SHARED_KEYS
 
 
 def copy_bandwidth(device: torch.device, gigabytes: float = 2.0) -> float:
@@ -152,6 +158,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--shared-prompt",
+        type=int,
+        default=0,
+        help="tokens of KV that each group of --samples rows shares (a request's samples over its prompt; its "
+        "full pages), as GRPO's steps have them; 0: every row's pages its own",
+    )
+    p.add_argument("--samples", type=int, default=8, help="rows a prompt's pages are shared by (--shared-prompt)")
+    p.add_argument(
+        "--shared-prefix-keys",
+        type=int,
+        default=MIN_SHARED_KEYS,
+        help="the engine's --rollfleet-shared-prefix-keys: groups sharing this many keys take the decode "
+        "kernel's prefix pass (0: never; run both for the difference)",
+    )
     p.add_argument("--profile", default=None, help="folder: the largest batch's steps under torch.profiler")
     p.add_argument("--host-only", action="store_true", help="the scheduler's host work of a step alone (any machine)")
     p.add_argument(
@@ -170,6 +191,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     add_vocab_flag(p)
     return p.parse_args(argv)
+
+
+def decode_rows(batch: int, context: int, page_size: int, shared: int, samples: int) -> tuple[list, int]:
+    """A decode step's rows ((KV length, [token], pages) each) over `context` tokens of KV, and the pages
+    they take (page 0 the trash page): each row's pages its own, or each `samples` rows in turn over
+    the same first `shared` // page_size pages (never the page the step writes)."""
+    pages_per_row = -(-(context + 1) // page_size)
+    common = min(shared // page_size, context // page_size)
+    rows, fresh, lead = [], 1, []
+    for row in range(batch):
+        if row % samples == 0:
+            lead, fresh = list(range(fresh, fresh + common)), fresh + common
+        own = pages_per_row - common
+        rows.append((context, [7 + row % 100], lead + list(range(fresh, fresh + own))))
+        fresh += own
+    return rows, fresh
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,11 +233,12 @@ def main(argv: list[str] | None = None) -> None:
             pass
 
     batches = [int(b) for b in args.batches.split(",")]
-    size, pages_per_row = args.page_size, -(-(args.context + 1) // args.page_size)
-    kernel = args.attention_backend == "triton"
+    size, kernel = args.page_size, args.attention_backend == "triton"
     options = {"kernel": kernel, "fuse_inputs": args.attention_inputs == "fused"}
+    options["shared_prefix_keys"] = args.shared_prefix_keys
     paged = PagedModel(model, _NoAdapter(), None, tp_size=1, device=device, page_size=size, graphs=True, **options)
-    paged.allocate(num_pages=max(batches) * pages_per_row + 1, max_graph_batch=max(batches))
+    rows_of = functools.partial(decode_rows, context=args.context, page_size=size, shared=args.shared_prompt)
+    paged.allocate(num_pages=rows_of(max(batches), samples=args.samples)[1], max_graph_batch=max(batches))
     weights = sum(t.nbytes for n, t in model.named_parameters() if "embed_tokens" not in n)
     bandwidth = copy_bandwidth(device)
     print(
@@ -211,10 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     results = []
     for batch in batches:
-        rows = [
-            (args.context, [7 + row % 100], list(range(1 + row * pages_per_row, 1 + (row + 1) * pages_per_row)))
-            for row in range(batch)
-        ]
+        rows = rows_of(batch, samples=args.samples)[0]
         logits_at = list(range(batch))
         graphs = paged.graphs
         graphs.disabled = "off for the eager timing"
