@@ -162,4 +162,14 @@ def test_an_embedding_target_is_refused_where_it_cannot_be_served(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(None, [*lora, "rollout.tp_size=2"])
     assert "train.lora.target_modules=" in str(err.value) and "rollout.tp_size=1" in str(err.value)
-    assert load_config(None, [*lora, "rollout.tp_size=2", "rollout.backend=sglang"]).rollout.tp_size == 2
+    targets = "train.lora.target_modules=[embed_tokens,q_proj,v_proj]"  # SGLang needs v beside q
+    on_sglang = ["rollout.tp_size=2", "rollout.backend=sglang", targets]
+    assert load_config(None, [*lora, *on_sglang]).rollout.tp_size == 2
+
+
+def test_q_proj_without_v_proj_is_refused_for_sglang_engines():
+    lora = ["rollout.model_path=m", "weight_sync.transport=lora", "train.lora.target_modules=[q_proj,o_proj]"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*lora, "rollout.backend=sglang"])
+    assert "train.lora.target_modules=" in str(err.value) and "add v_proj" in str(err.value)
+    assert load_config(None, lora).train.lora.target_modules == ["q_proj", "o_proj"]  # the embedded engine serves it

@@ -186,6 +186,24 @@ def test_lora_transport_loads_one_bucket_dict_through_sglangs_tp_worker(sglang_u
     assert [(c["id"], c["root"], c["parent"]) for c in cards[1:]] == [("policy-v3", "__tensor__", "recording")]
 
 
+def test_sglangs_lora_adapter_needs_v_proj_beside_q_proj_as_the_config_says(sglang_url, qwen3_dir, tmp_path):
+    """Why a LoRA run for SGLang engines refuses q_proj without v_proj (rollfleet/config/lora.py): SGLang
+    0.5.23's LoRAAdapter stacks q, k and v and reads v unconditionally. If a later SGLang takes it, this
+    fails, and the refusal can go."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    for version, targets in enumerate((["q_proj"], ["q_proj", "v_proj"])):
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+        source = LoraSource(get_peft_model(AutoModelForCausalLM.from_pretrained(qwen3_dir), config))
+        recorded = _send(sglang_url, LoraSync(adapter_name="qv", path=str(tmp_path)), str(version + 1), source)
+        parsed = recorded["adapters"][f"qv-v{version + 1}"]["parsed"]
+        if targets == ["q_proj"]:
+            assert parsed == {"error": "KeyError: 'base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight'"}
+        else:
+            assert all(any("qkv_proj" in name for name in names) for names in parsed["layer_weights"]), parsed
+
+
 def test_an_embedding_adapter_reaches_sglangs_lora_adapter_as_peft_saved_it(sglang_url, qwen3_dir, tmp_path):
     """An adapter on embed_tokens as the lora transport sends it: SGLang's LoRAAdapter keeps its factors
     (peft's keys, lora_embedding_A [r, vocab] and lora_embedding_B [hidden, r], bit for bit) among its

@@ -83,6 +83,7 @@ def check_lora_run(cfg) -> None:
             value=lora.rank,
         )
     _check_embedding_target(cfg)
+    _check_sglang_stacking(cfg)
     outside = sorted(set(lora.target_modules) - set(sync.lora_target_modules or lora.target_modules))
     if outside:
         raise FieldProblem(
@@ -102,6 +103,21 @@ def _check_embedding_target(cfg) -> None:
         raise FieldProblem(
             f"the embedded engine serves an adapter on embed_tokens at tp 1 only (rollout.tp_size={rollout.tp_size})",
             "drop embed_tokens from train.lora.target_modules, or set rollout.tp_size=1, or rollout.backend=sglang",
+            field="train.lora.target_modules",
+            value=lora.target_modules,
+        )
+
+
+def _check_sglang_stacking(cfg) -> None:
+    """SGLang 0.5.23 stacks a layer's q, k and v factors into one qkv_proj when it loads an adapter
+    (LoRAAdapter.normalize_qkv_proj), filling a missing k with zeros but reading v unconditionally:
+    an adapter on q_proj without v_proj fails its load with a KeyError (tests/test_sglang_contract.py)."""
+    lora, rollout = cfg.train.lora, cfg.rollout
+    if rollout.backend == "sglang" and "q_proj" in lora.target_modules and "v_proj" not in lora.target_modules:
+        raise FieldProblem(
+            "SGLang 0.5.23 loads an adapter on q_proj only beside one on v_proj (it stacks q, k and v, and "
+            "fails on a missing v)",
+            "add v_proj to train.lora.target_modules, or set rollout.backend=embedded",
             field="train.lora.target_modules",
             value=lora.target_modules,
         )
