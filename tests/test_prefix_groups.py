@@ -96,3 +96,18 @@ def test_the_decode_benchs_shared_prompt_rows_form_the_groups_it_asks_for():
     assert pages == 1 + 3 * 8 + 20 * (19 - 8)  # 19 pages a row of 301 keys, 8 of them a group's
     rows, _ = decode_rows(4, context=300, page_size=16, shared=0, samples=8)
     assert prefix_groups([p for _, _, p in rows], [301] * 4, 16, MAX_MEMBERS)[0] == [0] * 4
+
+
+def test_a_step_replays_the_graph_it_can_and_captures_only_what_it_must():
+    from rollfleet.engine.kv.graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(forward=None, device=torch.device("cpu"), kernel=True)  # the choice alone, no capture
+    assert graphs._captured(16, need=5, grouped=True) == (None, 8, True)  # nothing yet: capture with the pass
+    graphs.graphs[(16, 8, True)] = "with the pass"
+    assert graphs._captured(16, need=5, grouped=False) == ("with the pass", 8, True)  # its groups zero: no capture
+    assert graphs._captured(16, need=9, grouped=False) == (None, 16, False)  # wider: a new graph, without the pass
+    graphs.graphs[(16, 8, False)] = "without"
+    assert graphs._captured(16, need=5, grouped=False) == ("without", 8, False)  # the plain one where there is one
+    assert graphs._captured(16, need=5, grouped=True) == ("with the pass", 8, True)
+    del graphs.graphs[(16, 8, True)]
+    assert graphs._captured(16, need=5, grouped=True) == (None, 8, True)  # a step with groups needs the pass

@@ -110,9 +110,7 @@ class DecodeGraphs:  # graphs by (batch bucket, width, with the prefix pass)
         batch = next(b for b in self.buckets if b >= len(rows))
         need = max(len(pages) for _, _, pages in rows)
         groups = self.groups.of(rows, batch) if self.groups is not None else None
-        shared = groups is not None  # graphs with the prefix pass are apart: steps without groups skip it
-        width = graph_width([w for b, w, s in self.graphs if b == batch and s == shared], need, coarse=self.kernel)
-        graph = self.graphs.get((batch, width, shared))
+        graph, width, shared = self._captured(batch, need, groups is not None)
         if graph is None:
             try:
                 graph = self._capture(batch, width, shared)
@@ -124,6 +122,18 @@ class DecodeGraphs:  # graphs by (batch bucket, width, with the prefix pass)
         self._fill(graph, rows, ids, groups)
         graph.graph.replay()
         return graph.logits[: len(rows)]
+
+    def _captured(self, batch: int, need: int, grouped: bool) -> tuple[Graph | None, int, bool]:
+        """(the graph a step replays, or None: capture it; its width; with the prefix pass). A step with
+        groups needs the pass; one without replays a graph with it where that is what was captured (its
+        groups all zero: the pass writes nothing), rather than capture another (the tail of a GRPO wave,
+        whose last groups have run out: a capture costs more than a few steps' idle pass)."""
+        widths = [w for b, w, s in self.graphs if b == batch and (s or not grouped)]
+        width = graph_width(widths, need, coarse=self.kernel)
+        for shared in (False, True) if not grouped else (True,):
+            if (batch, width, shared) in self.graphs:
+                return self.graphs[(batch, width, shared)], width, shared
+        return None, width, grouped
 
     def _fill(self, graph: Graph, rows, ids: torch.Tensor | None, groups: torch.Tensor | None) -> None:
         """The step's inputs into the graph's static buffers, queued behind the device's work (from
@@ -137,6 +147,8 @@ class DecodeGraphs:  # graphs by (batch bucket, width, with the prefix pass)
         graph.inputs.table.copy_(table, non_blocking=True)
         if groups is not None:
             graph.inputs.prefix.copy_(groups, non_blocking=True)
+        elif graph.inputs.prefix is not None:  # a graph with the pass, for a step without groups
+            graph.inputs.prefix.zero_()
         graph.copied.record()
 
     def _capture(self, batch: int, width: int, shared: bool) -> Graph:
