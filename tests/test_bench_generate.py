@@ -15,7 +15,8 @@ import pytest
 from conftest import shared_zygote
 from waits import wait_until
 
-from rollfleet.bench.generate import case_summary, parse_cases, roofline
+from rollfleet.bench.generate import case_summary, parse_cases
+from rollfleet.bench.roofline import roofline
 from rollfleet.tiny_models import make_word_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +42,8 @@ def generate_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
         "2",
         "--timeout-s",
         "120",
+        "--engine-flags",
+        "--rollfleet-arrival-wait-ms 0",  # passed to the embedded engines: they never hold a wave back
         "--json",
         str(record),
     ]
@@ -96,6 +99,9 @@ def test_generate_benchmark_writes_a_complete_record(generate_run):
         assert 0 <= clock["of_which_retire_s"] + clock["of_which_texts_s"] <= clock["answering_s"]
         assert "before steps" in out.stdout and "delivery" in out.stdout
     assert "| 2x2x8 | embedded steps | prefill 1.00 x the prompts' tokens;" in out.stdout
+    # --engine-flags reached the engines: with --rollfleet-arrival-wait-ms 0 no pass held its arrivals
+    assert record["config"]["engine_flags"] == "--rollfleet-arrival-wait-ms 0"
+    assert [r["scheduler"]["arrival_holds"] for r in embedded if r["engine"] == "embedded"] == [0, 0]
 
 
 def test_generate_table_renders_from_the_record(generate_run):

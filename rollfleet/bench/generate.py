@@ -51,6 +51,7 @@ import tempfile
 from pathlib import Path
 
 from rollfleet.bench.record import command_line, make_record, spread, start, write_record
+from rollfleet.bench.roofline import model_figures, roofline
 from rollfleet.bench.shapes import add_vocab_flag, write_model
 from rollfleet.bench.worker_process import run_worker_process, stop_on_sigterm
 
@@ -76,42 +77,6 @@ def case_name(case: tuple[int, int, int]) -> str:
     return "x".join(map(str, case))
 
 
-def model_figures(model_dir: Path) -> dict:
-    """What the roofline needs, from the written model: bytes a decode step reads of the weights, and
-    KV bytes per token."""
-    from safetensors import safe_open
-
-    config = json.loads((model_dir / "config.json").read_text())
-    total = embedding = 0
-    for path in model_dir.glob("*.safetensors"):
-        with safe_open(path, "pt") as handle:
-            for name in handle.keys():
-                tensor = handle.get_slice(name)
-                count = 1
-                for dim in tensor.get_shape():
-                    count *= dim
-                size = count * {"BF16": 2, "F16": 2, "F32": 4}[tensor.get_dtype()]
-                total += size
-                embedding += size if name.endswith("embed_tokens.weight") else 0
-    dtype_bytes = 2 if config.get("dtype", config.get("torch_dtype")) in ("bfloat16", "float16") else 4
-    kv_per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * dtype_bytes
-    return {
-        "weights_bytes": total,
-        "embedding_bytes": embedding,
-        "weights_read_per_step_bytes": total - embedding,
-        "kv_bytes_per_token": kv_per_token,
-    }
-
-
-def roofline(case: tuple[int, int, int], prompt_tokens: int, figures: dict, copy_gb_per_s: float) -> dict:
-    prompts, n, new_tokens = case
-    rows = prompts * n
-    live_tokens = rows * sum(prompt_tokens + t for t in range(new_tokens))  # over the steps
-    nbytes = new_tokens * figures["weights_read_per_step_bytes"] + live_tokens * figures["kv_bytes_per_token"]
-    seconds = nbytes / (copy_gb_per_s * 1e9)
-    return {"steps": new_tokens, "bytes": nbytes, "seconds": seconds, "tok_s": rows * new_tokens / seconds}
-
-
 def write_prompts(path: Path, count: int, length: int, vocab: int, seed: int) -> Path:
     draw = random.Random(seed)
     path.write_text(json.dumps([[draw.randrange(FIRST_ID, vocab) for _ in range(length)] for _ in range(count)]))
@@ -130,6 +95,8 @@ def run_worker(engine: str, args, scratch: Path, case: tuple[int, int, int] | No
         command += ["--prompts", str(prompts), "--n", str(case[1]), "--new-tokens", str(case[2])]
     if args.logprob_values:
         command.append("--logprob-values")
+    if args.engine_flags:
+        command += ["--engine-flags", args.engine_flags]
     print(f"  {name} ...", flush=True)
     code = run_worker_process(name, command, log, args.timeout_s)
     if code is None:
@@ -284,6 +251,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="embedded: ask for the logprobs as one list per sample (return_logprob_values, as rollfleet's "
         "GRPO driver does) instead of SGLang's [logprob, id, text] triples",
+    )
+    p.add_argument(
+        "--engine-flags",
+        default="",
+        help="the embedded engines' further server flags, one string (e.g. '--rollfleet-shared-prefix-keys 0'): "
+        "an A/B of a flag in one tree and one call",
     )
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")

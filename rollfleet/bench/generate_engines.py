@@ -28,10 +28,8 @@ engine's first shape runs the case's whole length (at most WHOLE_WARM_UP_MAX tok
 its decode graphs are captured per block-table width, and a batch that grows past a width captures the
 next one in the pass that gets there first (on the H200, 1.4 s of a 3.9 s pass of 64 x 8 x 256, and the
 per-request / batched ratio read 0.85 where the warm passes gave 0.95-0.99). transformers' engines run
-the whole length once more too (untimed): on an H100 at 0567b87 `generate`'s first full pass of 64 x 8 x
-256 took 14.5 s and its second 5.6 s, and the median of those two had the embedded engine at 4.68 x
-where warm against warm gave 3.25. The answer (JSON at --out): each timed pass's seconds, output tokens
-and rows.
+the whole length once more too (untimed: on an H100 at 0567b87 `generate`'s first full pass of 64 x 8 x
+256 took 14.5 s, its second 5.6 s). The answer (JSON at --out): each timed pass's seconds, tokens, rows.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ import argparse
 import asyncio
 import gc
 import json
+import shlex
 import signal
 import sys
 import time
@@ -76,7 +75,7 @@ def run_embedded(args, prompts: list[list[int]], shapes: tuple[bool, ...] = (Fal
     from rollfleet.wire.net import free_port
 
     port, log = free_port(), Path(args.out).with_suffix(".engine.log")
-    flags = ["--device", args.device, "--dtype", args.dtype, *more]
+    flags = ["--device", args.device, "--dtype", args.dtype, *more, *shlex.split(args.engine_flags)]
     samples = len(prompts) * args.n  # one batch; a batched request asks for all of them at once
     flags += ["--max-running-requests", str(samples), "--max-samples-per-request", str(samples)]
     engine = EngineProcess(
@@ -329,6 +328,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=600, help="the engine server's start (embedded)")
     p.add_argument("--out", required=True)
     p.add_argument("--logprob-values", action="store_true", help="embedded: return_logprob_values (one list a sample)")
+    p.add_argument("--engine-flags", default="", help="embedded: the server's further flags, one string")
     return p.parse_args(argv)
 
 
