@@ -234,8 +234,14 @@ def test_an_embedding_adapter_reaches_sglangs_lora_adapter_as_peft_saved_it(sgla
         None, ["rollout.model_path=m", "weight_sync.transport=lora", f"train.lora.target_modules=[{','.join(targets)}]"]
     )
     flags = LoraTransport.server_args(engine_sync_spec(cfg))
+    assert _in_sglang(SGLANG_FLAGS, json.dumps(flags)) == targets
+
+
+def _in_sglang(code: str, *argv: str, stdin: str | None = None):
+    """The last line of `code`'s output, as JSON, run by a Python that imports SGLang's own code."""
     done = subprocess.run(
-        [sys.executable, "-c", SGLANG_FLAGS, json.dumps(flags)],
+        [sys.executable, "-c", code, *argv],
+        input=stdin,
         capture_output=True,
         text=True,
         env=sglang_env(),
@@ -243,7 +249,7 @@ def test_an_embedding_adapter_reaches_sglangs_lora_adapter_as_peft_saved_it(sgla
         timeout=START_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == targets
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 SGLANG_FLAGS = """
@@ -309,17 +315,7 @@ def test_a_seeded_request_gives_each_sample_its_own_seed_in_sglangs_normalisatio
     request = {"input_ids": [5, 6, 7], "sampling_params": {"n": 4, "max_new_tokens": 3}, "return_logprob": True}
     plain = seeded_payload(request, 2**63 - 1, each_sample=False)
     each = seeded_payload(request, derive_seed(0, 17), each_sample=True)
-    done = subprocess.run(
-        [sys.executable, "-c", SEEDED_REQUESTS],
-        input=json.dumps([plain, each]),
-        capture_output=True,
-        text=True,
-        env=sglang_env(),
-        cwd=ROOT,
-        timeout=START_TIMEOUT_S,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    shared, own = json.loads(done.stdout.strip().splitlines()[-1])
+    shared, own = _in_sglang(SEEDED_REQUESTS, stdin=json.dumps([plain, each]))
     assert shared == {"input_ids": [[5, 6, 7]] * 4, "seeds": [2**63 - 1] * 4}
     assert own["input_ids"] == [[5, 6, 7]] * 4
     assert own["seeds"] == [p["sampling_seed"] for p in each["sampling_params"]] and len(set(own["seeds"])) == 4
