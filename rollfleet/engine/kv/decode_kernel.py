@@ -90,6 +90,36 @@ def decode_attention(
 if triton is not None:
 
     @triton.jit
+    def _over_keys(
+        q, begin, end, table_ptr, k_ptr, v_ptr, k_slot, v_slot, scale,
+        ROWS: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """The online softmax of `q` [ROWS, DIM_PAD] over keys [begin, end) of one table row (`table_ptr`)
+        and one KV head (`k_ptr`, `v_ptr` at its head): (running max, sum of weights, weighted values)."""
+        d = tl.arange(0, DIM_PAD)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
+        for start in range(begin, end, BLOCK):
+            n = start + tl.arange(0, BLOCK)
+            live = n < end
+            page = tl.load(table_ptr + n // PAGE, mask=live, other=0)
+            slot = page * PAGE + n % PAGE
+            kv_mask = live[:, None] & (d[None, :] < DIM)
+            k = tl.load(k_ptr + slot[:, None] * k_slot + d[None, :], mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + slot[:, None] * v_slot + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            m = m_new
+        return m, total, acc
+
+    @triton.jit
     def _split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, skip_ptr, part_ptr, lse_ptr,
         q_row, q_head, k_slot, k_head, v_slot, v_head, table_row, scale, per_split, slots,
@@ -108,27 +138,12 @@ if triton is not None:
             mask=(g[:, None] < GROUP) & (d[None, :] < DIM),
             other=0.0,
         )
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
         begin = skip + split * per_split
         end = tl.minimum(begin + per_split, length)
-        for start in range(begin, end, BLOCK):
-            n = start + tl.arange(0, BLOCK)
-            live = n < end
-            page = tl.load(table_ptr + row * table_row + n // PAGE, mask=live, other=0)
-            slot = page * PAGE + n % PAGE
-            kv_mask = live[:, None] & (d[None, :] < DIM)
-            k = tl.load(k_ptr + slot[:, None] * k_slot + kv_head * k_head + d[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-            scores = tl.where(live[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + slot[:, None] * v_slot + kv_head * v_head + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-            m = m_new
+        m, total, acc = _over_keys(
+            q, begin, end, table_ptr + row * table_row, k_ptr + kv_head * k_head, v_ptr + kv_head * v_head,
+            k_slot, v_slot, scale, GROUP_PAD, DIM, DIM_PAD, PAGE, BLOCK, PRECISION,
+        )  # fmt: skip
         empty = begin >= length
         out_heads = (row * GROUP * tl.num_programs(1) + heads) * slots + split
         keep = g < GROUP
@@ -162,25 +177,10 @@ if triton is not None:
                 mask=live[:, None] & (d[None, :] < DIM),
                 other=0.0,
             )
-            m = tl.full([QUERIES], float("-inf"), tl.float32)
-            total = tl.zeros([QUERIES], tl.float32)
-            acc = tl.zeros([QUERIES, DIM_PAD], tl.float32)
-            for start in range(begin, end, BLOCK):
-                n = start + tl.arange(0, BLOCK)
-                keys = n < end
-                page = tl.load(table_ptr + row * table_row + n // PAGE, mask=keys, other=0)
-                slot = page * PAGE + n % PAGE
-                kv_mask = keys[:, None] & (d[None, :] < DIM)
-                k = tl.load(k_ptr + slot[:, None] * k_slot + kv_head * k_head + d[None, :], mask=kv_mask, other=0.0)
-                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-                scores = tl.where(keys[None, :], scores, float("-inf"))
-                m_new = tl.maximum(m, tl.max(scores, 1))
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(scores - m_new[:, None])
-                total = total * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + slot[:, None] * v_slot + kv_head * v_head + d[None, :], mask=kv_mask, other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-                m = m_new
+            m, total, acc = _over_keys(
+                q, begin, end, table_ptr + row * table_row, k_ptr + kv_head * k_head, v_ptr + kv_head * v_head,
+                k_slot, v_slot, scale, QUERIES, DIM, DIM_PAD, PAGE, BLOCK, PRECISION,
+            )  # fmt: skip
             out_heads = ((row + member) * GROUP * tl.num_programs(1) + heads) * slots + first_slot + split
             tl.store(lse_ptr + out_heads, m + tl.log(total), mask=live)
             out_mask = live[:, None] & (d[None, :] < DIM)
