@@ -9,13 +9,7 @@ set -u
 OUT=${OUT:-/tmp/rollfleet-gpu-ab-prefix}
 mkdir -p "$OUT"
 . scripts/gpu_site.sh > /dev/null 2>&1
-phase() {  # phase NAME SECONDS COMMAND...: its output into $OUT/NAME.log, a line of its end on stdout
-    local name=$1 limit=$2
-    shift 2
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "== $name: exit $? after $SECONDS s"
-    grep -h "^|\|^{\|stopped; the end" "$OUT/$name.log" | grep -v "^|---" | cut -c1-300 | tail -20
-}
+. scripts/gpu_phase.sh  # phase NAME SECONDS COMMAND...
 phase kernel 90 python scripts/bench_prefix_attention.py
 for keys in 0 256; do  # 0: every row read whole (the plain kernel); 256: the default
     phase decode-step-keys-$keys 90 python -m rollfleet bench decode-step --batches 64,512 --context 1100 \

@@ -9,16 +9,7 @@ set -u
 OUT=${OUT:-/tmp/rollfleet-gpu-round}
 mkdir -p "$OUT"
 . scripts/gpu_site.sh > /dev/null 2>&1
-phase() {  # phase NAME SECONDS COMMAND...: its output into $OUT/NAME.log, a line of its end on stdout
-    local name=$1 limit=$2
-    shift 2
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "== $name: exit $? after $SECONDS s of the round"
-    grep -h "^|\|^{\|passed\|failed\|stopped; the end" "$OUT/$name.log" | grep -v "^|---" | cut -c1-300 | tail -14
-    # a process a phase left on the GPU takes memory and time from the next ones (2026-12-06: a generate
-    # phase ran out of time after 64x8x256; nothing said what held the GPU)
-    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | sed 's/^/   left on the GPU: /'
-}
+. scripts/gpu_phase.sh  # phase NAME SECONDS COMMAND...
 phase kernels 90 python -m pytest -q -p no:cacheprovider --noconftest tests/test_kv_decode_kernel.py \
     tests/test_sample_kernel.py tests/test_norm_kernel.py tests/test_qkv_kernel.py
 # decode attention alone with shared prompts: the kernel's prefix pass against reading every row whole
