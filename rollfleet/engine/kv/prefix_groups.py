@@ -18,8 +18,8 @@ MAX_MEMBERS = 64  # rows a group takes at most (the kernel takes them a tile at 
 # of every row's partial (written, then merged). On an H100 (scripts/bench_prefix_attention.py, 512
 # rows in groups of 8) it lost 0.14-0.38 ms a step over 64 shared keys, where the GPU's L2 cache
 # already serves a group's shared pages to its other rows (8 rows reading the same 64 keys: 11% faster
-# than 8 distinct), and gained 1.6-2.1 ms over 1,024 (28-43% of the attention's time); about even
-# near 200 keys.
+# than 8 distinct), and gained 1.6-2.1 ms over 1,024 (20-43% of the attention's time); even near 200
+# keys by a straight line between the two (not measured there).
 MIN_SHARED_KEYS = 256
 
 
